@@ -1,0 +1,67 @@
+"""Shared fixtures: the real bundled model, its shards (cut once per test session), leftover-process cleanup."""
+
+from __future__ import annotations
+
+import pathlib
+
+import psutil
+import pytest
+
+from kvpool.bundled import bundled_model_path
+from kvpool.shardcache import cached_shards
+from kvpool.shardfile import ShardInfo, parse_splits
+from kvpool.tokenizer import Tokenizer
+
+EVEN_SPLIT = "0:10,10:20,20:30"
+UNEVEN_SPLIT = "0:7,7:22,22:30"
+TOTAL_LAYERS = 30
+
+PROMPTS = (
+    "What is the capital of France?",
+    "Write a short poem about the sea, the wind and a lighthouse keeper who counts the waves at night.",
+)
+
+
+@pytest.fixture(scope="session")
+def model_path() -> pathlib.Path:
+    return bundled_model_path()
+
+
+@pytest.fixture(scope="session")
+def shard_root(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    return tmp_path_factory.mktemp("shards")
+
+
+@pytest.fixture(scope="session")
+def shard_sets(model_path: pathlib.Path, shard_root: pathlib.Path) -> dict[str, list[ShardInfo]]:
+    return {
+        split: cached_shards(model_path, parse_splits(split, TOTAL_LAYERS), root=shard_root / split.replace(",", "_"))
+        for split in (EVEN_SPLIT, UNEVEN_SPLIT)
+    }
+
+
+@pytest.fixture(scope="session")
+def tokenizer(model_path: pathlib.Path):
+    with Tokenizer(model_path) as tokenizer:
+        yield tokenizer
+
+
+@pytest.fixture(scope="session")
+def prompt_ids(tokenizer: Tokenizer) -> list[list[int]]:
+    return [tokenizer.encode(tokenizer.chat_prompt(prompt)) for prompt in PROMPTS]
+
+
+@pytest.fixture(autouse=True)
+def no_leftover_children():
+    """Kill any child process a test left behind, and fail the test that left it."""
+    before = {child.pid for child in psutil.Process().children(recursive=True)}
+    yield
+    leftovers = [child for child in psutil.Process().children(recursive=True) if child.pid not in before]
+    for child in leftovers:
+        try:
+            child.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(leftovers, timeout=10)
+    alive = [child.pid for child in leftovers if child.is_running() and child.status() != psutil.STATUS_ZOMBIE]
+    assert not leftovers, f"test left child processes behind: {[c.pid for c in leftovers]} (still alive: {alive})"

@@ -1,0 +1,1 @@
+"""Worker side of kvpool: one shard model, at most one bounded llama context. Knows nothing of budgets."""

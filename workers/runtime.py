@@ -1,0 +1,369 @@
+"""Run one shard (a contiguous layer range of a llama GGUF) with stock llama.cpp.
+
+`ShardModel` owns the loaded weights; `ShardContext` owns one bounded llama context (one sequence)
+on it. The first shard takes token ids, later shards take the previous shard's hidden states;
+non-final shards return the residual stream after their last local layer (captured by the C eval
+callback, which stops the graph there so the vocabulary head never runs), the final shard returns
+logits. Hidden states are float32 [n_rows, n_embd] everywhere.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import pathlib
+from dataclasses import dataclass
+from typing import Literal
+
+import llama_cpp
+import numpy as np
+
+from workers.errors import BadInput, Cancelled, ContextFull, DecodeFailed, PositionMismatch
+from workers.native import NativeLibrary, load_native
+
+OutputRows = Literal["last", "all"]
+
+SEQUENCE = 0
+DECODE_ABORTED = 2
+META_PREFIX = "kvpool.shard."
+
+
+@dataclass(frozen=True, slots=True)
+class ShardLayout:
+    """Where this shard sits in the whole model, read from the GGUF by llama.cpp itself."""
+
+    layer_start: int
+    layer_stop: int
+    total_layers: int
+    n_embd: int
+    n_vocab: int
+
+    @property
+    def n_layers(self) -> int:
+        return self.layer_stop - self.layer_start
+
+    @property
+    def is_first(self) -> bool:
+        return self.layer_start == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.layer_stop == self.total_layers
+
+
+def _meta_value(model: llama_cpp.llama_model_p, key: str) -> str | None:
+    buffer = ctypes.create_string_buffer(256)
+    written = llama_cpp.llama_model_meta_val_str(model, key.encode(), buffer, ctypes.sizeof(buffer))
+    return buffer.value.decode() if written >= 0 else None
+
+
+def _read_layout(model: llama_cpp.llama_model_p) -> ShardLayout:
+    n_layer = llama_cpp.llama_model_n_layer(model)
+    vocab = llama_cpp.llama_model_get_vocab(model)
+    start = _meta_value(model, META_PREFIX + "layer_start")
+    stop = _meta_value(model, META_PREFIX + "layer_stop")
+    total = _meta_value(model, META_PREFIX + "total_layers")
+    if start is None or stop is None or total is None:
+        start, stop, total = "0", str(n_layer), str(n_layer)
+    layout = ShardLayout(
+        layer_start=int(start),
+        layer_stop=int(stop),
+        total_layers=int(total),
+        n_embd=llama_cpp.llama_model_n_embd(model),
+        n_vocab=llama_cpp.llama_vocab_n_tokens(vocab),
+    )
+    if layout.n_layers != n_layer:
+        raise ValueError(f"shard metadata says {layout.n_layers} layers, llama.cpp loaded {n_layer}")
+    return layout
+
+
+class ShardModel:
+    """One loaded shard. Load once per process; contexts come and go on it."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        n_threads: int = 1,
+        n_gpu_layers: int = 0,
+        flash_attn: bool = False,
+        verbose: bool = False,
+        native: NativeLibrary | None = None,
+    ) -> None:
+        self.path = pathlib.Path(path)
+        if not self.path.is_file():
+            raise FileNotFoundError(f"shard file not found: {self.path}")
+        if n_threads < 1:
+            raise ValueError("n_threads must be at least 1")
+        self.n_threads = n_threads
+        self.flash_attn = flash_attn
+        self.verbose = verbose
+        self._native = native if native is not None else load_native()
+        self._native.set_log_verbose(verbose)
+        llama_cpp.llama_backend_init()
+        params = llama_cpp.llama_model_default_params()
+        params.n_gpu_layers = n_gpu_layers
+        params.use_mmap = True
+        model = llama_cpp.llama_model_load_from_file(str(self.path).encode(), params)
+        if not model:
+            raise ValueError(f"llama.cpp could not load {self.path}")
+        self._model: llama_cpp.llama_model_p | None = model
+        try:
+            self.layout = _read_layout(model)
+        except Exception:
+            self.close()
+            raise
+        self._live_contexts: set[ShardContext] = set()
+
+    @property
+    def handle(self) -> llama_cpp.llama_model_p:
+        if self._model is None:
+            raise RuntimeError("shard model is closed")
+        return self._model
+
+    @property
+    def native(self) -> NativeLibrary:
+        return self._native
+
+    def new_context(
+        self, n_ctx: int, *, n_batch: int = 512, abort_flag_address: int | None = None
+    ) -> ShardContext:
+        context = ShardContext(self, n_ctx, n_batch=n_batch, abort_flag_address=abort_flag_address)
+        self._live_contexts.add(context)
+        return context
+
+    def _forget(self, context: ShardContext) -> None:
+        self._live_contexts.discard(context)
+
+    def close(self) -> None:
+        """Idempotent; frees every context on this model before the model itself."""
+        for context in list(getattr(self, "_live_contexts", ())):
+            context.close()
+        if self._model is not None:
+            llama_cpp.llama_model_free(self._model)
+            self._model = None
+
+    def __enter__(self) -> ShardModel:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+class ShardContext:
+    """One bounded llama context holding one sequence's KV cache for this shard's layers."""
+
+    def __init__(
+        self, model: ShardModel, n_ctx: int, *, n_batch: int, abort_flag_address: int | None
+    ) -> None:
+        if n_ctx < 1:
+            raise ValueError("n_ctx must be at least 1")
+        self._model = model
+        self.layout = model.layout
+        self.n_ctx = n_ctx
+        self.n_batch = max(1, min(n_batch, n_ctx))
+        self._length = 0
+        self._ctx: llama_cpp.llama_context_p | None = None
+        self._batch: llama_cpp.llama_batch | None = None
+        native = model.native
+        # The abort flag is an int32 that another process (the supervisor) may set through shared memory.
+        self._own_abort_flag = ctypes.c_int32(0)
+        self.abort_flag_address = (
+            abort_flag_address if abort_flag_address is not None else ctypes.addressof(self._own_abort_flag)
+        )
+        self._capture = None
+        if not self.layout.is_last:
+            self._capture = native.new_capture_state(
+                f"l_out-{self.layout.n_layers - 1}", stop_after=True
+            )
+
+        params = llama_cpp.llama_context_default_params()
+        params.n_ctx = n_ctx
+        params.n_batch = self.n_batch
+        params.n_ubatch = self.n_batch
+        params.n_seq_max = 1
+        params.n_threads = model.n_threads
+        params.n_threads_batch = model.n_threads
+        params.no_perf = True
+        # Explicit, never "auto": logits are only bit-identical between contexts with the same choice.
+        params.flash_attn_type = (
+            llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if model.flash_attn else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        )
+        params.abort_callback = llama_cpp.ggml_abort_callback(native.abort_callback.value)
+        params.abort_callback_data = ctypes.c_void_p(self.abort_flag_address)
+        if self._capture is not None:
+            params.cb_eval = llama_cpp.ggml_backend_sched_eval_callback(native.eval_callback.value)
+            params.cb_eval_user_data = ctypes.cast(ctypes.pointer(self._capture), ctypes.c_void_p)
+        ctx = llama_cpp.llama_init_from_model(model.handle, params)
+        if not ctx:
+            raise MemoryError(f"llama.cpp could not create a context with n_ctx={n_ctx}")
+        self._ctx = ctx
+        self._memory = llama_cpp.llama_get_memory(ctx)
+
+        takes_tokens = self.layout.is_first
+        embd_width = 0 if takes_tokens else self.layout.n_embd
+        self._batch = llama_cpp.llama_batch_init(self.n_batch, embd_width, 1)
+        batch = self._batch
+        self._batch_pos = np.ctypeslib.as_array(batch.pos, shape=(self.n_batch,))
+        self._batch_outputs = np.ctypeslib.as_array(batch.logits, shape=(self.n_batch,))
+        n_seq_id = np.ctypeslib.as_array(batch.n_seq_id, shape=(self.n_batch,))
+        n_seq_id[:] = 1
+        for row in range(self.n_batch):
+            batch.seq_id[row][0] = SEQUENCE
+        if takes_tokens:
+            self._batch_tokens = np.ctypeslib.as_array(batch.token, shape=(self.n_batch,))
+        else:
+            self._batch_embd = np.ctypeslib.as_array(batch.embd, shape=(self.n_batch, self.layout.n_embd))
+
+    @property
+    def length(self) -> int:
+        return self._length
+
+    @property
+    def closed(self) -> bool:
+        return self._ctx is None
+
+    def _handle(self) -> llama_cpp.llama_context_p:
+        if self._ctx is None:
+            raise RuntimeError("context is closed")
+        return self._ctx
+
+    def _validate_rows(self, tokens: object, hidden: object) -> np.ndarray:
+        length = self._length
+        if (tokens is None) == (hidden is None):
+            raise BadInput("give exactly one of tokens or hidden", length=length)
+        if self.layout.is_first:
+            if tokens is None:
+                raise BadInput("the first shard takes token ids, not hidden states", length=length)
+            rows = np.asarray(tokens)
+            if rows.ndim != 1 or rows.dtype.kind not in "iu":
+                raise BadInput("tokens must be a 1-D sequence of integers", length=length)
+            if rows.size and (rows.min() < 0 or rows.max() >= self.layout.n_vocab):
+                raise BadInput(f"token ids must be in [0, {self.layout.n_vocab})", length=length)
+            return rows.astype(np.int32, copy=False)
+        if hidden is None:
+            raise BadInput("this shard takes hidden states, not token ids", length=length)
+        rows = np.asarray(hidden)
+        if rows.dtype != np.float32 or rows.ndim != 2 or rows.shape[1] != self.layout.n_embd:
+            raise BadInput(
+                f"hidden states must be float32 [n_rows, {self.layout.n_embd}], got {rows.dtype} {rows.shape}",
+                length=length,
+            )
+        return np.ascontiguousarray(rows)
+
+    def append(
+        self,
+        start_pos: int,
+        *,
+        tokens: object = None,
+        hidden: object = None,
+        output_rows: OutputRows = "last",
+    ) -> np.ndarray:
+        """Append rows at start_pos (must equal length). Returns hidden states of every row
+        (non-final shard) or logits of the last row / all rows (final shard).
+
+        On any failure the context is rolled back to its length before this call.
+        """
+        ctx = self._handle()
+        if start_pos != self._length:
+            raise PositionMismatch(
+                f"start_pos {start_pos} != session length {self._length}", length=self._length
+            )
+        rows = self._validate_rows(tokens, hidden)
+        n_rows = rows.shape[0]
+        if n_rows == 0:
+            raise BadInput("append needs at least one row", length=self._length)
+        if output_rows not in ("last", "all"):
+            raise BadInput(f"output_rows must be 'last' or 'all', not {output_rows!r}", length=self._length)
+        if start_pos + n_rows > self.n_ctx:
+            raise ContextFull(
+                f"{start_pos} + {n_rows} rows exceed n_ctx {self.n_ctx}", length=self._length
+            )
+
+        layout = self.layout
+        if layout.is_last:
+            out_rows = n_rows if output_rows == "all" else 1
+            out = np.empty((out_rows, layout.n_vocab), dtype=np.float32)
+        else:
+            out = np.empty((n_rows, layout.n_embd), dtype=np.float32)
+        batch = self._batch
+        assert batch is not None
+        for chunk_start in range(0, n_rows, self.n_batch):
+            chunk_stop = min(n_rows, chunk_start + self.n_batch)
+            chunk_rows = chunk_stop - chunk_start
+            if layout.is_first:
+                self._batch_tokens[:chunk_rows] = rows[chunk_start:chunk_stop]
+            else:
+                self._batch_embd[:chunk_rows] = rows[chunk_start:chunk_stop]
+            self._batch_pos[:chunk_rows] = np.arange(
+                start_pos + chunk_start, start_pos + chunk_stop, dtype=np.int32
+            )
+            if layout.is_last and output_rows == "last":
+                self._batch_outputs[:chunk_rows] = 0
+                if chunk_stop == n_rows:
+                    self._batch_outputs[chunk_rows - 1] = 1
+            else:
+                # Non-final shards mark every row: llama.cpp prunes unmarked rows in the last layer.
+                self._batch_outputs[:chunk_rows] = 1
+            batch.n_tokens = chunk_rows
+            capture = self._capture
+            if capture is not None:
+                row_bytes = layout.n_embd * 4
+                capture.dst = out.ctypes.data + chunk_start * row_bytes
+                capture.dst_capacity = chunk_rows * row_bytes
+                capture.captured_bytes = 0
+                capture.overflow = 0
+            status = llama_cpp.llama_decode(ctx, batch)
+            if status != 0:
+                self._roll_back(start_pos)
+                if status == DECODE_ABORTED:
+                    raise Cancelled("append cancelled", length=self._length)
+                raise DecodeFailed(f"llama_decode returned {status}", length=self._length)
+            if capture is not None:
+                if capture.overflow or capture.captured_bytes != chunk_rows * layout.n_embd * 4:
+                    self._roll_back(start_pos)
+                    raise DecodeFailed(
+                        f"captured {capture.captured_bytes} bytes for {chunk_rows} rows", length=self._length
+                    )
+            elif output_rows == "all":
+                for row in range(chunk_rows):
+                    source = llama_cpp.llama_get_logits_ith(ctx, row)
+                    ctypes.memmove(out[chunk_start + row].ctypes.data, source, layout.n_vocab * 4)
+            elif chunk_stop == n_rows:
+                source = llama_cpp.llama_get_logits_ith(ctx, -1)
+                ctypes.memmove(out.ctypes.data, source, layout.n_vocab * 4)
+        self._length = start_pos + n_rows
+        return out
+
+    def _roll_back(self, length: int) -> None:
+        # Micro-batches finished before a failure stay in the KV cache: remove them.
+        llama_cpp.llama_memory_seq_rm(self._memory, SEQUENCE, length, -1)
+        self._length = llama_cpp.llama_memory_seq_pos_max(self._memory, SEQUENCE) + 1
+        assert self._length == length, (self._length, length)
+
+    def truncate(self, n: int) -> int:
+        """Keep positions [0, n). Returns the new length."""
+        self._handle()
+        if not 0 <= n <= self._length:
+            raise PositionMismatch(
+                f"cannot truncate to {n}: session length is {self._length}", length=self._length
+            )
+        if n < self._length:
+            self._roll_back(n)
+        return self._length
+
+    def close(self) -> None:
+        """Idempotent; frees the batch and the context (the model stays)."""
+        if self._batch is not None:
+            llama_cpp.llama_batch_free(self._batch)
+            self._batch = None
+        if self._ctx is not None:
+            llama_cpp.llama_free(self._ctx)
+            self._ctx = None
+        self._model._forget(self)
+
+    def __enter__(self) -> ShardContext:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
