@@ -1,3 +1,14 @@
 """kvpool: shard-local hot KV state manager for distributed llama.cpp inference."""
 
 __version__ = "0.1.0"
+
+__all__ = ["Client", "KvpoolError", "__version__"]
+
+
+def __getattr__(name: str):
+    # Lazy: `import kvpool` stays cheap for the worker processes, which never use the client.
+    if name in ("Client", "KvpoolError"):
+        from kvpool import client
+
+        return getattr(client, name)
+    raise AttributeError(name)

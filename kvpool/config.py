@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pathlib
 
@@ -20,3 +21,79 @@ def available_cores() -> int:
         return max(1, len(os.sched_getaffinity(0)))
     except AttributeError:  # pragma: no cover - not Linux
         return max(1, os.cpu_count() or 1)
+
+
+def parse_bytes(text: str) -> int:
+    """'1GiB', '512MiB', '2G', '1000000' -> bytes (binary and decimal suffixes; case-insensitive)."""
+    units = {
+        "": 1, "b": 1,
+        "k": 1000, "kb": 1000, "kib": 1024,
+        "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
+        "g": 1000**3, "gb": 1000**3, "gib": 1024**3,
+        "t": 1000**4, "tb": 1000**4, "tib": 1024**4,
+    }
+    cleaned = text.strip().lower().replace(" ", "")
+    number = cleaned.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = cleaned[len(number):]
+    if not number or unit not in units:
+        raise ValueError(f"not a byte size: {text!r} (examples: 1GiB, 512MiB, 2000000)")
+    value = float(number) * units[unit]
+    if value <= 0:
+        raise ValueError(f"byte size must be positive: {text!r}")
+    return int(value)
+
+
+def format_bytes(value: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024 or unit == "GiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} GiB"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ServeConfig:
+    """Everything `kvpool serve` is configured with; validated on construction."""
+
+    model: pathlib.Path
+    socket: pathlib.Path
+    budget_bytes: int = 1024**3
+    max_sessions: int = 4  # also the number of warm worker processes
+    ttl_s: float = 300.0
+    threads: int = dataclasses.field(default_factory=available_cores)  # llama threads computing at once, all workers
+    threads_per_worker: int = 1
+    n_ctx: int = 2048  # the largest context a session may ask for, and the default
+    flash_attn: bool = False
+    max_request_bytes: int = 64 * 1024 * 1024
+    ready_timeout_s: float = 60.0
+    memory_margin_bytes: int = 64 * 1024**2  # measured USS above charge + this -> recycle when idle
+    housekeeping_interval_s: float = 0.5
+    metrics_port: int | None = None
+    n_gpu_layers: int = 0
+    verbose: bool = False
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.budget_bytes <= 0:
+            problems.append("--budget must be positive")
+        if self.max_sessions < 1:
+            problems.append("--max-sessions must be at least 1")
+        if self.ttl_s <= 0:
+            problems.append("--ttl must be positive")
+        if self.threads_per_worker < 1 or self.threads < self.threads_per_worker:
+            problems.append("--threads must be at least --threads-per-worker (>= 1)")
+        if self.n_ctx < 16:
+            problems.append("--n-ctx must be at least 16")
+        if self.max_request_bytes < 1024:
+            problems.append("--max-request-bytes must be at least 1024")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            problems.append("--metrics-port must be in [0, 65535]")
+        if len(os.fsencode(self.socket)) >= 108:
+            problems.append(f"socket path too long for a Unix socket (max 107 bytes): {self.socket}")
+        if problems:
+            raise ValueError("; ".join(problems))
+
+    @property
+    def concurrent_workers(self) -> int:
+        """How many workers may compute at the same time without exceeding --threads."""
+        return self.threads // self.threads_per_worker

@@ -16,9 +16,12 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import mmap
 import os
 import pathlib
 import re
+import struct
+import types
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -40,6 +43,22 @@ NO_VOCAB_TOKENIZERS = frozenset({"none", "no_vocab"})
 _WRITER_OWNED_KEYS = frozenset({"GGUF.version", "GGUF.tensor_count", "GGUF.kv_count", "general.architecture"})
 _BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(.+)")
 _RANGE_TEXT = re.compile(r"(\d+):(\d+)")
+_GGUF_VERSIONS = (2, 3)
+_SCALAR_FORMATS = types.MappingProxyType(
+    {
+        gguf.GGUFValueType.UINT8: "B",
+        gguf.GGUFValueType.INT8: "b",
+        gguf.GGUFValueType.UINT16: "H",
+        gguf.GGUFValueType.INT16: "h",
+        gguf.GGUFValueType.UINT32: "I",
+        gguf.GGUFValueType.INT32: "i",
+        gguf.GGUFValueType.FLOAT32: "f",
+        gguf.GGUFValueType.UINT64: "Q",
+        gguf.GGUFValueType.INT64: "q",
+        gguf.GGUFValueType.FLOAT64: "d",
+        gguf.GGUFValueType.BOOL: "?",
+    }
+)
 
 Progress = Callable[[str], None]
 
@@ -166,7 +185,7 @@ def shard_file_name(source: str | os.PathLike[str], layers: LayerRange) -> str:
 
 def read_shard_info(path: str | os.PathLike[str]) -> ShardInfo:
     path = pathlib.Path(path)
-    return _info_from_reader(path, _open_reader(path))
+    return _info_from_header(path, _scan_header(path))
 
 
 def write_shard(
@@ -180,19 +199,19 @@ def write_shard(
     """Write the shard of `source` holding `layers` to `out` (a file, or an existing directory to write into)."""
     source, out = pathlib.Path(source), pathlib.Path(out)
     report = progress or _silent
-    reader = _open_reader(source)
-    model = _whole_model_info(source, reader)
+    model = _whole_model_info(source)
     validate_range(layers, model.total_layers)
     if out.is_dir():
         out = out / shard_file_name(source, layers)
     _refuse_overwriting_source(source, out)
+    report(f"reading {source.name}")
+    reader = _open_reader(source)
     created_dirs = _make_directory(out.parent)
     try:
         if source_sha256 is None:
             report("hashing source")
             source_sha256 = file_sha256(source)
-        report(f"writing {out.name}")
-        written = _publish(reader, model, [(layers, out)], source_sha256)
+        written = _publish(reader, model, [(layers, out)], source_sha256, report)
     except BaseException:
         _remove_empty_directories(created_dirs)
         raise
@@ -213,8 +232,7 @@ def write_shards(
         raise ShardError("no layer ranges given")
     if len(set(ranges)) != len(ranges):
         raise ShardError(f"a layer range is given twice: {','.join(map(str, ranges))}")
-    reader = _open_reader(source)
-    model = _whole_model_info(source, reader)
+    model = _whole_model_info(source)
     for layers in ranges:
         validate_range(layers, model.total_layers)
     if out_dir.exists() and not out_dir.is_dir():
@@ -222,6 +240,8 @@ def write_shards(
     targets = [(layers, out_dir / shard_file_name(source, layers)) for layers in ranges]
     for _, target in targets:
         _refuse_overwriting_source(source, target)
+    report(f"reading {source.name}")
+    reader = _open_reader(source)
     created_dirs = _make_directory(out_dir)
     try:
         report("hashing source")
@@ -236,11 +256,15 @@ def _silent(_message: str) -> None:
     pass
 
 
-def _open_reader(path: pathlib.Path) -> gguf.GGUFReader:
+def _check_file(path: pathlib.Path) -> None:
     if not path.exists():
         raise ShardError(f"model file not found: {path}")
     if not path.is_file():
         raise ShardError(f"model path is not a file: {path}")
+
+
+def _open_reader(path: pathlib.Path) -> gguf.GGUFReader:
+    _check_file(path)
     try:
         reader = gguf.GGUFReader(path)
     except OSError as exc:
@@ -253,60 +277,149 @@ def _open_reader(path: pathlib.Path) -> gguf.GGUFReader:
     return reader
 
 
-def _field(reader: gguf.GGUFReader, path: pathlib.Path, key: str) -> Any:
-    field = reader.get_field(key)
-    if field is None:
-        raise ShardError(f"{path} lacks the metadata key {key}")
-    return field.contents()
+class _Malformed(Exception):
+    """The bytes are not a GGUF header this module can read."""
 
 
-def _optional_field(reader: gguf.GGUFReader, key: str) -> Any:
-    field = reader.get_field(key)
-    return None if field is None else field.contents()
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Header:
+    """The metadata of a GGUF file; an array is known by its length only."""
+
+    values: dict[str, Any]
+    array_lengths: dict[str, int]
 
 
-def _info_from_reader(path: pathlib.Path, reader: gguf.GGUFReader) -> ShardInfo:
-    arch = _field(reader, path, "general.architecture")
+class _Cursor:
+    __slots__ = ("buffer", "offset")
+
+    def __init__(self, buffer: mmap.mmap) -> None:
+        self.buffer = buffer
+        self.offset = 0
+
+    def skip(self, size: int) -> None:
+        if self.offset + size > len(self.buffer):
+            raise _Malformed("truncated header")
+        self.offset += size
+
+    def take(self, size: int) -> bytes:
+        start = self.offset
+        self.skip(size)
+        return self.buffer[start : self.offset]
+
+    def unpack(self, fmt: str) -> Any:
+        return struct.unpack("<" + fmt, self.take(struct.calcsize("<" + fmt)))[0]
+
+    def string(self) -> str:
+        return self.take(self.unpack("Q")).decode("utf-8", errors="replace")
+
+
+def _scan_header(path: pathlib.Path) -> _Header:
+    """Read the metadata of a GGUF file without materializing its arrays (GGUFReader takes seconds on a vocabulary)."""
+    _check_file(path)
+    try:
+        if path.stat().st_size == 0:
+            raise _Malformed("the file is empty")
+        with open(path, "rb") as stream, mmap.mmap(stream.fileno(), 0, access=mmap.ACCESS_READ) as buffer:
+            return _parse_header(_Cursor(buffer))
+    except _Malformed as exc:
+        raise ShardError(f"{path} is not a GGUF file ({exc})") from exc
+    except OSError as exc:
+        raise ShardError(f"cannot read {path}: {exc.strerror or exc}") from exc
+
+
+def _parse_header(cursor: _Cursor) -> _Header:
+    if cursor.take(4) != b"GGUF":
+        raise _Malformed("no GGUF magic number")
+    version = cursor.unpack("I")
+    if version not in _GGUF_VERSIONS:
+        raise _Malformed(f"unsupported GGUF version {version}; only little-endian versions 2 and 3 are read")
+    cursor.unpack("Q")  # tensor count
+    kv_count = cursor.unpack("Q")
+    header = _Header({}, {})
+    for _ in range(kv_count):
+        key = cursor.string()
+        value_type = cursor.unpack("I")
+        if value_type == gguf.GGUFValueType.ARRAY:
+            header.array_lengths[key] = _skip_array(cursor)
+        else:
+            header.values[key] = _scalar(cursor, value_type)
+    return header
+
+
+def _scalar(cursor: _Cursor, value_type: int) -> Any:
+    if value_type == gguf.GGUFValueType.STRING:
+        return cursor.string()
+    fmt = _SCALAR_FORMATS.get(value_type)
+    if fmt is None:
+        raise _Malformed(f"unknown metadata value type {value_type}")
+    return cursor.unpack(fmt)
+
+
+def _skip_array(cursor: _Cursor) -> int:
+    element_type = cursor.unpack("I")
+    length = cursor.unpack("Q")
+    if element_type == gguf.GGUFValueType.STRING:
+        for _ in range(length):
+            cursor.skip(cursor.unpack("Q"))
+    elif element_type == gguf.GGUFValueType.ARRAY:
+        for _ in range(length):
+            _skip_array(cursor)
+    elif element_type in _SCALAR_FORMATS:
+        cursor.skip(length * struct.calcsize(_SCALAR_FORMATS[element_type]))
+    else:
+        raise _Malformed(f"unknown metadata array type {element_type}")
+    return length
+
+
+def _info_from_header(path: pathlib.Path, header: _Header) -> ShardInfo:
+    def value(key: str) -> Any:
+        if key not in header.values:
+            raise ShardError(f"{path} lacks the metadata key {key}")
+        return header.values[key]
+
+    def integer(key: str) -> int:
+        number = value(key)
+        if not isinstance(number, int) or isinstance(number, bool):
+            raise ShardError(f"{path}: metadata key {key} is not an integer")
+        return number
+
+    arch = value("general.architecture")
     if arch != SUPPORTED_ARCH:
         raise ShardError(
             f"{path.name}: architecture '{arch}' is not supported; kvpool shards llama-family models only"
         )
-    block_count = int(_field(reader, path, f"{arch}.block_count"))
-    n_embd = int(_field(reader, path, f"{arch}.embedding_length"))
-    tokenizer = _field(reader, path, "tokenizer.ggml.model")
-    vocab_free = tokenizer in NO_VOCAB_TOKENIZERS
+    block_count = integer(f"{arch}.block_count")
+    n_embd = integer(f"{arch}.embedding_length")
+    vocab_free = value("tokenizer.ggml.model") in NO_VOCAB_TOKENIZERS
     if vocab_free:
-        n_vocab = int(_optional_field(reader, f"{arch}.vocab_size") or 0)
+        n_vocab = integer(f"{arch}.vocab_size") if f"{arch}.vocab_size" in header.values else 0
+    elif "tokenizer.ggml.tokens" in header.array_lengths:
+        n_vocab = header.array_lengths["tokenizer.ggml.tokens"]
     else:
-        tokens = reader.get_field("tokenizer.ggml.tokens")
-        if tokens is None:
-            raise ShardError(f"{path} lacks the metadata key tokenizer.ggml.tokens")
-        n_vocab = len(tokens.data)
-    if reader.get_field(KEY_FORMAT) is None:
+        raise ShardError(f"{path} lacks the metadata key tokenizer.ggml.tokens")
+    if KEY_FORMAT not in header.values:
         return ShardInfo(path, arch, 0, block_count, block_count, n_embd, n_vocab, None, vocab_free)
-    shard_format = int(_field(reader, path, KEY_FORMAT))
+    shard_format = integer(KEY_FORMAT)
     if shard_format != SHARD_FORMAT:
         raise ShardError(f"{path} is a kvpool shard of format {shard_format}; this kvpool reads format {SHARD_FORMAT}")
-    start = int(_field(reader, path, KEY_LAYER_START))
-    stop = int(_field(reader, path, KEY_LAYER_STOP))
-    total = int(_field(reader, path, KEY_TOTAL_LAYERS))
+    start, stop, total = integer(KEY_LAYER_START), integer(KEY_LAYER_STOP), integer(KEY_TOTAL_LAYERS)
     if not 0 <= start < stop <= total or stop - start != block_count:
         raise ShardError(
             f"{path} has inconsistent shard metadata: layers {start}:{stop} of {total}, block_count {block_count}"
         )
-    sha256 = str(_field(reader, path, KEY_SOURCE_SHA256))
-    return ShardInfo(path, arch, start, stop, total, n_embd, n_vocab, sha256, vocab_free)
+    return ShardInfo(path, arch, start, stop, total, n_embd, n_vocab, str(value(KEY_SOURCE_SHA256)), vocab_free)
 
 
-def _whole_model_info(source: pathlib.Path, reader: gguf.GGUFReader) -> ShardInfo:
-    model = _info_from_reader(source, reader)
+def _whole_model_info(source: pathlib.Path) -> ShardInfo:
+    header = _scan_header(source)
+    model = _info_from_header(source, header)
     if model.source_sha256 is not None:
         raise ShardError(
             f"{source} is already a kvpool shard (layers {model.layer_start}:{model.layer_stop} of "
             f"{model.total_layers}); shard the original model instead"
         )
-    split_count = _optional_field(reader, "split.count")
-    if split_count is not None and int(split_count) > 1:
+    split_count = header.values.get("split.count")
+    if isinstance(split_count, int) and split_count > 1:
         raise ShardError(f"{source} is one part of a split GGUF; merge it with gguf-split --merge first")
     return model
 
@@ -349,15 +462,14 @@ def _publish(
     model: ShardInfo,
     targets: Sequence[tuple[LayerRange, pathlib.Path]],
     source_sha256: str,
-    report: Progress = _silent,
+    report: Progress,
 ) -> list[ShardInfo]:
     """Write every target to its partial file, then rename them all into place; on failure leave none behind."""
     partials: list[pathlib.Path] = []
     published: list[pathlib.Path] = []
     try:
         for index, (layers, target) in enumerate(targets, start=1):
-            if len(targets) > 1:
-                report(f"writing {target.name} ({index}/{len(targets)})")
+            report(f"writing {target.name}" + (f" ({index}/{len(targets)})" if len(targets) > 1 else ""))
             partial = _partial_path(target)
             partials.append(partial)
             _write_file(reader, model, layers, source_sha256, partial)

@@ -53,10 +53,13 @@ def prompt_ids(tokenizer: Tokenizer) -> list[list[int]]:
 
 @pytest.fixture(autouse=True)
 def no_leftover_children():
-    """Kill any child process a test left behind, and fail the test that left it."""
-    before = {child.pid for child in psutil.Process().children(recursive=True)}
+    """Kill any child process a test left behind, and fail the test that left it.
+
+    Direct children only: a daemon's workers are the daemon's to manage (DaemonProcess.stop checks them).
+    """
+    before = {child.pid for child in psutil.Process().children()}
     yield
-    leftovers = [child for child in psutil.Process().children(recursive=True) if child.pid not in before]
+    leftovers = [child for child in psutil.Process().children() if child.pid not in before]
     for child in leftovers:
         try:
             child.kill()

@@ -35,6 +35,7 @@ from kvpool.shardfile import (
     read_shard_info,
     validate_range,
     write_shard,
+    write_shards,
 )
 
 TOTAL_LAYERS = 30
@@ -394,7 +395,7 @@ def test_each_shard_kind_loads_in_llama_cpp(kind: str, n_vocab: int, shard_paths
 
 
 def last_token_logits(model_path: pathlib.Path, tokens: list[int]) -> np.ndarray:
-    llm = llama_cpp.Llama(model_path=str(model_path), n_ctx=64, n_threads=1, logits_all=True, verbose=False)
+    llm = llama_cpp.Llama(model_path=str(model_path), n_ctx=64, n_threads=1, n_threads_batch=1, logits_all=True, verbose=False)
     try:
         llm.eval(tokens)
         return np.array(llm.scores[len(tokens) - 1], copy=True)
@@ -420,10 +421,20 @@ def test_write_shard_reports_progress_and_writes_atomically(
     messages: list[str] = []
     out = tmp_path / "nested" / "mid.gguf"
     info = write_shard(source, LayerRange(12, 13), out, source_sha256=source_sha256, progress=messages.append)
-    assert messages == ["writing mid.gguf"]  # a given hash is trusted, not recomputed
+    assert messages == [f"reading {source.name}", "writing mid.gguf"]  # a given hash is trusted, not recomputed
     assert tree(tmp_path) == {"nested", "nested/mid.gguf"}
     assert info == read_shard_info(out)
     assert (info.n_layers, info.vocab_free, info.n_vocab) == (1, True, 32)
+
+
+def test_write_shards_rejects_empty_and_repeated_ranges(tmp_path: pathlib.Path, source: pathlib.Path) -> None:
+    with pytest.raises(ShardError, match="no layer ranges given"):
+        write_shards(source, [], tmp_path / "out")
+    with pytest.raises(ShardError, match="a layer range is given twice: 0:10,0:10"):
+        write_shards(source, [LayerRange(0, 10), LayerRange(0, 10)], tmp_path / "out")
+    with pytest.raises(ShardError, match="out of bounds"):
+        write_shards(source, [LayerRange(0, 10), LayerRange(10, 40)], tmp_path / "out")
+    assert tree(tmp_path) == set()
 
 
 # --- tiny synthetic GGUFs -----------------------------------------------------------------------------------
@@ -530,24 +541,43 @@ def test_cli_rejects_bad_requests_on_the_bundled_model(tmp_path: pathlib.Path, a
     assert blocker.read_text() == "not a directory\n"
 
 
+def make_bad_source(kind: str, directory: pathlib.Path) -> pathlib.Path:
+    path = directory / f"{kind}.gguf"
+    match kind:
+        case "missing":
+            pass
+        case "directory":
+            path.mkdir()
+        case "text":
+            path.write_text("hello, this is not GGUF\n")
+        case "empty":
+            path.write_bytes(b"")
+        case "truncated":
+            with open(bundled_model_path(), "rb") as stream:
+                path.write_bytes(stream.read(4096))  # cut inside the token list
+        case "gpt2":
+            write_tiny_gguf(path, "gpt2")
+    return path
+
+
 @pytest.mark.parametrize(
-    ("make_source", "message"),
+    ("kind", "message"),
     [
-        (lambda d: d / "missing.gguf", "model file not found"),
-        (lambda d: d, "model path is not a file"),
-        (lambda d: (d / "notes.txt", (d / "notes.txt").write_text("hello, not GGUF\n"))[0], "is not a GGUF file"),
-        (lambda d: (d / "empty.gguf", (d / "empty.gguf").write_bytes(b""))[0], "is not a GGUF file"),
-        (lambda d: (d / "gpt2.gguf", write_tiny_gguf(d / "gpt2.gguf", "gpt2"))[0], "architecture 'gpt2' is not supported"),
+        ("missing", "model file not found"),
+        ("directory", "model path is not a file"),
+        ("text", "is not a GGUF file (no GGUF magic number)"),
+        ("empty", "is not a GGUF file (the file is empty)"),
+        ("truncated", "is not a GGUF file (truncated header)"),
+        ("gpt2", "architecture 'gpt2' is not supported; kvpool shards llama-family models only"),
     ],
-    ids=["missing", "directory", "text", "empty", "gpt2"],
 )
 @pytest.mark.parametrize("mode", [["--layers", "0:2"], ["--parts", "2"]], ids=["layers", "parts"])
-def test_cli_rejects_bad_sources(tmp_path: pathlib.Path, make_source, message: str, mode: list[str]) -> None:
+def test_cli_rejects_bad_sources(tmp_path: pathlib.Path, kind: str, message: str, mode: list[str]) -> None:
     inputs = tmp_path / "inputs"
     inputs.mkdir()
-    src = make_source(inputs)
+    source = make_bad_source(kind, inputs)
     before = tree(tmp_path)
-    result = run_cli(src, *mode, "-o", tmp_path / "out" / "x")
+    result = run_cli(source, *mode, "-o", tmp_path / "out" / "x")
     assert_clean_failure(result, message)
     assert tree(tmp_path) == before
 

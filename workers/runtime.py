@@ -125,6 +125,14 @@ class ShardModel:
     def native(self) -> NativeLibrary:
         return self._native
 
+    def kv_bytes_per_position(self) -> int:
+        """Theoretical KV cache bytes per position for this shard's layers (f16 K and V)."""
+        model = self.handle
+        n_head = llama_cpp.llama_model_n_head(model)
+        n_head_kv = llama_cpp.llama_model_n_head_kv(model)
+        head_dim = self.layout.n_embd // n_head
+        return self.layout.n_layers * 2 * n_head_kv * head_dim * 2
+
     def new_context(
         self, n_ctx: int, *, n_batch: int = 512, abort_flag_address: int | None = None
     ) -> ShardContext:
@@ -258,9 +266,11 @@ class ShardContext:
         tokens: object = None,
         hidden: object = None,
         output_rows: OutputRows = "last",
+        out: np.ndarray | None = None,
     ) -> np.ndarray:
         """Append rows at start_pos (must equal length). Returns hidden states of every row
-        (non-final shard) or logits of the last row / all rows (final shard).
+        (non-final shard) or logits of the last row / all rows (final shard), written into `out`
+        when given (float32, C-contiguous, exactly the result's shape: e.g. a view of shared memory).
 
         On any failure the context is rolled back to its length before this call.
         """
@@ -282,10 +292,13 @@ class ShardContext:
 
         layout = self.layout
         if layout.is_last:
-            out_rows = n_rows if output_rows == "all" else 1
-            out = np.empty((out_rows, layout.n_vocab), dtype=np.float32)
+            out_shape = (n_rows if output_rows == "all" else 1, layout.n_vocab)
         else:
-            out = np.empty((n_rows, layout.n_embd), dtype=np.float32)
+            out_shape = (n_rows, layout.n_embd)
+        if out is None:
+            out = np.empty(out_shape, dtype=np.float32)
+        elif out.shape != out_shape or out.dtype != np.float32 or not out.flags.c_contiguous:
+            raise BadInput(f"output buffer must be float32 C-contiguous {out_shape}", length=self._length)
         batch = self._batch
         assert batch is not None
         for chunk_start in range(0, n_rows, self.n_batch):

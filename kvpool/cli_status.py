@@ -1,0 +1,69 @@
+"""`kvpool status`: the session table and the budget of a running daemon."""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+
+import msgspec
+
+from kvpool.client import Client, ConnectionLost, KvpoolError
+from kvpool.config import format_bytes
+from kvpool.protocol import StatsReply
+
+
+def add_parser(subcommands: argparse._SubParsersAction) -> None:
+    parser = subcommands.add_parser(
+        "status",
+        help="show a daemon's sessions, workers and budget",
+        description="Print the session table (session, epoch, length, n_ctx, bytes, idle time, worker pid), the workers and the budget of a running `kvpool serve`.",
+    )
+    parser.add_argument("--socket", type=pathlib.Path, required=True, help="the daemon's Unix socket")
+    parser.add_argument("--json", action="store_true", help="print the raw stats as JSON")
+    parser.add_argument("--shutdown", action="store_true", help="ask the daemon to shut down after printing")
+    parser.set_defaults(func=run)
+
+
+def render(stats: StatsReply) -> str:
+    shard = stats.shard
+    budget = stats.budget
+    lines = [
+        f"shard   layers [{shard.layer_start}, {shard.layer_stop}) of {shard.total_layers}  {shard.model_path}",
+        f"uptime  {stats.uptime_s:.0f} s   books: {stats.integrity}",
+        f"budget  reserved {format_bytes(budget.reserved_bytes)} / limit {format_bytes(budget.limit_bytes)}   "
+        f"measured USS {format_bytes(budget.measured_uss_bytes)}"
+        + (f"   VRAM {format_bytes(budget.measured_vram_bytes)}" if budget.measured_vram_bytes is not None else "   VRAM n/a (no GPU)"),
+        "",
+        f"{'SESSION':<24} {'EPOCH':>5} {'LENGTH':>6} {'N_CTX':>6} {'BYTES':>10} {'IDLE_S':>7} {'PID':>7}  STATE",
+    ]
+    for row in stats.sessions:
+        lines.append(
+            f"{row.session_id[:24]:<24} {row.epoch:>5} {row.length:>6} {row.n_ctx:>6} {format_bytes(row.charged_bytes):>10} "
+            f"{row.idle_s:>7.1f} {row.worker_pid:>7}  {'busy' if row.in_flight else 'idle'}"
+        )
+    if not stats.sessions:
+        lines.append("(no sessions)")
+    lines += ["", f"{'WORKER':<18} {'PID':>7} {'STATE':<6} {'USS':>10} {'BASELINE':>10}  SESSION"]
+    for worker in stats.workers:
+        lines.append(
+            f"{worker.name:<18} {worker.pid:>7} {worker.state:<6} {format_bytes(worker.uss_bytes):>10} "
+            f"{format_bytes(worker.baseline_uss_bytes):>10}  {worker.session_id}"
+        )
+    counters = "  ".join(f"{name}={value}" for name, value in sorted(stats.counters.items()) if value)
+    lines += ["", f"counters  {counters or '(none yet)'}"]
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        with Client(args.socket, timeout_s=30) as client:
+            stats = client.stats()
+            print(msgspec.json.format(msgspec.json.encode(stats)).decode() if args.json else render(stats))
+            if args.shutdown:
+                client.shutdown()
+                print("shutdown requested", file=sys.stderr)
+    except (ConnectionLost, KvpoolError) as error:
+        print(f"kvpool status: error: {error}", file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,67 @@
+"""Counters and gauges of one daemon, readable as a dict (stats replies) and as Prometheus text."""
+
+from __future__ import annotations
+
+import collections
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+
+COUNTERS = (
+    "appends",
+    "append_rows",
+    "admissions",
+    "hits",
+    "misses",
+    "evictions",
+    "expirations",
+    "stale_epoch_rejects",
+    "cancels",
+    "worker_restarts",
+    "over_budget_rejects",
+    "bad_requests",
+    "releases",
+    "truncates",
+)
+
+
+class Metrics:
+    """One owner of every count; `snapshot()` for stats, `serve_http(port)` for Prometheus scrapes."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._values: collections.Counter[str] = collections.Counter()
+        self._counters = {
+            name: Counter(f"kvpool_{name}", f"kvpool {name.replace('_', ' ')}", registry=self.registry)
+            for name in COUNTERS
+        }
+        self._misses = Counter(
+            "kvpool_cache_misses_by_reason", "cache misses by reason", ["reason"], registry=self.registry
+        )
+        self._errors = Counter("kvpool_errors_by_code", "error replies by code", ["code"], registry=self.registry)
+        self.sessions = Gauge("kvpool_sessions", "live sessions", registry=self.registry)
+        self.reserved_bytes = Gauge("kvpool_reserved_bytes", "bytes reserved by live sessions", registry=self.registry)
+        self.limit_bytes = Gauge("kvpool_budget_bytes", "the byte budget", registry=self.registry)
+        self.measured_bytes = Gauge("kvpool_measured_uss_bytes", "USS of all workers", registry=self.registry)
+
+    def count(self, name: str, amount: int = 1) -> None:
+        self._values[name] += amount
+        self._counters[name].inc(amount)
+
+    def count_miss(self, reason: str) -> None:
+        self.count("misses")
+        self._values[f"misses_{reason}"] += 1
+        self._misses.labels(reason=reason).inc()
+
+    def count_error(self, code: str) -> None:
+        self._values[f"errors_{code}"] += 1
+        self._errors.labels(code=code).inc()
+
+    def snapshot(self) -> dict[str, int]:
+        return {name: self._values.get(name, 0) for name in COUNTERS} | {
+            key: value for key, value in self._values.items() if key not in COUNTERS
+        }
+
+    def serve_http(self, port: int, address: str = "127.0.0.1") -> int:
+        """Start the scrape endpoint in a background thread; returns the bound port."""
+        server, _thread = start_http_server(port, addr=address, registry=self.registry)
+        return server.server_address[1]

@@ -1,0 +1,270 @@
+"""The worker pool: spawned, named worker processes, each with its pipe and shared-memory segment.
+
+The pool owns processes and segments and nothing else: which session a worker serves is the
+supervisor's business. Calls into a worker block, so the supervisor makes them from threads; one
+call at a time per worker (its pipe carries one command and then its one reply).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import multiprocessing
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from multiprocessing import shared_memory
+from multiprocessing.connection import Connection
+
+import msgspec
+import numpy as np
+import psutil
+
+from workers.commands import (
+    ABORT_FLAG_OFFSET,
+    CONTROL_BYTES,
+    AnyCommand,
+    AnyWorkerReply,
+    Exit,
+    Failed,
+    Ready,
+)
+from workers.process import WorkerSpec, worker_main
+
+
+class WorkerLost(Exception):
+    """The worker process died or stopped answering; its context is gone."""
+
+
+class WorkerStartFailed(Exception):
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class PoolSpec:
+    shard_path: str
+    size: int
+    input_bytes: int
+    output_bytes: int
+    n_threads: int
+    flash_attn: bool
+    ready_timeout_s: float
+    n_gpu_layers: int = 0
+    verbose: bool = False
+
+
+class WorkerHandle:
+    """The supervisor's side of one worker process."""
+
+    def __init__(self, name: str, spec: PoolSpec) -> None:
+        self.name = name
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(AnyWorkerReply)
+        self._call_lock = threading.Lock()
+        self.segment = shared_memory.SharedMemory(
+            create=True, size=CONTROL_BYTES + spec.input_bytes + spec.output_bytes
+        )
+        self.input_offset = CONTROL_BYTES
+        self.output_offset = CONTROL_BYTES + spec.input_bytes
+        self._abort_flag = ctypes.c_int32.from_buffer(self.segment.buf, ABORT_FLAG_OFFSET)
+        context = multiprocessing.get_context("spawn")
+        parent_end, child_end = context.Pipe(duplex=True)
+        self._connection: Connection = parent_end
+        worker_spec = WorkerSpec(
+            shard_path=spec.shard_path,
+            shm_name=self.segment.name,
+            input_bytes=spec.input_bytes,
+            output_bytes=spec.output_bytes,
+            n_threads=spec.n_threads,
+            flash_attn=spec.flash_attn,
+            n_gpu_layers=spec.n_gpu_layers,
+            verbose=spec.verbose,
+        )
+        self.process = context.Process(target=worker_main, args=(child_end, worker_spec), name=name, daemon=True)
+        self.process.start()
+        child_end.close()  # so a dead worker reads as EOF on our end
+        self.ready: Ready | None = None
+        self.baseline_uss = 0
+        self.lost = False
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid or 0
+
+    def wait_ready(self, timeout_s: float) -> Ready:
+        if not self._connection.poll(timeout_s):
+            raise WorkerStartFailed(f"{self.name} did not report ready within {timeout_s:.0f} s")
+        try:
+            reply = self._decoder.decode(self._connection.recv_bytes())
+        except EOFError as error:
+            raise WorkerStartFailed(f"{self.name} exited during start (exit code {self.process.exitcode})") from error
+        if isinstance(reply, Failed):
+            raise WorkerStartFailed(f"{self.name}: {reply.message}")
+        assert isinstance(reply, Ready)
+        self.ready = reply
+        self.baseline_uss = self.measure_uss()
+        return reply
+
+    def call(self, command: AnyCommand) -> AnyWorkerReply:
+        """Send one command and wait for its reply. Raises WorkerLost if the process is gone."""
+        with self._call_lock:
+            if self.lost:
+                raise WorkerLost(f"{self.name} is lost")
+            try:
+                self._connection.send_bytes(self._encoder.encode(command))
+                payload = self._connection.recv_bytes()
+            except (EOFError, OSError) as error:
+                self.lost = True
+                raise WorkerLost(f"{self.name} (pid {self.pid}) died: exit code {self.process.exitcode}") from error
+            return self._decoder.decode(payload)
+
+    def set_abort(self, value: bool) -> None:
+        self._abort_flag.value = 1 if value else 0
+
+    def write_input(self, rows: np.ndarray) -> None:
+        view = np.frombuffer(self.segment.buf, rows.dtype, rows.size, self.input_offset)
+        view[:] = rows.reshape(-1)
+
+    def read_output(self, rows: int, width: int) -> bytes:
+        start = self.output_offset
+        return bytes(self.segment.buf[start : start + rows * width * 4])
+
+    def measure_uss(self) -> int:
+        try:
+            return psutil.Process(self.pid).memory_full_info().uss
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            return 0
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Ask the worker to exit, then terminate and kill as needed; release the segment. Idempotent."""
+        if self.process.is_alive() and not self.lost:
+            try:
+                with self._call_lock:
+                    self._connection.send_bytes(self._encoder.encode(Exit()))
+            except (OSError, ValueError):
+                pass
+            self.process.join(timeout_s)
+        if self.process.is_alive():
+            self.process.terminate()
+            self.process.join(timeout_s)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(timeout_s)
+        self.lost = True
+        self._connection.close()
+        self._release_segment()
+
+    def _release_segment(self) -> None:
+        if self.segment is None:
+            return
+        del self._abort_flag
+        try:
+            self.segment.close()
+        except BufferError:
+            pass  # a reader still holds a view; the mapping goes with the process
+        try:
+            self.segment.unlink()
+        except FileNotFoundError:
+            pass
+        self.segment = None  # type: ignore[assignment]
+
+
+class WorkerPool:
+    """Starts `size` workers, keeps track of which are free, replaces lost ones.
+
+    Invariant (check_integrity): free + bound == all workers, and no worker is both.
+    """
+
+    def __init__(self, spec: PoolSpec) -> None:
+        self.spec = spec
+        self._counter = 0
+        self._workers: dict[str, WorkerHandle] = {}
+        self._free: list[str] = []
+        self._lock = threading.Lock()
+
+    def start(self) -> Ready:
+        """Spawn every worker in parallel and wait for all to be ready; on failure stop them all."""
+        handles = [self._spawn() for _ in range(self.spec.size)]
+        try:
+            with ThreadPoolExecutor(max_workers=len(handles)) as executor:
+                readies = list(executor.map(lambda h: h.wait_ready(self.spec.ready_timeout_s), handles))
+        except BaseException:
+            for handle in handles:
+                handle.stop(timeout_s=1.0)
+            raise
+        with self._lock:
+            for handle in handles:
+                self._workers[handle.name] = handle
+                self._free.append(handle.name)
+        return readies[0]
+
+    def _spawn(self) -> WorkerHandle:
+        self._counter += 1
+        return WorkerHandle(f"kvpool-worker-{self._counter}", self.spec)
+
+    def workers(self) -> list[WorkerHandle]:
+        with self._lock:
+            return list(self._workers.values())
+
+    def get(self, name: str) -> WorkerHandle:
+        return self._workers[name]
+
+    @property
+    def free_count(self) -> int:
+        with self._lock:
+            return len(self._free)
+
+    def take_free(self) -> WorkerHandle | None:
+        with self._lock:
+            while self._free:
+                handle = self._workers[self._free.pop()]
+                if not handle.lost:
+                    return handle
+            return None
+
+    def take_specific(self, handle: WorkerHandle) -> WorkerHandle | None:
+        """Take this worker off the free list; None if it is not free."""
+        with self._lock:
+            if handle.name not in self._free:
+                return None
+            self._free.remove(handle.name)
+            return handle
+
+    def give_back(self, handle: WorkerHandle) -> None:
+        with self._lock:
+            if handle.name in self._workers and handle.name not in self._free:
+                self._free.append(handle.name)
+
+    def replace(self, handle: WorkerHandle) -> WorkerHandle:
+        """Stop `handle` (lost, or drifted in memory) and start a fresh worker in its place. Blocking."""
+        handle.stop(timeout_s=1.0)
+        with self._lock:
+            self._workers.pop(handle.name, None)
+            if handle.name in self._free:
+                self._free.remove(handle.name)
+        fresh = self._spawn()
+        try:
+            fresh.wait_ready(self.spec.ready_timeout_s)
+        except BaseException:
+            fresh.stop(timeout_s=1.0)
+            raise
+        with self._lock:
+            self._workers[fresh.name] = fresh
+            self._free.append(fresh.name)
+        return fresh
+
+    def check_integrity(self, bound_names: set[str]) -> None:
+        with self._lock:
+            free = set(self._free)
+            assert len(free) == len(self._free), "a worker is free twice"
+            assert not free & bound_names, f"workers both free and bound: {free & bound_names}"
+            assert free | bound_names == set(self._workers), (
+                f"free {sorted(free)} + bound {sorted(bound_names)} != all {sorted(self._workers)}"
+            )
+
+    def close(self) -> None:
+        with self._lock:
+            handles = list(self._workers.values())
+            self._workers.clear()
+            self._free.clear()
+        for handle in reversed(handles):
+            handle.stop()

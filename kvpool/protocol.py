@@ -1,0 +1,222 @@
+"""The wire protocol between routers and a shard daemon: every frame type, the codecs, and the framing.
+
+A frame is a 4-byte big-endian length followed by one MessagePack-encoded tagged struct. A connection
+starts with Hello (the protocol version is checked there), then carries requests, each answered by
+exactly one reply frame, in order. New fields always get defaults so older peers keep decoding.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+FRAME_HEADER = struct.Struct(">I")
+DEFAULT_MAX_REQUEST_BYTES = 64 * 1024 * 1024
+MAX_REPLY_BYTES = 2 * 1024 * 1024 * 1024 - 1
+
+
+class Message(msgspec.Struct, tag=True, forbid_unknown_fields=True, omit_defaults=True, kw_only=True):
+    """Base of every frame; the tag is the class name."""
+
+
+class ErrorCode(enum.StrEnum):
+    STALE_EPOCH = "stale_epoch"
+    CACHE_MISS = "cache_miss"
+    POSITION_MISMATCH = "position_mismatch"
+    OVER_BUDGET = "over_budget"
+    CONTEXT_FULL = "context_full"
+    CANCELLED = "cancelled"
+    WORKER_LOST = "worker_lost"
+    BAD_REQUEST = "bad_request"
+    SHUTTING_DOWN = "shutting_down"
+    INTERNAL = "internal"
+
+
+class MissReason(enum.StrEnum):
+    UNKNOWN = "unknown"
+    EVICTED = "evicted"
+    EXPIRED = "expired"
+    WORKER_LOST = "worker_lost"
+    NEW_EPOCH = "new_epoch"
+    RELEASED = "released"
+
+
+class OutputRows(enum.StrEnum):
+    LAST = "last"
+    ALL = "all"
+
+
+# ---- requests -------------------------------------------------------------------------------------
+
+
+class Hello(Message):
+    version: int
+    client: str = ""
+
+
+class Append(Message):
+    """Prefill (many rows) or decode (one row) at start_pos, which must equal the session's length.
+
+    Exactly one of `tokens` (first shard) or `hidden` (float32 little-endian, n_rows x n_embd) is set.
+    `n_ctx` 0 means the daemon's default; it matters only when this append admits a new session.
+    """
+
+    session_id: str
+    epoch: int
+    start_pos: int
+    tokens: list[int] | None = None
+    hidden: bytes | None = None
+    output_rows: OutputRows = OutputRows.LAST
+    n_ctx: int = 0
+    admit_timeout_s: float = 0.0
+
+
+class Truncate(Message):
+    """Keep positions [0, length)."""
+
+    session_id: str
+    epoch: int
+    length: int
+
+
+class Release(Message):
+    session_id: str
+    epoch: int
+
+
+class Cancel(Message):
+    """Abort the session's in-flight append; the session rolls back to its length before that append."""
+
+    session_id: str
+    epoch: int
+
+
+class Stats(Message):
+    pass
+
+
+class Shutdown(Message):
+    pass
+
+
+Request = Hello | Append | Truncate | Release | Cancel | Stats | Shutdown
+
+
+# ---- replies --------------------------------------------------------------------------------------
+
+
+class ShardDescription(Message):
+    layer_start: int
+    layer_stop: int
+    total_layers: int
+    n_embd: int
+    n_vocab: int
+    model_path: str
+    source_sha256: str = ""
+
+    @property
+    def is_first(self) -> bool:
+        return self.layer_start == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.layer_stop == self.total_layers
+
+
+class HelloReply(Message):
+    version: int
+    shard: ShardDescription
+    max_n_ctx: int
+    default_n_ctx: int
+    max_request_bytes: int
+
+
+class AppendReply(Message):
+    """`data` holds float32 little-endian rows x width: hidden states (non-final shard) or logits."""
+
+    session_id: str
+    epoch: int
+    length: int
+    rows: int
+    width: int
+    data: bytes
+    admitted: bool = False
+
+
+class Done(Message):
+    """Reply to truncate, release, cancel and shutdown."""
+
+    length: int
+    session_id: str = ""
+    epoch: int = 0
+    detail: str = ""
+
+
+class ErrorReply(Message):
+    code: ErrorCode
+    message: str
+    length: int = 0
+    reason: MissReason | None = None
+    session_id: str = ""
+    epoch: int = 0
+
+
+class SessionRow(Message):
+    session_id: str
+    epoch: int
+    length: int
+    n_ctx: int
+    charged_bytes: int
+    idle_s: float
+    worker_pid: int
+    in_flight: bool
+
+
+class WorkerRow(Message):
+    name: str
+    pid: int
+    state: str
+    uss_bytes: int
+    baseline_uss_bytes: int
+    session_id: str = ""
+
+
+class BudgetRow(Message):
+    limit_bytes: int
+    reserved_bytes: int
+    measured_uss_bytes: int
+    measured_vram_bytes: int | None = None
+
+
+class StatsReply(Message):
+    shard: ShardDescription
+    sessions: list[SessionRow]
+    workers: list[WorkerRow]
+    budget: BudgetRow
+    counters: dict[str, int]
+    uptime_s: float
+    integrity: str = "ok"  # the books' check_integrity(): "ok" or what does not balance
+
+
+Reply = HelloReply | AppendReply | Done | ErrorReply | StatsReply
+
+_request_encoder = msgspec.msgpack.Encoder()
+_request_decoder = msgspec.msgpack.Decoder(Request)
+_reply_decoder = msgspec.msgpack.Decoder(Reply)
+
+
+def encode(message: Message) -> bytes:
+    """One whole frame: header plus payload."""
+    payload = _request_encoder.encode(message)
+    return FRAME_HEADER.pack(len(payload)) + payload
+
+
+def decode_request(payload: bytes) -> Request:
+    return _request_decoder.decode(payload)
+
+
+def decode_reply(payload: bytes) -> Reply:
+    return _reply_decoder.decode(payload)

@@ -1,0 +1,167 @@
+"""`kvpool serve`: wires the worker pool, the service and the socket together, and tears them down.
+
+Start order: workers (ready acknowledgements), calibration of the default context size, socket,
+metrics endpoint, housekeeping. Teardown runs in reverse; a partial start is cleaned up the same way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+import traceback
+from collections.abc import Callable
+
+from kvpool.config import ServeConfig, format_bytes
+from kvpool.pool import PoolSpec, WorkerPool
+from kvpool.protocol import (
+    PROTOCOL_VERSION,
+    Append,
+    Cancel,
+    Done,
+    ErrorCode,
+    ErrorReply,
+    Hello,
+    HelloReply,
+    Message,
+    Release,
+    Request,
+    ShardDescription,
+    Shutdown,
+    Stats,
+    Truncate,
+)
+from kvpool.server import FrameServer
+from kvpool.service import KvService, RequestFailed
+from kvpool.shardfile import read_shard_info
+
+MEMORY_CHECK_EVERY = 4  # housekeeping ticks between measured-memory checks
+
+log = logging.getLogger("kvpool.serve")
+
+
+class Supervisor:
+    def __init__(self, config: ServeConfig, *, announce: Callable[[str], None] | None = None) -> None:
+        self.config = config
+        self._announce = announce or (lambda message: print(f"kvpool serve: {message}", file=sys.stderr, flush=True))
+        self._stop = asyncio.Event()
+        self.service: KvService | None = None
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    async def run(self) -> None:
+        config = self.config
+        info = read_shard_info(config.model)
+        row_width = 1 if info.is_first else info.n_embd
+        pool = WorkerPool(
+            PoolSpec(
+                shard_path=str(config.model),
+                size=config.max_sessions,
+                input_bytes=config.n_ctx * row_width * 4,
+                output_bytes=config.n_ctx * (info.n_vocab if info.is_last else info.n_embd) * 4,
+                n_threads=config.threads_per_worker,
+                flash_attn=config.flash_attn,
+                ready_timeout_s=config.ready_timeout_s,
+                n_gpu_layers=config.n_gpu_layers,
+                verbose=config.verbose,
+            )
+        )
+        self._announce(f"starting {config.max_sessions} workers on {config.model.name}")
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, self.request_stop)
+        server: FrameServer | None = None
+        housekeeping: asyncio.Task | None = None
+        try:
+            ready = await asyncio.to_thread(pool.start)
+            shard = ShardDescription(
+                layer_start=ready.layer_start, layer_stop=ready.layer_stop, total_layers=ready.total_layers,
+                n_embd=ready.n_embd, n_vocab=ready.n_vocab, model_path=str(config.model),
+                source_sha256=info.source_sha256 or "",
+            )
+            self.service = service = KvService(config, pool, shard, ready.kv_bytes_per_position)
+            charge = await service.charge_for(config.n_ctx)
+            self._announce(
+                f"a session of n_ctx {config.n_ctx} is charged {format_bytes(charge)} "
+                f"(theoretical KV {format_bytes(service.theoretical_kv_bytes(config.n_ctx))})"
+            )
+            hello = HelloReply(
+                version=PROTOCOL_VERSION, shard=shard, max_n_ctx=config.n_ctx, default_n_ctx=config.n_ctx,
+                max_request_bytes=config.max_request_bytes,
+            )
+            server = FrameServer(config.socket, hello, self.dispatch, max_request_bytes=config.max_request_bytes)
+            await server.start()
+            if config.metrics_port is not None:
+                port = service.metrics.serve_http(config.metrics_port)
+                self._announce(f"Prometheus metrics on http://127.0.0.1:{port}/metrics")
+            housekeeping = asyncio.create_task(self._housekeeping(service))
+            self._announce(
+                f"ready on {config.socket}: layers [{shard.layer_start}, {shard.layer_stop}) of {shard.total_layers}, "
+                f"{config.max_sessions} workers, budget {format_bytes(config.budget_bytes)}, ttl {config.ttl_s:g} s, "
+                f"{config.threads} compute thread(s)"
+            )
+            await self._stop.wait()
+            self._announce("shutting down")
+        finally:
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                loop.remove_signal_handler(signum)
+            if housekeeping is not None:
+                housekeeping.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await housekeeping
+            if server is not None:
+                await server.close()
+            for worker in pool.workers():
+                worker.set_abort(True)  # interrupt in-flight appends so workers can exit promptly
+            await asyncio.to_thread(pool.close)
+            if self.service is not None:
+                self.service.close()
+            self._announce("stopped")
+
+    async def _housekeeping(self, service: KvService) -> None:
+        tick = 0
+        while True:
+            await asyncio.sleep(self.config.housekeeping_interval_s)
+            tick += 1
+            try:
+                await service.expire_idle()
+                if tick % MEMORY_CHECK_EVERY == 0:
+                    await service.recycle_drifted()
+            except Exception:  # noqa: BLE001 - housekeeping must outlive any one failure
+                log.error("housekeeping failed:\n%s", traceback.format_exc())
+
+    async def dispatch(self, request: Request) -> Message:
+        service = self.service
+        assert service is not None
+        try:
+            match request:
+                case Append():
+                    return await service.append(request)
+                case Truncate():
+                    return await service.truncate(request)
+                case Release():
+                    return await service.release(request)
+                case Cancel():
+                    return await service.cancel(request)
+                case Stats():
+                    return await service.stats()
+                case Shutdown():
+                    self.request_stop()
+                    return Done(length=0, detail="shutting down")
+                case Hello():
+                    raise RequestFailed(ErrorCode.BAD_REQUEST, "Hello is only valid as the first frame")
+        except RequestFailed as failure:
+            if failure.code is ErrorCode.BAD_REQUEST:
+                service.metrics.count("bad_requests")
+            service.metrics.count_error(failure.code)
+            return ErrorReply(
+                code=failure.code, message=str(failure), length=failure.length, reason=failure.reason,
+                session_id=getattr(request, "session_id", ""), epoch=getattr(request, "epoch", 0),
+            )
+        except Exception as error:  # noqa: BLE001 - a bug must cost one request, never the daemon
+            log.error("request %s failed:\n%s", type(request).__name__, traceback.format_exc())
+            return ErrorReply(code=ErrorCode.INTERNAL, message=f"internal error: {error}")
+        raise AssertionError(f"unhandled request {request!r}")

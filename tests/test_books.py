@@ -1,0 +1,295 @@
+"""Pure-Python tests of the books: the byte budget and the session table (fake sizes, a driven clock)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
+from kvpool.budget import ByteBudget, OverBudget
+from kvpool.protocol import MissReason
+from kvpool.sessions import EpochCheck, Session, SessionTable
+
+# ---- ByteBudget -----------------------------------------------------------------------------------
+
+
+def test_reserve_charges_owner_and_shrinks_available() -> None:
+    budget = ByteBudget(1000)
+    budget.reserve("a", 300)
+    assert budget.fits(700) and not budget.fits(701)
+    budget.reserve("b", 700)  # exactly what is left
+    assert (budget.reserved, budget.available, budget.fits(1)) == (1000, 0, False)
+    assert (budget.charge_of("a"), budget.charge_of("b"), budget.charge_of("nobody")) == (300, 700, 0)
+    assert sorted(budget.owners()) == ["a", "b"]
+    budget.check_integrity({"a", "b"})
+
+
+def test_release_is_idempotent_and_returns_the_bytes() -> None:
+    budget = ByteBudget(1000)
+    budget.reserve("a", 250)
+    assert budget.release("a") == 250
+    assert budget.release("a") == 0
+    assert budget.release("never") == 0
+    assert (budget.reserved, budget.charge_of("a")) == (0, 0)
+    budget.reserve("a", 1000)  # the owner may reserve again once released
+    assert budget.reserved == 1000
+
+
+def test_second_reservation_for_one_owner_is_rejected_and_leaves_the_first() -> None:
+    budget = ByteBudget(1000)
+    budget.reserve("a", 100)
+    with pytest.raises(ValueError):
+        budget.reserve("a", 50)
+    assert (budget.charge_of("a"), budget.reserved) == (100, 100)
+
+
+def test_over_budget_reports_sizes_and_leaves_the_books_unchanged() -> None:
+    budget = ByteBudget(1000)
+    budget.reserve("a", 900)
+    with pytest.raises(OverBudget) as raised:
+        budget.reserve("b", 101)
+    assert (raised.value.requested, raised.value.available) == (101, 100)
+    assert (budget.reserved, budget.charge_of("b"), budget.owners()) == (900, 0, ["a"])
+    budget.check_integrity({"a"})
+
+
+@pytest.mark.parametrize("nbytes", [0, -1])
+def test_non_positive_amounts_are_rejected(nbytes: int) -> None:
+    with pytest.raises(ValueError):
+        ByteBudget(nbytes)
+    budget = ByteBudget(1000)
+    with pytest.raises(ValueError):
+        budget.reserve("a", nbytes)
+    assert (budget.reserved, budget.owners()) == (0, [])
+
+
+def test_reserving_releases_when_the_block_raises_and_keeps_on_success() -> None:
+    budget = ByteBudget(1000)
+    budget.reserve("other", 100)
+    with pytest.raises(RuntimeError, match="admission failed"):
+        with budget.reserving("a", 500):
+            assert budget.charge_of("a") == 500
+            raise RuntimeError("admission failed")
+    assert (budget.reserved, budget.charge_of("a"), budget.owners()) == (100, 0, ["other"])
+    with budget.reserving("a", 500):
+        pass
+    assert (budget.charge_of("a"), budget.reserved) == (500, 600)
+
+
+def test_reserving_that_cannot_reserve_does_not_release_the_existing_charge() -> None:
+    budget = ByteBudget(1000)
+    budget.reserve("a", 100)
+    with pytest.raises(ValueError):
+        with budget.reserving("a", 200):
+            pytest.fail("the block must not run")
+    with pytest.raises(OverBudget):
+        with budget.reserving("b", 901):
+            pytest.fail("the block must not run")
+    assert (budget.charge_of("a"), budget.reserved) == (100, 100)
+
+
+def test_check_integrity_compares_the_live_set() -> None:
+    budget = ByteBudget(1000)
+    budget.reserve("a", 10)
+    budget.reserve("b", 20)
+    budget.check_integrity(["b", "a"])
+    budget.check_integrity()
+    with pytest.raises(AssertionError):
+        budget.check_integrity({"a"})  # a charge without a live owner: leaked bytes
+    with pytest.raises(AssertionError):
+        budget.check_integrity({"a", "b", "c"})  # a live owner without a charge
+
+
+class BudgetMachine(RuleBasedStateMachine):
+    """Random reserve/release against a plain dict model of the charges."""
+
+    LIMIT = 1000
+    owners = st.sampled_from("abcdefgh")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.budget = ByteBudget(self.LIMIT)
+        self.model: dict[str, int] = {}
+
+    @rule(owner=owners, nbytes=st.integers(min_value=-5, max_value=600))
+    def reserve(self, owner: str, nbytes: int) -> None:
+        free = self.LIMIT - sum(self.model.values())
+        if nbytes <= 0 or owner in self.model:
+            with pytest.raises(ValueError):
+                self.budget.reserve(owner, nbytes)
+        elif nbytes > free:
+            with pytest.raises(OverBudget):
+                self.budget.reserve(owner, nbytes)
+        else:
+            self.budget.reserve(owner, nbytes)
+            self.model[owner] = nbytes
+
+    @rule(owner=owners)
+    def release(self, owner: str) -> None:
+        assert self.budget.release(owner) == self.model.pop(owner, 0)
+
+    @invariant()
+    def books_match_the_model(self) -> None:
+        assert self.budget.reserved == sum(self.model.values()) <= self.LIMIT
+        assert all(self.budget.charge_of(owner) == nbytes for owner, nbytes in self.model.items())
+        self.budget.check_integrity(self.model.keys())
+
+
+BudgetMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+TestBudgetMachine = BudgetMachine.TestCase
+
+# ---- SessionTable ---------------------------------------------------------------------------------
+
+
+def make_session(session_id: str, epoch: int = 0, *, last_used: float = 0.0, in_flight: int = 0) -> Session:
+    return Session(session_id, epoch, n_ctx=128, charged_bytes=1024, worker_name=f"w-{session_id}", last_used=last_used, in_flight=in_flight)
+
+
+def test_session_has_its_own_lock_usable_in_a_later_loop() -> None:
+    first, second = make_session("a"), make_session("b")  # built outside any running loop
+    assert first.lock is not second.lock and first.key == ("a", 0) and first.idle
+
+    async def hold_both() -> bool:
+        async with first.lock:
+            return first.lock.locked() and not second.lock.locked()
+
+    assert asyncio.run(hold_both())
+
+
+def test_check_epoch_fences_lower_and_flags_higher() -> None:
+    table = SessionTable()
+    assert table.check_epoch("a", 7) is EpochCheck.CURRENT  # first sight
+    assert table.highest_epoch("a") is None  # checking records nothing
+    table.see_epoch("a", 3)
+    assert table.check_epoch("a", 3) is EpochCheck.CURRENT
+    assert table.check_epoch("a", 2) is EpochCheck.STALE
+    assert table.check_epoch("a", 4) is EpochCheck.NEWER
+    assert table.check_epoch("b", 0) is EpochCheck.CURRENT  # ids are fenced independently
+    table.see_epoch("a", 1)  # see_epoch never lowers the remembered epoch
+    assert (table.highest_epoch("a"), table.check_epoch("a", 2)) == (3, EpochCheck.STALE)
+    table.see_epoch("a", 6)
+    assert table.highest_epoch("a") == 6
+
+
+def test_add_get_remove() -> None:
+    table = SessionTable()
+    a, b = make_session("a", 2), make_session("b")
+    table.add(a)
+    table.add(b)
+    assert (len(table), table.get("a"), table.get("zzz")) == (2, a, None)
+    assert table.highest_epoch("a") == 2  # adding sees the epoch
+    with pytest.raises(AssertionError):
+        table.add(make_session("a", 3))  # one live epoch per session id
+    table.remove(a, MissReason.EVICTED)
+    assert (len(table), table.get("a"), table.sessions()) == (1, None, [b])
+    table.add(new := make_session("a", 3))
+    table.remove(a, MissReason.WORKER_LOST)  # a late removal of the replaced object keeps the live one
+    assert (table.get("a"), table.miss_reason("a", 2)) == (new, MissReason.WORKER_LOST)
+
+
+def test_miss_reasons() -> None:
+    table = SessionTable()
+    assert table.miss_reason("never", 0) is MissReason.UNKNOWN
+    a = make_session("a", 1)
+    table.add(a)
+    table.remove(a, MissReason.EXPIRED)
+    assert table.miss_reason("a", 1) is MissReason.EXPIRED
+    assert table.miss_reason("a", 2) is MissReason.UNKNOWN  # reasons are per (id, epoch)
+    table.note_new_epoch("a", 2)
+    assert table.miss_reason("a", 2) is MissReason.NEW_EPOCH
+    assert table.miss_reason("a", 1) is MissReason.EXPIRED
+
+
+def test_re_adding_a_session_clears_its_tombstone() -> None:
+    table = SessionTable()
+    table.add(first := make_session("a", 1))
+    table.remove(first, MissReason.RELEASED)
+    table.add(make_session("a", 1))
+    assert table.miss_reason("a", 1) is MissReason.UNKNOWN
+    table.note_new_epoch("b", 4)
+    table.add(make_session("b", 4))
+    assert table.miss_reason("b", 4) is MissReason.UNKNOWN
+
+
+def test_lru_idle_orders_by_last_use_and_skips_busy_sessions() -> None:
+    table = SessionTable()
+    for session in (make_session("a", last_used=30.0), make_session("b", last_used=10.0, in_flight=1),
+                    make_session("c", last_used=5.0), make_session("d", last_used=20.0)):
+        table.add(session)
+    assert [s.session_id for s in table.least_recently_used_idle()] == ["c", "d", "a"]
+    table.get("b").in_flight = 0
+    table.get("c").in_flight = 2
+    assert [s.session_id for s in table.least_recently_used_idle()] == ["b", "d", "a"]
+
+
+def test_expired_returns_only_idle_sessions_idle_for_at_least_ttl() -> None:
+    table = SessionTable()
+    for session in (make_session("old", last_used=0.0), make_session("edge", last_used=40.0),
+                    make_session("fresh", last_used=41.0), make_session("busy", last_used=0.0, in_flight=1)):
+        table.add(session)
+    assert sorted(s.session_id for s in table.expired(now=100.0, ttl_s=60.0)) == ["edge", "old"]
+    assert table.expired(now=30.0, ttl_s=60.0) == []
+
+
+def test_bounded_memories_forget_the_least_recently_touched() -> None:
+    table = SessionTable(remembered_ids=3)
+    for session_id in "abc":
+        table.see_epoch(session_id, 5)
+    table.see_epoch("a", 5)  # touching "a" makes "b" the oldest
+    table.see_epoch("d", 5)
+    assert [table.highest_epoch(i) for i in "abcd"] == [5, None, 5, 5]
+    assert table.check_epoch("b", 0) is EpochCheck.CURRENT  # forgotten: first sight again
+    table = SessionTable(remembered_ids=3)  # the tombstones forget the oldest too
+    for session_id in "abcd":
+        table.add(session := make_session(session_id))
+        table.remove(session, MissReason.EVICTED)
+    assert [table.miss_reason(i, 0) for i in "abcd"] == [MissReason.UNKNOWN] + [MissReason.EVICTED] * 3
+
+
+# Regression: note_new_epoch once wrote into the bounded tombstone memory without trimming it.
+def test_note_new_epoch_respects_the_tombstone_bound() -> None:
+    table = SessionTable(remembered_ids=3)
+    for session_id in "abcd":
+        table.note_new_epoch(session_id, 1)
+    assert table.miss_reason("a", 1) is MissReason.UNKNOWN
+
+
+# Regression: the bounded highest-epoch memory could forget a still-live session's epoch, and a lower epoch then
+# checked CURRENT instead of STALE. A live session's own epoch now always counts.
+def test_live_session_stays_fenced_after_many_other_ids() -> None:
+    table = SessionTable(remembered_ids=3)
+    table.add(make_session("live", 5))
+    for session_id in "xyz":
+        table.see_epoch(session_id, 0)
+    assert table.check_epoch("live", 2) is EpochCheck.STALE
+
+
+requests = st.lists(st.tuples(st.sampled_from(["a", "b", "c"]), st.integers(min_value=0, max_value=5)), max_size=40)
+
+
+@settings(max_examples=200, deadline=None)
+@given(requests)
+def test_fencing_rule_remembers_the_highest_epoch_per_id(sequence: list[tuple[str, int]]) -> None:
+    """The contract's fence: stale touches nothing; newer releases the old epoch's state first."""
+    table = SessionTable()
+    highest: dict[str, int] = {}
+    for session_id, epoch in sequence:
+        check = table.check_epoch(session_id, epoch)
+        assert (check is EpochCheck.STALE) == (session_id in highest and epoch < highest[session_id])
+        assert (check is EpochCheck.NEWER) == (session_id in highest and epoch > highest[session_id])
+        live_before = table.get(session_id)
+        if check is not EpochCheck.STALE:  # a stale request touches nothing
+            table.see_epoch(session_id, epoch)
+            if check is EpochCheck.NEWER:
+                table.note_new_epoch(session_id, epoch)
+                if live_before is not None:
+                    table.remove(live_before, MissReason.NEW_EPOCH)
+                    assert table.miss_reason(session_id, live_before.epoch) is MissReason.NEW_EPOCH
+            if table.get(session_id) is None:
+                table.add(make_session(session_id, epoch))
+            highest[session_id] = max(epoch, highest.get(session_id, epoch))
+        assert all(table.highest_epoch(i) == e for i, e in highest.items())
+        assert all(s.epoch == highest[s.session_id] for s in table.sessions())  # live state is never stale

@@ -1,0 +1,674 @@
+"""The daemon contract, end to end: real `kvpool serve` processes on real shards of the bundled model."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import stat
+import threading
+import time
+import urllib.request
+
+import numpy as np
+import psutil
+import pytest
+
+from kvpool.chain import LocalChain
+from kvpool.client import Client, KvpoolError
+from kvpool.daemon_route import DaemonRoute
+from kvpool.generate import greedy_tokens
+from kvpool.protocol import FRAME_HEADER, PROTOCOL_VERSION, Append, Hello, Stats, decode_reply, encode
+from tests.conftest import EVEN_SPLIT
+from tests.daemons import DaemonProcess, private_socket_dir
+
+N_CTX = 512
+GREEDY = 16
+
+
+@pytest.fixture(scope="module")
+def socket_dir(tmp_path_factory):
+    return private_socket_dir(tmp_path_factory.mktemp("sockets"))
+
+
+@pytest.fixture(scope="module")
+def shards(shard_sets):
+    return shard_sets[EVEN_SPLIT]
+
+
+@pytest.fixture(scope="module")
+def chain_daemon_processes(shards, socket_dir):
+    """Three daemons, one per shard of the even split, 4 workers each, one compute thread each."""
+    daemons = []
+    try:
+        for index, shard in enumerate(shards):
+            daemons.append(
+                DaemonProcess(shard.path, socket_dir / f"chain{index}.sock", "--threads", "1", "--n-ctx", str(N_CTX), "--max-sessions", "4")
+            )
+        yield daemons
+    finally:
+        for daemon in daemons:
+            daemon.stop()
+
+
+@pytest.fixture
+def chain_daemons(chain_daemon_processes):
+    """The shared chain, with no sessions left over from an earlier test (checked again after)."""
+    _all_released(chain_daemon_processes)
+    yield chain_daemon_processes
+    _all_released(chain_daemon_processes)
+
+
+@pytest.fixture(scope="module")
+def local_chain(shards):
+    with LocalChain([shard.path for shard in shards]) as chain:
+        yield chain
+
+
+@pytest.fixture
+def route(chain_daemons):
+    clients = [daemon.client() for daemon in chain_daemons]
+    yield DaemonRoute(clients)
+    for client in clients:
+        client.close()
+
+
+def _alone(local_chain, prompt, count=GREEDY, chunk=0):
+    """Tokens and chosen-from logits of the same run, alone, in process (the reference)."""
+    rows = []
+    with local_chain.new_session(N_CTX) as session:
+        def append(start, tokens):
+            logits = session.append(start, tokens)
+            rows.append(logits[-1].copy())
+            return logits
+        tokens = list(greedy_tokens(append, prompt, count, prefill_chunk=chunk))
+    return tokens, np.stack(rows[: len(tokens)])
+
+
+def _through(route, session_id, epoch, prompt, count=GREEDY, chunk=0):
+    rows = []
+
+    def append(start, tokens):
+        logits = route.append(session_id, epoch, start, tokens)
+        rows.append(logits[-1].copy())
+        return logits
+
+    tokens = list(greedy_tokens(append, prompt, count, prefill_chunk=chunk))
+    return tokens, np.stack(rows[: len(tokens)])
+
+
+def _all_released(daemons):
+    for daemon in daemons:
+        with daemon.client() as client:
+            stats = client.stats()
+            assert stats.integrity == "ok"
+            for row in stats.sessions:
+                client.release(row.session_id, row.epoch)
+            stats = client.stats()
+            assert stats.sessions == [] and stats.budget.reserved_bytes == 0 and stats.integrity == "ok"
+
+
+def _reserved(daemon) -> int:
+    with daemon.client() as client:
+        return client.stats().budget.reserved_bytes
+
+
+# ---- the contract ---------------------------------------------------------------------------------
+
+
+def test_prefill_and_decode_through_three_daemons_equal_the_in_process_chain(route, local_chain, chain_daemons, prompt_ids):
+    prompt = prompt_ids[1]
+    expected_tokens, expected_logits = _alone(local_chain, prompt, chunk=7)
+    tokens, logits = _through(route, "prefill-decode", 1, prompt, chunk=7)
+    assert tokens == expected_tokens
+    assert np.abs(logits - expected_logits).max() == 0.0
+    for daemon in chain_daemons:
+        with daemon.client() as client:
+            rows = client.stats().sessions
+            assert [(r.session_id, r.epoch, r.length) for r in rows] == [("prefill-decode", 1, len(prompt) + GREEDY)]
+    _all_released(chain_daemons)
+
+
+def test_each_session_epoch_maps_to_its_own_context(route, chain_daemons, prompt_ids):
+    route.append("iso-a", 1, 0, prompt_ids[0])
+    route.append("iso-b", 1, 0, prompt_ids[1])
+    for daemon in chain_daemons:
+        with daemon.client() as client:
+            stats = client.stats()
+        rows = {row.session_id: row for row in stats.sessions}
+        assert rows["iso-a"].length == len(prompt_ids[0]) and rows["iso-b"].length == len(prompt_ids[1])
+        assert rows["iso-a"].worker_pid != rows["iso-b"].worker_pid  # separate processes
+        assert stats.budget.reserved_bytes == rows["iso-a"].charged_bytes + rows["iso-b"].charged_bytes
+    _all_released(chain_daemons)
+
+
+def test_every_reply_carries_the_length_and_positions_are_checked(chain_daemons, prompt_ids):
+    prompt = prompt_ids[0]
+    with chain_daemons[0].client() as client:
+        assert client.append("pos", 1, 0, tokens=prompt[:5]).length == 5
+        with pytest.raises(KvpoolError) as gap:
+            client.append("pos", 1, 6, tokens=prompt[5:7])
+        assert gap.value.code == "position_mismatch" and gap.value.length == 5
+        with pytest.raises(KvpoolError) as overlap:
+            client.append("pos", 1, 4, tokens=prompt[5:7])
+        assert overlap.value.code == "position_mismatch" and overlap.value.length == 5
+        assert client.append("pos", 1, 5, tokens=prompt[5:7]).length == 7
+        assert client.truncate("pos", 1, 3) == 3
+        with pytest.raises(KvpoolError) as beyond:
+            client.truncate("pos", 1, 4)
+        assert beyond.value.code == "position_mismatch" and beyond.value.length == 3
+        assert client.release("pos", 1).length == 0
+    _all_released(chain_daemons)
+
+
+def test_truncate_then_continue_equals_a_fresh_run(route, local_chain, chain_daemons, prompt_ids):
+    prompt = prompt_ids[1]
+    keep = len(prompt) - 4
+    route.append("trunc", 1, 0, prompt)
+    route.append("trunc", 1, len(prompt), [11, 12, 13])
+    route.truncate("trunc", 1, keep)
+    logits = route.append("trunc", 1, keep, prompt_ids[0][:6])
+    with local_chain.new_session(N_CTX) as fresh:
+        fresh.append(0, prompt[:keep])
+        expected = fresh.append(keep, prompt_ids[0][:6])
+    assert np.abs(logits - expected).max() == 0.0
+    _all_released(chain_daemons)
+
+
+def test_release_is_idempotent_returns_bytes_and_later_appends_miss(route, local_chain, chain_daemons, prompt_ids):
+    other_prompt = prompt_ids[0]
+    expected_tokens, expected_logits = _alone(local_chain, other_prompt)
+    route.append("keep", 1, 0, other_prompt[:6])
+    route.append("gone", 1, 0, prompt_ids[1])
+    before = [_reserved(daemon) for daemon in chain_daemons]
+    route.release("gone", 1)
+    route.release("gone", 1)  # idempotent
+    after = [_reserved(daemon) for daemon in chain_daemons]
+    assert all(a < b for a, b in zip(after, before))
+    with pytest.raises(KvpoolError) as miss:
+        route.append("gone", 1, len(prompt_ids[1]), [5])
+    assert miss.value.code == "cache_miss" and miss.value.reason == "released" and miss.value.length == 0
+    # the other session was not touched: its continuation is exact
+    rows = []
+
+    def append(start, tokens):
+        if start == 0:
+            logits = route.append("keep", 1, 6, other_prompt[6:])
+        else:
+            logits = route.append("keep", 1, start, tokens)
+        rows.append(logits[-1].copy())
+        return logits
+
+    tokens = list(greedy_tokens(append, other_prompt, GREEDY))
+    assert tokens == expected_tokens
+    assert np.abs(np.stack(rows[: len(tokens)]) - expected_logits).max() == 0.0
+    _all_released(chain_daemons)
+
+
+def test_unknown_session_is_a_cache_miss_and_position_zero_admits(chain_daemons, prompt_ids):
+    with chain_daemons[0].client() as client:
+        with pytest.raises(KvpoolError) as miss:
+            client.append("never-seen", 1, 3, tokens=[1, 2])
+        assert miss.value.code == "cache_miss" and miss.value.reason == "unknown"
+        assert client.stats().sessions == []
+        result = client.append("never-seen", 1, 0, tokens=prompt_ids[0][:4])
+        assert result.admitted and result.length == 4
+        assert not client.append("never-seen", 1, 4, tokens=prompt_ids[0][4:6]).admitted
+    _all_released(chain_daemons)
+
+
+def test_stale_epoch_is_rejected_untouched_and_newer_epoch_releases_old_state(route, local_chain, chain_daemons, prompt_ids):
+    prompt = prompt_ids[0]
+    route.append("epoch", 5, 0, prompt[:6])
+    reserved = [_reserved(daemon) for daemon in chain_daemons]
+    for call in (
+        lambda c: c.append("epoch", 4, 6, tokens=[1]) if c.shard.is_first else c.append("epoch", 4, 6, hidden=np.zeros((1, 576), np.float32)),
+        lambda c: c.truncate("epoch", 4, 0),
+        lambda c: c.release("epoch", 4),
+        lambda c: c.cancel("epoch", 4),
+    ):
+        for client in route.clients:
+            with pytest.raises(KvpoolError) as stale:
+                call(client)
+            assert stale.value.code == "stale_epoch"
+    assert [_reserved(daemon) for daemon in chain_daemons] == reserved
+    # untouched: epoch 5 continues exactly
+    logits = route.append("epoch", 5, 6, prompt[6:])
+    with local_chain.new_session(N_CTX) as fresh:
+        assert np.abs(logits - fresh.append(0, prompt)).max() == 0.0
+    # a newer epoch releases the old state first; without state, position > 0 is a miss (new_epoch)
+    with pytest.raises(KvpoolError) as newer:
+        route.append("epoch", 6, len(prompt), [7])
+    assert newer.value.code == "cache_miss" and newer.value.reason == "new_epoch"
+    assert _reserved(chain_daemons[0]) == 0
+    logits = route.append("epoch", 6, 0, prompt)
+    with local_chain.new_session(N_CTX) as fresh:
+        assert np.abs(logits - fresh.append(0, prompt)).max() == 0.0
+    with pytest.raises(KvpoolError) as old:
+        route.append("epoch", 5, len(prompt), [7])
+    assert old.value.code == "stale_epoch"
+    _all_released(chain_daemons)
+
+
+def test_context_full_is_an_error_not_a_crash(chain_daemons, prompt_ids):
+    with chain_daemons[0].client() as client:
+        client.append("small", 1, 0, tokens=prompt_ids[1][:10], n_ctx=16)
+        with pytest.raises(KvpoolError) as full:
+            client.append("small", 1, 10, tokens=prompt_ids[1][10:17])
+        assert full.value.code == "context_full" and full.value.length == 10
+        assert client.append("small", 1, 10, tokens=prompt_ids[1][10:16]).length == 16
+        with pytest.raises(KvpoolError) as too_big:
+            client.append("big", 1, 0, tokens=[1], n_ctx=N_CTX + 1)
+        assert too_big.value.code == "bad_request"
+    _all_released(chain_daemons)
+
+
+def test_four_concurrent_sessions_through_the_chain_equal_each_alone(chain_daemons, local_chain, tokenizer, prompt_ids):
+    prompts = [
+        prompt_ids[0],
+        prompt_ids[1],
+        tokenizer.encode(tokenizer.chat_prompt("List four fruits.")),
+        tokenizer.encode(tokenizer.chat_prompt("Why is the sky blue? Answer briefly.")),
+    ]
+    expected = [_alone(local_chain, prompt, chunk=5 + index) for index, prompt in enumerate(prompts)]
+    results: dict[int, tuple] = {}
+    errors: list[BaseException] = []
+
+    def run(index: int) -> None:
+        clients = [daemon.client() for daemon in chain_daemons]
+        try:
+            results[index] = _through(DaemonRoute(clients), f"concurrent-{index}", 3, prompts[index], chunk=5 + index)
+        except BaseException as error:  # noqa: BLE001
+            errors.append(error)
+        finally:
+            for client in clients:
+                client.close()
+
+    threads = [threading.Thread(target=run, args=(index,)) for index in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(300)
+    assert not errors, errors
+    for index in range(4):
+        tokens, logits = results[index]
+        assert tokens == expected[index][0], f"session {index} diverged"
+        assert np.abs(logits - expected[index][1]).max() == 0.0
+    for daemon in chain_daemons:
+        with daemon.client() as client:
+            stats = client.stats()
+            assert len(stats.sessions) == 4 and stats.integrity == "ok"
+            assert 1 <= stats.counters["peak_concurrent_compute_threads"] <= 1  # --threads 1
+    _all_released(chain_daemons)
+
+
+def test_cancel_aborts_an_inflight_prefill_and_rolls_back(model_path, socket_dir, tokenizer):
+    daemon = DaemonProcess(model_path, socket_dir / "cancel.sock", "--threads", "1", "--n-ctx", "2048", "--max-sessions", "2")
+    try:
+        text = " ".join(f"word{i}" for i in range(900))
+        long_prompt = tokenizer.encode(text)[:1900]
+        with daemon.client() as client, daemon.client() as reference:
+            client.append("cancel", 1, 0, tokens=long_prompt[:10])
+            outcome: dict[str, object] = {}
+
+            def long_append() -> None:
+                try:
+                    outcome["result"] = client.append("cancel", 1, 10, tokens=long_prompt[10:])
+                except KvpoolError as error:
+                    outcome["error"] = error
+
+            thread = threading.Thread(target=long_append)
+            thread.start()
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                rows = reference.stats().sessions
+                if rows and rows[0].in_flight:
+                    break
+                time.sleep(0.01)
+            time.sleep(0.2)
+            done = client.cancel("cancel", 1)
+            thread.join(60)
+            assert done.detail == "cancel requested"
+            error = outcome.get("error")
+            assert isinstance(error, KvpoolError) and error.code == "cancelled", outcome
+            assert error.length == 10
+            assert reference.stats().sessions[0].length == 10
+            # continuing after the rollback equals a run that was never cancelled
+            logits = client.append("cancel", 1, 10, tokens=long_prompt[10:40]).rows
+            fresh = reference.append("fresh", 1, 0, tokens=long_prompt[:40]).rows
+            assert np.abs(logits - fresh).max() == 0.0
+            assert reference.stats().counters["cancels"] == 1
+            nothing = client.cancel("cancel", 1)
+            assert nothing.detail == "nothing in flight"
+    finally:
+        daemon.stop()
+
+
+# ---- budget, eviction, expiry ---------------------------------------------------------------------
+
+
+def test_lru_eviction_on_admission_spares_recent_and_returns_bytes(shards, socket_dir, local_chain, prompt_ids):
+    first = shards[0]
+    daemon = DaemonProcess(first.path, socket_dir / "lru.sock", "--threads", "1", "--n-ctx", str(N_CTX), "--max-sessions", "2")
+    try:
+        with daemon.client() as client:
+            a = client.append("lru-a", 1, 0, tokens=prompt_ids[0][:8]).rows
+            client.append("lru-b", 1, 0, tokens=prompt_ids[1][:8])
+            time.sleep(0.01)
+            client.append("lru-a", 1, 8, tokens=prompt_ids[0][8:10])  # a is now the most recently used
+            reserved_two = client.stats().budget.reserved_bytes
+            client.append("lru-c", 1, 0, tokens=prompt_ids[1][:5])  # needs a worker: evicts b
+            stats = client.stats()
+            assert {row.session_id for row in stats.sessions} == {"lru-a", "lru-c"}
+            assert stats.budget.reserved_bytes == reserved_two and stats.counters["evictions"] == 1
+            with pytest.raises(KvpoolError) as miss:
+                client.append("lru-b", 1, 8, tokens=[1])
+            assert miss.value.code == "cache_miss" and miss.value.reason == "evicted"
+            # a was not touched
+            continued = client.append("lru-a", 1, 10, tokens=prompt_ids[0][10:14]).rows
+        with local_chain.models[0].new_context(N_CTX) as fresh:
+            expected_a = fresh.append(0, tokens=np.asarray(prompt_ids[0][:8]))
+            fresh.append(8, tokens=np.asarray(prompt_ids[0][8:10]))
+            expected_continued = fresh.append(10, tokens=np.asarray(prompt_ids[0][10:14]))
+        assert np.array_equal(a, expected_a) and np.array_equal(continued, expected_continued)
+    finally:
+        daemon.stop()
+
+
+def test_budget_admission_over_budget_and_waiting(shards, socket_dir, prompt_ids):
+    first = shards[0]
+    # n_ctx 64 sessions; the budget fits exactly one of them (charge measured at start, reported in stats)
+    probe = DaemonProcess(first.path, socket_dir / "probe.sock", "--threads", "1", "--n-ctx", "64", "--max-sessions", "1")
+    try:
+        with probe.client() as client:
+            client.append("probe", 1, 0, tokens=[1, 2])
+            charge = client.stats().sessions[0].charged_bytes
+    finally:
+        probe.stop()
+    daemon = DaemonProcess(first.path, socket_dir / "budget.sock", "--threads", "1", "--n-ctx", "64", "--max-sessions", "3", "--budget", str(charge + charge // 2))
+    try:
+        with daemon.client() as client, daemon.client() as other:
+            client.append("busy", 1, 0, tokens=prompt_ids[0][:4])
+            # an idle session is evicted to make room
+            client.append("second", 1, 0, tokens=prompt_ids[0][:4])
+            assert [row.session_id for row in client.stats().sessions] == ["second"]
+            # a session with a request in flight is never evicted: hold one in flight from another thread
+            long_tokens = (prompt_ids[1] * 4)[:60]
+            holder = threading.Thread(target=lambda: other.append("second", 1, 4, tokens=long_tokens))
+            holder.start()
+            while not client.stats().sessions[0].in_flight and holder.is_alive():
+                time.sleep(0.002)
+            if holder.is_alive():
+                with pytest.raises(KvpoolError) as over:
+                    client.append("third", 1, 0, tokens=[1, 2])
+                assert over.value.code == "over_budget"
+            holder.join(60)
+            assert [row.session_id for row in client.stats().sessions] == ["second"]
+            # waiting admission: released capacity is taken within the client's timeout
+            releaser = threading.Timer(0.3, lambda: other.release("second", 1))
+            releaser.start()
+            started = time.monotonic()
+            result = client.append("third", 1, 0, tokens=[1, 2], admit_timeout_s=0.0)
+            releaser.join()
+            assert result.admitted  # evicts idle "second" at once, or takes the released bytes
+            assert time.monotonic() - started < 10
+            stats = client.stats()
+            assert stats.budget.reserved_bytes <= stats.budget.limit_bytes and stats.integrity == "ok"
+    finally:
+        daemon.stop()
+
+
+def test_over_budget_when_nothing_can_be_evicted_then_wait_for_release(shards, socket_dir):
+    first = shards[0]
+    daemon = DaemonProcess(first.path, socket_dir / "wait.sock", "--threads", "1", "--n-ctx", "64", "--max-sessions", "1")
+    try:
+        with daemon.client() as client, daemon.client() as other:
+            client.append("holder", 1, 0, tokens=[1, 2, 3])
+            hold = threading.Event()
+            # keep "holder" busy with a chain of appends so it is never idle while "waiter" asks
+            def keep_busy():
+                position = 3
+                while not hold.is_set() and position < 60:
+                    other.append("holder", 1, position, tokens=[4])
+                    position += 1
+                other.release("holder", 1)
+            busy = threading.Thread(target=keep_busy)
+            busy.start()
+            time.sleep(0.05)
+            threading.Timer(0.5, hold.set).start()
+            result = client.append("waiter", 1, 0, tokens=[1, 2], admit_timeout_s=20.0)
+            busy.join(30)
+            assert result.admitted and result.length == 2
+            assert client.stats().counters["over_budget_rejects"] == 0
+    finally:
+        daemon.stop()
+
+
+def test_ttl_expires_idle_sessions(shards, socket_dir, prompt_ids):
+    daemon = DaemonProcess(shards[0].path, socket_dir / "ttl.sock", "--threads", "1", "--n-ctx", "64", "--max-sessions", "2", "--ttl", "1")
+    try:
+        with daemon.client() as client:
+            client.append("short-lived", 1, 0, tokens=prompt_ids[0][:4])
+            assert client.stats().budget.reserved_bytes > 0
+            time.sleep(2.5)
+            stats = client.stats()
+            assert stats.sessions == [] and stats.budget.reserved_bytes == 0 and stats.counters["expirations"] == 1
+            with pytest.raises(KvpoolError) as miss:
+                client.append("short-lived", 1, 4, tokens=[1])
+            assert miss.value.code == "cache_miss" and miss.value.reason == "expired"
+    finally:
+        daemon.stop()
+
+
+# ---- crash containment ----------------------------------------------------------------------------
+
+
+def test_killed_worker_loses_one_session_only_and_is_replaced(route, chain_daemons, local_chain, prompt_ids):
+    victim_prompt, survivor_prompt = prompt_ids[1], prompt_ids[0]
+    expected_tokens, expected_logits = _alone(local_chain, survivor_prompt)
+    route.append("victim", 1, 0, victim_prompt)
+    route.append("survivor", 1, 0, survivor_prompt[:5])
+    middle = chain_daemons[1]
+    with middle.client() as client:
+        stats = client.stats()
+        victim_pid = next(row.worker_pid for row in stats.sessions if row.session_id == "victim")
+        workers_before = len(stats.workers)
+    os.kill(victim_pid, signal.SIGKILL)
+    with pytest.raises(KvpoolError) as lost:
+        route.append("victim", 1, len(victim_prompt), [42])
+    assert lost.value.code in ("worker_lost", "cache_miss")
+    # the middle shard reports why it has no state (the first shard has taken the token: the router's
+    # business, it replays the route from 0)
+    with pytest.raises(KvpoolError) as after:
+        route.clients[1].append("victim", 1, len(victim_prompt) + 1, hidden=np.zeros((1, 576), np.float32))
+    assert after.value.code == "cache_miss" and after.value.reason == "worker_lost"
+    rows = []
+
+    def append(start, tokens):
+        logits = route.append("survivor", 1, 5, survivor_prompt[5:]) if start == 0 else route.append("survivor", 1, start, tokens)
+        rows.append(logits[-1].copy())
+        return logits
+
+    tokens = list(greedy_tokens(append, survivor_prompt, GREEDY))
+    assert tokens == expected_tokens
+    assert np.abs(np.stack(rows[: len(tokens)]) - expected_logits).max() == 0.0
+    deadline = time.monotonic() + 60
+    with middle.client() as client:
+        while time.monotonic() < deadline:
+            stats = client.stats()
+            if len(stats.workers) == workers_before and victim_pid not in {w.pid for w in stats.workers}:
+                break
+            time.sleep(0.1)
+        assert len(stats.workers) == workers_before and stats.counters["worker_restarts"] >= 1
+        assert victim_pid not in {w.pid for w in stats.workers}
+    # the victim replays from 0 and gets the exact result
+    route.release("victim", 1)
+    logits = route.append("victim", 2, 0, victim_prompt)
+    with local_chain.new_session(N_CTX) as fresh:
+        assert np.abs(logits - fresh.append(0, victim_prompt)).max() == 0.0
+    _all_released(chain_daemons)
+
+
+def test_drifted_worker_is_recycled_when_idle(shards, socket_dir):
+    daemon = DaemonProcess(shards[0].path, socket_dir / "drift.sock", "--threads", "1", "--n-ctx", "64", "--max-sessions", "1", "--memory-margin", "1")
+    try:
+        with daemon.client() as client:
+            pid_before = client.stats().workers[0].pid
+            client.append("drift", 1, 0, tokens=list(range(1, 60)))
+            client.release("drift", 1)  # freed context, but USS stays above the 1-byte margin
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                stats = client.stats()
+                if stats.workers and stats.workers[0].pid != pid_before:
+                    break
+                time.sleep(0.1)
+            assert stats.workers[0].pid != pid_before and stats.counters["worker_restarts"] >= 1
+            assert client.append("after", 1, 0, tokens=[1, 2]).length == 2
+    finally:
+        daemon.stop()
+
+
+# ---- safety and operations ------------------------------------------------------------------------
+
+
+def _raw_connection(path) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(30)
+    sock.connect(str(path))
+    return sock
+
+
+def _read_reply(sock: socket.socket):
+    header = b""
+    while len(header) < 4:
+        chunk = sock.recv(4 - len(header))
+        if not chunk:
+            return None
+        header += chunk
+    (size,) = FRAME_HEADER.unpack(header)
+    payload = b""
+    while len(payload) < size:
+        payload += sock.recv(size - len(payload))
+    return decode_reply(payload)
+
+
+def test_socket_is_private_and_bad_frames_never_hurt_the_daemon(chain_daemons, prompt_ids):
+    first = chain_daemons[0]
+    mode = os.stat(first.socket).st_mode
+    assert stat.S_IMODE(mode) == 0o600 and stat.S_IMODE(os.stat(first.socket.parent).st_mode) == 0o700
+    with first.client() as live:
+        live.append("live", 1, 0, tokens=prompt_ids[0][:6])
+        # no Hello first
+        sock = _raw_connection(first.socket)
+        sock.sendall(encode(Stats()))
+        reply = _read_reply(sock)
+        assert reply.code == "bad_request" and _read_reply(sock) is None
+        sock.close()
+        # wrong protocol version
+        sock = _raw_connection(first.socket)
+        sock.sendall(encode(Hello(version=PROTOCOL_VERSION + 1)))
+        assert _read_reply(sock).code == "bad_request" and _read_reply(sock) is None
+        sock.close()
+        # garbage, unknown tag, wrong types, then an absurd length
+        sock = _raw_connection(first.socket)
+        sock.sendall(encode(Hello(version=PROTOCOL_VERSION)))
+        assert _read_reply(sock).version == PROTOCOL_VERSION
+        for payload in (b"\xc1\xc1\xc1", b"\x81\xa4type\xa4Nope", b"\x82\xa4type\xa6Append\xaasession_id\x05"):
+            sock.sendall(FRAME_HEADER.pack(len(payload)) + payload)
+            assert _read_reply(sock).code == "bad_request"
+        for bad in (
+            Append(session_id="live", epoch=1, start_pos=6, tokens=[-1]),
+            Append(session_id="live", epoch=1, start_pos=6, tokens=[49152]),
+            Append(session_id="live", epoch=1, start_pos=6, hidden=b"\0" * 16),
+            Append(session_id="live", epoch=1, start_pos=6, tokens=[]),
+            Append(session_id="", epoch=1, start_pos=0, tokens=[1]),
+            Append(session_id="live", epoch=-1, start_pos=6, tokens=[1]),
+            Append(session_id="live", epoch=1, start_pos=-6, tokens=[1]),
+        ):
+            sock.sendall(encode(bad))
+            reply = _read_reply(sock)
+            assert reply.code == "bad_request", bad
+        sock.sendall(FRAME_HEADER.pack(2**31))
+        assert _read_reply(sock).code == "bad_request" and _read_reply(sock) is None
+        sock.close()
+        # the live session was not touched by any of it
+        stats = live.stats()
+        assert [(row.session_id, row.length) for row in stats.sessions] == [("live", 6)]
+        assert live.append("live", 1, 6, tokens=prompt_ids[0][6:8]).length == 8
+    _all_released(chain_daemons)
+
+
+def test_other_users_are_refused_by_peer_credentials(chain_daemons):
+    if os.getuid() != 0:
+        pytest.skip("needs root to connect as another uid")  # CI runs as root
+    first = chain_daemons[0]
+    os.chmod(first.socket.parent, 0o711)
+    os.chmod(first.socket, 0o666)
+    try:
+        read_end, write_end = os.pipe()
+        child = os.fork()
+        if child == 0:  # pragma: no cover - child process
+            os.close(read_end)
+            result = b"?"
+            try:
+                os.setgid(65534)
+                os.setuid(65534)
+                sock = _raw_connection(first.socket)
+                sock.sendall(encode(Hello(version=PROTOCOL_VERSION)))
+                result = b"closed" if _read_reply(sock) is None else b"answered"
+            except (BrokenPipeError, ConnectionResetError):
+                result = b"closed"  # the daemon hung up before or while we wrote
+            except Exception as error:  # noqa: BLE001
+                result = repr(error).encode()
+            os.write(write_end, result)
+            os._exit(0)
+        os.close(write_end)
+        os.waitpid(child, 0)
+        answer = os.read(read_end, 200)
+        os.close(read_end)
+        assert answer == b"closed"
+    finally:
+        os.chmod(first.socket.parent, 0o700)
+        os.chmod(first.socket, 0o600)
+
+
+def test_status_command_and_prometheus_metrics(shards, socket_dir, prompt_ids):
+    import subprocess
+    import sys
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    daemon = DaemonProcess(shards[0].path, socket_dir / "status.sock", "--threads", "1", "--n-ctx", "64", "--max-sessions", "2", "--metrics-port", str(port))
+    try:
+        with daemon.client() as client:
+            client.append("shown", 7, 0, tokens=prompt_ids[0][:9])
+            with pytest.raises(KvpoolError):
+                client.append("missing", 1, 2, tokens=[1])
+        status = subprocess.run(
+            [sys.executable, "-m", "kvpool", "status", "--socket", str(daemon.socket)], capture_output=True, text=True, timeout=60
+        )
+        assert status.returncode == 0, status.stderr
+        line = next(line for line in status.stdout.splitlines() if line.startswith("shown"))
+        assert line.split()[:4] == ["shown", "7", "9", "64"]
+        assert "books: ok" in status.stdout and "reserved" in status.stdout
+        metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        assert "kvpool_appends_total 1.0" in metrics
+        assert 'kvpool_cache_misses_by_reason_total{reason="unknown"} 1.0' in metrics
+        assert "kvpool_sessions 1.0" in metrics
+    finally:
+        daemon.stop()
+
+
+def test_sigint_and_shutdown_request_stop_cleanly(shards, socket_dir):
+    daemon = DaemonProcess(shards[0].path, socket_dir / "sigint.sock", "--threads", "1", "--n-ctx", "64", "--max-sessions", "2")
+    with daemon.client() as client:
+        client.append("s", 1, 0, tokens=[1, 2, 3])
+    assert daemon.stop(sig=signal.SIGINT) == 0
+    daemon = DaemonProcess(shards[0].path, socket_dir / "shutdown.sock", "--threads", "1", "--n-ctx", "64", "--max-sessions", "2")
+    pids = daemon.worker_pids()
+    with daemon.client() as client:
+        client.shutdown()
+    assert daemon.process.wait(30) == 0
+    assert daemon.stop() == 0
+    assert not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE for pid in pids)

@@ -1,0 +1,98 @@
+"""Messages between the supervisor and one worker process, over a pipe (bulk rows go through shared memory).
+
+Shared memory layout of a worker's segment: [0, CONTROL_BYTES) control words (the int32 abort flag at
+offset 0, set by the supervisor to cancel an in-flight append), then the input region, then the output
+region. A worker serves one command at a time and answers each with exactly one reply.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+CONTROL_BYTES = 64
+ABORT_FLAG_OFFSET = 0
+
+
+class Command(msgspec.Struct, tag=True, forbid_unknown_fields=True, kw_only=True):
+    pass
+
+
+class OpenContext(Command):
+    n_ctx: int
+    measure: bool = False
+
+
+class RunAppend(Command):
+    """Input rows are in the input region: int32 token ids, or float32 [n_rows, n_embd] hidden states."""
+
+    start_pos: int
+    n_rows: int
+    tokens: bool
+    output_rows: str = "last"
+
+
+class TruncateContext(Command):
+    length: int
+
+
+class CloseContext(Command):
+    pass
+
+
+class Ping(Command):
+    pass
+
+
+class Exit(Command):
+    pass
+
+
+class WorkerReply(msgspec.Struct, tag=True, forbid_unknown_fields=True, kw_only=True):
+    pass
+
+
+class Ready(WorkerReply):
+    pid: int
+    layer_start: int
+    layer_stop: int
+    total_layers: int
+    n_embd: int
+    n_vocab: int
+    kv_bytes_per_position: int
+
+
+class Opened(WorkerReply):
+    n_ctx: int
+    uss_before: int = 0
+    uss_after: int = 0
+
+
+class Appended(WorkerReply):
+    """The result rows are in the output region: float32 [rows, width]."""
+
+    length: int
+    rows: int
+    width: int
+
+
+class Truncated(WorkerReply):
+    length: int
+
+
+class Closed(WorkerReply):
+    pass
+
+
+class Pong(WorkerReply):
+    pid: int
+    has_context: bool
+
+
+class Failed(WorkerReply):
+    code: str
+    message: str
+    length: int = 0
+
+
+AnyCommand = OpenContext | RunAppend | TruncateContext | CloseContext | Ping | Exit
+AnyWorkerReply = Ready | Opened | Appended | Truncated | Closed | Pong | Failed

@@ -1,0 +1,181 @@
+"""The worker process: loads one shard once, holds at most one live context, obeys the supervisor's pipe.
+
+Started with the `spawn` method by kvpool.pool; knows nothing of budgets, sessions or other workers.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+from dataclasses import dataclass
+from multiprocessing import shared_memory
+from multiprocessing.connection import Connection
+
+import msgspec
+import numpy as np
+import psutil
+
+from workers.commands import (
+    ABORT_FLAG_OFFSET,
+    CONTROL_BYTES,
+    AnyCommand,
+    Appended,
+    CloseContext,
+    Closed,
+    Exit,
+    Failed,
+    Opened,
+    OpenContext,
+    Ping,
+    Pong,
+    Ready,
+    RunAppend,
+    Truncated,
+    TruncateContext,
+)
+from workers.errors import ShardRuntimeError
+from workers.runtime import ShardContext, ShardModel
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSpec:
+    """Everything a worker needs to start; picklable for `spawn`."""
+
+    shard_path: str
+    shm_name: str
+    input_bytes: int
+    output_bytes: int
+    n_threads: int
+    flash_attn: bool
+    n_gpu_layers: int = 0
+    verbose: bool = False
+
+
+def worker_main(connection: Connection, spec: WorkerSpec) -> None:
+    # The supervisor owns shutdown: a terminal's Ctrl-C reaches the whole process group.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    encoder = msgspec.msgpack.Encoder()
+    decoder = msgspec.msgpack.Decoder(AnyCommand)
+    # The supervisor created the segment and unlinks it; a spawned worker shares the supervisor's
+    # resource tracker, so attaching here registers nothing new.
+    segment = shared_memory.SharedMemory(name=spec.shm_name)
+    try:
+        model = ShardModel(
+            spec.shard_path,
+            n_threads=spec.n_threads,
+            flash_attn=spec.flash_attn,
+            n_gpu_layers=spec.n_gpu_layers,
+            verbose=spec.verbose,
+        )
+    except Exception as error:  # noqa: BLE001 - reported to the supervisor, which refuses to start
+        connection.send_bytes(encoder.encode(Failed(code="load_failed", message=str(error))))
+        return
+    server = WorkerServer(model, segment, spec)
+    layout = model.layout
+    connection.send_bytes(
+        encoder.encode(
+            Ready(
+                pid=os.getpid(),
+                layer_start=layout.layer_start,
+                layer_stop=layout.layer_stop,
+                total_layers=layout.total_layers,
+                n_embd=layout.n_embd,
+                n_vocab=layout.n_vocab,
+                kv_bytes_per_position=model.kv_bytes_per_position(),
+            )
+        )
+    )
+    try:
+        while True:
+            try:
+                command = decoder.decode(connection.recv_bytes())
+            except EOFError:
+                return  # the supervisor is gone
+            if isinstance(command, Exit):
+                return
+            connection.send_bytes(encoder.encode(server.handle(command)))
+    finally:
+        server.close()
+        model.close()
+
+
+class WorkerServer:
+    """Executes commands against the model and its one optional context."""
+
+    def __init__(self, model: ShardModel, segment: shared_memory.SharedMemory, spec: WorkerSpec) -> None:
+        self.model = model
+        self.spec = spec
+        self.context: ShardContext | None = None
+        self._buffer = segment.buf
+        self._abort_flag_address = ctypes.addressof(ctypes.c_char.from_buffer(segment.buf, ABORT_FLAG_OFFSET))
+        self._process = psutil.Process()
+
+    def handle(self, command: AnyCommand):
+        match command:
+            case OpenContext(n_ctx=n_ctx, measure=measure):
+                return self._open(n_ctx, measure)
+            case RunAppend():
+                return self._append(command)
+            case TruncateContext(length=length):
+                if self.context is None:
+                    return Failed(code="no_context", message="no open context")
+                try:
+                    return Truncated(length=self.context.truncate(length))
+                except ShardRuntimeError as error:
+                    return Failed(code=error.code, message=str(error), length=error.length)
+            case CloseContext():
+                self._close_context()
+                return Closed()
+            case Ping():
+                return Pong(pid=os.getpid(), has_context=self.context is not None)
+        return Failed(code="bad_command", message=f"unknown command {type(command).__name__}")
+
+    def _open(self, n_ctx: int, measure: bool):
+        self._close_context()
+        before = self._process.memory_full_info().uss if measure else 0
+        try:
+            self.context = self.model.new_context(n_ctx, abort_flag_address=self._abort_flag_address)
+        except (MemoryError, ValueError) as error:
+            return Failed(code="open_failed", message=str(error))
+        after = self._process.memory_full_info().uss if measure else 0
+        return Opened(n_ctx=n_ctx, uss_before=before, uss_after=after)
+
+    def _append(self, command: RunAppend):
+        context = self.context
+        if context is None:
+            return Failed(code="no_context", message="no open context")
+        layout = self.model.layout
+        n_rows = command.n_rows
+        try:
+            if command.tokens:
+                if n_rows * 4 > self.spec.input_bytes:
+                    return Failed(code="bad_request", message="too many rows", length=context.length)
+                rows = np.frombuffer(self._buffer, np.int32, n_rows, CONTROL_BYTES)
+                kwargs = {"tokens": rows}
+            else:
+                if n_rows * layout.n_embd * 4 > self.spec.input_bytes:
+                    return Failed(code="bad_request", message="too many rows", length=context.length)
+                rows = np.frombuffer(self._buffer, np.float32, n_rows * layout.n_embd, CONTROL_BYTES)
+                kwargs = {"hidden": rows.reshape(n_rows, layout.n_embd)}
+            if layout.is_last:
+                out_rows, width = (n_rows if command.output_rows == "all" else 1), layout.n_vocab
+            else:
+                out_rows, width = n_rows, layout.n_embd
+            if out_rows * width * 4 > self.spec.output_bytes:
+                return Failed(code="bad_request", message="result too large for the output region", length=context.length)
+            out = np.frombuffer(
+                self._buffer, np.float32, out_rows * width, CONTROL_BYTES + self.spec.input_bytes
+            ).reshape(out_rows, width)
+            context.append(command.start_pos, output_rows=command.output_rows, out=out, **kwargs)
+        except ShardRuntimeError as error:
+            return Failed(code=error.code, message=str(error), length=error.length)
+        return Appended(length=context.length, rows=out_rows, width=width)
+
+    def _close_context(self) -> None:
+        if self.context is not None:
+            self.context.close()
+            self.context = None
+
+    def close(self) -> None:
+        self._close_context()
