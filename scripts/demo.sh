@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The main job on the embedded default: install, cut the bundled model into 3 shards, generate through them.
+# The main job on the embedded default: install, cut the bundled model into 3 shards, serve each with a
+# kvpool daemon, generate text through the three daemons.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
-exec .venv/bin/kvpool generate "$@"
+exec .venv/bin/kvpool demo "$@"

@@ -1,0 +1,127 @@
+"""`kvpool demo`: the main job on the embedded default. Cut the bundled model into shards, start one
+`kvpool serve` daemon per shard, generate text through them as a router would, show their state, stop."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import sys
+import tempfile
+import time
+
+from kvpool.bundled import BundledModelMissing, bundled_model_path
+from kvpool.cli_status import render
+from kvpool.client import KvpoolError
+from kvpool.daemon_route import DaemonRoute
+from kvpool.generate import greedy_tokens
+from kvpool.launcher import DaemonStartFailed, start_daemons
+from kvpool.shardcache import cached_shards
+from kvpool.shardfile import ShardError, even_splits, read_shard_info
+from kvpool.tokenizer import Tokenizer
+
+DEFAULT_PROMPT = "Write a short story about a lighthouse keeper."
+
+
+def add_parser(subcommands: argparse._SubParsersAction) -> None:
+    parser = subcommands.add_parser(
+        "demo",
+        help="cut the model into shards, serve each with a daemon, generate through them",
+        description=(
+            "The main job on the embedded default: the bundled SmolLM2-135M model is cut into --parts shards, "
+            "one `kvpool serve` daemon per shard is started, and text is generated greedily through the route "
+            "of daemons (token ids into the first, hidden states between them, logits from the last). "
+            "Then each daemon's session table is shown, the session released and the daemons stopped."
+        ),
+    )
+    parser.add_argument("prompt", nargs="?", default=DEFAULT_PROMPT, help=f"prompt text (default: {DEFAULT_PROMPT!r})")
+    parser.add_argument("--model", type=pathlib.Path, help="source GGUF (default: the bundled model)")
+    parser.add_argument("--parts", type=int, default=3, help="shards, one daemon each (default 3)")
+    parser.add_argument("--max-tokens", type=int, default=48, help="tokens to generate (default 48)")
+    parser.add_argument("--raw", action="store_true", help="send the prompt without the chat template")
+    parser.add_argument("--ids", action="store_true", help="also print the generated token ids, one per line")
+    parser.add_argument("--quiet", action="store_true", help="print only the generated text")
+    parser.set_defaults(func=run)
+
+
+def _say(message: str) -> None:
+    print(f"kvpool demo: {message}", file=sys.stderr, flush=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        source = args.model or bundled_model_path()
+        total = read_shard_info(source).total_layers
+        shards = cached_shards(source, even_splits(total, args.parts), progress=_say)
+    except (ShardError, BundledModelMissing) as error:
+        print(f"kvpool demo: error: {error}", file=sys.stderr)
+        return 2
+    # One llama thread per daemon: the daemons of a route compute one after the other for one session.
+    options = ["--threads", "1", "--max-sessions", "2", "--n-ctx", "1024", "--ttl", "60"]
+    socket_dir = pathlib.Path(tempfile.mkdtemp(prefix="kvpool-demo-"))
+    _say(f"starting {len(shards)} daemons (sockets in {socket_dir})")
+    started = time.perf_counter()
+    try:
+        daemons = start_daemons([shard.path for shard in shards], socket_dir, options)
+    except DaemonStartFailed as error:
+        print(f"kvpool demo: error: {error}", file=sys.stderr)
+        return 1
+    try:
+        for daemon, shard in zip(daemons, shards):
+            _say(f"daemon pid {daemon.process.pid} serves layers [{shard.layer_start}, {shard.layer_stop}) on {daemon.socket.name}")
+        _say(f"daemons ready in {time.perf_counter() - started:.1f} s")
+        clients = [daemon.client() for daemon in daemons]
+        try:
+            return _generate(args, shards[0].path, DaemonRoute(clients), clients)
+        except KvpoolError as error:
+            print(f"kvpool demo: error from a daemon: {error}", file=sys.stderr)
+            return 1
+        finally:
+            for client in clients:
+                client.close()
+    finally:
+        codes = [daemon.stop() for daemon in daemons]
+        _say(f"daemons stopped (exit codes {codes})")
+        for daemon in daemons:
+            daemon.log_path.unlink(missing_ok=True)
+        try:
+            os.rmdir(socket_dir)
+        except OSError:
+            pass
+
+
+def _generate(args: argparse.Namespace, tokenizer_path: pathlib.Path, route: DaemonRoute, clients) -> int:
+    session_id, epoch = f"demo-{os.getpid()}", 1
+    with Tokenizer(tokenizer_path) as tokenizer:
+        prompt = tokenizer.encode(args.prompt if args.raw else tokenizer.chat_prompt(args.prompt))
+        _say(f"session ({session_id!r}, epoch {epoch}): {len(prompt)} prompt tokens through {len(clients)} daemons")
+        started = time.perf_counter()
+        generated: list[int] = []
+        pending = b""
+
+        def append(start: int, tokens) -> object:
+            return route.append(session_id, epoch, start, tokens)
+
+        for token in greedy_tokens(append, prompt, args.max_tokens, is_end=tokenizer.is_end_of_generation):
+            generated.append(token)
+            if tokenizer.is_end_of_generation(token):
+                break
+            pending += tokenizer.piece(token)
+            try:
+                sys.stdout.write(pending.decode())
+                pending = b""
+            except UnicodeDecodeError:
+                continue
+            sys.stdout.flush()
+        elapsed = time.perf_counter() - started
+        sys.stdout.write(pending.decode(errors="replace") + "\n")
+        if args.ids:
+            for token in generated:
+                print(token)
+    _say(f"{len(generated)} tokens in {elapsed:.2f} s ({len(generated) / elapsed:.1f} tok/s, prefill included)")
+    if not args.quiet:
+        for index, client in enumerate(clients):
+            print(f"\n--- daemon {index}: kvpool status ---", file=sys.stderr)
+            print(render(client.stats()), file=sys.stderr)
+    route.release(session_id, epoch)
+    return 0

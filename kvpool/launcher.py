@@ -1,0 +1,96 @@
+"""Start and stop `kvpool serve` daemons as child processes (used by `kvpool demo`, the stress script,
+the benchmarks and the tests)."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+
+import psutil
+
+from kvpool.client import Client, ConnectionLost
+
+START_TIMEOUT_S = 120.0
+
+
+class DaemonStartFailed(RuntimeError):
+    pass
+
+
+class Daemon:
+    """One `python -m kvpool serve` child; its log goes to <socket>.log. stop() is idempotent."""
+
+    def __init__(self, model: pathlib.Path, socket_path: pathlib.Path, options: Sequence[str] = ()) -> None:
+        self.model = pathlib.Path(model)
+        self.socket = pathlib.Path(socket_path)
+        self.log_path = self.socket.with_suffix(".log")
+        self._log = open(self.log_path, "wb")
+        command = [sys.executable, "-m", "kvpool", "serve", "--model", str(model), "--socket", str(socket_path), *options]
+        self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        self.exit_code: int | None = None
+
+    def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise DaemonStartFailed(f"daemon for {self.model.name} exited with {self.process.returncode}:\n{self.log()}")
+            if self.socket.exists():
+                try:
+                    Client(self.socket, timeout_s=10).close()
+                    return
+                except ConnectionLost:
+                    pass
+            time.sleep(0.05)
+        self.stop(sig=signal.SIGKILL)
+        raise DaemonStartFailed(f"daemon for {self.model.name} did not start within {timeout_s:.0f} s:\n{self.log()}")
+
+    def log(self) -> str:
+        if not self._log.closed:
+            self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def client(self, **kwargs) -> Client:
+        return Client(self.socket, **kwargs)
+
+    def worker_pids(self) -> list[int]:
+        try:
+            return [child.pid for child in psutil.Process(self.process.pid).children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return []
+
+    def stop(self, *, sig: int = signal.SIGTERM, timeout_s: float = 30.0) -> int:
+        """Signal the daemon and wait; kill it after timeout_s. Returns its exit code."""
+        if self.exit_code is not None:
+            return self.exit_code
+        if self.process.poll() is None:
+            self.process.send_signal(sig)
+        try:
+            self.exit_code = self.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.exit_code = self.process.wait()
+        finally:
+            self._log.close()
+        return self.exit_code
+
+
+def start_daemons(
+    models: Sequence[pathlib.Path], socket_dir: pathlib.Path, options: Sequence[str] = (), *, prefix: str = "shard"
+) -> list[Daemon]:
+    """Start one daemon per model (in parallel) and wait until all answer; on failure stop them all."""
+    socket_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(socket_dir, 0o700)
+    daemons = [Daemon(model, socket_dir / f"{prefix}{index}.sock", options) for index, model in enumerate(models)]
+    try:
+        for daemon in daemons:
+            daemon.wait_ready()
+    except BaseException:
+        for daemon in daemons:
+            daemon.stop()
+        raise
+    return daemons
