@@ -29,7 +29,6 @@ from kvpool.protocol import (
     ErrorCode,
     ErrorReply,
     MissReason,
-    OutputRows,
     Release,
     SessionRow,
     ShardDescription,
@@ -311,8 +310,6 @@ class KvService:
             raise bad("an append needs at least one row")
         if n_rows > self.config.n_ctx:
             raise bad(f"{n_rows} rows exceed the daemon's largest context {self.config.n_ctx}")
-        if request.output_rows == OutputRows.ALL and not self.shard.is_last:
-            pass  # non-final shards always return every row's hidden state
         return rows, n_rows
 
     def _validate_session_fields(self, session_id: str, epoch: int, length: int) -> None:
