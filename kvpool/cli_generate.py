@@ -46,6 +46,8 @@ def _route(args: argparse.Namespace, source: pathlib.Path) -> list[ShardInfo]:
         if not args.shards.is_dir():
             raise ShardError(f"shard directory not found: {args.shards}")
         shards = shards_in_directory(args.shards)
+    elif args.parts == 1:
+        shards = [read_shard_info(source)]  # the whole model needs no shard file
     else:
         total = read_shard_info(source).total_layers
         shards = cached_shards(source, even_splits(total, args.parts), progress=_progress)
@@ -97,6 +99,6 @@ def run(args: argparse.Namespace) -> int:
                 print(token)
         _progress(
             f"{len(generated)} tokens after a {len(prompt)}-token prompt in {elapsed:.2f} s "
-            f"through {len(shards)} shards ({len(generated) / elapsed:.1f} tok/s)"
+            f"through {len(shards)} shard{'s' if len(shards) > 1 else ''} ({len(generated) / elapsed:.1f} tok/s)"
         )
     return 0
