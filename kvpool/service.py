@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -42,6 +43,8 @@ from workers.commands import Appended, CloseContext, Failed, Opened, OpenContext
 MAX_SESSION_ID_BYTES = 256
 MAX_ADMIT_WAIT_S = 60.0
 CALIBRATION_ROWS = 512
+
+log = logging.getLogger("kvpool.serve")
 
 
 class RequestFailed(Exception):
@@ -84,7 +87,12 @@ class KvService:
     def _spawn(self, coroutine) -> None:
         task = asyncio.get_running_loop().create_task(coroutine)
         self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        task.add_done_callback(self._background_done)
+
+    def _background_done(self, task: asyncio.Task) -> None:
+        self._background.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("background task failed", exc_info=task.exception())
 
     def theoretical_kv_bytes(self, n_ctx: int) -> int:
         return n_ctx * self.kv_bytes_per_position
@@ -322,6 +330,7 @@ class KvService:
         rows, n_rows = self._validate_append(request)
         await self._fence(request.session_id, request.epoch)
         session = self.table.get(request.session_id)
+        assert session is None or session.epoch == request.epoch, "fencing leaves only the current epoch live"
         admitted = False
         if session is None:
             if request.start_pos > 0:
