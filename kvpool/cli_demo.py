@@ -96,25 +96,13 @@ def _generate(args: argparse.Namespace, tokenizer_path: pathlib.Path, route: Dae
         prompt = tokenizer.encode(args.prompt if args.raw else tokenizer.chat_prompt(args.prompt))
         _say(f"session ({session_id!r}, epoch {epoch}): {len(prompt)} prompt tokens through {len(clients)} daemons")
         started = time.perf_counter()
-        generated: list[int] = []
-        pending = b""
 
         def append(start: int, tokens) -> object:
             return route.append(session_id, epoch, start, tokens)
 
-        for token in greedy_tokens(append, prompt, args.max_tokens, is_end=tokenizer.is_end_of_generation):
-            generated.append(token)
-            if tokenizer.is_end_of_generation(token):
-                break
-            pending += tokenizer.piece(token)
-            try:
-                sys.stdout.write(pending.decode())
-                pending = b""
-            except UnicodeDecodeError:
-                continue
-            sys.stdout.flush()
+        tokens = greedy_tokens(append, prompt, args.max_tokens, is_end=tokenizer.is_end_of_generation)
+        generated = tokenizer.stream(tokens, sys.stdout)
         elapsed = time.perf_counter() - started
-        sys.stdout.write(pending.decode(errors="replace") + "\n")
         if args.ids:
             for token in generated:
                 print(token)

@@ -79,21 +79,9 @@ def run(args: argparse.Namespace) -> int:
             print(f"kvpool generate: error: prompt ({len(prompt)}) + --max-tokens exceed --n-ctx", file=sys.stderr)
             return 2
         started = time.perf_counter()
-        generated: list[int] = []
-        pending = b""
-        for token in greedy_tokens(session.append, prompt, args.max_tokens, is_end=tokenizer.is_end_of_generation):
-            generated.append(token)
-            if tokenizer.is_end_of_generation(token):
-                break
-            pending += tokenizer.piece(token)
-            try:
-                sys.stdout.write(pending.decode())
-                pending = b""
-            except UnicodeDecodeError:
-                continue  # a multi-byte character split across tokens
-            sys.stdout.flush()
+        tokens = greedy_tokens(session.append, prompt, args.max_tokens, is_end=tokenizer.is_end_of_generation)
+        generated = tokenizer.stream(tokens, sys.stdout)
         elapsed = time.perf_counter() - started
-        sys.stdout.write(pending.decode(errors="replace") + "\n")
         if args.ids:
             for token in generated:
                 print(token)

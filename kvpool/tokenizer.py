@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import ctypes
 import os
+from collections.abc import Iterable
+from typing import TextIO
 
 import llama_cpp
 
@@ -46,6 +48,25 @@ class Tokenizer:
 
     def decode(self, tokens: list[int]) -> str:
         return b"".join(self.piece(token) for token in tokens).decode("utf-8", errors="replace")
+
+    def stream(self, tokens: Iterable[int], out: TextIO) -> list[int]:
+        """Write the text of `tokens` to `out` as they come (stopping at end of generation); return them."""
+        generated: list[int] = []
+        pending = b""
+        for token in tokens:
+            generated.append(token)
+            if self.is_end_of_generation(token):
+                break
+            pending += self.piece(token)
+            try:
+                out.write(pending.decode())
+            except UnicodeDecodeError:
+                continue  # a multi-byte character split across tokens
+            pending = b""
+            out.flush()
+        out.write(pending.decode(errors="replace") + "\n")
+        out.flush()
+        return generated
 
     def is_end_of_generation(self, token: int) -> bool:
         return bool(llama_cpp.llama_vocab_is_eog(self._vocab, token))
