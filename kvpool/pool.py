@@ -169,9 +169,11 @@ class WorkerHandle:
 
 
 class WorkerPool:
-    """Starts `size` workers, keeps track of which are free, replaces lost ones.
+    """Starts `size` workers, lends them out, takes them back, replaces lost ones.
 
-    Invariant (check_integrity): free + bound == all workers, and no worker is both.
+    Every worker is either free or taken, never both (check_integrity). The supervisor binds taken
+    workers to sessions; a taken worker that is bound to none is in transit (being freed, calibrated
+    or replaced) and goes back through give_back() or replace().
     """
 
     def __init__(self, spec: PoolSpec) -> None:
@@ -179,6 +181,7 @@ class WorkerPool:
         self._counter = 0
         self._workers: dict[str, WorkerHandle] = {}
         self._free: list[str] = []
+        self._taken: set[str] = set()
         self._lock = threading.Lock()
 
     def start(self) -> Ready:
@@ -208,39 +211,57 @@ class WorkerPool:
     def get(self, name: str) -> WorkerHandle:
         return self._workers[name]
 
+    def taken_names(self) -> set[str]:
+        with self._lock:
+            return set(self._taken)
+
     @property
     def free_count(self) -> int:
         with self._lock:
             return len(self._free)
 
     def take_free(self) -> WorkerHandle | None:
+        """A live free worker, now taken; None if there is none (dead free workers wait for reap_dead)."""
         with self._lock:
-            while self._free:
-                handle = self._workers[self._free.pop()]
-                if not handle.lost:
+            for name in reversed(self._free):
+                handle = self._workers[name]
+                if not handle.lost and handle.process.is_alive():
+                    self._free.remove(name)
+                    self._taken.add(name)
                     return handle
             return None
 
     def take_specific(self, handle: WorkerHandle) -> WorkerHandle | None:
-        """Take this worker off the free list; None if it is not free."""
+        """Take this worker if it is free; None if it is not."""
         with self._lock:
             if handle.name not in self._free:
                 return None
             self._free.remove(handle.name)
+            self._taken.add(handle.name)
             return handle
+
+    def reap_dead(self) -> list[WorkerHandle]:
+        """Take the free workers whose process has died (the caller replaces them)."""
+        with self._lock:
+            dead = [self._workers[name] for name in self._free if not self._workers[name].process.is_alive()]
+            for handle in dead:
+                self._free.remove(handle.name)
+                self._taken.add(handle.name)
+            return dead
 
     def give_back(self, handle: WorkerHandle) -> None:
         with self._lock:
-            if handle.name in self._workers and handle.name not in self._free:
+            if handle.name in self._taken:
+                self._taken.remove(handle.name)
                 self._free.append(handle.name)
 
     def replace(self, handle: WorkerHandle) -> WorkerHandle:
-        """Stop `handle` (lost, or drifted in memory) and start a fresh worker in its place. Blocking."""
+        """Stop a taken worker (lost, or drifted in memory) and start a fresh, free one in its place. Blocking."""
         handle.stop(timeout_s=1.0)
         with self._lock:
+            assert handle.name not in self._free, "replace() takes a taken worker"
             self._workers.pop(handle.name, None)
-            if handle.name in self._free:
-                self._free.remove(handle.name)
+            self._taken.discard(handle.name)
         fresh = self._spawn()
         try:
             fresh.wait_ready(self.spec.ready_timeout_s)
@@ -252,13 +273,13 @@ class WorkerPool:
             self._free.append(fresh.name)
         return fresh
 
-    def check_integrity(self, bound_names: set[str]) -> None:
+    def check_integrity(self) -> None:
         with self._lock:
             free = set(self._free)
             assert len(free) == len(self._free), "a worker is free twice"
-            assert not free & bound_names, f"workers both free and bound: {free & bound_names}"
-            assert free | bound_names == set(self._workers), (
-                f"free {sorted(free)} + bound {sorted(bound_names)} != all {sorted(self._workers)}"
+            assert not free & self._taken, f"workers both free and taken: {sorted(free & self._taken)}"
+            assert free | self._taken == set(self._workers), (
+                f"free {sorted(free)} + taken {sorted(self._taken)} != all {sorted(self._workers)}"
             )
 
     def close(self) -> None:
@@ -266,5 +287,6 @@ class WorkerPool:
             handles = list(self._workers.values())
             self._workers.clear()
             self._free.clear()
+            self._taken.clear()
         for handle in reversed(handles):
             handle.stop()

@@ -98,12 +98,14 @@ class KvService:
         return n_ctx * self.kv_bytes_per_position
 
     def check_integrity(self) -> None:
-        """Books balance: reserved == sum of live sessions' charges; workers free + bound == all."""
+        """Books balance: reserved == sum of live sessions' charges; every worker is free or taken, and the
+        workers bound to sessions are taken ones (taken but unbound: in transit)."""
         live = self.table.sessions()
         self.budget.check_integrity(session.key for session in live)
         assert all(self.budget.charge_of(s.key) == s.charged_bytes for s in live), "charge mismatch"
         assert {s.worker_name for s in live} == set(self._bound), "bound workers != live sessions' workers"
-        self.pool.check_integrity(set(self._bound))
+        self.pool.check_integrity()
+        assert set(self._bound) <= self.pool.taken_names(), "a bound worker is not taken from the pool"
 
     def _session_length(self, session_id: str, epoch: int) -> int:
         session = self.table.get(session_id)
@@ -350,8 +352,7 @@ class KvService:
                     raise RequestFailed(ErrorCode.CACHE_MISS, "the session ended while this request waited", reason=reason)
                 return await self._append_locked(session, request, rows, n_rows, admitted)
         finally:
-            session.in_flight -= 1
-            session.last_used = time.monotonic()
+            await self._after_request(session)
 
     async def _append_locked(self, session: Session, request: Append, rows: np.ndarray, n_rows: int, admitted: bool) -> AppendReply:
         if request.start_pos != session.length:
@@ -435,8 +436,13 @@ class KvService:
                 self.metrics.count("truncates")
                 return Done(length=session.length, session_id=session.session_id, epoch=session.epoch)
         finally:
-            session.in_flight -= 1
-            session.last_used = time.monotonic()
+            await self._after_request(session)
+
+    async def _after_request(self, session: Session) -> None:
+        session.in_flight -= 1
+        session.last_used = time.monotonic()
+        if session.in_flight == 0:
+            await self._notify_capacity()  # idle now, so evictable: wake admissions waiting for room
 
     async def release(self, request: Release) -> Done:
         self._validate_session_fields(request.session_id, request.epoch, 0)
@@ -473,6 +479,7 @@ class KvService:
         workers = self.pool.workers()
         usses = await self._in_thread(lambda: [worker.measure_uss() for worker in workers])
         by_worker = {session.worker_name: session for session in self.table.sessions()}
+        taken = self.pool.taken_names()
         measured = sum(usses)
         self.metrics.measured_bytes.set(measured)
         try:
@@ -493,7 +500,8 @@ class KvService:
             ],
             workers=[
                 WorkerRow(
-                    name=w.name, pid=w.pid, state="bound" if w.name in by_worker else "free",
+                    name=w.name, pid=w.pid,
+                    state="bound" if w.name in by_worker else "in transit" if w.name in taken else "free",
                     uss_bytes=uss, baseline_uss_bytes=w.baseline_uss,
                     session_id=by_worker[w.name].session_id if w.name in by_worker else "",
                 )
@@ -514,6 +522,11 @@ class KvService:
             if session.idle and not session.lock.locked():
                 self.metrics.count("expirations")
                 await self.drop(session, MissReason.EXPIRED)
+
+    async def replace_dead_free_workers(self) -> None:
+        """A free worker that died (nobody was using it) is replaced before anyone is lent it."""
+        for worker in self.pool.reap_dead():
+            await self._replace(worker)
 
     async def recycle_drifted(self) -> None:
         """Recycle workers whose measured memory exceeds their charge by more than the margin, when idle."""

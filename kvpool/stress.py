@@ -19,7 +19,6 @@ so two runs with one seed issue the same operations per session but not in the s
 from __future__ import annotations
 
 import argparse
-import ast
 import contextlib
 import dataclasses
 import enum
@@ -27,7 +26,6 @@ import hashlib
 import os
 import pathlib
 import random
-import re
 import shutil
 import signal
 import sys
@@ -1113,21 +1111,6 @@ def _settle(sockets: Sequence[pathlib.Path], before: Sequence[Snapshot], prefix:
 Say = Callable[[str], None]
 
 
-TRANSIT = re.compile(r"free (\[.*?\]) \+ bound (\[.*?\]) != all (\[.*?\])")
-
-
-def integrity_kind(message: str) -> str:
-    """"ok", "in_transit" (some workers neither free nor bound: a context being freed or a worker being
-    replaced in the background, which the daemon's check does not account for), or "bad"."""
-    if message == "ok":
-        return "ok"
-    match = TRANSIT.search(message)
-    if match is None:
-        return "bad"
-    free, bound, every = (set(ast.literal_eval(group)) for group in match.groups())
-    return "in_transit" if not free & bound and (free | bound) < every else "bad"
-
-
 def _stderr_say(message: str) -> None:
     print(f"kvpool stress: {message}", file=sys.stderr, flush=True)
 
@@ -1297,11 +1280,9 @@ def _verdicts(options: StressOptions, chain: Chain, drivers: Sequence[SessionDri
         if options.budget_for is None:  # under budget pressure an eviction may cut any cancel short
             missing += (["cancel landing mid-prefill"] if not landed else []) + (["cancel after completion"] if not completed else [])
         add("operations", not missing, ("every kind exercised: " + ", ".join(f"{k} {done[k]}" for k in wanted) + f"; cancels landed mid-prefill {landed}, sent after completion {completed}") if not missing else f"never exercised: {missing}")
-    kinds = Counter(integrity_kind(s.integrity) for s in samples)
-    over = [s for s in samples if s.reserved_bytes > s.limit_bytes or integrity_kind(s.integrity) == "bad"]
-    transit = f"; {kinds['in_transit']} with a worker in transit (not counted by the daemon's check)" if kinds["in_transit"] else ""
+    over = [s for s in samples if s.reserved_bytes > s.limit_bytes or s.integrity != "ok"]
     add("books_at_every_sample", not over and bool(samples) and not sampler_failures,
-        f"{len(samples)} samples: reserved <= limit and the books balance at each{transit}" if not over and samples and not sampler_failures
+        f"{len(samples)} samples: reserved <= limit and the books balance at each" if not over and samples and not sampler_failures
         else f"{len(over)} bad samples, e.g. {over[0] if over else None}; {list(sampler_failures)}")
     back = all(not d.our_sessions_after and d.reserved_after == d.reserved_before and d.integrity_after == "ok" for d in daemons)
     add("released", back, "no session left, reserved bytes back to " + ", ".join(format_bytes(d.reserved_after) for d in daemons) + ", integrity ok on every daemon"

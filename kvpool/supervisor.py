@@ -128,6 +128,7 @@ class Supervisor:
             tick += 1
             try:
                 await service.expire_idle()
+                await service.replace_dead_free_workers()
                 if tick % MEMORY_CHECK_EVERY == 0:
                     await service.recycle_drifted()
             except Exception:  # noqa: BLE001 - housekeeping must outlive any one failure

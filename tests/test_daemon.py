@@ -418,28 +418,33 @@ def test_budget_admission_over_budget_and_waiting(shards, socket_dir, prompt_ids
         daemon.stop()
 
 
-def test_over_budget_when_nothing_can_be_evicted_then_wait_for_release(shards, socket_dir):
+def test_over_budget_while_the_only_session_is_busy_then_waiting_admission_wakes(shards, socket_dir):
     first = shards[0]
-    daemon = DaemonProcess(first.path, socket_dir / "wait.sock", "--threads", "1", "--n-ctx", "64", "--max-sessions", "1")
+    daemon = DaemonProcess(first.path, socket_dir / "wait.sock", "--threads", "1", "--n-ctx", "2048", "--max-sessions", "1")
     try:
+        long_prompt = [1 + (index * 7) % 4000 for index in range(2000)]
         with daemon.client() as client, daemon.client() as other:
-            client.append("holder", 1, 0, tokens=[1, 2, 3])
-            hold = threading.Event()
-            # keep "holder" busy with a chain of appends so it is never idle while "waiter" asks
-            def keep_busy():
-                position = 3
-                while not hold.is_set() and position < 60:
-                    other.append("holder", 1, position, tokens=[4])
-                    position += 1
-                other.release("holder", 1)
-            busy = threading.Thread(target=keep_busy)
-            busy.start()
-            time.sleep(0.05)
-            threading.Timer(0.5, hold.set).start()
-            result = client.append("waiter", 1, 0, tokens=[1, 2], admit_timeout_s=20.0)
-            busy.join(30)
+            outcome: dict[str, object] = {}
+            holder = threading.Thread(target=lambda: outcome.update(result=other.append("holder", 1, 0, tokens=long_prompt)))
+            holder.start()
+            while not (client.stats().sessions and client.stats().sessions[0].in_flight):
+                time.sleep(0.005)
+            # the only session has a request in flight: it is never evicted, so there is no room
+            with pytest.raises(KvpoolError) as over:
+                client.append("waiter", 1, 0, tokens=[1, 2])
+            assert over.value.code == "over_budget"
+            started = time.monotonic()
+            result = client.append("waiter", 1, 0, tokens=[1, 2], admit_timeout_s=30.0)
+            waited = time.monotonic() - started
+            holder.join(60)
+            assert outcome["result"].length == len(long_prompt)  # the busy session finished untouched
             assert result.admitted and result.length == 2
-            assert client.stats().counters["over_budget_rejects"] == 0
+            assert waited < 20  # woken when the holder went idle, not at the timeout
+            stats = client.stats()
+            assert [row.session_id for row in stats.sessions] == ["waiter"] and stats.counters["evictions"] == 1
+            with pytest.raises(KvpoolError) as evicted:
+                other.append("holder", 1, len(long_prompt), tokens=[5])
+            assert evicted.value.code == "cache_miss" and evicted.value.reason == "evicted"
     finally:
         daemon.stop()
 

@@ -21,7 +21,6 @@ from kvpool.stress import (
     LoggedTruncate,
     StressOptions,
     StressReport,
-    integrity_kind,
     replay_alone,
     row_digest,
     run_stress,
@@ -140,15 +139,6 @@ def test_replay_alone_catches_other_logits_a_different_partition_and_a_wrong_gre
         assert np.array_equal(outcome.final_row, whole)
     finally:
         local.close()
-
-
-def test_integrity_messages_are_classified():
-    transit = "books do not balance: free ['w1'] + bound ['w2'] != all ['w1', 'w2', 'w3']"
-    assert integrity_kind("ok") == "ok"
-    assert integrity_kind(transit) == "in_transit"
-    assert integrity_kind("books do not balance: charge mismatch") == "bad"
-    assert integrity_kind("books do not balance: free ['w1'] + bound ['w1'] != all ['w1', 'w2']") == "bad"
-    assert integrity_kind("books do not balance: free ['w1', 'w4'] + bound ['w2'] != all ['w1', 'w2']") == "bad"
 
 
 def test_options_are_validated():

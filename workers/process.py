@@ -6,6 +6,7 @@ Started with the `spawn` method by kvpool.pool; knows nothing of budgets, sessio
 from __future__ import annotations
 
 import ctypes
+import ctypes.util
 import os
 import signal
 from dataclasses import dataclass
@@ -72,6 +73,7 @@ def worker_main(connection: Connection, spec: WorkerSpec) -> None:
         connection.send_bytes(encoder.encode(Failed(code="load_failed", message=str(error))))
         return
     server = WorkerServer(model, segment, spec)
+    server.release_free_heap()  # so the supervisor's baseline reading is the settled one
     layout = model.layout
     connection.send_bytes(
         encoder.encode(
@@ -110,6 +112,14 @@ class WorkerServer:
         self._buffer = segment.buf
         self._abort_flag_address = ctypes.addressof(ctypes.c_char.from_buffer(segment.buf, ABORT_FLAG_OFFSET))
         self._process = psutil.Process()
+        libc_name = ctypes.util.find_library("c")
+        self._malloc_trim = getattr(ctypes.CDLL(libc_name), "malloc_trim", None) if libc_name else None
+
+    def release_free_heap(self) -> None:
+        """Hand freed heap pages back to the OS (glibc keeps them otherwise): measured memory then
+        falls back after a context is freed, instead of creeping up context after context."""
+        if self._malloc_trim is not None:
+            self._malloc_trim(0)
 
     def handle(self, command: AnyCommand):
         match command:
@@ -176,6 +186,7 @@ class WorkerServer:
         if self.context is not None:
             self.context.close()
             self.context = None
+            self.release_free_heap()
 
     def close(self) -> None:
         self._close_context()
