@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kvpool import cli_demo, cli_generate, cli_serve, cli_shard, cli_status
+from kvpool import cli_bench, cli_demo, cli_generate, cli_serve, cli_shard, cli_status, cli_stress
 
-SUBCOMMANDS = (cli_demo, cli_shard, cli_generate, cli_serve, cli_status)
+SUBCOMMANDS = (cli_demo, cli_shard, cli_generate, cli_serve, cli_status, cli_bench, cli_stress)
 
 
 def build_parser() -> argparse.ArgumentParser:

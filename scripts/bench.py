@@ -1,0 +1,16 @@
+"""kvpool side by side with llama.cpp (issue 5); the same as `kvpool bench`. See kvpool/bench.py.
+
+Usage: python scripts/bench.py [--quick] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from kvpool.bench import main  # noqa: E402
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,73 @@
+"""`kvpool bench --quick` end to end: every section in the table, JSON and PNG written, numbers sane.
+
+A behaviour test: it runs real daemons and llama.cpp on the bundled model, but asserts no speed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+REPOSITORY = pathlib.Path(__file__).resolve().parents[1]
+SECTIONS = ("1", "2", "3", "4", "5", "6")
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def _numbers(value):
+    if isinstance(value, bool):
+        return
+    if isinstance(value, (int, float)):
+        yield value
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _numbers(item)
+    elif isinstance(value, list):
+        for item in value:
+            yield from _numbers(item)
+
+
+@pytest.mark.timeout(120)
+def test_quick_bench_prints_every_section_and_writes_json_and_png(tmp_path: pathlib.Path) -> None:
+    out = tmp_path / "bench"
+    completed = subprocess.run(  # from the repository root: the shards cut once under .kvpool/ are reused
+        [sys.executable, "-m", "kvpool", "bench", "--quick", "--out", str(out)],
+        cwd=REPOSITORY, capture_output=True, text=True, timeout=90,
+    )
+    assert completed.returncode == 0, completed.stderr[-4000:]
+
+    table = [line for line in completed.stdout.splitlines() if line.startswith("|")]
+    assert table[0].startswith("| # | measurement | kvpool | reference | ratio | target |")
+    sections = {line.split("|")[1].strip() for line in table[2:]}
+    assert sections == set(SECTIONS)
+    for expected in ("daemon vs the same shard in-process", "3 shard daemons vs the whole model", "four sessions: kvpool whole model",
+                     "prefill 512 rows", "admit n_ctx 8192", "release -> bytes available", "LRU eviction + admission",
+                     "one session n_ctx 2048: charged", "whole-model daemon USS"):
+        assert any(expected in line for line in table), expected
+    assert "greedy tokens identical in all four paths | yes" in completed.stdout
+
+    results = json.loads((out / "bench-quick.json").read_text())
+    assert results["table"].strip() == "\n".join(table).strip()
+    summary = results["summary"]
+    for key, value in summary.items():
+        if isinstance(value, bool):
+            continue
+        assert math.isfinite(value), key
+        if key.endswith(("_decode_s", "_prefill_s", "_tok_s", "_vs_runtime", "_vs_batched", "_vs_whole", "_create_8192_s")) or "charged" in key or "theory" in key:
+            assert value > 0, (key, value)
+    assert all(math.isfinite(number) for number in _numbers(results["mid_shard"]))
+    assert all(number > 0 for number in _numbers(results["mid_shard"]["decode_s"]))
+    assert all(number > 0 for number in _numbers(results["parallel"]["tokens_per_s"]))
+    assert summary["s5_evictions_counted"] == results["options"]["repeats"]
+    memory = results["memory"]["per_session"]
+    for n_ctx in ("512", "2048", "8192"):
+        assert memory[n_ctx]["charged_bytes"] >= memory[n_ctx]["theoretical_kv_bytes"] > 0  # charge never below theory
+    assert results["memory"]["daemon_uss_bytes"]["4"] > results["memory"]["daemon_uss_bytes"]["0"] > 0
+
+    chart = out / "bench-quick.png"
+    assert chart.read_bytes()[:8] == PNG_SIGNATURE
+    assert chart.stat().st_size > 10_000
