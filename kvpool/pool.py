@@ -1,12 +1,14 @@
 """The worker pool: spawned, named worker processes, each with its pipe and shared-memory segment.
 
 The pool owns processes and segments and nothing else: which session a worker serves is the
-supervisor's business. Calls into a worker block, so the supervisor makes them from threads; one
-call at a time per worker (its pipe carries one command and then its one reply).
+supervisor's business. The supervisor calls a worker from its event loop (call_async: the reply is
+awaited on the pipe's file descriptor, no thread hop); one call at a time per worker, since its pipe
+carries one command and then its one reply.
 """
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import multiprocessing
 import threading
@@ -60,6 +62,7 @@ class WorkerHandle:
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(AnyWorkerReply)
         self._call_lock = threading.Lock()
+        self._async_call_lock = asyncio.Lock()
         self.segment = shared_memory.SharedMemory(
             create=True, size=CONTROL_BYTES + spec.input_bytes + spec.output_bytes
         )
@@ -115,6 +118,31 @@ class WorkerHandle:
             except (EOFError, OSError) as error:
                 self.lost = True
                 raise WorkerLost(f"{self.name} (pid {self.pid}) died: exit code {self.process.exitcode}") from error
+            return self._decoder.decode(payload)
+
+    async def call_async(self, command: AnyCommand) -> AnyWorkerReply:
+        """call() for the event loop. If the awaiting task is cancelled the pipe may hold an unread reply,
+        so the worker is marked lost (the supervisor replaces lost workers)."""
+        async with self._async_call_lock:
+            if self.lost:
+                raise WorkerLost(f"{self.name} is lost")
+            loop = asyncio.get_running_loop()
+            descriptor = self._connection.fileno()
+            readable = loop.create_future()
+            try:
+                self._connection.send_bytes(self._encoder.encode(command))
+                loop.add_reader(descriptor, lambda: readable.done() or readable.set_result(None))
+                try:
+                    await readable
+                finally:
+                    loop.remove_reader(descriptor)
+                payload = self._connection.recv_bytes()
+            except (EOFError, OSError) as error:
+                self.lost = True
+                raise WorkerLost(f"{self.name} (pid {self.pid}) died: exit code {self.process.exitcode}") from error
+            except asyncio.CancelledError:
+                self.lost = True
+                raise
             return self._decoder.decode(payload)
 
     def set_abort(self, value: bool) -> None:

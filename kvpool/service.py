@@ -1,8 +1,9 @@
 """Request semantics of one shard daemon: the contract routers rely on (see README, "The contract").
 
 Runs on the supervisor's event loop. Owns the session table, the byte budget and the metrics; uses the
-worker pool. Blocking worker calls run in threads; every decision about sessions is made on the loop
-between awaits, so the books change atomically.
+worker pool. Worker calls are awaited on the loop (pool.WorkerHandle.call_async); blocking work (memory
+readings, starting a replacement worker) runs in threads. Every decision about sessions is made on the
+loop between awaits, so the books change atomically.
 """
 
 from __future__ import annotations
@@ -10,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -71,8 +71,7 @@ class KvService:
         self.started = time.monotonic()
         self._bound: dict[str, Session] = {}  # worker name -> session
         self._charge_by_n_ctx: dict[int, int] = {}
-        self._compute_slots = threading.BoundedSemaphore(config.concurrent_workers)
-        self._computing_lock = threading.Lock()
+        self._compute_slots = asyncio.Semaphore(config.concurrent_workers)
         self._computing = 0
         self.peak_computing = 0
         self._executor = ThreadPoolExecutor(max_workers=2 * config.max_sessions + 4, thread_name_prefix="kvpool-call")
@@ -113,10 +112,10 @@ class KvService:
 
     # ---- calibration: the charge of a context of n_ctx positions ------------------------------------
 
-    def _calibrate_blocking(self, worker: WorkerHandle, n_ctx: int) -> int:
-        """Create a context on a free worker, run one full batch through it, measure, free it."""
-        before = worker.measure_uss()
-        reply = worker.call(OpenContext(n_ctx=n_ctx))
+    async def _calibrate(self, worker: WorkerHandle, n_ctx: int) -> int:
+        """Create a context on a taken worker, run one full batch through it, measure, free it."""
+        before = await self._in_thread(worker.measure_uss)
+        reply = await worker.call_async(OpenContext(n_ctx=n_ctx))
         if not isinstance(reply, Opened):
             raise RuntimeError(f"calibration context failed: {reply}")
         rows = min(CALIBRATION_ROWS, n_ctx)
@@ -124,10 +123,10 @@ class KvService:
             worker.write_input(np.zeros(rows, np.int32))
         else:
             worker.write_input(np.zeros((rows, self.shard.n_embd), np.float32))
-        with self._compute_slots:
-            appended = worker.call(RunAppend(start_pos=0, n_rows=rows, tokens=self.shard.is_first))
-        after = worker.measure_uss()
-        worker.call(CloseContext())
+        async with self._computing_slot():
+            appended = await worker.call_async(RunAppend(start_pos=0, n_rows=rows, tokens=self.shard.is_first))
+        after = await self._in_thread(worker.measure_uss)
+        await worker.call_async(CloseContext())
         if not isinstance(appended, Appended):
             raise RuntimeError(f"calibration append failed: {appended}")
         return max(after - before, self.theoretical_kv_bytes(n_ctx))
@@ -142,7 +141,7 @@ class KvService:
             known_n_ctx, known = next(iter(self._charge_by_n_ctx.items()))
             return known + self.theoretical_kv_bytes(n_ctx) - self.theoretical_kv_bytes(known_n_ctx)
         try:
-            charge = await self._in_thread(self._calibrate_blocking, worker, n_ctx)
+            charge = await self._calibrate(worker, n_ctx)
         finally:
             self.pool.give_back(worker)
         self._charge_by_n_ctx[n_ctx] = charge
@@ -162,8 +161,8 @@ class KvService:
     async def _free_worker(self, worker: WorkerHandle) -> None:
         """Free the worker's context and return it to the pool (or replace it if it drifted or died)."""
         try:
-            await self._in_thread(worker.call, CloseContext())
-            drifted = worker.measure_uss() - worker.baseline_uss > self.config.memory_margin_bytes
+            await worker.call_async(CloseContext())
+            drifted = await self._in_thread(worker.measure_uss) - worker.baseline_uss > self.config.memory_margin_bytes
         except WorkerLost:
             drifted = True
         if drifted:
@@ -272,7 +271,7 @@ class KvService:
         session.in_flight += 1
         await session.lock.acquire()
         try:
-            reply = await self._in_thread(worker.call, OpenContext(n_ctx=n_ctx))
+            reply = await worker.call_async(OpenContext(n_ctx=n_ctx))
             if not isinstance(reply, Opened):
                 worker_back = self._forget(session, MissReason.UNKNOWN)
                 self._spawn(self._free_worker(worker_back))
@@ -364,7 +363,7 @@ class KvService:
         worker.set_abort(False)
         session.appending = True
         try:
-            reply, data = await self._in_thread(self._run_append, worker, command, rows)
+            reply, data = await self._run_append(worker, command, rows)
         except WorkerLost:
             self._on_worker_lost(session)
             raise RequestFailed(ErrorCode.WORKER_LOST, "the worker serving this session died") from None
@@ -385,23 +384,22 @@ class KvService:
             rows=reply.rows, width=reply.width, data=data, admitted=admitted,
         )
 
-    def _run_append(self, worker: WorkerHandle, command: RunAppend, rows: np.ndarray) -> tuple[object, bytes]:
-        with self._compute_slots, self._computing_counter():
+    async def _run_append(self, worker: WorkerHandle, command: RunAppend, rows: np.ndarray) -> tuple[object, bytes]:
+        async with self._computing_slot():
             worker.write_input(rows)
-            reply = worker.call(command)
+            reply = await worker.call_async(command)
         data = worker.read_output(reply.rows, reply.width) if isinstance(reply, Appended) else b""
         return reply, data
 
-    @contextlib.contextmanager
-    def _computing_counter(self):
-        """Counts workers computing now and the peak, to show --threads is never exceeded."""
-        with self._computing_lock:
+    @contextlib.asynccontextmanager
+    async def _computing_slot(self):
+        """One of the --threads / --threads-per-worker compute slots; counts the peak in use."""
+        async with self._compute_slots:
             self._computing += 1
             self.peak_computing = max(self.peak_computing, self._computing)
-        try:
-            yield
-        finally:
-            with self._computing_lock:
+            try:
+                yield
+            finally:
                 self._computing -= 1
 
     async def truncate(self, request: Truncate) -> Done:
@@ -426,7 +424,7 @@ class KvService:
                     raise RequestFailed(ErrorCode.POSITION_MISMATCH, f"cannot truncate to {request.length}: length is {session.length}", length=session.length)
                 worker = self.pool.get(session.worker_name)
                 try:
-                    reply = await self._in_thread(worker.call, TruncateContext(length=request.length))
+                    reply = await worker.call_async(TruncateContext(length=request.length))
                 except WorkerLost:
                     self._on_worker_lost(session)
                     raise RequestFailed(ErrorCode.WORKER_LOST, "the worker serving this session died") from None
