@@ -159,16 +159,14 @@ class KvService:
         return self.pool.get(session.worker_name)
 
     async def _free_worker(self, worker: WorkerHandle) -> None:
-        """Free the worker's context and return it to the pool (or replace it if it drifted or died)."""
+        """Free the worker's context and return it to the pool (or replace it if it died). Whether its
+        memory drifted is recycle_drifted()'s business, off this path."""
         try:
             await worker.call_async(CloseContext())
-            drifted = await self._in_thread(worker.measure_uss) - worker.baseline_uss > self.config.memory_margin_bytes
         except WorkerLost:
-            drifted = True
-        if drifted:
             await self._replace(worker)
-        else:
-            self.pool.give_back(worker)
+            return
+        self.pool.give_back(worker)
         await self._notify_capacity()
 
     async def _replace(self, worker: WorkerHandle) -> None:
