@@ -52,7 +52,7 @@ def render(stats: StatsReply) -> str:
         )
     counters = "  ".join(f"{name}={value}" for name, value in sorted(stats.counters.items()) if value)
     lines += ["", f"counters  {counters or '(none yet)'}"]
-    return "\n".join(lines)
+    return "\n".join(line.rstrip() for line in lines)
 
 
 def run(args: argparse.Namespace) -> int:
