@@ -80,13 +80,25 @@ class Daemon:
 
 
 def start_daemons(
-    models: Sequence[pathlib.Path], socket_dir: pathlib.Path, options: Sequence[str] = (), *, prefix: str = "shard"
+    models: Sequence[pathlib.Path],
+    socket_dir: pathlib.Path,
+    options: Sequence[str] | Sequence[Sequence[str]] = (),
+    *,
+    prefix: str = "shard",
 ) -> list[Daemon]:
-    """Start one daemon per model (in parallel) and wait until all answer; on failure stop them all."""
+    """Start one daemon per model (all at once) and wait until all answer; on failure stop them all.
+
+    `options` are `kvpool serve` flags for every daemon, or one list of flags per daemon.
+    """
+    per_daemon = [list(o) for o in options] if options and not isinstance(options[0], str) else [list(options)] * len(models)
+    if len(per_daemon) != len(models):
+        raise ValueError(f"{len(per_daemon)} option lists for {len(models)} daemons")
     socket_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     os.chmod(socket_dir, 0o700)
-    daemons = [Daemon(model, socket_dir / f"{prefix}{index}.sock", options) for index, model in enumerate(models)]
+    daemons: list[Daemon] = []
     try:
+        for index, (model, flags) in enumerate(zip(models, per_daemon)):
+            daemons.append(Daemon(model, socket_dir / f"{prefix}{index}.sock", flags))
         for daemon in daemons:
             daemon.wait_ready()
     except BaseException:

@@ -46,7 +46,7 @@ from kvpool.chain import LocalChain
 from kvpool.client import Client, ConnectionLost, KvpoolError
 from kvpool.config import format_bytes, parse_bytes
 from kvpool.daemon_route import DaemonRoute
-from kvpool.launcher import Daemon, DaemonStartFailed
+from kvpool.launcher import Daemon, DaemonStartFailed, start_daemons
 from kvpool.protocol import ErrorCode, MissReason, StatsReply
 from kvpool.shardcache import cached_shards
 from kvpool.shardfile import ShardError, even_splits, read_shard_info
@@ -1002,21 +1002,6 @@ def replay_alone(log: Sequence[LogEntry], chain: ReferenceChain, label: str) -> 
 # ---- daemons ------------------------------------------------------------------------------------------
 
 
-def _start(models: Sequence[pathlib.Path], socket_dir: pathlib.Path, options_per_daemon: Sequence[Sequence[str]], prefix: str) -> list[Daemon]:
-    """One daemon per model, each with its own options; all started at once, stopped on failure."""
-    daemons: list[Daemon] = []
-    try:
-        for index, (model, options) in enumerate(zip(models, options_per_daemon)):
-            daemons.append(Daemon(model, socket_dir / f"{prefix}{index}.sock", options))
-        for daemon in daemons:
-            daemon.wait_ready()
-    except BaseException:
-        for daemon in daemons:
-            daemon.stop()
-        raise
-    return daemons
-
-
 def _stop(daemons: Sequence[Daemon]) -> list[int]:
     return [daemon.stop() for daemon in reversed(daemons)][::-1]
 
@@ -1030,7 +1015,7 @@ def _serve_options(options: StressOptions, *, max_sessions: int, budget: str, tt
 
 def _probe_charges(shards: Sequence[pathlib.Path], socket_dir: pathlib.Path, options: StressOptions, prompt: Sequence[int]) -> list[int]:
     """One session's charge on each daemon, measured by admitting a probe session."""
-    daemons = _start(shards, socket_dir, [_serve_options(options, max_sessions=1, budget=UNLIMITED_BUDGET, ttl_s=300)] * len(shards), "probe")
+    daemons = start_daemons(shards, socket_dir, _serve_options(options, max_sessions=1, budget=UNLIMITED_BUDGET, ttl_s=300), prefix="probe")
     try:
         clients = [daemon.client() for daemon in daemons]
         try:
@@ -1158,7 +1143,7 @@ def _open_chain(options: StressOptions, socket_dir: pathlib.Path, prompt: Sequen
         max_sessions = options.sessions + 1  # a spare warm worker: a replaced or recycling worker evicts nobody
     serve = [_serve_options(options, max_sessions=max_sessions, budget=budget, ttl_s=ttl) for budget in budgets]
     say(f"starting {len(shard_paths)} daemons: {' '.join(serve[0])}")
-    daemons = _start(shard_paths, socket_dir, serve, "shard")
+    daemons = start_daemons(shard_paths, socket_dir, serve, prefix="shard")
     return Chain([daemon.socket for daemon in daemons], shard_paths, daemons, charges, max_sessions)
 
 
@@ -1206,7 +1191,7 @@ def _replay_all(options: StressOptions, chain: Chain, drivers: Sequence[SessionD
             local.close()
     serve = _serve_options(options, max_sessions=1, budget=UNLIMITED_BUDGET, ttl_s=3600)
     say(f"replaying each session alone on a fresh chain of {len(chain.shard_paths)} daemons ({' '.join(serve)})")
-    daemons = _start(chain.shard_paths, socket_dir, [serve] * len(chain.shard_paths), "reference")
+    daemons = start_daemons(chain.shard_paths, socket_dir, serve, prefix="reference")
     try:
         clients = [daemon.client() for daemon in daemons]
         try:
