@@ -1,4 +1,4 @@
-"""kvpool side by side with llama.cpp (issue 5); the same as `kvpool bench`. See kvpool/bench.py.
+"""kvpool side by side with llama.cpp (issue 5); the same as `kvpool bench`. See kvpool/bench/.
 
 Usage: python scripts/bench.py [--quick] [--out DIR]
 """

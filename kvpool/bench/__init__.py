@@ -1,0 +1,45 @@
+"""`kvpool bench`: kvpool side by side with llama.cpp on the bundled model, as ratios measured in one run.
+
+Sections (issue 5), each comparing variants interleaved round by round in one run (the machine is shared
+and noisy: compare the ratios, not the absolute times; every figure is a median):
+
+  1 daemon overhead, one session   middle-shard decode through a daemon / the worker runtime in-process /
+                                   llama.cpp in-process without capture
+  2 whole route, one session       greedy decode through a chain of 3 shard daemons / the whole model in one
+                                   llama.cpp context, and where the difference goes, from measured components
+  3 four sessions at once          aggregate decode tok/s through kvpool / llama.cpp serving the four as
+                                   sequences of one context with one batched llama_decode per step
+  4 prefill                        512 rows into the middle shard through a daemon / in-process
+  5 admission and reclaim          admit on a warm worker / a bare llama context; release; LRU eviction
+  6 memory                         bytes charged / theoretical KV / measured USS growth; daemon USS
+
+Threads: every single-session figure uses 1 llama thread per computing context (kvpool's default
+--threads-per-worker). Four sessions: llama.cpp batched uses 2 threads; the whole-model daemon runs
+`--threads 2 --threads-per-worker 1` (at most 2 workers compute at once); the chain's three daemons run
+`--threads 1` each, which alone would allow 3 single threads at once across daemons, so the benchmark's
+router caps the chain at 2 appends in flight (at most 2 llama threads); an uncapped chain row is shown too.
+Flash attention is off everywhere. Greedy decoding continues past end-of-generation tokens (timing only).
+"""
+
+# The package's docstring is `kvpool bench --help`'s description (here and in kvpool/cli_bench.py).
+# Modules, in import order: options (BenchOptions, shared constants), reference (llama.cpp contexts),
+# rig (daemons, models, timing helpers), one_session (sections 1, 2, 4), parallel (section 3),
+# admission (sections 5, 6), report (summary, table, chart), cli (run_bench, the command line).
+
+from kvpool.bench.admission import measure_admission, measure_memory
+from kvpool.bench.cli import add_arguments, environment, main, options_from_args, run, run_bench
+from kvpool.bench.one_session import IDLE_CHAIN_S, IDLE_MID_S, MID_SESSION, measure_mid_shard, measure_route, mid_shard_variants, route_variants
+from kvpool.bench.options import EPOCH, PARALLEL_THREADS, ROUTE_N_CTX, SESSIONS, SINGLE_THREADS, BenchOptions
+from kvpool.bench.parallel import CEILING, CeilingProcesses, measure_parallel
+from kvpool.bench.reference import BatchedContext, PlainContext
+from kvpool.bench.report import DAEMON_OVERHEAD_TARGET, PARALLEL_TARGET, Row, render_table, summarize, write_chart
+from kvpool.bench.rig import FILLER_TEXT, PROMPTS, Rig, Variant, daemon_uss, payload_seconds, round_trips
+
+__all__ = [
+    "CEILING", "DAEMON_OVERHEAD_TARGET", "EPOCH", "FILLER_TEXT", "IDLE_CHAIN_S", "IDLE_MID_S", "MID_SESSION", "PARALLEL_TARGET",
+    "PARALLEL_THREADS", "PROMPTS", "ROUTE_N_CTX", "SESSIONS", "SINGLE_THREADS",
+    "BatchedContext", "BenchOptions", "CeilingProcesses", "PlainContext", "Rig", "Row", "Variant",
+    "add_arguments", "daemon_uss", "environment", "main", "measure_admission", "measure_memory", "measure_mid_shard",
+    "measure_parallel", "measure_route", "mid_shard_variants", "options_from_args", "payload_seconds", "render_table",
+    "round_trips", "route_variants", "run", "run_bench", "summarize", "write_chart",
+]

@@ -1,0 +1,151 @@
+"""One whole run (`run_bench`: every section, then JSON and PNG) and the command line of `kvpool bench`."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import pathlib
+import platform
+import sys
+import time
+
+import llama_cpp
+import numpy as np
+import psutil
+
+from kvpool.bench.admission import measure_admission, measure_memory
+from kvpool.bench.one_session import measure_mid_shard, measure_route
+from kvpool.bench.options import BenchOptions, _say
+from kvpool.bench.parallel import measure_parallel
+from kvpool.bench.report import render_table, summarize, write_chart
+from kvpool.bench.rig import Rig
+from kvpool.bundled import bundled_model_path
+from kvpool.config import work_dir
+from kvpool.shardfile import file_sha256
+
+
+def environment(source: pathlib.Path) -> dict:
+    return {
+        "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "uname": " ".join(platform.uname()),
+        "cpu_count": os.cpu_count(),
+        "memory_bytes": psutil.virtual_memory().total,
+        "python": platform.python_version(),
+        "llama_cpp_python": llama_cpp.__version__,
+        "llama_system_info": llama_cpp.llama_print_system_info().decode(errors="replace").strip(),
+        "model": str(source),
+        "model_sha256": file_sha256(source),
+        "load_average_at_start": os.getloadavg(),
+    }
+
+
+def _busy_cpu_s() -> float:
+    """CPU seconds the whole machine spent running code since boot (user, nice, system, interrupts)."""
+    times = psutil.cpu_times()
+    return times.user + times.nice + times.system + getattr(times, "irq", 0.0) + getattr(times, "softirq", 0.0)
+
+
+def _own_tree_cpu_s() -> float:
+    times = psutil.Process().cpu_times()
+    return times.user + times.system + times.children_user + times.children_system
+
+
+def _jsonable(value):
+    if isinstance(value, dict):
+        return {str(key): _jsonable(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(item) for item in value]
+    if isinstance(value, pathlib.Path):
+        return str(value)
+    if isinstance(value, (np.floating, np.integer)):
+        return value.item()
+    return value
+
+
+def run_bench(options: BenchOptions) -> tuple[dict, str]:
+    """Run every section; write <out>/bench[-quick].{json,png}; return the results and the table."""
+    env = environment(options.model)
+    started = time.perf_counter()
+    busy_before, ours_before = _busy_cpu_s(), _own_tree_cpu_s()
+    rig = Rig(options)
+    try:
+        results = {
+            "environment": env,
+            "options": dataclasses.asdict(options),
+            "daemons": {"start_s": rig.daemon_start_s, "options": rig.daemon_options},
+        }
+        _say("section 1 and 4: the middle shard, one session")
+        results["mid_shard"] = measure_mid_shard(rig)
+        _say("section 2: one session through the whole route")
+        results["route"] = measure_route(rig, [rig.client(f"chain{index}") for index in range(len(rig.shards))], rig.client("whole"))
+        _say("section 3: four sessions at once")
+        results["parallel"] = measure_parallel(rig)
+        _say("section 5: admission and reclaim")
+        results["admission"] = measure_admission(rig)
+        _say("section 6: memory")
+        results["memory"] = measure_memory(rig)
+    finally:
+        rig.close()
+    results = _jsonable(results)
+    env["load_average_at_end"] = os.getloadavg()
+    env["wall_s"] = time.perf_counter() - started
+    # every process this run started has been waited for by now, so its CPU time is in ours
+    env["other_processes_cpu_s"] = (_busy_cpu_s() - busy_before) - (_own_tree_cpu_s() - ours_before)
+    results["environment"] = _jsonable(env)
+    _say(f"run took {env['wall_s']:.0f} s; other processes used {env['other_processes_cpu_s']:.1f} CPU-seconds meanwhile; "
+         f"load average at start {env['load_average_at_start'][0]:.2f}")
+    summary, rows = summarize(results)
+    table = render_table(rows)
+    results["summary"] = summary
+    results["table"] = table
+    options.out_dir.mkdir(parents=True, exist_ok=True)
+    stem = "bench-quick" if options.quick else "bench"
+    json_path = options.out_dir / f"{stem}.json"
+    json_path.write_text(json.dumps(results, indent=1, allow_nan=False) + "\n")
+    _say(f"wrote {json_path}")
+    if options.chart:
+        chart_path = options.out_dir / f"{stem}.png"
+        write_chart(results, summary, chart_path)
+        _say(f"wrote {chart_path}")
+    return results, table
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quick", action="store_true", help="a short run (about a minute): few rounds and steps")
+    parser.add_argument("--model", type=pathlib.Path, help="source GGUF (default: the bundled model)")
+    parser.add_argument("--out", type=pathlib.Path, help="output folder (default: <work dir>/bench)")
+    parser.add_argument("--rounds", type=int, help="interleaved rounds of the one-session sections (default 7, quick 2)")
+    parser.add_argument("--decode-steps", type=int, help="timed decode steps per round (default 96, quick 8)")
+    parser.add_argument("--parallel-rounds", type=int, help="interleaved rounds of the four-session section (default 7, quick 1)")
+    parser.add_argument("--parallel-steps", type=int, help="decode steps per session per round (default 64, quick 8)")
+    parser.add_argument("--repeats", type=int, help="admissions/releases/evictions per size (default 11, quick 2)")
+    parser.add_argument("--no-chart", action="store_true", help="skip the PNG chart")
+
+
+def options_from_args(args: argparse.Namespace) -> BenchOptions:
+    model = (args.model or bundled_model_path()).resolve()
+    out_dir = (args.out or work_dir() / "bench").resolve()
+    base = BenchOptions.quick_run(out_dir, model) if args.quick else BenchOptions(out_dir=out_dir, model=model)
+    overrides = {
+        field: value
+        for field, value in (("rounds", args.rounds), ("decode_steps", args.decode_steps), ("parallel_rounds", args.parallel_rounds),
+                             ("parallel_steps", args.parallel_steps), ("repeats", args.repeats))
+        if value is not None
+    }
+    return dataclasses.replace(base, chart=not args.no_chart, **overrides)
+
+
+def run(args: argparse.Namespace) -> int:
+    options = options_from_args(args)
+    _, table = run_bench(options)
+    print(table)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvpool bench", description=sys.modules[__package__].__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))

@@ -1,0 +1,174 @@
+"""Sections 1, 2 and 4, one session each: the middle shard (decode and prefill) through a daemon and
+in-process, and greedy decode through the whole route."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from kvpool.bench.options import EPOCH, ROUTE_N_CTX, SINGLE_THREADS, _say
+from kvpool.bench.reference import PlainContext
+from kvpool.bench.rig import Rig, Variant, _interleaved, _timed, payload_seconds, round_trips
+from kvpool.client import Client
+from kvpool.daemon_route import DaemonRoute
+
+MID_SESSION = "bench-mid"
+IDLE_MID_S = 0.002  # a middle-shard decode step: the mid daemon's threads sleep this long per append
+IDLE_CHAIN_S = 0.006  # about the other two hops of a chain step: each chain daemon sleeps this long between appends
+
+
+# ---- section 1 and 4: the middle shard, one session -------------------------------------------------
+
+
+def mid_shard_variants(rig: Rig, client: Client) -> tuple[dict[str, Variant], Callable[[], None]]:
+    session = MID_SESSION
+    admitted = [False]
+
+    def daemon_reset() -> None:
+        if admitted[0]:
+            client.truncate(session, EPOCH, 0)
+
+    def daemon_append(start: int, rows: np.ndarray) -> object:
+        admitted[0] = True
+        return client.append(session, EPOCH, start, hidden=rows).rows
+
+    runtime = rig.mid_model.new_context(ROUTE_N_CTX)
+    plain = PlainContext(rig.mid_model, ROUTE_N_CTX, n_threads=SINGLE_THREADS)
+
+    def close() -> None:
+        runtime.close()
+        plain.close()
+        client.release(session, EPOCH)
+
+    variants = {
+        "daemon": Variant(daemon_reset, daemon_append),
+        "runtime": Variant(lambda: runtime.truncate(0), lambda start, rows: runtime.append(start, hidden=rows)),
+        "llama.cpp": Variant(plain.reset, plain.append),
+    }
+    return variants, close
+
+
+def measure_mid_shard(rig: Rig) -> dict:
+    """Section 1 (decode after `history` rows, every step timed) and section 4 (prefill), interleaved;
+    after each round, the mid daemon's request round trips (IPC without compute)."""
+    options = rig.options
+    hidden, history, steps = rig.mid_hidden, options.history, options.decode_steps
+    client = rig.client("mid")
+    variants, close = mid_shard_variants(rig, client)
+    decode: dict[str, list[float]] = {name: [] for name in variants}
+    prefill: dict[str, list[float]] = {name: [] for name in variants}
+    trips: dict[str, list[float]] = {"supervisor": [], "worker": [], "worker_after_idle": []}
+    try:
+        for variant in variants.values():  # warm-up: first runs allocate buffers
+            variant.reset()
+            variant.append(0, hidden[: options.prefill_rows])
+            variant.reset()
+            variant.append(0, hidden[:history])
+            for step in range(4):
+                variant.append(history + step, hidden[history + step : history + step + 1])
+        for round_index, order in _interleaved(options.rounds, list(variants)):
+            for name in order:
+                variant = variants[name]
+                variant.reset()
+                variant.append(0, hidden[:history])
+                for step in range(steps):
+                    row = hidden[history + step : history + step + 1]
+                    decode[name].append(_timed(lambda: variant.append(history + step, row)))
+                variant.reset()
+                prefill[name].append(_timed(lambda: variant.append(0, hidden[: options.prefill_rows])))
+            for kind, values in round_trips(client, MID_SESSION, options.prefill_rows, max(8, steps // 2), IDLE_MID_S).items():
+                trips[kind].extend(values)
+            _say(f"middle shard: round {round_index + 1}/{options.rounds}")
+    finally:
+        close()
+    payload = payload_seconds(hidden[:1], rig.middle.n_embd, count=200)
+    return {"decode_s": decode, "prefill_s": prefill, "round_trip_s": trips, "payload_s": payload}
+
+
+# ---- section 2: one session through the whole route -------------------------------------------------
+
+
+def route_variants(rig: Rig, chain_clients: list[Client], whole_client: Client) -> tuple[dict[str, Variant], Callable[[], None]]:
+    whole = PlainContext(rig.whole_model, ROUTE_N_CTX, n_threads=SINGLE_THREADS)
+    local = rig.chain.new_session(ROUTE_N_CTX)
+    route = DaemonRoute(chain_clients)
+    chain_session, whole_session = "bench-route-chain", "bench-route-whole"
+    used: set[str] = set()
+
+    def daemon_variant(session: str, reset_clients: list[Client], append) -> Variant:
+        def reset() -> None:
+            if session in used:
+                for client in reset_clients:
+                    client.truncate(session, EPOCH, 0)
+
+        def append_tokens(start: int, tokens: Sequence[int]) -> np.ndarray:
+            used.add(session)
+            return append(start, tokens)
+
+        return Variant(reset, append_tokens)
+
+    variants = {
+        "llama.cpp whole": Variant(whole.reset, lambda start, tokens: whole.append(start, np.asarray(tokens, dtype=np.int32))),
+        "in-process chain": Variant(lambda: local.truncate(0), lambda start, tokens: local.append(start, tokens)),
+        "daemon chain": daemon_variant(chain_session, chain_clients, lambda start, tokens: route.append(chain_session, EPOCH, start, tokens)),
+        "daemon whole": daemon_variant(whole_session, [whole_client], lambda start, tokens: whole_client.append(whole_session, EPOCH, start, tokens=list(tokens), n_ctx=ROUTE_N_CTX).rows),
+    }
+
+    def close() -> None:
+        whole.close()
+        local.close()
+        route.release(chain_session, EPOCH)
+        whole_client.release(whole_session, EPOCH)
+
+    return variants, close
+
+
+def _greedy_run(variant: Variant, prompt: Sequence[int], steps: int, times: list[float] | None) -> list[int]:
+    variant.reset()
+    logits = variant.append(0, prompt)
+    generated = []
+    position = len(prompt)
+    for _ in range(steps):
+        started = time.perf_counter()
+        token = int(np.argmax(logits[-1]))
+        generated.append(token)
+        logits = variant.append(position, [token])
+        if times is not None:
+            times.append(time.perf_counter() - started)
+        position += 1
+    return generated
+
+
+def measure_route(rig: Rig, chain_clients: list[Client], whole_client: Client) -> dict:
+    options = rig.options
+    variants, close = route_variants(rig, chain_clients, whole_client)
+    prompt = rig.prompts[0]
+    steps = options.decode_steps
+    times = {name: [] for name in variants}
+    tokens: dict[str, list[int]] = {}
+    trips: list[dict[str, list[float]]] = [{"supervisor": [], "worker": [], "worker_after_idle": []} for _ in chain_clients]
+    try:
+        for name, variant in variants.items():
+            tokens[name] = _greedy_run(variant, prompt, min(steps, 16), None)  # warm-up; the tokens are compared
+        for round_index, order in _interleaved(options.rounds, list(variants)):
+            for name in order:
+                _greedy_run(variants[name], prompt, steps, times[name])
+            length = len(prompt) + steps
+            for index, client in enumerate(chain_clients):
+                for kind, values in round_trips(client, "bench-route-chain", length, max(8, steps // 2), IDLE_CHAIN_S).items():
+                    trips[index][kind].extend(values)
+            _say(f"whole route: round {round_index + 1}/{options.rounds}")
+    finally:
+        close()
+    shard_widths = [rig.shards[0].n_embd] * (len(rig.shards) - 1) + [rig.shards[-1].n_vocab]
+    inputs = [np.asarray(prompt[:1], dtype=np.int32)] + [rig.mid_hidden[:1]] * (len(rig.shards) - 1)
+    payload = [payload_seconds(rows, width, count=200) for rows, width in zip(inputs, shard_widths)]
+    reference = tokens["llama.cpp whole"]
+    return {
+        "decode_s": times,
+        "round_trip_s": trips,
+        "payload_s_per_hop": payload,
+        "tokens_identical": {name: generated == reference for name, generated in tokens.items()},
+    }

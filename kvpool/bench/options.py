@@ -1,0 +1,62 @@
+"""What one bench run measures (`BenchOptions`), the constants its sections share, and small helpers."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import pathlib
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+
+SESSIONS = 4
+PARALLEL_THREADS = 2  # llama threads computing at once in section 3 (the machine's cores)
+SINGLE_THREADS = 1  # llama threads of a single-session context
+ROUTE_N_CTX = 1024  # context of the decode and prefill sessions
+EPOCH = 1
+
+
+def _say(message: str) -> None:
+    print(f"kvpool bench: {time.strftime('%H:%M:%S', time.gmtime())} {message}", file=sys.stderr, flush=True)
+
+
+def _median(values: Sequence[float]) -> float:
+    return statistics.median(values) if values else math.nan
+
+
+def _mib(value: float) -> float:
+    return value / 1024**2
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class BenchOptions:
+    """What one run measures; `quick_run()` is the short run the test uses."""
+
+    out_dir: pathlib.Path
+    model: pathlib.Path
+    quick: bool = False
+    rounds: int = 7  # interleaved rounds of the single-session sections
+    decode_steps: int = 96  # timed decode steps per round and variant
+    history: int = 64  # rows in the middle shard's context before its decode steps
+    prefill_rows: int = 512
+    parallel_rounds: int = 7
+    parallel_steps: int = 64  # decode steps per session per round in section 3
+    repeats: int = 11  # admissions, releases and evictions measured per size
+    admit_n_ctx: tuple[int, ...] = (512, 2048, 8192)
+    chart: bool = True
+
+    def __post_init__(self) -> None:
+        if min(self.rounds, self.decode_steps, self.history, self.prefill_rows, self.parallel_rounds, self.parallel_steps, self.repeats) < 1:
+            raise ValueError("rounds, steps, history, prefill rows and repeats must be at least 1")
+        if self.prefill_rows > ROUTE_N_CTX or self.history + self.decode_steps + 8 > ROUTE_N_CTX:
+            raise ValueError(f"prefill rows and history + decode steps must fit in n_ctx {ROUTE_N_CTX}")
+
+    @classmethod
+    def quick_run(cls, out_dir: pathlib.Path, model: pathlib.Path) -> BenchOptions:
+        return cls(out_dir=out_dir, model=model, quick=True, rounds=2, decode_steps=8, history=16,
+                   parallel_rounds=1, parallel_steps=8, repeats=2)
+
+    @property
+    def max_n_ctx(self) -> int:
+        return max(self.admit_n_ctx)
