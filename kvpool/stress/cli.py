@@ -1,0 +1,93 @@
+"""Command line of `kvpool stress` and scripts/stress_four_sessions.py: arguments, options, run, main."""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+
+from kvpool.bundled import BundledModelMissing
+from kvpool.client import ConnectionLost
+from kvpool.config import parse_bytes
+from kvpool.launcher import DaemonStartFailed
+from kvpool.shardfile import ShardError
+from kvpool.stress.options import StressOptions
+from kvpool.stress.report import render
+from kvpool.stress.runner import Say, _stderr_say, run_stress
+
+
+# ---- command line ---------------------------------------------------------------------------------------
+
+
+DESCRIPTION = (
+    "Start a chain of `kvpool serve` daemons on the bundled model (or attach to running ones with --sockets) "
+    "and drive N concurrent sessions through it with a seeded random mix of chunked prefill, greedy decode, "
+    "truncate then replay, cancel in the middle of a long prefill, release and re-open, an epoch bump and a "
+    "stale-epoch request. Every session's operations are then replayed alone on a fresh chain of daemons: every "
+    "output row, greedy token and the final logits must be bit-identical, or the run fails (exit code 1). "
+    "Scenario flags add faults; after each run every daemon must have released everything, balanced its books "
+    "and returned its workers' memory within --uss-tolerance. Progress goes to stderr, the table to stdout."
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--sessions", type=int, default=4, help="concurrent sessions (default 4)")
+    parser.add_argument("--ops", type=int, default=40, help="operations per session before the closing decodes (default 40)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of every session's operations (default 0)")
+    parser.add_argument("--budget-for", type=int, metavar="K", help="scenario: a budget for K sessions on each daemon (K + 0.5 times one session's measured charge), --sessions active: LRU evictions, cache_miss, replay; reserved bytes never above the limit")
+    parser.add_argument("--ttl", type=float, metavar="SECONDS", help="scenario: daemons expire sessions idle this long; each session idles once and must get cache_miss/expired")
+    parser.add_argument("--kill-worker", action="store_true", help="scenario: SIGKILL the worker of one session on one daemon mid-decode; it must report worker_lost and recover by replay, the others continue exactly")
+    parser.add_argument("--sockets", help="comma-separated daemon sockets, first shard to last: attach instead of starting daemons")
+    parser.add_argument("--model", type=pathlib.Path, help="source GGUF to cut into shards (default: the bundled model)")
+    parser.add_argument("--parts", type=int, default=3, help="shards, one daemon each (default 3)")
+    parser.add_argument("--n-ctx", type=int, default=512, help="context per session (default 512)")
+    parser.add_argument("--reference", choices=("daemon", "local"), default="daemon", help="run alone on a fresh chain of daemons (default) or in process")
+    parser.add_argument("--final-tokens", type=int, default=4, help="greedy tokens every session decodes at the end (default 4)")
+    parser.add_argument("--sample-interval", type=float, default=0.1, help="seconds between stats samples of every daemon (default 0.1)")
+    parser.add_argument("--uss-tolerance", default="48MiB", help="how far a worker's USS may end from its pre-run value, or from its own baseline if it was started during the run (default 48MiB: below the daemon's 64MiB recycle margin)")
+    parser.add_argument("--json", type=pathlib.Path, metavar="PATH", help="write the raw figures (operations, latencies, errors, samples, verdicts) as JSON")
+    parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+
+
+def options_from(args: argparse.Namespace) -> StressOptions:
+    sockets = tuple(pathlib.Path(part) for part in args.sockets.split(",") if part) if args.sockets else ()
+    return StressOptions(
+        sessions=args.sessions, ops=args.ops, seed=args.seed, budget_for=args.budget_for, ttl_s=args.ttl,
+        kill_worker=args.kill_worker, sockets=sockets, model=args.model, parts=args.parts, n_ctx=args.n_ctx,
+        reference=args.reference, final_tokens=args.final_tokens, sample_interval_s=args.sample_interval,
+        uss_tolerance_bytes=parse_bytes(args.uss_tolerance), json_path=args.json, progress=not args.quiet,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """0: every verdict passed; 1: a verdict failed; 2: bad options or the run could not be set up."""
+    try:
+        options = options_from(args)
+    except ValueError as error:
+        print(f"kvpool stress: error: {error}", file=sys.stderr)
+        return 2
+    say: Say = _stderr_say if options.progress else (lambda message: None)
+    try:
+        report = run_stress(options, say=say)
+    except (DaemonStartFailed, ShardError, BundledModelMissing, ConnectionLost, OSError) as error:
+        print(f"kvpool stress: error: {error}", file=sys.stderr)
+        return 2
+    print(render(report))
+    if options.json_path is not None:
+        say(f"raw figures written to {options.json_path}")
+    return 0 if report.passed else 1
+
+
+def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=DESCRIPTION)
+    add_arguments(parser)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return run(args)
+    except KeyboardInterrupt:
+        print("kvpool stress: interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,243 @@
+"""The run: run_stress and its helpers (prompts, chain, sessions, replays, summaries)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pathlib
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+
+import msgspec
+import numpy as np
+
+from kvpool.bundled import bundled_model_path
+from kvpool.client import Client
+from kvpool.config import format_bytes
+from kvpool.launcher import start_daemons
+from kvpool.shardcache import cached_shards
+from kvpool.shardfile import even_splits, read_shard_info
+from kvpool.stress.checks import Chain, _daemon_summaries, _probe_charges, _serve_options, _settle, _snapshot, _stop, _verdicts
+from kvpool.stress.driver import SessionDriver, SessionSetup, build_plans
+from kvpool.stress.log import DaemonReference, LocalReference, ReplayOutcome, replay_alone
+from kvpool.stress.options import UNLIMITED_BUDGET, StressOptions
+from kvpool.stress.recording import Recorder, Sampler
+from kvpool.stress.report import SessionSummary, StressReport
+from kvpool.tokenizer import Tokenizer
+
+FILLER_ROWS = 192  # rows of the long prefill that gets cancelled
+PROGRESS_EVERY_S = 2.0
+
+PROMPTS = (
+    "What is the capital of France?",
+    "Write a short poem about the sea, the wind and a lighthouse keeper who counts the waves at night.",
+    "List four fruits.",
+    "Why is the sky blue? Answer briefly.",
+    "Explain what a hash table is to a ten year old.",
+    "Give three tips for writing clear commit messages.",
+    "Translate 'good morning, how are you?' into Spanish and French.",
+    "Describe the water cycle in two sentences.",
+)
+FILLER_TEXT = " ".join(f"The lighthouse log entry number {i} says the sea was calm and the lamp was bright." for i in range(40))
+
+
+# ---- the run --------------------------------------------------------------------------------------------
+
+
+Say = Callable[[str], None]
+
+
+def _stderr_say(message: str) -> None:
+    print(f"kvpool stress: {message}", file=sys.stderr, flush=True)
+
+
+def _prompts(tokenizer: Tokenizer, count: int) -> list[tuple[int, ...]]:
+    prompts = []
+    for index in range(count):
+        text = PROMPTS[index % len(PROMPTS)] + (f" (variant {index // len(PROMPTS)})" if index >= len(PROMPTS) else "")
+        prompts.append(tuple(tokenizer.encode(tokenizer.chat_prompt(text))))
+    return prompts
+
+
+def _shard_paths_of(sockets: Sequence[pathlib.Path]) -> list[pathlib.Path]:
+    paths = []
+    for path in sockets:
+        with Client(path, timeout_s=30, name="stress-attach") as client:
+            paths.append(pathlib.Path(client.shard.model_path))
+    return paths
+
+
+def _open_chain(options: StressOptions, socket_dir: pathlib.Path, prompt: Sequence[int], say: Say, shard_paths: list[pathlib.Path]) -> Chain:
+    if options.sockets:
+        return Chain(list(options.sockets), shard_paths, [], [], None)
+    ttl = options.ttl_s if options.ttl_s is not None else 300.0
+    charges: list[int] = []
+    if options.budget_for is not None:
+        say("measuring one session's charge on each daemon (probe daemons)")
+        charges = _probe_charges(shard_paths, socket_dir, options, prompt)
+        budgets = [str(int(charge * (options.budget_for + 0.5))) for charge in charges]
+        max_sessions = options.sessions
+        say("charges " + ", ".join(format_bytes(c) for c in charges) + f": budgets for {options.budget_for} sessions " + ", ".join(format_bytes(int(b)) for b in budgets))
+    else:
+        budgets = [UNLIMITED_BUDGET] * len(shard_paths)
+        max_sessions = options.sessions + 1  # a spare warm worker: a replaced or recycling worker evicts nobody
+    serve = [_serve_options(options, max_sessions=max_sessions, budget=budget, ttl_s=ttl) for budget in budgets]
+    say(f"starting {len(shard_paths)} daemons: {' '.join(serve[0])}")
+    daemons = start_daemons(shard_paths, socket_dir, serve, prefix="shard")
+    return Chain([daemon.socket for daemon in daemons], shard_paths, daemons, charges, max_sessions)
+
+
+def _progress_loop(stop: threading.Event, recorder: Recorder, sampler: Sampler, total_ops: int, started: float, say: Say) -> None:
+    while not stop.wait(PROGRESS_EVERY_S):
+        latest = sampler.latest()
+        reserved = " ".join(f"d{index}={format_bytes(sample.reserved_bytes)}" for index, sample in sorted(latest.items()))
+        errors = ", ".join(f"{key} {count}" for key, count in recorder.error_counts().items()) or "none"
+        say(f"{time.monotonic() - started:6.1f} s  ops {recorder.ops_done}/{total_ops}  reserved {reserved}  replies with errors: {errors}")
+
+
+def _run_sessions(options: StressOptions, chain: Chain, setups: Sequence[SessionSetup], recorder: Recorder, sampler: Sampler, say: Say) -> list[SessionDriver]:
+    drivers: list[SessionDriver] = []
+    all_clients: list[Client] = []
+    try:
+        for setup in setups:
+            clients = [Client(path, name=setup.session_id) for path in chain.sockets]
+            all_clients += clients
+            drivers.append(SessionDriver(setup, clients, options, recorder))
+        threads = [threading.Thread(target=driver.run, name=driver.session_id, daemon=True) for driver in drivers]
+        stop = threading.Event()
+        progress = threading.Thread(
+            target=_progress_loop, args=(stop, recorder, sampler, options.sessions * options.ops, time.monotonic(), say), daemon=True
+        )
+        progress.start()
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        stop.set()
+        progress.join()
+    finally:
+        for client in all_clients:
+            client.close()
+    return drivers
+
+
+def _replay_all(options: StressOptions, chain: Chain, drivers: Sequence[SessionDriver], socket_dir: pathlib.Path, say: Say) -> list[ReplayOutcome]:
+    if options.reference == "local":
+        say("replaying each session alone in process (LocalChain)")
+        local = LocalReference(chain.shard_paths, options.n_ctx)
+        try:
+            return [replay_alone(driver.log, local, driver.session_id) for driver in drivers]
+        finally:
+            local.close()
+    serve = _serve_options(options, max_sessions=1, budget=UNLIMITED_BUDGET, ttl_s=3600)
+    say(f"replaying each session alone on a fresh chain of {len(chain.shard_paths)} daemons ({' '.join(serve)})")
+    daemons = start_daemons(chain.shard_paths, socket_dir, serve, prefix="reference")
+    try:
+        clients = [daemon.client() for daemon in daemons]
+        try:
+            reference = DaemonReference(clients)
+            return [replay_alone(driver.log, reference, driver.session_id) for driver in drivers]
+        finally:
+            for client in clients:
+                client.close()
+    finally:
+        _stop(daemons)
+
+
+def _session_summary(driver: SessionDriver, replay: ReplayOutcome) -> SessionSummary:
+    diff: float | None = None
+    mismatches = list(replay.mismatches)
+    if driver.logits is not None and replay.final_row is not None and not driver.violations:
+        diff = float(np.abs(driver.logits - replay.final_row).max())
+        if diff != 0.0:
+            mismatches.append(f"{driver.session_id}: final logits differ from the run alone (max |diff| {diff:g})")
+    return SessionSummary(
+        session_id=driver.session_id, prompt_tokens=len(driver.setup.prompt), ops=dict(sorted(driver.ops.items())),
+        appends=driver.appends, resets=driver.resets, recoveries=driver.recoveries, misses=dict(driver.misses),
+        cancels_landed=driver.cancels_landed, cancels_completed=driver.cancels_completed,
+        final_epoch=driver.epoch, final_length=driver.length, generated=driver.tokens[len(driver.setup.prompt) :],
+        checked_rows=replay.checked_rows, greedy_checked=replay.greedy_checked, final_logits_max_abs_diff=diff,
+        mismatches=mismatches, violations=driver.violations, unexercised=driver.unexercised(),
+    )
+
+
+def run_stress(options: StressOptions, *, say: Say = _stderr_say) -> StressReport:
+    """The whole run: set up, drive the sessions, check, replay alone, judge. Raises on setup failure."""
+    started = time.monotonic()
+    run_prefix = f"stress-{os.getpid()}-{options.seed}-"
+    socket_dir = pathlib.Path(tempfile.mkdtemp(prefix="kvpool-stress-", dir="/tmp"))
+    keep_logs = False
+    try:
+        if options.sockets:
+            shard_paths = _shard_paths_of(options.sockets)
+        else:
+            source = options.model or bundled_model_path()
+            total = read_shard_info(source).total_layers
+            shard_paths = [shard.path for shard in cached_shards(source, even_splits(total, options.parts), progress=say)]
+        with Tokenizer(shard_paths[0]) as tokenizer:
+            prompts = _prompts(tokenizer, options.sessions)
+            filler = tuple(tokenizer.encode(FILLER_TEXT, add_special=False)[:FILLER_ROWS])
+        chain = _open_chain(options, socket_dir, prompts[0], say, shard_paths)
+        try:
+            plans = build_plans(options, len(chain.sockets))
+            setups = [SessionSetup(i, f"{run_prefix}{i}", prompts[i], filler, plans[i]) for i in range(options.sessions)]
+            before = _snapshot(chain.sockets)
+            recorder = Recorder()
+            sampler = Sampler(chain.sockets, options.sample_interval_s)
+            sampler.start()
+            say(f"{options.sessions} sessions x {options.ops} ops, scenario {options.scenario}, seed {options.seed}")
+            try:
+                drivers = _run_sessions(options, chain, setups, recorder, sampler, say)
+            finally:
+                sampler.stop()
+            say(f"sessions done in {time.monotonic() - started:.1f} s; waiting for the daemons to settle")
+            after = _settle(chain.sockets, before, run_prefix, options.uss_tolerance_bytes, chain.workers_expected)
+        finally:
+            codes = _stop(chain.daemons)
+            if chain.daemons and any(codes):
+                keep_logs = True
+                say(f"daemon exit codes {codes}: logs kept in {socket_dir}")
+        replays = _replay_all(options, chain, drivers, socket_dir, say)
+        sessions = [_session_summary(driver, replay) for driver, replay in zip(drivers, replays)]
+        daemons = _daemon_summaries(chain, before, after, sampler.samples, options.uss_tolerance_bytes, run_prefix)
+        verdicts = _verdicts(options, chain, drivers, sessions, daemons, sampler.samples, sampler.failures)
+        ops_by_kind = Counter()
+        for driver in drivers:
+            ops_by_kind.update(driver.ops)
+        report = StressReport(
+            scenario=options.scenario,
+            options={field.name: _plain(getattr(options, field.name)) for field in dataclasses.fields(options)},
+            reference="fresh daemons" if options.reference == "daemon" else "in-process LocalChain",
+            duration_s=round(time.monotonic() - started, 3),
+            ops_by_kind=dict(sorted(ops_by_kind.items())), latency_ms=recorder.latency_summary(),
+            errors_by_code=recorder.error_counts(), events=recorder.event_counts(),
+            uss_tolerance_bytes=options.uss_tolerance_bytes, samples=sampler.samples, sessions=sessions, daemons=daemons,
+            kills=[driver.kill for driver in drivers if driver.kill is not None], verdicts=verdicts,
+            passed=all(verdict.passed for verdict in verdicts),
+        )
+        keep_logs = keep_logs or not report.passed
+        if options.json_path is not None:
+            options.json_path.parent.mkdir(parents=True, exist_ok=True)
+            options.json_path.write_bytes(msgspec.json.format(msgspec.json.encode(report)) + b"\n")
+        return report
+    except BaseException:
+        keep_logs = True
+        raise
+    finally:
+        if keep_logs and any(socket_dir.glob("*.log")):
+            say(f"daemon logs kept in {socket_dir}")
+        else:
+            shutil.rmtree(socket_dir, ignore_errors=True)
+
+
+def _plain(value: object) -> object:
+    if isinstance(value, pathlib.Path):
+        return str(value)
+    if isinstance(value, tuple):
+        return [_plain(item) for item in value]
+    return value
