@@ -16,8 +16,8 @@ from kvpool.client import KvpoolError
 from kvpool.daemon_route import DaemonRoute
 from kvpool.generate import greedy_tokens
 from kvpool.launcher import DaemonStartFailed, start_daemons
-from kvpool.shardcache import cached_shards
-from kvpool.shardfile import ShardError, even_splits, read_shard_info
+from kvpool.shardcache import shards_in_parts
+from kvpool.shardfile import ShardError
 from kvpool.tokenizer import Tokenizer
 
 DEFAULT_PROMPT = "Write a short story about a lighthouse keeper."
@@ -51,8 +51,7 @@ def _say(message: str) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         source = args.model or bundled_model_path()
-        total = read_shard_info(source).total_layers
-        shards = cached_shards(source, even_splits(total, args.parts), progress=_say)
+        shards = shards_in_parts(source, args.parts, progress=_say)
     except (ShardError, BundledModelMissing) as error:
         print(f"kvpool demo: error: {error}", file=sys.stderr)
         return 2

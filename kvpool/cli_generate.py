@@ -11,8 +11,8 @@ from kvpool.bundled import BundledModelMissing, bundled_model_path
 from kvpool.chain import LocalChain
 from kvpool.generate import greedy_tokens
 from kvpool.route import check_route
-from kvpool.shardcache import cached_shards, shards_in_directory
-from kvpool.shardfile import ShardError, ShardInfo, even_splits, read_shard_info
+from kvpool.shardcache import shards_in_directory, shards_in_parts
+from kvpool.shardfile import ShardError, ShardInfo
 from kvpool.tokenizer import Tokenizer
 
 DEFAULT_PROMPT = "What is the capital of France?"
@@ -46,11 +46,8 @@ def _route(args: argparse.Namespace, source: pathlib.Path) -> list[ShardInfo]:
         if not args.shards.is_dir():
             raise ShardError(f"shard directory not found: {args.shards}")
         shards = shards_in_directory(args.shards)
-    elif args.parts == 1:
-        shards = [read_shard_info(source)]  # the whole model needs no shard file
     else:
-        total = read_shard_info(source).total_layers
-        shards = cached_shards(source, even_splits(total, args.parts), progress=_progress)
+        shards = shards_in_parts(source, args.parts, progress=_progress)
     check_route(shards)
     return shards
 

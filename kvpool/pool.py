@@ -61,7 +61,6 @@ class WorkerHandle:
         self.name = name
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(AnyWorkerReply)
-        self._call_lock = threading.Lock()
         self._async_call_lock = asyncio.Lock()
         self.segment = shared_memory.SharedMemory(
             create=True, size=CONTROL_BYTES + spec.input_bytes + spec.output_bytes
@@ -107,22 +106,10 @@ class WorkerHandle:
         self.baseline_uss = self.measure_uss()
         return reply
 
-    def call(self, command: AnyCommand) -> AnyWorkerReply:
-        """Send one command and wait for its reply. Raises WorkerLost if the process is gone."""
-        with self._call_lock:
-            if self.lost:
-                raise WorkerLost(f"{self.name} is lost")
-            try:
-                self._connection.send_bytes(self._encoder.encode(command))
-                payload = self._connection.recv_bytes()
-            except (EOFError, OSError) as error:
-                self.lost = True
-                raise WorkerLost(f"{self.name} (pid {self.pid}) died: exit code {self.process.exitcode}") from error
-            return self._decoder.decode(payload)
-
     async def call_async(self, command: AnyCommand) -> AnyWorkerReply:
-        """call() for the event loop. If the awaiting task is cancelled the pipe may hold an unread reply,
-        so the worker is marked lost (the supervisor replaces lost workers)."""
+        """Send one command and await its reply on the event loop. Raises WorkerLost if the process is gone.
+        If the awaiting task is cancelled the pipe may hold an unread reply, so the worker is marked lost
+        (the supervisor replaces lost workers)."""
         async with self._async_call_lock:
             if self.lost:
                 raise WorkerLost(f"{self.name} is lost")
@@ -166,8 +153,7 @@ class WorkerHandle:
         """Ask the worker to exit, then terminate and kill as needed; release the segment. Idempotent."""
         if self.process.is_alive() and not self.lost:
             try:
-                with self._call_lock:
-                    self._connection.send_bytes(self._encoder.encode(Exit()))
+                self._connection.send_bytes(self._encoder.encode(Exit()))
             except (OSError, ValueError):
                 pass
             self.process.join(timeout_s)

@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 from kvpool.config import work_dir
 from kvpool.shardfile import (
     LayerRange,
+    even_splits,
     ShardInfo,
     file_sha256,
     read_shard_info,
@@ -32,6 +33,15 @@ def cached_shards(
         if all(info.source_sha256 == source_sha256 for info in infos):
             return infos
     return write_shards(source, ranges, directory, progress=progress)
+
+
+def shards_in_parts(
+    source: pathlib.Path, parts: int, *, progress: Callable[[str], None] | None = None
+) -> list[ShardInfo]:
+    """`source` cut into `parts` even shards (cached as above); one part is the source file itself."""
+    if parts == 1:
+        return [read_shard_info(source)]  # the whole model needs no shard file
+    return cached_shards(source, even_splits(read_shard_info(source).total_layers, parts), progress=progress)
 
 
 def shards_in_directory(directory: pathlib.Path) -> list[ShardInfo]:

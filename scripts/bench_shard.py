@@ -27,8 +27,8 @@ import numpy as np
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from kvpool.bundled import bundled_model_path  # noqa: E402
-from kvpool.shardcache import cached_shards  # noqa: E402
-from kvpool.shardfile import even_splits, file_sha256, read_shard_info  # noqa: E402
+from kvpool.shardcache import shards_in_parts  # noqa: E402
+from kvpool.shardfile import file_sha256  # noqa: E402
 from kvpool.tokenizer import Tokenizer  # noqa: E402
 from workers.runtime import ShardModel  # noqa: E402
 
@@ -125,8 +125,8 @@ def main() -> int:
     args = parser.parse_args()
 
     source = args.model or bundled_model_path()
-    total = read_shard_info(source).total_layers
-    shards = cached_shards(source, even_splits(total, args.parts), progress=lambda m: print(f"# {m}", file=sys.stderr))
+    shards = shards_in_parts(source, args.parts, progress=lambda m: print(f"# {m}", file=sys.stderr))
+    total = shards[0].total_layers
     first, middle = shards[0], shards[len(shards) // 2]
     needed = max(args.prefill, args.history + args.decode_steps)
     n_ctx = max(512, needed)

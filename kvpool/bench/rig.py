@@ -19,8 +19,8 @@ from kvpool.chain import LocalChain
 from kvpool.client import Client
 from kvpool.launcher import Daemon
 from kvpool.protocol import Append, AppendReply, decode_reply, decode_request, encode
-from kvpool.shardcache import cached_shards
-from kvpool.shardfile import ShardInfo, even_splits, read_shard_info
+from kvpool.shardcache import shards_in_parts
+from kvpool.shardfile import ShardInfo
 from kvpool.tokenizer import Tokenizer
 from workers.runtime import ShardModel
 
@@ -53,8 +53,7 @@ class Rig:
     def _setup(self) -> None:
         options = self.options
         source = options.model
-        total = read_shard_info(source).total_layers
-        self.shards: list[ShardInfo] = cached_shards(source, even_splits(total, 3), progress=_say)
+        self.shards: list[ShardInfo] = shards_in_parts(source, 3, progress=_say)
         self.middle = self.shards[1]
         common = ["--ttl", "600", "--threads-per-worker", "1"]
         route = [*common, "--n-ctx", str(ROUTE_N_CTX)]

@@ -20,8 +20,7 @@ from kvpool.bundled import bundled_model_path
 from kvpool.client import Client
 from kvpool.config import format_bytes
 from kvpool.launcher import start_daemons
-from kvpool.shardcache import cached_shards
-from kvpool.shardfile import even_splits, read_shard_info
+from kvpool.shardcache import shards_in_parts
 from kvpool.stress.checks import Chain, _daemon_summaries, _probe_charges, _serve_options, _settle, _snapshot, _stop, _verdicts
 from kvpool.stress.driver import SessionDriver, SessionSetup, build_plans
 from kvpool.stress.log import DaemonReference, LocalReference, ReplayOutcome, replay_alone
@@ -177,8 +176,7 @@ def run_stress(options: StressOptions, *, say: Say = _stderr_say) -> StressRepor
             shard_paths = _shard_paths_of(options.sockets)
         else:
             source = options.model or bundled_model_path()
-            total = read_shard_info(source).total_layers
-            shard_paths = [shard.path for shard in cached_shards(source, even_splits(total, options.parts), progress=say)]
+            shard_paths = [shard.path for shard in shards_in_parts(source, options.parts, progress=say)]
         with Tokenizer(shard_paths[0]) as tokenizer:
             prompts = _prompts(tokenizer, options.sessions)
             filler = tuple(tokenizer.encode(FILLER_TEXT, add_special=False)[:FILLER_ROWS])
