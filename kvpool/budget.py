@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Hashable, Iterable, Iterator
 
+from kvpool.integrity import require
+
 
 class OverBudget(Exception):
     """A reservation does not fit in what is left of the budget."""
@@ -69,9 +71,9 @@ class ByteBudget:
         return nbytes
 
     def check_integrity(self, live_owners: Iterable[Hashable] | None = None) -> None:
-        assert self._reserved == sum(self._charges.values()), "reserved != sum of charges"
-        assert 0 <= self._reserved <= self.limit, f"reserved {self._reserved} outside [0, {self.limit}]"
-        assert all(charge > 0 for charge in self._charges.values()), "non-positive charge"
+        require(self._reserved == sum(self._charges.values()), "reserved != sum of charges")
+        require(0 <= self._reserved <= self.limit, f"reserved {self._reserved} outside [0, {self.limit}]")
+        require(all(charge > 0 for charge in self._charges.values()), "non-positive charge")
         if live_owners is not None:
             live = set(live_owners)
-            assert live == set(self._charges), f"charged {set(self._charges)} != live {live}"
+            require(live == set(self._charges), f"charged {set(self._charges)} != live {live}")

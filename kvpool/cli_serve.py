@@ -9,7 +9,9 @@ import sys
 
 from kvpool.bundled import BundledModelMissing, bundled_model_path
 from kvpool.config import ServeConfig, available_cores, parse_bytes, work_dir
+from kvpool.lifeline import watch_lifeline
 from kvpool.pool import WorkerStartFailed
+from kvpool.segments import SharedMemoryTooSmall
 from kvpool.server import SocketSetupError
 from kvpool.shardfile import ShardError
 from kvpool.supervisor import Supervisor
@@ -35,6 +37,9 @@ def add_parser(subcommands: argparse._SubParsersAction) -> None:
     parser.add_argument("--threads-per-worker", type=int, default=1, help="llama threads per worker (default 1)")
     parser.add_argument("--n-ctx", type=int, default=2048, help="largest (and default) context per session (default 2048)")
     parser.add_argument("--max-request-bytes", default="64MiB", help="largest request frame accepted (default 64MiB)")
+    parser.add_argument("--request-timeout", type=float, default=600.0, help="seconds a worker may take to answer one call (an append of --n-ctx rows included); a worker that does not is killed and replaced, and its request answered worker_lost (default 600)")
+    parser.add_argument("--housekeeping-interval", type=float, default=0.5, help="seconds between housekeeping passes: TTL expiry, replacing dead idle workers, memory checks (default 0.5)")
+    parser.add_argument("--lifeline-fd", type=int, help="an inherited pipe's read end: the daemon shuts down when it reaches end-of-file, i.e. when the program that started it is gone (kvpool's launcher passes it)")
     parser.add_argument("--memory-margin", default="64MiB", help="recycle an idle worker whose measured memory exceeds its charge by this (default 64MiB)")
     parser.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on 127.0.0.1:PORT")
     parser.add_argument("--flash-attn", action="store_true", help="use flash attention (all shards of a route must agree)")
@@ -57,6 +62,8 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         n_ctx=args.n_ctx,
         flash_attn=args.flash_attn,
         max_request_bytes=parse_bytes(args.max_request_bytes),
+        request_timeout_s=args.request_timeout,
+        housekeeping_interval_s=args.housekeeping_interval,
         memory_margin_bytes=parse_bytes(args.memory_margin),
         metrics_port=args.metrics_port,
         n_gpu_layers=args.n_gpu_layers,
@@ -69,8 +76,11 @@ def run(args: argparse.Namespace) -> int:
         config = config_from_args(args)
         if not config.model.is_file():
             raise ShardError(f"model file not found: {config.model}")
-        asyncio.run(Supervisor(config).run())
-    except (ValueError, ShardError, BundledModelMissing, SocketSetupError, WorkerStartFailed, OSError) as error:
+        supervisor = Supervisor(config)
+        if args.lifeline_fd is not None:
+            watch_lifeline(args.lifeline_fd, socket_path=config.socket)
+        asyncio.run(supervisor.run())
+    except (ValueError, ShardError, BundledModelMissing, SocketSetupError, SharedMemoryTooSmall, WorkerStartFailed, OSError) as error:
         print(f"kvpool serve: error: {error}", file=sys.stderr)
         return 2
     return 0

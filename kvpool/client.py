@@ -3,10 +3,16 @@
 One request at a time per connection (a lock makes a Client safe to share between threads). `cancel()`
 goes over a second connection, opened on first use, so it can reach a daemon busy with this client's
 own in-flight append.
+
+A reply is returned only to the request that produced it: every request carries a fresh request id
+that the reply must echo, and any failure inside a request (a timeout, KeyboardInterrupt, a broken or
+undecodable reply) closes that connection, since a reply left unread on it would otherwise answer the
+next request. The next call opens a new connection (or raises ConnectionLost if the daemon is gone).
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import socket
 import threading
@@ -26,11 +32,11 @@ from kvpool.protocol import (
     ErrorReply,
     Hello,
     HelloReply,
-    Message,
     MissReason,
     OutputRows,
     Release,
     Reply,
+    RequestMessage,
     Shutdown,
     Stats,
     StatsReply,
@@ -75,32 +81,60 @@ def _receive_exactly(sock: socket.socket, size: int) -> bytes:
 
 
 class _Connection:
-    def __init__(self, path: str, timeout_s: float | None) -> None:
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    """One socket to the daemon, after the Hello handshake. Closed for good by any failed request."""
+
+    def __init__(self, path: str, timeout_s: float | None, name: str) -> None:
+        self.sock: socket.socket | None = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.settimeout(timeout_s)
+        self.lock = threading.Lock()
+        self._request_ids = itertools.count(1)
         try:
             self.sock.connect(path)
         except OSError as error:
-            self.sock.close()
+            self.close()
             raise ConnectionLost(f"cannot connect to {path}: {error.strerror or error}") from error
-        self.lock = threading.Lock()
+        reply = self.request(Hello(version=PROTOCOL_VERSION, client=name))
+        if isinstance(reply, ErrorReply):
+            self.close()
+            raise KvpoolError(reply)
+        if not isinstance(reply, HelloReply):
+            self.close()
+            raise ConnectionLost(f"the daemon answered Hello with {type(reply).__name__}")
+        self.hello = reply
 
-    def request(self, message: Message) -> Reply:
-        return self.request_raw(encode(message))
+    @property
+    def closed(self) -> bool:
+        return self.sock is None
 
-    def request_raw(self, frame: bytes) -> Reply:
+    def request(self, message: RequestMessage) -> Reply:
+        """Send one request and return its reply; the connection is closed if anything goes wrong."""
         with self.lock:
+            sock = self.sock
+            if sock is None:
+                raise ConnectionLost("the connection was closed by an earlier failure")
+            request_id = next(self._request_ids)
+            message.request_id = request_id
             try:
-                self.sock.sendall(frame)
-                (size,) = FRAME_HEADER.unpack(_receive_exactly(self.sock, FRAME_HEADER.size))
+                sock.sendall(encode(message))
+                (size,) = FRAME_HEADER.unpack(_receive_exactly(sock, FRAME_HEADER.size))
                 if size > MAX_REPLY_BYTES:
                     raise ConnectionLost(f"reply of {size} bytes is larger than any valid reply")
-                return decode_reply(_receive_exactly(self.sock, size))
+                reply = decode_reply(_receive_exactly(sock, size))
             except (BrokenPipeError, ConnectionResetError) as error:
+                self.close()
                 raise ConnectionLost(f"connection lost: {error}") from error
+            except BaseException:
+                self.close()
+                raise
+            if reply.request_id != request_id:
+                self.close()
+                raise ConnectionLost(f"the daemon answered request {reply.request_id} where request {request_id} was expected")
+            return reply
 
     def close(self) -> None:
-        self.sock.close()
+        sock, self.sock = self.sock, None
+        if sock is not None:
+            sock.close()
 
 
 class Client:
@@ -108,33 +142,52 @@ class Client:
         self.socket_path = os.fspath(socket_path)
         self._timeout_s = timeout_s
         self._name = name
-        self._main = self._connect()
+        self._connect_lock = threading.Lock()
+        self._main: _Connection | None = None
         self._cancel_connection: _Connection | None = None
-        self._cancel_lock = threading.Lock()
+        self._closed = False
+        self.hello: HelloReply = self._connection("main").hello
 
-    def _connect(self) -> _Connection:
-        connection = _Connection(self.socket_path, self._timeout_s)
-        try:
-            reply = connection.request(Hello(version=PROTOCOL_VERSION, client=self._name))
-        except BaseException:
-            connection.close()
-            raise
-        if isinstance(reply, ErrorReply):
-            connection.close()
-            raise KvpoolError(reply)
-        assert isinstance(reply, HelloReply)
-        self.hello = reply
-        return connection
+    def _connection(self, which: str) -> _Connection:
+        """The open main or cancel connection, (re)opened if a failure closed it."""
+        attribute = "_main" if which == "main" else "_cancel_connection"
+        with self._connect_lock:
+            if self._closed:
+                raise ConnectionLost("this client is closed")
+            connection: _Connection | None = getattr(self, attribute)
+            if connection is None or connection.closed:
+                connection = _Connection(self.socket_path, self._timeout_s, self._name)
+                previous = getattr(self, "hello", None)
+                if previous is not None and connection.hello.shard != previous.shard:
+                    connection.close()
+                    raise ConnectionLost(f"the daemon on {self.socket_path} now serves another shard")
+                setattr(self, attribute, connection)
+            return connection
 
     @property
     def shard(self):
         return self.hello.shard
 
-    def _call(self, message: Message, expected: type) -> Reply:
-        reply = self._main.request(message)
+    @property
+    def timeout_s(self) -> float | None:
+        """Seconds a request may wait for its reply (None: forever); a request that times out closes its
+        connection, and the next one reconnects."""
+        return self._timeout_s
+
+    @timeout_s.setter
+    def timeout_s(self, value: float | None) -> None:
+        with self._connect_lock:
+            self._timeout_s = value
+            for connection in (self._main, self._cancel_connection):
+                if connection is not None and connection.sock is not None:
+                    connection.sock.settimeout(value)
+
+    def _call(self, message: RequestMessage, expected: type) -> Reply:
+        reply = self._connection("main").request(message)
         if isinstance(reply, ErrorReply):
             raise KvpoolError(reply)
-        assert isinstance(reply, expected), reply
+        if not isinstance(reply, expected):
+            raise ConnectionLost(f"the daemon answered {type(message).__name__} with {type(reply).__name__}")
         return reply
 
     def append(
@@ -171,13 +224,11 @@ class Client:
 
     def cancel(self, session_id: str, epoch: int) -> Done:
         """Abort the session's in-flight append (sent on a side connection; safe from another thread)."""
-        with self._cancel_lock:
-            if self._cancel_connection is None:
-                self._cancel_connection = self._connect()
-            reply = self._cancel_connection.request(Cancel(session_id=session_id, epoch=epoch))
+        reply = self._connection("cancel").request(Cancel(session_id=session_id, epoch=epoch))
         if isinstance(reply, ErrorReply):
             raise KvpoolError(reply)
-        assert isinstance(reply, Done)
+        if not isinstance(reply, Done):
+            raise ConnectionLost(f"the daemon answered Cancel with {type(reply).__name__}")
         return reply
 
     def stats(self) -> StatsReply:
@@ -187,9 +238,11 @@ class Client:
         self._call(Shutdown(), Done)
 
     def close(self) -> None:
-        self._main.close()
-        if self._cancel_connection is not None:
-            self._cancel_connection.close()
+        with self._connect_lock:
+            self._closed = True
+            for connection in (self._main, self._cancel_connection):
+                if connection is not None:
+                    connection.close()
 
     def __enter__(self) -> Client:
         return self

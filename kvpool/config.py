@@ -66,6 +66,7 @@ class ServeConfig:
     flash_attn: bool = False
     max_request_bytes: int = 64 * 1024 * 1024
     ready_timeout_s: float = 60.0
+    request_timeout_s: float = 600.0  # a worker call not answered by then: worker killed, request worker_lost
     memory_margin_bytes: int = 64 * 1024**2  # measured USS above charge + this -> recycle when idle
     housekeeping_interval_s: float = 0.5
     metrics_port: int | None = None
@@ -82,6 +83,10 @@ class ServeConfig:
             problems.append("--ttl must be positive")
         if self.threads_per_worker < 1 or self.threads < self.threads_per_worker:
             problems.append("--threads must be at least --threads-per-worker (>= 1)")
+        if self.request_timeout_s <= 0:
+            problems.append("--request-timeout must be positive")
+        if self.housekeeping_interval_s <= 0:
+            problems.append("--housekeeping-interval must be positive")
         if self.n_ctx < 16:
             problems.append("--n-ctx must be at least 16")
         if self.max_request_bytes < 1024:

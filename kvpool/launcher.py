@@ -23,15 +23,32 @@ class DaemonStartFailed(RuntimeError):
 
 
 class Daemon:
-    """One `python -m kvpool serve` child; its log goes to <socket>.log. stop() is idempotent."""
+    """One `python -m kvpool serve` child; its log goes to <socket>.log. stop() is idempotent.
+
+    The daemon holds the read end of a pipe whose write end only this process holds (its lifeline,
+    see kvpool.lifeline): if this process dies, by any signal, the daemon and its workers stop too.
+    """
 
     def __init__(self, model: pathlib.Path, socket_path: pathlib.Path, options: Sequence[str] = ()) -> None:
         self.model = pathlib.Path(model)
         self.socket = pathlib.Path(socket_path)
         self.log_path = self.socket.with_suffix(".log")
         self._log = open(self.log_path, "wb")
-        command = [sys.executable, "-m", "kvpool", "serve", "--model", str(model), "--socket", str(socket_path), *options]
-        self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        lifeline_read, self._lifeline = os.pipe()  # both ends close-on-exec; pass_fds hands over the read end
+        try:
+            command = [
+                sys.executable, "-m", "kvpool", "serve", "--model", str(model), "--socket", str(socket_path),
+                "--lifeline-fd", str(lifeline_read), *options,
+            ]
+            self.process = subprocess.Popen(
+                command, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, pass_fds=(lifeline_read,)
+            )
+        except BaseException:
+            os.close(self._lifeline)
+            self._log.close()
+            raise
+        finally:
+            os.close(lifeline_read)
         self.exit_code: int | None = None
 
     def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> None:
@@ -76,7 +93,13 @@ class Daemon:
             self.exit_code = self.process.wait()
         finally:
             self._log.close()
+            self._close_lifeline()
         return self.exit_code
+
+    def _close_lifeline(self) -> None:
+        if self._lifeline >= 0:
+            os.close(self._lifeline)
+            self._lifeline = -1
 
 
 def start_daemons(

@@ -42,6 +42,9 @@ class Metrics:
         self.reserved_bytes = Gauge("kvpool_reserved_bytes", "bytes reserved by live sessions", registry=self.registry)
         self.limit_bytes = Gauge("kvpool_budget_bytes", "the byte budget", registry=self.registry)
         self.measured_bytes = Gauge("kvpool_measured_uss_bytes", "USS of all workers", registry=self.registry)
+        self.shared_memory_bytes = Gauge(
+            "kvpool_shared_memory_bytes", "the workers' shared-memory segments (outside the session budget)", registry=self.registry
+        )
 
     def count(self, name: str, amount: int = 1) -> None:
         self._values[name] += amount

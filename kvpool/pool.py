@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import multiprocessing
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -21,11 +22,13 @@ import msgspec
 import numpy as np
 import psutil
 
+from kvpool.integrity import require
+from kvpool.segments import SegmentLayout
 from workers.commands import (
     ABORT_FLAG_OFFSET,
-    CONTROL_BYTES,
     AnyCommand,
     AnyWorkerReply,
+    Appended,
     Exit,
     Failed,
     Ready,
@@ -45,11 +48,11 @@ class WorkerStartFailed(Exception):
 class PoolSpec:
     shard_path: str
     size: int
-    input_bytes: int
-    output_bytes: int
+    segment: SegmentLayout
     n_threads: int
     flash_attn: bool
     ready_timeout_s: float
+    request_timeout_s: float  # a call not answered by then: the worker is killed and counts as lost
     n_gpu_layers: int = 0
     verbose: bool = False
 
@@ -59,14 +62,15 @@ class WorkerHandle:
 
     def __init__(self, name: str, spec: PoolSpec) -> None:
         self.name = name
+        self.request_timeout_s = spec.request_timeout_s
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(AnyWorkerReply)
         self._async_call_lock = asyncio.Lock()
-        self.segment = shared_memory.SharedMemory(
-            create=True, size=CONTROL_BYTES + spec.input_bytes + spec.output_bytes
-        )
-        self.input_offset = CONTROL_BYTES
-        self.output_offset = CONTROL_BYTES + spec.input_bytes
+        layout = spec.segment
+        self.segment_bytes = layout.total_bytes
+        self.segment = shared_memory.SharedMemory(create=True, size=layout.total_bytes)
+        self.input_offset = layout.input_offset
+        self.output_offset = layout.output_offset
         self._abort_flag = ctypes.c_int32.from_buffer(self.segment.buf, ABORT_FLAG_OFFSET)
         context = multiprocessing.get_context("spawn")
         parent_end, child_end = context.Pipe(duplex=True)
@@ -74,10 +78,11 @@ class WorkerHandle:
         worker_spec = WorkerSpec(
             shard_path=spec.shard_path,
             shm_name=self.segment.name,
-            input_bytes=spec.input_bytes,
-            output_bytes=spec.output_bytes,
+            input_bytes=layout.input_bytes,
+            output_bytes=layout.output_bytes,
             n_threads=spec.n_threads,
             flash_attn=spec.flash_attn,
+            parent_pid=os.getpid(),
             n_gpu_layers=spec.n_gpu_layers,
             verbose=spec.verbose,
         )
@@ -107,9 +112,10 @@ class WorkerHandle:
         return reply
 
     async def call_async(self, command: AnyCommand) -> AnyWorkerReply:
-        """Send one command and await its reply on the event loop. Raises WorkerLost if the process is gone.
-        If the awaiting task is cancelled the pipe may hold an unread reply, so the worker is marked lost
-        (the supervisor replaces lost workers)."""
+        """Send one command and await its reply on the event loop. Raises WorkerLost if the process is gone
+        or does not answer within the request timeout (it is then killed: a stalled worker never comes
+        back into use). If the awaiting task is cancelled the pipe may hold an unread reply, so the worker
+        is marked lost (the supervisor replaces lost workers)."""
         async with self._async_call_lock:
             if self.lost:
                 raise WorkerLost(f"{self.name} is lost")
@@ -119,11 +125,20 @@ class WorkerHandle:
             try:
                 self._connection.send_bytes(self._encoder.encode(command))
                 loop.add_reader(descriptor, lambda: readable.done() or readable.set_result(None))
+                timer = loop.call_later(self.request_timeout_s, lambda: readable.done() or readable.set_exception(TimeoutError()))
                 try:
                     await readable
                 finally:
+                    timer.cancel()
                     loop.remove_reader(descriptor)
                 payload = self._connection.recv_bytes()
+            except TimeoutError:
+                self.lost = True
+                self.process.kill()
+                raise WorkerLost(
+                    f"{self.name} (pid {self.pid}) did not answer {type(command).__name__} within "
+                    f"{self.request_timeout_s:g} s and was killed"
+                ) from None
             except (EOFError, OSError) as error:
                 self.lost = True
                 raise WorkerLost(f"{self.name} (pid {self.pid}) died: exit code {self.process.exitcode}") from error
@@ -139,9 +154,11 @@ class WorkerHandle:
         view = np.frombuffer(self.segment.buf, rows.dtype, rows.size, self.input_offset)
         view[:] = rows.reshape(-1)
 
-    def read_output(self, rows: int, width: int) -> bytes:
+    def read_output(self, appended: Appended) -> bytes:
+        if appended.inline:
+            return appended.inline
         start = self.output_offset
-        return bytes(self.segment.buf[start : start + rows * width * 4])
+        return bytes(self.segment.buf[start : start + appended.rows * appended.width * 4])
 
     def measure_uss(self) -> int:
         try:
@@ -214,9 +231,14 @@ class WorkerPool:
                 self._free.append(handle.name)
         return readies[0]
 
+    def _next_name(self) -> str:
+        """Unique for the pool's life, also when replacements start in several threads at once."""
+        with self._lock:
+            self._counter += 1
+            return f"kvpool-worker-{self._counter}"
+
     def _spawn(self) -> WorkerHandle:
-        self._counter += 1
-        return WorkerHandle(f"kvpool-worker-{self._counter}", self.spec)
+        return WorkerHandle(self._next_name(), self.spec)
 
     def workers(self) -> list[WorkerHandle]:
         with self._lock:
@@ -229,17 +251,33 @@ class WorkerPool:
         with self._lock:
             return set(self._taken)
 
+    @staticmethod
+    def _usable(handle: WorkerHandle) -> bool:
+        return not handle.lost and handle.process.is_alive()
+
     @property
     def free_count(self) -> int:
+        """Free workers that can be lent now (a dead free worker is no capacity: it waits for reap_dead)."""
         with self._lock:
-            return len(self._free)
+            return sum(1 for name in self._free if self._usable(self._workers[name]))
+
+    @property
+    def has_dead_free(self) -> bool:
+        with self._lock:
+            return any(not self._usable(self._workers[name]) for name in self._free)
+
+    @property
+    def segment_bytes(self) -> int:
+        """Shared memory held by the workers' segments (fixed per worker; outside the session budget)."""
+        with self._lock:
+            return sum(handle.segment_bytes for handle in self._workers.values())
 
     def take_free(self) -> WorkerHandle | None:
         """A live free worker, now taken; None if there is none (dead free workers wait for reap_dead)."""
         with self._lock:
             for name in reversed(self._free):
                 handle = self._workers[name]
-                if not handle.lost and handle.process.is_alive():
+                if self._usable(handle):
                     self._free.remove(name)
                     self._taken.add(name)
                     return handle
@@ -257,7 +295,7 @@ class WorkerPool:
     def reap_dead(self) -> list[WorkerHandle]:
         """Take the free workers whose process has died (the caller replaces them)."""
         with self._lock:
-            dead = [self._workers[name] for name in self._free if not self._workers[name].process.is_alive()]
+            dead = [self._workers[name] for name in self._free if not self._usable(self._workers[name])]
             for handle in dead:
                 self._free.remove(handle.name)
                 self._taken.add(handle.name)
@@ -273,7 +311,7 @@ class WorkerPool:
         """Stop a taken worker (lost, or drifted in memory) and start a fresh, free one in its place. Blocking."""
         handle.stop(timeout_s=1.0)
         with self._lock:
-            assert handle.name not in self._free, "replace() takes a taken worker"
+            require(handle.name not in self._free, "replace() takes a taken worker")
             self._workers.pop(handle.name, None)
             self._taken.discard(handle.name)
         fresh = self._spawn()
@@ -290,11 +328,15 @@ class WorkerPool:
     def check_integrity(self) -> None:
         with self._lock:
             free = set(self._free)
-            assert len(free) == len(self._free), "a worker is free twice"
-            assert not free & self._taken, f"workers both free and taken: {sorted(free & self._taken)}"
-            assert free | self._taken == set(self._workers), (
-                f"free {sorted(free)} + taken {sorted(self._taken)} != all {sorted(self._workers)}"
+            require(len(free) == len(self._free), "a worker is free twice")
+            require(not free & self._taken, f"workers both free and taken: {sorted(free & self._taken)}")
+            require(
+                free | self._taken == set(self._workers),
+                f"free {sorted(free)} + taken {sorted(self._taken)} != all {sorted(self._workers)}",
             )
+            expected = self.spec.segment.total_bytes
+            wrong = sorted(h.name for h in self._workers.values() if h.segment_bytes != expected)
+            require(not wrong, f"workers whose segment is not {expected} bytes: {wrong}")
 
     def close(self) -> None:
         with self._lock:

@@ -2,7 +2,10 @@
 
 A frame is a 4-byte big-endian length followed by one MessagePack-encoded tagged struct. A connection
 starts with Hello (the protocol version is checked there), then carries requests, each answered by
-exactly one reply frame, in order. New fields always get defaults so older peers keep decoding.
+exactly one reply frame, in order. Every request carries a `request_id` chosen by the client and every
+reply echoes the id of the request it answers (0 for a frame that could not be decoded), so a client
+can prove that a reply belongs to its request. New fields always get defaults so older peers keep
+decoding.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import struct
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: request_id on every request and reply
 FRAME_HEADER = struct.Struct(">I")
 DEFAULT_MAX_REQUEST_BYTES = 64 * 1024 * 1024
 MAX_REPLY_BYTES = 2 * 1024 * 1024 * 1024 - 1
@@ -20,6 +23,18 @@ MAX_REPLY_BYTES = 2 * 1024 * 1024 * 1024 - 1
 
 class Message(msgspec.Struct, tag=True, forbid_unknown_fields=True, omit_defaults=True, kw_only=True):
     """Base of every frame; the tag is the class name."""
+
+
+class RequestMessage(Message, kw_only=True):
+    """Base of every request: `request_id` is the client's, echoed in the reply."""
+
+    request_id: int = 0
+
+
+class ReplyMessage(Message, kw_only=True):
+    """Base of every reply: `request_id` of the request it answers."""
+
+    request_id: int = 0
 
 
 class ErrorCode(enum.StrEnum):
@@ -52,12 +67,12 @@ class OutputRows(enum.StrEnum):
 # ---- requests -------------------------------------------------------------------------------------
 
 
-class Hello(Message):
+class Hello(RequestMessage):
     version: int
     client: str = ""
 
 
-class Append(Message):
+class Append(RequestMessage):
     """Prefill (many rows) or decode (one row) at start_pos, which must equal the session's length.
 
     Exactly one of `tokens` (first shard) or `hidden` (float32 little-endian, n_rows x n_embd) is set.
@@ -74,7 +89,7 @@ class Append(Message):
     admit_timeout_s: float = 0.0
 
 
-class Truncate(Message):
+class Truncate(RequestMessage):
     """Keep positions [0, length)."""
 
     session_id: str
@@ -82,23 +97,23 @@ class Truncate(Message):
     length: int
 
 
-class Release(Message):
+class Release(RequestMessage):
     session_id: str
     epoch: int
 
 
-class Cancel(Message):
+class Cancel(RequestMessage):
     """Abort the session's in-flight append; the session rolls back to its length before that append."""
 
     session_id: str
     epoch: int
 
 
-class Stats(Message):
+class Stats(RequestMessage):
     pass
 
 
-class Shutdown(Message):
+class Shutdown(RequestMessage):
     pass
 
 
@@ -126,7 +141,7 @@ class ShardDescription(Message):
         return self.layer_stop == self.total_layers
 
 
-class HelloReply(Message):
+class HelloReply(ReplyMessage):
     version: int
     shard: ShardDescription
     max_n_ctx: int
@@ -134,7 +149,7 @@ class HelloReply(Message):
     max_request_bytes: int
 
 
-class AppendReply(Message):
+class AppendReply(ReplyMessage):
     """`data` holds float32 little-endian rows x width: hidden states (non-final shard) or logits."""
 
     session_id: str
@@ -146,7 +161,7 @@ class AppendReply(Message):
     admitted: bool = False
 
 
-class Done(Message):
+class Done(ReplyMessage):
     """Reply to truncate, release, cancel and shutdown."""
 
     length: int
@@ -155,7 +170,7 @@ class Done(Message):
     detail: str = ""
 
 
-class ErrorReply(Message):
+class ErrorReply(ReplyMessage):
     code: ErrorCode
     message: str
     length: int = 0
@@ -189,9 +204,10 @@ class BudgetRow(Message):
     reserved_bytes: int
     measured_uss_bytes: int
     measured_vram_bytes: int | None = None
+    shared_memory_bytes: int = 0  # the workers' segments: fixed, outside the session budget
 
 
-class StatsReply(Message):
+class StatsReply(ReplyMessage):
     shard: ShardDescription
     sessions: list[SessionRow]
     workers: list[WorkerRow]

@@ -15,6 +15,7 @@ import msgspec
 
 from kvpool.protocol import (
     FRAME_HEADER,
+    ReplyMessage,
     PROTOCOL_VERSION,
     ErrorCode,
     ErrorReply,
@@ -28,7 +29,7 @@ from kvpool.protocol import (
 
 PEER_CREDENTIALS = struct.Struct("3i")  # pid, uid, gid
 
-Dispatch = Callable[[Request], Awaitable[Message]]
+Dispatch = Callable[[Request], Awaitable[ReplyMessage]]
 
 
 class SocketSetupError(Exception):
@@ -127,7 +128,7 @@ class FrameServer:
         if not isinstance(hello, Hello) or hello.version != PROTOCOL_VERSION:
             await self._send(writer, ErrorReply(code=ErrorCode.BAD_REQUEST, message=f"the first frame must be Hello with version {PROTOCOL_VERSION}"))
             return
-        await self._send(writer, self.hello)
+        await self._send(writer, msgspec.structs.replace(self.hello, request_id=hello.request_id))
         while True:
             payload = await self._read_frame(reader, writer)
             if payload is None:
@@ -137,7 +138,9 @@ class FrameServer:
             except (msgspec.DecodeError, msgspec.ValidationError) as error:
                 await self._send(writer, ErrorReply(code=ErrorCode.BAD_REQUEST, message=f"malformed request: {error}"))
                 continue
-            await self._send(writer, await self.dispatch(request))
+            reply = await self.dispatch(request)
+            reply.request_id = request.request_id
+            await self._send(writer, reply)
 
     async def close(self) -> None:
         """Stop accepting, end open connections, remove the socket file."""

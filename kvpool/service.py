@@ -19,6 +19,7 @@ import numpy as np
 from kvpool.budget import ByteBudget, OverBudget
 from kvpool.config import ServeConfig
 from kvpool.gpu import VramMeter
+from kvpool.integrity import IntegrityError, require
 from kvpool.metrics import Metrics
 from kvpool.pool import WorkerHandle, WorkerLost, WorkerPool
 from kvpool.protocol import (
@@ -101,10 +102,10 @@ class KvService:
         workers bound to sessions are taken ones (taken but unbound: in transit)."""
         live = self.table.sessions()
         self.budget.check_integrity(session.key for session in live)
-        assert all(self.budget.charge_of(s.key) == s.charged_bytes for s in live), "charge mismatch"
-        assert {s.worker_name for s in live} == set(self._bound), "bound workers != live sessions' workers"
+        require(all(self.budget.charge_of(s.key) == s.charged_bytes for s in live), "charge mismatch")
+        require({s.worker_name for s in live} == set(self._bound), "bound workers != live sessions' workers")
         self.pool.check_integrity()
-        assert set(self._bound) <= self.pool.taken_names(), "a bound worker is not taken from the pool"
+        require(set(self._bound) <= self.pool.taken_names(), "a bound worker is not taken from the pool")
 
     def _session_length(self, session_id: str, epoch: int) -> int:
         session = self.table.get(session_id)
@@ -115,6 +116,7 @@ class KvService:
     async def _calibrate(self, worker: WorkerHandle, n_ctx: int) -> int:
         """Create a context on a taken worker, run one full batch through it, measure, free it."""
         before = await self._in_thread(worker.measure_uss)
+        worker.set_abort(False)  # a late cancel of this worker's previous session must not abort this
         reply = await worker.call_async(OpenContext(n_ctx=n_ctx))
         if not isinstance(reply, Opened):
             raise RuntimeError(f"calibration context failed: {reply}")
@@ -209,6 +211,8 @@ class KvService:
 
     def _choose_victims(self, charge: int) -> list[Session] | None:
         """LRU idle sessions whose eviction makes room for `charge` bytes and a worker; None if impossible."""
+        if self.pool.has_dead_free:
+            self._spawn(self.replace_dead_free_workers())
         need_worker = self.pool.free_count == 0
         available = self.budget.available
         victims: list[Session] = []
@@ -258,7 +262,8 @@ class KvService:
                 self._spawn(self._free_worker(victim_worker))
         if worker is None:
             worker = self.pool.take_free()
-        assert worker is not None
+        if worker is None:  # unreachable while _choose_victims counts only usable free workers
+            raise RequestFailed(ErrorCode.INTERNAL, "no usable worker although one was counted free")
         session = Session(
             session_id=request.session_id, epoch=request.epoch, n_ctx=n_ctx,
             charged_bytes=charge, worker_name=worker.name, last_used=time.monotonic(),
@@ -274,9 +279,9 @@ class KvService:
                 worker_back = self._forget(session, MissReason.UNKNOWN)
                 self._spawn(self._free_worker(worker_back))
                 raise RequestFailed(ErrorCode.OVER_BUDGET, f"could not create the context: {reply.message}")
-        except WorkerLost:
+        except WorkerLost as lost:
             self._on_worker_lost(session)
-            raise RequestFailed(ErrorCode.WORKER_LOST, "the worker died while creating the context") from None
+            raise RequestFailed(ErrorCode.WORKER_LOST, f"lost while creating the context: {lost}") from None
         finally:
             session.lock.release()
             session.in_flight -= 1
@@ -362,11 +367,12 @@ class KvService:
         session.appending = True
         try:
             reply, data = await self._run_append(worker, command, rows)
-        except WorkerLost:
+        except WorkerLost as lost:
             self._on_worker_lost(session)
-            raise RequestFailed(ErrorCode.WORKER_LOST, "the worker serving this session died") from None
+            raise RequestFailed(ErrorCode.WORKER_LOST, f"the worker serving this session was lost: {lost}") from None
         finally:
             session.appending = False
+            worker.set_abort(False)  # a cancel that arrived as the append finished must not outlive it
         if isinstance(reply, Failed):
             session.length = reply.length
             code = ErrorCode(reply.code) if reply.code in set(ErrorCode) else ErrorCode.INTERNAL
@@ -386,7 +392,7 @@ class KvService:
         async with self._computing_slot():
             worker.write_input(rows)
             reply = await worker.call_async(command)
-        data = worker.read_output(reply.rows, reply.width) if isinstance(reply, Appended) else b""
+        data = worker.read_output(reply) if isinstance(reply, Appended) else b""
         return reply, data
 
     @contextlib.asynccontextmanager
@@ -423,9 +429,9 @@ class KvService:
                 worker = self.pool.get(session.worker_name)
                 try:
                     reply = await worker.call_async(TruncateContext(length=request.length))
-                except WorkerLost:
+                except WorkerLost as lost:
                     self._on_worker_lost(session)
-                    raise RequestFailed(ErrorCode.WORKER_LOST, "the worker serving this session died") from None
+                    raise RequestFailed(ErrorCode.WORKER_LOST, f"the worker serving this session was lost: {lost}") from None
                 if not isinstance(reply, Truncated):
                     raise RequestFailed(ErrorCode.INTERNAL, f"truncate failed: {reply}", length=session.length)
                 session.length = reply.length
@@ -478,10 +484,11 @@ class KvService:
         taken = self.pool.taken_names()
         measured = sum(usses)
         self.metrics.measured_bytes.set(measured)
+        self.metrics.shared_memory_bytes.set(self.pool.segment_bytes)
         try:
             self.check_integrity()
             integrity = "ok"
-        except AssertionError as error:
+        except IntegrityError as error:
             integrity = f"books do not balance: {error}"
         return StatsReply(
             integrity=integrity,
@@ -506,6 +513,7 @@ class KvService:
             budget=BudgetRow(
                 limit_bytes=self.budget.limit, reserved_bytes=self.budget.reserved,
                 measured_uss_bytes=measured, measured_vram_bytes=self.vram.used_by({w.pid for w in workers}),
+                shared_memory_bytes=self.pool.segment_bytes,
             ),
             counters=self.metrics.snapshot() | {"peak_concurrent_compute_threads": self.peak_computing * self.config.threads_per_worker},
             uptime_s=round(now - self.started, 3),

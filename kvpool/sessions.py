@@ -10,6 +10,7 @@ import collections
 import dataclasses
 import enum
 
+from kvpool.integrity import require
 from kvpool.protocol import MissReason
 
 
@@ -84,7 +85,7 @@ class SessionTable:
         return live.epoch if remembered is None else max(remembered, live.epoch)
 
     def add(self, session: Session) -> None:
-        assert session.session_id not in self._live, "one live epoch per session id"
+        require(session.session_id not in self._live, "one live epoch per session id")
         self._live[session.session_id] = session
         self._gone.pop(session.key, None)
         self.see_epoch(session.session_id, session.epoch)

@@ -33,13 +33,35 @@ from kvpool.protocol import (
     Stats,
     Truncate,
 )
-from kvpool.server import FrameServer
+from kvpool.segments import SegmentLayout, check_room_for
+from kvpool.server import FrameServer, prepare_socket_path
 from kvpool.service import KvService, RequestFailed
-from kvpool.shardfile import read_shard_info
+from kvpool.shardfile import ShardInfo, read_shard_info
 
 MEMORY_CHECK_EVERY = 4  # housekeeping ticks between measured-memory checks
 
 log = logging.getLogger("kvpool.serve")
+
+
+def build_pool(config: ServeConfig, info: ShardInfo) -> WorkerPool:
+    """The daemon's worker pool (not started): one worker per session place, segments sized for the shard."""
+    segment = SegmentLayout.for_shard(
+        is_first=info.is_first, is_last=info.is_last, n_embd=info.n_embd, n_vocab=info.n_vocab,
+        n_ctx=config.n_ctx, max_request_bytes=config.max_request_bytes,
+    )
+    return WorkerPool(
+        PoolSpec(
+            shard_path=str(config.model),
+            size=config.max_sessions,
+            segment=segment,
+            n_threads=config.threads_per_worker,
+            flash_attn=config.flash_attn,
+            ready_timeout_s=config.ready_timeout_s,
+            request_timeout_s=config.request_timeout_s,
+            n_gpu_layers=config.n_gpu_layers,
+            verbose=config.verbose,
+        )
+    )
 
 
 class Supervisor:
@@ -54,22 +76,14 @@ class Supervisor:
 
     async def run(self) -> None:
         config = self.config
+        prepare_socket_path(config.socket)  # refuse at once when a live daemon serves there
         info = read_shard_info(config.model)
-        row_width = 1 if info.is_first else info.n_embd
-        pool = WorkerPool(
-            PoolSpec(
-                shard_path=str(config.model),
-                size=config.max_sessions,
-                input_bytes=config.n_ctx * row_width * 4,
-                output_bytes=config.n_ctx * (info.n_vocab if info.is_last else info.n_embd) * 4,
-                n_threads=config.threads_per_worker,
-                flash_attn=config.flash_attn,
-                ready_timeout_s=config.ready_timeout_s,
-                n_gpu_layers=config.n_gpu_layers,
-                verbose=config.verbose,
-            )
+        pool = build_pool(config, info)
+        check_room_for(config.max_sessions, pool.spec.segment)
+        self._announce(
+            f"starting {config.max_sessions} workers on {config.model.name} "
+            f"(shared memory {format_bytes(pool.spec.segment.total_bytes)} each)"
         )
-        self._announce(f"starting {config.max_sessions} workers on {config.model.name}")
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, self.request_stop)
@@ -77,6 +91,8 @@ class Supervisor:
         housekeeping: asyncio.Task | None = None
         try:
             ready = await asyncio.to_thread(pool.start)
+            if self._stop.is_set():
+                return
             shard = ShardDescription(
                 layer_start=ready.layer_start, layer_stop=ready.layer_stop, total_layers=ready.total_layers,
                 n_embd=ready.n_embd, n_vocab=ready.n_vocab, model_path=str(config.model),
@@ -84,6 +100,8 @@ class Supervisor:
             )
             self.service = service = KvService(config, pool, shard, ready.kv_bytes_per_position)
             charge = await service.charge_for(config.n_ctx)
+            if self._stop.is_set():
+                return
             self._announce(
                 f"a session of n_ctx {config.n_ctx} is charged {format_bytes(charge)} "
                 f"(theoretical KV {format_bytes(service.theoretical_kv_bytes(config.n_ctx))})"

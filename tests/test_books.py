@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 
 import pytest
 from hypothesis import given, settings
@@ -10,6 +12,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from kvpool.budget import ByteBudget, OverBudget
+from kvpool.integrity import IntegrityError
 from kvpool.protocol import MissReason
 from kvpool.sessions import EpochCheck, Session, SessionTable
 
@@ -97,9 +100,9 @@ def test_check_integrity_compares_the_live_set() -> None:
     budget.reserve("b", 20)
     budget.check_integrity(["b", "a"])
     budget.check_integrity()
-    with pytest.raises(AssertionError):
+    with pytest.raises(IntegrityError):
         budget.check_integrity({"a"})  # a charge without a live owner: leaked bytes
-    with pytest.raises(AssertionError):
+    with pytest.raises(IntegrityError):
         budget.check_integrity({"a", "b", "c"})  # a live owner without a charge
 
 
@@ -181,7 +184,7 @@ def test_add_get_remove() -> None:
     table.add(b)
     assert (len(table), table.get("a"), table.get("zzz")) == (2, a, None)
     assert table.highest_epoch("a") == 2  # adding sees the epoch
-    with pytest.raises(AssertionError):
+    with pytest.raises(IntegrityError):
         table.add(make_session("a", 3))  # one live epoch per session id
     table.remove(a, MissReason.EVICTED)
     assert (len(table), table.get("a"), table.sessions()) == (1, None, [b])
@@ -293,3 +296,20 @@ def test_fencing_rule_remembers_the_highest_epoch_per_id(sequence: list[tuple[st
             highest[session_id] = max(epoch, highest.get(session_id, epoch))
         assert all(table.highest_epoch(i) == e for i, e in highest.items())
         assert all(s.epoch == highest[s.session_id] for s in table.sessions())  # live state is never stale
+
+
+def test_integrity_checks_hold_under_python_optimize() -> None:
+    """`python -O` strips asserts: the books' checks must raise all the same."""
+    program = (
+        "from kvpool.budget import ByteBudget\n"
+        "from kvpool.integrity import IntegrityError\n"
+        "budget = ByteBudget(1000)\n"
+        "budget.reserve('a', 10)\n"
+        "try:\n"
+        "    budget.check_integrity({'a', 'b'})\n"
+        "except IntegrityError as error:\n"
+        "    print('raised:', error)\n"
+    )
+    completed = subprocess.run([sys.executable, "-O", "-c", program], capture_output=True, text=True, timeout=120)
+    assert completed.returncode == 0, completed.stderr
+    assert completed.stdout.startswith("raised: charged")

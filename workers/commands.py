@@ -19,7 +19,6 @@ class Command(msgspec.Struct, tag=True, forbid_unknown_fields=True, kw_only=True
 
 class OpenContext(Command):
     n_ctx: int
-    measure: bool = False
 
 
 class RunAppend(Command):
@@ -36,10 +35,6 @@ class TruncateContext(Command):
 
 
 class CloseContext(Command):
-    pass
-
-
-class Ping(Command):
     pass
 
 
@@ -63,16 +58,16 @@ class Ready(WorkerReply):
 
 class Opened(WorkerReply):
     n_ctx: int
-    uss_before: int = 0
-    uss_after: int = 0
 
 
 class Appended(WorkerReply):
-    """The result rows are in the output region: float32 [rows, width]."""
+    """The result rows, float32 [rows, width], are in the output region, or in `inline` when they are
+    larger than that region (every row's logits of a long prefill on the last shard)."""
 
     length: int
     rows: int
     width: int
+    inline: bytes = b""
 
 
 class Truncated(WorkerReply):
@@ -83,16 +78,11 @@ class Closed(WorkerReply):
     pass
 
 
-class Pong(WorkerReply):
-    pid: int
-    has_context: bool
-
-
 class Failed(WorkerReply):
     code: str
     message: str
     length: int = 0
 
 
-AnyCommand = OpenContext | RunAppend | TruncateContext | CloseContext | Ping | Exit
-AnyWorkerReply = Ready | Opened | Appended | Truncated | Closed | Pong | Failed
+AnyCommand = OpenContext | RunAppend | TruncateContext | CloseContext | Exit
+AnyWorkerReply = Ready | Opened | Appended | Truncated | Closed | Failed

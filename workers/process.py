@@ -1,6 +1,8 @@
 """The worker process: loads one shard once, holds at most one live context, obeys the supervisor's pipe.
 
 Started with the `spawn` method by kvpool.pool; knows nothing of budgets, sessions or other workers.
+A worker never outlives its supervisor: it exits when the pipe reaches EOF (while idle) and, from a
+watchdog thread, as soon as its parent process changes (the supervisor died, even mid-decode).
 """
 
 from __future__ import annotations
@@ -9,13 +11,14 @@ import ctypes
 import ctypes.util
 import os
 import signal
+import threading
+import time
 from dataclasses import dataclass
 from multiprocessing import shared_memory
 from multiprocessing.connection import Connection
 
 import msgspec
 import numpy as np
-import psutil
 
 from workers.commands import (
     ABORT_FLAG_OFFSET,
@@ -28,8 +31,6 @@ from workers.commands import (
     Failed,
     Opened,
     OpenContext,
-    Ping,
-    Pong,
     Ready,
     RunAppend,
     Truncated,
@@ -49,11 +50,29 @@ class WorkerSpec:
     output_bytes: int
     n_threads: int
     flash_attn: bool
+    parent_pid: int
     n_gpu_layers: int = 0
     verbose: bool = False
 
 
+PARENT_CHECK_INTERVAL_S = 0.2
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    """Exit the whole process as soon as `parent_pid` is no longer our parent (it died: we were re-parented)."""
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(PARENT_CHECK_INTERVAL_S)
+        os._exit(1)
+
+    if os.getppid() != parent_pid:
+        os._exit(1)
+    threading.Thread(target=watch, name="kvpool-parent-watch", daemon=True).start()
+
+
 def worker_main(connection: Connection, spec: WorkerSpec) -> None:
+    _exit_with_parent(spec.parent_pid)
     # The supervisor owns shutdown: a terminal's Ctrl-C reaches the whole process group.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     encoder = msgspec.msgpack.Encoder()
@@ -111,7 +130,6 @@ class WorkerServer:
         self.context: ShardContext | None = None
         self._buffer = segment.buf
         self._abort_flag_address = ctypes.addressof(ctypes.c_char.from_buffer(segment.buf, ABORT_FLAG_OFFSET))
-        self._process = psutil.Process()
         libc_name = ctypes.util.find_library("c")
         self._malloc_trim = getattr(ctypes.CDLL(libc_name), "malloc_trim", None) if libc_name else None
 
@@ -123,8 +141,8 @@ class WorkerServer:
 
     def handle(self, command: AnyCommand):
         match command:
-            case OpenContext(n_ctx=n_ctx, measure=measure):
-                return self._open(n_ctx, measure)
+            case OpenContext(n_ctx=n_ctx):
+                return self._open(n_ctx)
             case RunAppend():
                 return self._append(command)
             case TruncateContext(length=length):
@@ -137,19 +155,15 @@ class WorkerServer:
             case CloseContext():
                 self._close_context()
                 return Closed()
-            case Ping():
-                return Pong(pid=os.getpid(), has_context=self.context is not None)
         return Failed(code="bad_command", message=f"unknown command {type(command).__name__}")
 
-    def _open(self, n_ctx: int, measure: bool):
+    def _open(self, n_ctx: int):
         self._close_context()
-        before = self._process.memory_full_info().uss if measure else 0
         try:
             self.context = self.model.new_context(n_ctx, abort_flag_address=self._abort_flag_address)
         except (MemoryError, ValueError) as error:
             return Failed(code="open_failed", message=str(error))
-        after = self._process.memory_full_info().uss if measure else 0
-        return Opened(n_ctx=n_ctx, uss_before=before, uss_after=after)
+        return Opened(n_ctx=n_ctx)
 
     def _append(self, command: RunAppend):
         context = self.context
@@ -172,15 +186,17 @@ class WorkerServer:
                 out_rows, width = (n_rows if command.output_rows == "all" else 1), layout.n_vocab
             else:
                 out_rows, width = n_rows, layout.n_embd
-            if out_rows * width * 4 > self.spec.output_bytes:
-                return Failed(code="bad_request", message="result too large for the output region", length=context.length)
-            out = np.frombuffer(
-                self._buffer, np.float32, out_rows * width, CONTROL_BYTES + self.spec.input_bytes
-            ).reshape(out_rows, width)
+            inline = out_rows * width * 4 > self.spec.output_bytes
+            if inline:
+                out = np.empty((out_rows, width), np.float32)
+            else:
+                out = np.frombuffer(
+                    self._buffer, np.float32, out_rows * width, CONTROL_BYTES + self.spec.input_bytes
+                ).reshape(out_rows, width)
             context.append(command.start_pos, output_rows=command.output_rows, out=out, **kwargs)
         except ShardRuntimeError as error:
             return Failed(code=error.code, message=str(error), length=error.length)
-        return Appended(length=context.length, rows=out_rows, width=width)
+        return Appended(length=context.length, rows=out_rows, width=width, inline=out.tobytes() if inline else b"")
 
     def _close_context(self) -> None:
         if self.context is not None:

@@ -1,0 +1,58 @@
+"""A daemon never outlives the program that started it.
+
+The launcher (kvpool.launcher) keeps the write end of a pipe whose read end the daemon inherits
+(`kvpool serve --lifeline-fd N`). The kernel closes the write end when the launching process dies, by
+any signal, SIGKILL included, so the daemon reads end-of-file. It then stops as on SIGTERM (sessions
+dropped, workers stopped, socket removed) and, should that not finish within `grace_s`, kills its
+workers and exits at once. PR_SET_PDEATHSIG is not used: it fires when the *thread* that started the
+child exits, which is not the same as the launching program ending.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pathlib
+import signal
+import sys
+import threading
+import time
+
+import psutil
+
+GRACE_S = 3.0
+
+
+def _kill_children() -> None:
+    children = psutil.Process().children(recursive=True)
+    for child in children:
+        with contextlib.suppress(psutil.Error):
+            child.kill()
+    psutil.wait_procs(children, timeout=1.0)
+
+
+def watch_lifeline(fd: int, *, socket_path: pathlib.Path, grace_s: float = GRACE_S) -> threading.Thread:
+    """Watch `fd` from a daemon thread; on end-of-file stop this process (see the module's text)."""
+    os.set_inheritable(fd, False)  # the workers must not hold the lifeline open
+
+    def watch() -> None:
+        while True:
+            try:
+                if not os.read(fd, 4096):
+                    break
+            except InterruptedError:
+                continue
+            except OSError:
+                break
+        print("kvpool serve: the program that started this daemon is gone: shutting down", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(grace_s)
+        print(f"kvpool serve: not stopped after {grace_s:g} s: killing the workers and exiting", file=sys.stderr, flush=True)
+        _kill_children()
+        with contextlib.suppress(OSError):
+            socket_path.unlink()
+        os._exit(1)
+
+    thread = threading.Thread(target=watch, name="kvpool-lifeline", daemon=True)
+    thread.start()
+    return thread
