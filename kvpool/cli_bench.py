@@ -8,7 +8,7 @@ import sys
 from kvpool import bench
 from kvpool.bundled import BundledModelMissing
 from kvpool.launcher import DaemonStartFailed
-from kvpool.shardfile import ShardError
+from kvpool.shard_error import ShardError
 
 
 def add_parser(subcommands: argparse._SubParsersAction) -> None:

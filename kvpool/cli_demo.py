@@ -16,8 +16,8 @@ from kvpool.client import KvpoolError
 from kvpool.daemon_route import DaemonRoute
 from kvpool.generate import greedy_tokens
 from kvpool.launcher import DaemonStartFailed, start_daemons
+from kvpool.shard_error import ShardError
 from kvpool.shardcache import shards_in_parts
-from kvpool.shardfile import ShardError
 from kvpool.tokenizer import Tokenizer
 
 DEFAULT_PROMPT = "Write a short story about a lighthouse keeper."

@@ -10,9 +10,10 @@ import time
 from kvpool.bundled import BundledModelMissing, bundled_model_path
 from kvpool.chain import LocalChain
 from kvpool.generate import greedy_tokens
+from kvpool.gguf_header import ShardInfo
 from kvpool.route import check_route
+from kvpool.shard_error import ShardError
 from kvpool.shardcache import shards_in_directory, shards_in_parts
-from kvpool.shardfile import ShardError, ShardInfo
 from kvpool.tokenizer import Tokenizer
 
 DEFAULT_PROMPT = "What is the capital of France?"

@@ -13,7 +13,7 @@ from kvpool.lifeline import watch_lifeline
 from kvpool.pool import WorkerStartFailed
 from kvpool.segments import SharedMemoryTooSmall
 from kvpool.server import SocketSetupError
-from kvpool.shardfile import ShardError
+from kvpool.shard_error import ShardError
 from kvpool.supervisor import Supervisor
 
 

@@ -6,8 +6,11 @@ import argparse
 import pathlib
 import sys
 
-from kvpool import shardfile
 from kvpool.bundled import BundledModelMissing, bundled_model_path
+from kvpool.gguf_header import ShardInfo, file_sha256, read_shard_info
+from kvpool.layer_ranges import even_splits, parse_layers, parse_splits
+from kvpool.shard_error import ShardError
+from kvpool.shard_writer import write_shard, write_shards
 
 DESCRIPTION = """\
 Write shard files of a llama-family GGUF model: each holds the layers [START, STOP) and loads in llama.cpp
@@ -68,23 +71,23 @@ def run(args: argparse.Namespace) -> int:
         for info in written:
             _progress(f"hashing {info.path.name}")
             size = info.path.stat().st_size
-            print(f"{info.path}\t{info.layer_start}:{info.layer_stop}\t{size}\t{shardfile.file_sha256(info.path)}")
-    except shardfile.ShardError as exc:
+            print(f"{info.path}\t{info.layer_start}:{info.layer_stop}\t{size}\t{file_sha256(info.path)}")
+    except ShardError as exc:
         return _fail(str(exc))
     return 0
 
 
-def _write(source: pathlib.Path, args: argparse.Namespace) -> list[shardfile.ShardInfo]:
+def _write(source: pathlib.Path, args: argparse.Namespace) -> list[ShardInfo]:
     output = pathlib.Path(args.output)
     if args.layers is not None:
-        layers = shardfile.parse_layers(args.layers)
-        return [shardfile.write_shard(source, layers, output, progress=_progress)]
-    total_layers = shardfile.read_shard_info(source).total_layers
+        layers = parse_layers(args.layers)
+        return [write_shard(source, layers, output, progress=_progress)]
+    total_layers = read_shard_info(source).total_layers
     if args.splits is not None:
-        ranges = shardfile.parse_splits(args.splits, total_layers)
+        ranges = parse_splits(args.splits, total_layers)
     else:
-        ranges = shardfile.even_splits(total_layers, args.parts)
-    return shardfile.write_shards(source, ranges, output, progress=_progress)
+        ranges = even_splits(total_layers, args.parts)
+    return write_shards(source, ranges, output, progress=_progress)
 
 
 def _progress(message: str) -> None:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvpool.shardfile import ShardError, ShardInfo
+from kvpool.gguf_header import ShardInfo
+from kvpool.shard_error import ShardError
 
 
 def check_route(shards: Sequence[ShardInfo]) -> None:

@@ -6,15 +6,9 @@ import pathlib
 from collections.abc import Callable, Sequence
 
 from kvpool.config import work_dir
-from kvpool.shardfile import (
-    LayerRange,
-    even_splits,
-    ShardInfo,
-    file_sha256,
-    read_shard_info,
-    shard_file_name,
-    write_shards,
-)
+from kvpool.gguf_header import ShardInfo, file_sha256, read_shard_info
+from kvpool.layer_ranges import LayerRange, even_splits
+from kvpool.shard_writer import shard_file_name, write_shards
 
 
 def cached_shards(

@@ -36,7 +36,7 @@ from kvpool.protocol import (
 from kvpool.segments import SegmentLayout, check_room_for
 from kvpool.server import FrameServer, prepare_socket_path
 from kvpool.service import KvService, RequestFailed
-from kvpool.shardfile import ShardInfo, read_shard_info
+from kvpool.gguf_header import ShardInfo, read_shard_info
 
 MEMORY_CHECK_EVERY = 4  # housekeeping ticks between measured-memory checks
 

@@ -27,8 +27,8 @@ import numpy as np
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from kvpool.bundled import bundled_model_path  # noqa: E402
+from kvpool.gguf_header import file_sha256  # noqa: E402
 from kvpool.shardcache import shards_in_parts  # noqa: E402
-from kvpool.shardfile import file_sha256  # noqa: E402
 from kvpool.tokenizer import Tokenizer  # noqa: E402
 from workers.runtime import ShardModel  # noqa: E402
 

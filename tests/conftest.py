@@ -9,7 +9,8 @@ import pytest
 
 from kvpool.bundled import bundled_model_path
 from kvpool.shardcache import cached_shards
-from kvpool.shardfile import ShardInfo, parse_splits
+from kvpool.gguf_header import ShardInfo
+from kvpool.layer_ranges import parse_splits
 from kvpool.tokenizer import Tokenizer
 
 EVEN_SPLIT = "0:10,10:20,20:30"

@@ -1,14 +1,23 @@
-"""Daemons for tests: kvpool.launcher.Daemon plus the checks a test wants when one stops."""
+"""Daemons for tests: kvpool.launcher.Daemon plus the checks a test wants when one stops, and a way to run
+a kvpool command that starts daemons of its own."""
 
 from __future__ import annotations
 
 import os
 import pathlib
 import signal
+import subprocess
 
 import psutil
+import pytest
 
 from kvpool.launcher import Daemon
+
+
+# Hang guards only, far above what the slowest, busiest machine needs (a daemon starts in a few seconds
+# and stops in under one on 2 quiet cores): a slow start or stop must never fail a test by itself.
+START_HANG_GUARD_S = 900.0
+STOP_HANG_GUARD_S = 300.0
 
 
 class DaemonProcess(Daemon):
@@ -16,12 +25,17 @@ class DaemonProcess(Daemon):
 
     def __init__(self, model: pathlib.Path, socket_path: pathlib.Path, *options: str) -> None:
         super().__init__(model, socket_path, options)
-        self.wait_ready()
+        self.wait_ready(timeout_s=START_HANG_GUARD_S)
 
-    def stop(self, *, sig: int = signal.SIGTERM, timeout_s: float = 30.0) -> int:
-        pids = self.worker_pids()
+    def stop(self, *, sig: int = signal.SIGTERM, timeout_s: float = STOP_HANG_GUARD_S) -> int:
+        children = []
+        for pid in self.worker_pids():
+            try:
+                children.append(psutil.Process(pid))
+            except psutil.NoSuchProcess:
+                pass
         code = super().stop(sig=sig, timeout_s=timeout_s)
-        _gone, alive = psutil.wait_procs([psutil.Process(pid) for pid in pids if psutil.pid_exists(pid)], timeout=10)
+        _gone, alive = psutil.wait_procs(children, timeout=STOP_HANG_GUARD_S)
         assert not alive, f"orphan worker processes: {[p.pid for p in alive]}"
         assert not self.socket.exists(), "socket file left behind"
         return code
@@ -32,3 +46,54 @@ def private_socket_dir(tmp_path: pathlib.Path) -> pathlib.Path:
     directory = pathlib.Path("/tmp") / f"kvpool-test-{os.getpid()}-{abs(hash(tmp_path)) % 10**8}"
     directory.mkdir(mode=0o700, exist_ok=True)
     return directory
+
+
+def _group_members(pgid: int) -> list[psutil.Process]:
+    members = []
+    for process in psutil.process_iter():
+        try:
+            if os.getpgid(process.pid) == pgid:
+                members.append(process)
+        except (ProcessLookupError, psutil.NoSuchProcess):
+            pass
+    return members
+
+
+def _describe(process: psutil.Process) -> str:
+    try:
+        return f"{process.pid} {' '.join(process.cmdline()[:5])}"
+    except psutil.Error:
+        return str(process.pid)
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def run_to_completion(command: list[str], *, timeout_s: float, **kwargs) -> subprocess.CompletedProcess:
+    """subprocess.run(capture_output=True, text=True) in a process group of its own.
+
+    `timeout_s` is a hang guard: when it fires, the whole group (the command, the daemons it started and
+    their workers) is killed, not only the command, and the test fails. After a normal exit nothing of
+    the group may be left running (a program stops the daemons it started): leftovers fail the test.
+    """
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True, **kwargs) as process:
+        try:
+            stdout, stderr = process.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            _kill_group(process.pid)
+            stdout, stderr = process.communicate()
+            pytest.fail(f"hang guard: {' '.join(command[1:])} still running after {timeout_s:.0f} s\n{stderr[-4000:]}")
+        except BaseException:  # the test's own timeout, Ctrl-C: take the group down with the test
+            _kill_group(process.pid)
+            raise
+    leftovers = _group_members(process.pid)
+    _gone, alive = psutil.wait_procs(leftovers, timeout=60)  # hang guard: stragglers normally exit at once
+    if alive:
+        described = [_describe(p) for p in alive]
+        _kill_group(process.pid)
+        pytest.fail(f"{' '.join(command[1:])} exited ({process.returncode}) and left processes running: {described}")
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)

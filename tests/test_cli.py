@@ -11,15 +11,18 @@ import pytest
 from kvpool.chain import LocalChain
 from kvpool.generate import greedy_tokens
 from tests.conftest import EVEN_SPLIT
+from tests.daemons import run_to_completion
 
 PROMPT = "Name three colors."
+# Hang guards only: the slowest command here (demo: cut 3 shards, start 3 daemons, 16 tokens) takes
+# seconds on 2 quiet cores. A slow machine must never fail a test by itself.
+COMMAND_HANG_GUARD_S = 1500
+pytestmark = pytest.mark.timeout(COMMAND_HANG_GUARD_S + 300)
 
 
 def _kvpool(*args: str, work_dir) -> subprocess.CompletedProcess:
     environment = os.environ | {"KVPOOL_WORK_DIR": str(work_dir)}
-    return subprocess.run(
-        [sys.executable, "-m", "kvpool", *args], capture_output=True, text=True, timeout=600, env=environment
-    )
+    return run_to_completion([sys.executable, "-m", "kvpool", *args], timeout_s=COMMAND_HANG_GUARD_S, env=environment)
 
 
 @pytest.fixture(scope="module")

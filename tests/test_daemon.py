@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import signal
 import socket
 import stat
+import struct
+import termios
 import threading
 import time
 import urllib.request
@@ -18,12 +22,17 @@ from kvpool.chain import LocalChain
 from kvpool.client import Client, KvpoolError
 from kvpool.daemon_route import DaemonRoute
 from kvpool.generate import greedy_tokens
-from kvpool.protocol import FRAME_HEADER, PROTOCOL_VERSION, Append, Hello, Stats, decode_reply, encode
+from kvpool.protocol import FRAME_HEADER, PROTOCOL_VERSION, Append, AppendReply, Done, Hello, Release, Stats, decode_reply, encode
+from kvpool.service import MAX_ADMIT_WAIT_S
 from tests.conftest import EVEN_SPLIT
-from tests.daemons import DaemonProcess, private_socket_dir
+from tests.daemons import STOP_HANG_GUARD_S, DaemonProcess, private_socket_dir
 
 N_CTX = 512
 GREEDY = 16
+# Hang guards only: every wait below is for an event that takes well under a second on 2 quiet cores.
+# No test here passes or fails on how fast the machine is; these only stop a hung daemon hanging the suite.
+HANG_GUARD_S = 600.0
+pytestmark = pytest.mark.timeout(3600)  # the slowest test takes ~15 s on 2 cores with two CPU burners beside it
 
 
 @pytest.fixture(scope="module")
@@ -111,6 +120,58 @@ def _all_released(daemons):
 def _reserved(daemon) -> int:
     with daemon.client() as client:
         return client.stats().budget.reserved_bytes
+
+
+def _wait_until(predicate, what: str, timeout_s: float = HANG_GUARD_S):
+    """Poll `predicate` until it returns something true, and return that; the timeout is a hang guard."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"hang guard: waited {timeout_s:.0f} s for {what}")
+        time.sleep(0.01)
+
+
+@contextlib.contextmanager
+def _stopped(pid: int):
+    """The process `pid` (a worker) is stopped inside the block: a command sent to it stays in flight for
+    as long as the test wants, on any machine, and completes once the block ends."""
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+
+
+def _in_thread(call) -> tuple[threading.Thread, dict]:
+    """Run `call` in a started thread; the dict gets "result" or "error"."""
+    outcome: dict[str, object] = {}
+
+    def run() -> None:
+        try:
+            outcome["result"] = call()
+        except BaseException as error:  # noqa: BLE001
+            outcome["error"] = error
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, outcome
+
+
+def _joined(thread: threading.Thread, outcome: dict) -> dict:
+    thread.join(HANG_GUARD_S)
+    assert not thread.is_alive(), f"hang guard: the request was still running after {HANG_GUARD_S:.0f} s"
+    return outcome
+
+
+def _result(thread: threading.Thread, outcome: dict):
+    """What the call in the thread returned (its exception is raised here)."""
+    if "error" in _joined(thread, outcome):
+        raise outcome["error"]
+    return outcome["result"]
 
 
 # ---- the contract ---------------------------------------------------------------------------------
@@ -288,7 +349,8 @@ def test_four_concurrent_sessions_through_the_chain_equal_each_alone(chain_daemo
     for thread in threads:
         thread.start()
     for thread in threads:
-        thread.join(300)
+        thread.join(HANG_GUARD_S)
+        assert not thread.is_alive(), f"hang guard: a session was still running after {HANG_GUARD_S:.0f} s"
     assert not errors, errors
     for index in range(4):
         tokens, logits = results[index]
@@ -309,26 +371,18 @@ def test_cancel_aborts_an_inflight_prefill_and_rolls_back(model_path, socket_dir
         long_prompt = tokenizer.encode(text)[:1900]
         with daemon.client() as client, daemon.client() as reference:
             client.append("cancel", 1, 0, tokens=long_prompt[:10])
-            outcome: dict[str, object] = {}
-
-            def long_append() -> None:
-                try:
-                    outcome["result"] = client.append("cancel", 1, 10, tokens=long_prompt[10:])
-                except KvpoolError as error:
-                    outcome["error"] = error
-
-            thread = threading.Thread(target=long_append)
-            thread.start()
-            deadline = time.monotonic() + 30
-            while time.monotonic() < deadline:
-                rows = reference.stats().sessions
-                if rows and rows[0].in_flight:
-                    break
-                time.sleep(0.01)
-            time.sleep(0.2)
-            done = client.cancel("cancel", 1)
-            thread.join(60)
-            assert done.detail == "cancel requested"
+            worker_pid = reference.stats().sessions[0].worker_pid
+            # The worker is stopped before the long append is sent: it cannot finish before the cancel lands,
+            # however fast the machine; the cancel is accepted once the append is on its way to the worker.
+            with _stopped(worker_pid):
+                thread, outcome = _in_thread(lambda: client.append("cancel", 1, 10, tokens=long_prompt[10:]))
+                _wait_until(lambda: reference.stats().sessions[0].in_flight, "the long append to be in flight")
+                done = _wait_until(
+                    lambda: (reply := client.cancel("cancel", 1)).detail != "nothing in flight" and reply,
+                    "the long append to reach its worker",
+                )
+                assert done.detail == "cancel requested"
+            _joined(thread, outcome)
             error = outcome.get("error")
             assert isinstance(error, KvpoolError) and error.code == "cancelled", outcome
             assert error.length == 10
@@ -391,72 +445,105 @@ def test_budget_admission_over_budget_and_waiting(shards, socket_dir, prompt_ids
             client.append("busy", 1, 0, tokens=prompt_ids[0][:4])
             # an idle session is evicted to make room
             client.append("second", 1, 0, tokens=prompt_ids[0][:4])
-            assert [row.session_id for row in client.stats().sessions] == ["second"]
-            # a session with a request in flight is never evicted: hold one in flight from another thread
-            long_tokens = (prompt_ids[1] * 4)[:60]
-            holder = threading.Thread(target=lambda: other.append("second", 1, 4, tokens=long_tokens))
-            holder.start()
-            while not client.stats().sessions[0].in_flight and holder.is_alive():
-                time.sleep(0.002)
-            if holder.is_alive():
+            stats = client.stats()
+            assert [row.session_id for row in stats.sessions] == ["second"] and stats.counters["evictions"] == 1
+            second_pid = stats.sessions[0].worker_pid
+            # a session with a request in flight is never evicted: its worker is stopped, so the append
+            # stays in flight until the block ends
+            long_tokens = (prompt_ids[1] * 4)[:40]
+            with _stopped(second_pid):
+                holder, held = _in_thread(lambda: other.append("second", 1, 4, tokens=long_tokens))
+                _wait_until(lambda: client.stats().sessions[0].in_flight, "the holder's append to be in flight")
                 with pytest.raises(KvpoolError) as over:
                     client.append("third", 1, 0, tokens=[1, 2])
                 assert over.value.code == "over_budget"
-            holder.join(60)
+            assert _result(holder, held).length == 4 + len(long_tokens)
             assert [row.session_id for row in client.stats().sessions] == ["second"]
-            # waiting admission: released capacity is taken within the client's timeout
-            releaser = threading.Timer(0.3, lambda: other.release("second", 1))
-            releaser.start()
-            started = time.monotonic()
-            result = client.append("third", 1, 0, tokens=[1, 2], admit_timeout_s=0.0)
-            releaser.join()
-            assert result.admitted  # evicts idle "second" at once, or takes the released bytes
-            assert time.monotonic() - started < 10
+            # waiting admission: bytes released while "third" waits are taken, with no eviction. "second" is
+            # kept busy (stopped worker) until both the waiting admission and the release have been read by
+            # the daemon; the release then waits for that append, and counts as in flight meanwhile, so
+            # "second" is never idle, never evictable: only the release can make room.
+            length = 4 + len(long_tokens)
+            with _stopped(second_pid):
+                holder, held = _in_thread(lambda: other.append("second", 1, length, tokens=[5]))
+                _wait_until(lambda: client.stats().sessions[0].in_flight, "the holder's append to be in flight")
+                started = time.monotonic()
+                waiter = _sent_and_read(daemon.socket, Append(session_id="third", epoch=1, start_pos=0, tokens=[1, 2], admit_timeout_s=MAX_ADMIT_WAIT_S))
+                releaser = _sent_and_read(daemon.socket, Release(session_id="second", epoch=1))
+                assert [row.session_id for row in client.stats().sessions] == ["second"]  # nothing admitted yet
+            assert _result(holder, held).length == length + 1
+            released = _read_reply(releaser)
+            assert isinstance(released, Done) and released.detail == "released", released
+            result = _read_reply(waiter)
+            waited = time.monotonic() - started
+            waiter.close()
+            releaser.close()
+            assert isinstance(result, AppendReply) and result.admitted and result.length == 2, result
+            assert waited < MAX_ADMIT_WAIT_S  # woken by the release, not at the end of its admit timeout
             stats = client.stats()
+            assert [row.session_id for row in stats.sessions] == ["third"] and stats.counters["evictions"] == 1
             assert stats.budget.reserved_bytes <= stats.budget.limit_bytes and stats.integrity == "ok"
+            with pytest.raises(KvpoolError) as gone:
+                other.append("second", 1, length + 1, tokens=[1])
+            assert gone.value.code == "cache_miss" and gone.value.reason == "released"
     finally:
         daemon.stop()
 
 
-def test_over_budget_while_the_only_session_is_busy_then_waiting_admission_wakes(shards, socket_dir):
+def test_over_budget_while_the_only_session_is_busy_then_waiting_admission_wakes(shards, socket_dir, prompt_ids):
     first = shards[0]
-    daemon = DaemonProcess(first.path, socket_dir / "wait.sock", "--threads", "1", "--n-ctx", "2048", "--max-sessions", "1")
+    daemon = DaemonProcess(first.path, socket_dir / "wait.sock", "--threads", "1", "--n-ctx", "64", "--max-sessions", "1")
     try:
-        long_prompt = [1 + (index * 7) % 4000 for index in range(2000)]
+        holder_tokens = prompt_ids[1]
         with daemon.client() as client, daemon.client() as other:
-            outcome: dict[str, object] = {}
-            holder = threading.Thread(target=lambda: outcome.update(result=other.append("holder", 1, 0, tokens=long_prompt)))
-            holder.start()
-            while not (client.stats().sessions and client.stats().sessions[0].in_flight):
-                time.sleep(0.005)
-            # the only session has a request in flight: it is never evicted, so there is no room
-            with pytest.raises(KvpoolError) as over:
-                client.append("waiter", 1, 0, tokens=[1, 2])
-            assert over.value.code == "over_budget"
-            started = time.monotonic()
-            result = client.append("waiter", 1, 0, tokens=[1, 2], admit_timeout_s=30.0)
+            other.append("holder", 1, 0, tokens=holder_tokens[:4])
+            holder_pid = client.stats().sessions[0].worker_pid
+            # the holder's append stays in flight until the block ends (its worker is stopped), on any machine
+            with _stopped(holder_pid):
+                holder, held = _in_thread(lambda: other.append("holder", 1, 4, tokens=holder_tokens[4:]))
+                _wait_until(lambda: client.stats().sessions[0].in_flight, "the holder's append to be in flight")
+                # the only session has a request in flight: it is never evicted, so there is no room
+                with pytest.raises(KvpoolError) as over:
+                    client.append("waiter", 1, 0, tokens=[1, 2])
+                assert over.value.code == "over_budget"
+                # an admission that may wait, read by the daemon while the holder is still busy: it waits
+                started = time.monotonic()
+                waiter = _sent_and_read(daemon.socket, Append(session_id="waiter", epoch=1, start_pos=0, tokens=[1, 2], admit_timeout_s=MAX_ADMIT_WAIT_S))
+                assert [row.session_id for row in client.stats().sessions] == ["holder"]  # nothing admitted yet
+            result = _read_reply(waiter)  # the holder's worker continues, the holder goes idle, the waiter wakes
             waited = time.monotonic() - started
-            holder.join(60)
-            assert outcome["result"].length == len(long_prompt)  # the busy session finished untouched
-            assert result.admitted and result.length == 2
-            assert waited < 20  # woken when the holder went idle, not at the timeout
+            waiter.close()
+            assert _result(holder, held).length == len(holder_tokens)  # the busy session finished untouched
+            assert isinstance(result, AppendReply) and result.admitted and result.length == 2, result
+            assert waited < MAX_ADMIT_WAIT_S  # woken when the holder went idle, not at the end of its admit timeout
             stats = client.stats()
             assert [row.session_id for row in stats.sessions] == ["waiter"] and stats.counters["evictions"] == 1
             with pytest.raises(KvpoolError) as evicted:
-                other.append("holder", 1, len(long_prompt), tokens=[5])
+                other.append("holder", 1, len(holder_tokens), tokens=[5])
             assert evicted.value.code == "cache_miss" and evicted.value.reason == "evicted"
     finally:
         daemon.stop()
 
 
 def test_ttl_expires_idle_sessions(shards, socket_dir, prompt_ids):
-    daemon = DaemonProcess(shards[0].path, socket_dir / "ttl.sock", "--threads", "1", "--n-ctx", "64", "--max-sessions", "2", "--ttl", "1")
+    daemon = DaemonProcess(shards[0].path, socket_dir / "ttl.sock", "--threads", "1", "--n-ctx", "64", "--max-sessions", "1", "--ttl", "1")
     try:
-        with daemon.client() as client:
-            client.append("short-lived", 1, 0, tokens=prompt_ids[0][:4])
-            assert client.stats().budget.reserved_bytes > 0
-            time.sleep(2.5)
-            stats = client.stats()
+        with daemon.client() as client, daemon.client() as observer:
+            (worker,) = observer.stats().workers
+            # while its admission is in flight (the only worker stopped) the session is busy, never expired:
+            # its bytes are reserved however slowly this machine runs
+            with _stopped(worker.pid):
+                admission, admitted = _in_thread(lambda: client.append("short-lived", 1, 0, tokens=prompt_ids[0][:4]))
+                stats = _wait_until(lambda: (s := observer.stats()).sessions and s, "the admission to be in flight")
+                assert stats.sessions[0].in_flight and stats.budget.reserved_bytes == stats.sessions[0].charged_bytes > 0
+            result = _result(admission, admitted)
+            assert result.admitted and result.length == 4
+            # idle now: expired after its TTL by the daemon's housekeeping (polled; the deadline is a hang guard)
+            def expired():
+                stats = observer.stats()
+                return stats if stats.counters["expirations"] and not stats.sessions else None
+
+            stats = _wait_until(expired, "the idle session to expire")
             assert stats.sessions == [] and stats.budget.reserved_bytes == 0 and stats.counters["expirations"] == 1
             with pytest.raises(KvpoolError) as miss:
                 client.append("short-lived", 1, 4, tokens=[1])
@@ -497,13 +584,13 @@ def test_killed_worker_loses_one_session_only_and_is_replaced(route, chain_daemo
     tokens = list(greedy_tokens(append, survivor_prompt, GREEDY))
     assert tokens == expected_tokens
     assert np.abs(np.stack(rows[: len(tokens)]) - expected_logits).max() == 0.0
-    deadline = time.monotonic() + 60
     with middle.client() as client:
-        while time.monotonic() < deadline:
+
+        def replaced():
             stats = client.stats()
-            if len(stats.workers) == workers_before and victim_pid not in {w.pid for w in stats.workers}:
-                break
-            time.sleep(0.1)
+            return stats if len(stats.workers) == workers_before and victim_pid not in {w.pid for w in stats.workers} else None
+
+        stats = _wait_until(replaced, "the killed worker to be replaced")
         assert len(stats.workers) == workers_before and stats.counters["worker_restarts"] >= 1
         assert victim_pid not in {w.pid for w in stats.workers}
     # the victim replays from 0 and gets the exact result
@@ -521,12 +608,12 @@ def test_drifted_worker_is_recycled_when_idle(shards, socket_dir):
             pid_before = client.stats().workers[0].pid
             client.append("drift", 1, 0, tokens=list(range(1, 60)))
             client.release("drift", 1)  # freed context, but USS stays above the 1-byte margin
-            deadline = time.monotonic() + 30
-            while time.monotonic() < deadline:
+
+            def recycled():
                 stats = client.stats()
-                if stats.workers and stats.workers[0].pid != pid_before:
-                    break
-                time.sleep(0.1)
+                return stats if stats.workers and stats.workers[0].pid != pid_before else None
+
+            stats = _wait_until(recycled, "the drifted worker to be recycled")
             assert stats.workers[0].pid != pid_before and stats.counters["worker_restarts"] >= 1
             assert client.append("after", 1, 0, tokens=[1, 2]).length == 2
     finally:
@@ -538,7 +625,7 @@ def test_drifted_worker_is_recycled_when_idle(shards, socket_dir):
 
 def _raw_connection(path) -> socket.socket:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.settimeout(30)
+    sock.settimeout(HANG_GUARD_S)
     sock.connect(str(path))
     return sock
 
@@ -548,13 +635,32 @@ def _read_reply(sock: socket.socket):
     while len(header) < 4:
         chunk = sock.recv(4 - len(header))
         if not chunk:
+            assert not header, "connection closed in the middle of a frame header"
             return None
         header += chunk
     (size,) = FRAME_HEADER.unpack(header)
     payload = b""
     while len(payload) < size:
-        payload += sock.recv(size - len(payload))
+        chunk = sock.recv(size - len(payload))
+        assert chunk, "connection closed in the middle of a reply"
+        payload += chunk
     return decode_reply(payload)
+
+
+def _unread_bytes(sock: socket.socket) -> int:
+    """Bytes sent on this Unix socket that the peer has not read yet (SIOCOUTQ)."""
+    return struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0" * 4))[0]
+
+
+def _sent_and_read(path, request) -> socket.socket:
+    """A new connection that has sent `request`, once the daemon has read every byte of it (not only
+    received it): the daemon is then handling it. The reply is the caller's to read."""
+    sock = _raw_connection(path)
+    sock.sendall(encode(Hello(version=PROTOCOL_VERSION)))
+    assert _read_reply(sock).version == PROTOCOL_VERSION
+    sock.sendall(encode(request))
+    _wait_until(lambda: _unread_bytes(sock) == 0, f"the daemon to read {type(request).__name__}")
+    return sock
 
 
 def test_socket_is_private_and_bad_frames_never_hurt_the_daemon(chain_daemons, prompt_ids):
@@ -651,13 +757,13 @@ def test_status_command_and_prometheus_metrics(shards, socket_dir, prompt_ids):
             with pytest.raises(KvpoolError):
                 client.append("missing", 1, 2, tokens=[1])
         status = subprocess.run(
-            [sys.executable, "-m", "kvpool", "status", "--socket", str(daemon.socket)], capture_output=True, text=True, timeout=60
+            [sys.executable, "-m", "kvpool", "status", "--socket", str(daemon.socket)], capture_output=True, text=True, timeout=HANG_GUARD_S
         )
         assert status.returncode == 0, status.stderr
         line = next(line for line in status.stdout.splitlines() if line.startswith("shown"))
         assert line.split()[:4] == ["shown", "7", "9", "64"]
         assert "books: ok" in status.stdout and "reserved" in status.stdout
-        metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=HANG_GUARD_S).read().decode()
         assert "kvpool_appends_total 1.0" in metrics
         assert 'kvpool_cache_misses_by_reason_total{reason="unknown"} 1.0' in metrics
         assert "kvpool_sessions 1.0" in metrics
@@ -675,7 +781,7 @@ def test_sigint_and_shutdown_request_stop_cleanly(shards, socket_dir):
     assert len(children) >= 2
     with daemon.client() as client:
         client.shutdown()
-    assert daemon.process.wait(30) == 0
+    assert daemon.process.wait(STOP_HANG_GUARD_S) == 0
     assert daemon.stop() == 0
-    _gone, alive = psutil.wait_procs(children, timeout=15)
+    _gone, alive = psutil.wait_procs(children, timeout=STOP_HANG_GUARD_S)
     assert not alive, f"left behind: {alive}"

@@ -53,16 +53,18 @@ WRAP_AT = 440  # the live session is truncated back to KEEP when it gets this lo
 KEEP = 48
 UINT64_MAX = 2**64 - 1
 TAGS = ("Hello", "Append", "Truncate", "Release", "Cancel", "Stats", "Shutdown")
-FIELDS = {
-    "Hello": ("version", "client"),
-    "Append": ("session_id", "epoch", "start_pos", "tokens", "hidden", "output_rows", "n_ctx", "admit_timeout_s"),
-    "Truncate": ("session_id", "epoch", "length"),
-    "Release": ("session_id", "epoch"),
-    "Cancel": ("session_id", "epoch"),
-    "Stats": (),
-    "Shutdown": (),
+FIELDS = {  # every request may also carry the client's request_id
+    "Hello": ("version", "client", "request_id"),
+    "Append": ("session_id", "epoch", "start_pos", "tokens", "hidden", "output_rows", "n_ctx", "admit_timeout_s", "request_id"),
+    "Truncate": ("session_id", "epoch", "length", "request_id"),
+    "Release": ("session_id", "epoch", "request_id"),
+    "Cancel": ("session_id", "epoch", "request_id"),
+    "Stats": ("request_id",),
+    "Shutdown": ("request_id",),
 }
 TYPED = {code.value for code in ErrorCode} - {ErrorCode.INTERNAL.value}
+HANG_GUARD_S = 300  # a reply here takes milliseconds; this only stops a hung daemon from hanging the suite
+FUZZ_TIMEOUT_S = 3600  # the whole fuzzing run takes ~10 s on 2 quiet cores; hang guard only
 
 
 # ---- the daemons, the live session and its in-process reference ----------------------------------------
@@ -96,6 +98,15 @@ class LiveSession:
         self.tokens = tokens
         self.length = 0
         self.steps = 0
+        self.fuzzed = False  # set once a whole fuzzing run has gone through this session
+
+    def restart(self, rows: int) -> None:
+        """Start the session again from position 0 (after a release), on the daemons and in process."""
+        for context in self.contexts:
+            context.close()
+        self.contexts = [model.new_context(N_CTX) for model in self.models]
+        self.length = 0
+        self.step(rows)
 
     def step(self, rows: int) -> None:
         if self.length + rows > WRAP_AT:
@@ -124,10 +135,14 @@ class LiveSession:
             model.close()
 
 
+FIRST_ROWS = 8
+
+
 @pytest.fixture(scope="module")
 def live(fuzz_daemons, fuzz_shards, prompt_ids):
+    """The live session, 8 rows long; every test leaves it live on both daemons (it may be longer)."""
     session = LiveSession(fuzz_daemons, fuzz_shards, prompt_ids[1])
-    session.step(8)
+    session.step(FIRST_ROWS)
     yield session
     session.close()
 
@@ -138,7 +153,7 @@ def live(fuzz_daemons, fuzz_shards, prompt_ids):
 class RawConnection:
     def __init__(self, path, *, hello: bool = True) -> None:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.settimeout(30)
+        self.sock.settimeout(HANG_GUARD_S)
         self.sock.connect(str(path))
         if hello:
             self.sock.sendall(encode(Hello(version=PROTOCOL_VERSION, client="fuzz")))
@@ -439,7 +454,8 @@ def check_reply(reply, expect: Expect, description: str) -> None:
 @example(plan=EVERY_SEMANTIC[2], final_rows=1)
 @example(plan=EVERY_SEMANTIC[3], final_rows=3)
 @example(plan=EVERY_FRAMING, final_rows=1)
-def test_fuzzed_frames_get_typed_errors_and_never_touch_the_live_session(fuzz_daemons, live, plan, final_rows):
+def fuzz_the_live_session(fuzz_daemons, live, plan, final_rows):
+    """One hypothesis example: the plan's frames, each checked, then the live session's continuation."""
     connections: dict[int, RawConnection] = {}
     try:
         for step in plan:
@@ -475,9 +491,23 @@ def test_fuzzed_frames_get_typed_errors_and_never_touch_the_live_session(fuzz_da
             connection.close()
 
 
+def fuzz_everything(fuzz_daemons, live) -> None:
+    """The whole fuzzing run (the explicit examples plus 200 drawn plans) against the live session."""
+    fuzz_the_live_session(fuzz_daemons, live)
+    live.fuzzed = True
+
+
+@pytest.mark.timeout(FUZZ_TIMEOUT_S)
+def test_fuzzed_frames_get_typed_errors_and_never_touch_the_live_session(fuzz_daemons, live):
+    fuzz_everything(fuzz_daemons, live)
+
+
+@pytest.mark.timeout(FUZZ_TIMEOUT_S)
 def test_after_fuzzing_only_the_live_session_is_left_and_the_books_balance(fuzz_daemons, live):
+    if not live.fuzzed:  # run alone or first: drive the fuzzing whose aftermath this test checks
+        fuzz_everything(fuzz_daemons, live)
     for index, daemon in enumerate(fuzz_daemons):
-        with Client(daemon.socket, timeout_s=30) as client:
+        with Client(daemon.socket, timeout_s=HANG_GUARD_S) as client:
             stats = client.stats()
             assert stats.integrity == "ok"
             assert [(row.session_id, row.epoch, row.length) for row in stats.sessions] == [(LIVE_ID, LIVE_EPOCH, live.length)]
@@ -489,6 +519,7 @@ def test_after_fuzzing_only_the_live_session_is_left_and_the_books_balance(fuzz_
     for client in live.clients:
         client.release(LIVE_ID, LIVE_EPOCH)
     for daemon in fuzz_daemons:
-        with Client(daemon.socket, timeout_s=30) as client:
+        with Client(daemon.socket, timeout_s=HANG_GUARD_S) as client:
             stats = client.stats()
             assert stats.sessions == [] and stats.budget.reserved_bytes == 0 and stats.integrity == "ok"
+    live.restart(FIRST_ROWS)  # a released session admits again at 0: leave it as the fixture gave it

@@ -45,7 +45,7 @@ from kvpool.protocol import (
 )
 from kvpool.segments import LOGIT_ROWS_IN_SEGMENT, SegmentLayout, free_shared_memory_bytes
 from kvpool.service import KvService
-from kvpool.shardfile import read_shard_info
+from kvpool.gguf_header import read_shard_info
 from kvpool.supervisor import build_pool
 from tests.conftest import EVEN_SPLIT
 from tests.daemons import DaemonProcess, private_socket_dir
@@ -104,7 +104,8 @@ def _worker_of(client: Client, session_id: str) -> int:
 
 
 def test_a_timed_out_request_never_hands_its_reply_to_the_next_request(shards, socket_dir):
-    daemon = DaemonProcess(shards[0].path, socket_dir / "crosstalk.sock", "--threads", "1", "--n-ctx", "2048", "--max-sessions", "2")
+    # Three places for A, B and B-again: no eviction, so A's fate does not depend on the order of events.
+    daemon = DaemonProcess(shards[0].path, socket_dir / "crosstalk.sock", "--threads", "1", "--n-ctx", "2048", "--max-sessions", "3")
     try:
         client = Client(daemon.socket, timeout_s=0.05)
         # Every worker frozen: A's admission cannot complete before the client gives up, on any machine.

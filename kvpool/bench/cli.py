@@ -24,7 +24,7 @@ from kvpool.bench.report import render_table, summarize, write_chart
 from kvpool.bench.rig import Rig
 from kvpool.bundled import bundled_model_path
 from kvpool.config import work_dir
-from kvpool.shardfile import file_sha256
+from kvpool.gguf_header import file_sha256
 
 
 def environment(source: pathlib.Path) -> dict:

@@ -20,7 +20,7 @@ from kvpool.client import Client
 from kvpool.launcher import Daemon
 from kvpool.protocol import Append, AppendReply, decode_reply, decode_request, encode
 from kvpool.shardcache import shards_in_parts
-from kvpool.shardfile import ShardInfo
+from kvpool.gguf_header import ShardInfo
 from kvpool.tokenizer import Tokenizer
 from workers.runtime import ShardModel
 

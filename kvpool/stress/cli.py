@@ -10,7 +10,7 @@ from kvpool.bundled import BundledModelMissing
 from kvpool.client import ConnectionLost
 from kvpool.config import parse_bytes
 from kvpool.launcher import DaemonStartFailed
-from kvpool.shardfile import ShardError
+from kvpool.shard_error import ShardError
 from kvpool.stress.options import StressOptions
 from kvpool.stress.report import render
 from kvpool.stress.runner import Say, _stderr_say, run_stress
