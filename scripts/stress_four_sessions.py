@@ -6,6 +6,9 @@ drills and a bit-exact comparison against each session run alone. Same as `kvpoo
     python scripts/stress_four_sessions.py --budget-for 2     # LRU eviction under a two-session budget
     python scripts/stress_four_sessions.py --ttl 1            # idle sessions expire
     python scripts/stress_four_sessions.py --kill-worker      # one worker SIGKILLed mid-decode
+    python scripts/stress_four_sessions.py --kill-supervisor  # one daemon's supervisor SIGKILLed, restarted on its socket
+    python scripts/stress_four_sessions.py --stall-worker     # one worker SIGSTOPped past the daemon's --request-timeout
+    python scripts/stress_four_sessions.py --slow-reader      # one connection sends appends and never reads a reply
     python scripts/stress_four_sessions.py --sessions 8 --ops 200 --json out.json
 """
 

@@ -1,56 +1,43 @@
 """`kvpool stress`: concurrent sessions through a chain of shard daemons, fault drills, and the exactness check.
 
 N sessions (one thread each, one Client per daemon each) run a seeded random mix of operations through a
-route of `kvpool serve` daemons: chunked prefill, greedy decode, truncate then replay, cancel in the
-middle of a long prefill, release and re-open, an epoch bump, and a stale-epoch request. Each session
-keeps a log of the operations that took effect; afterwards every log is replayed alone on a fresh chain
-of daemons (or in process) and every returned row, every greedy token and the final logits must be
-bit-identical. Any difference is cross-talk and fails the run.
+route of `kvpool serve` daemons: chunked prefill, greedy decode, truncate then replay, cancel (landing in
+the middle of a long prefill on each daemon of the route, and sent after an append completed), release
+and re-open, an epoch bump, and a stale-epoch request. Each session keeps a log of the operations that
+took effect; afterwards every log is replayed alone on a fresh chain of daemons (or in process) and every
+returned row, every greedy token and the final logits must be bit-identical. Any difference is cross-talk
+and fails the run.
 
-Scenarios add faults: a byte budget for fewer sessions than are active (LRU eviction), a short TTL
-(expiry), a SIGKILLed worker. After every run each daemon must hold no session of ours, have its
-reserved bytes back where they were, balanced books, and its workers' measured memory back within a
-stated tolerance.
+Scenarios add faults, each bounded by operations: a byte budget for fewer sessions than are active (LRU
+eviction), a short TTL (expiry), a SIGKILLed worker, a SIGKILLed supervisor (restarted on its socket), a
+SIGSTOPped worker (the daemon's request timeout), and a connection that never reads its replies
+(backpressure). After every run each daemon must hold no session of ours, have its reserved bytes back
+where they were, balanced books, its workers' measured memory back within a stated tolerance, and no
+process or shared-memory segment of the daemons may outlive them.
 
-The operations of each session are seeded; how the sessions' requests interleave is up to the scheduler,
-so two runs with one seed issue the same operations per session but not in the same global order.
+A run fails only when something ran and behaved wrongly; what timing did not let it exercise is listed
+as a warning. The operations of each session are seeded; how the sessions' requests interleave is up to
+the scheduler, so two runs with one seed issue the same operations per session but not in the same
+global order.
 """
 
 from __future__ import annotations
 
-from kvpool.stress.checks import (
-    SETTLE_TIMEOUT_S,
-    Chain,
-    Snapshot,
-)
-from kvpool.stress.cli import (
-    DESCRIPTION,
-    add_arguments,
-    build_parser,
-    main,
-    options_from,
-    run,
-)
+from kvpool.stress.cancels import CANCEL_ATTEMPTS, CancelDrill, CancelResult
+from kvpool.stress.checks import SETTLE_TIMEOUT_S, DrillFacts, Snapshot
+from kvpool.stress.cli import DESCRIPTION, add_arguments, build_parser, main, options_from, run
+from kvpool.stress.daemons import Chain
 from kvpool.stress.driver import (
     ADMIT_RETRY_S,
     BACKOFF_BASE_S,
     BACKOFF_MAX_DOUBLINGS,
-    CANCEL_DELAY_MAX_S,
     JITTER_MAX_S,
-    LATE_CANCEL_EVERY,
     MAX_REPLAYS_PER_RECOVERY,
-    MIN_FILLER_ROWS,
-    OP_WEIGHTS,
     PREFILL_CHUNKS,
-    PREFILL_FIRST,
-    CancelOutcome,
-    ContractViolation,
     SessionDriver,
-    SessionPlan,
-    SessionSetup,
-    StageFailed,
-    build_plans,
 )
+from kvpool.stress.errors import ContractViolation, StageFailed
+from kvpool.stress.faults import STALL_GRACE_S, FaultInjector
 from kvpool.stress.log import (
     DaemonReference,
     LocalReference,
@@ -63,56 +50,52 @@ from kvpool.stress.log import (
     replay_alone,
     row_digest,
 )
-from kvpool.stress.options import (
-    FORCED_KINDS,
-    IDLE_MARGIN_S,
-    UNLIMITED_BUDGET,
-    MiB,
-    OpKind,
-    StressOptions,
-)
-from kvpool.stress.recording import (
-    Recorder,
-    Sampler,
-)
+from kvpool.stress.options import FORCED_KINDS, IDLE_MARGIN_S, LATE_CANCEL, UNLIMITED_BUDGET, FaultKind, MiB, OpKind, StressOptions
+from kvpool.stress.plans import PlannedFault, SessionPlan, SessionSetup, build_plans, cancel_targets
+from kvpool.stress.processes import ORPHAN_DEADLINE_S
+from kvpool.stress.recording import Recorder, Sampler
 from kvpool.stress.report import (
     DaemonSummary,
     KillRecord,
     Latency,
     Sample,
     SessionSummary,
+    SlowReaderRecord,
+    StallRecord,
     StressReport,
+    SupervisorKillRecord,
     Verdict,
     WorkerMemory,
     render,
 )
-from kvpool.stress.runner import (
-    FILLER_ROWS,
-    FILLER_TEXT,
-    PROGRESS_EVERY_S,
-    PROMPTS,
-    Say,
-    run_stress,
-)
+from kvpool.stress.restarts import ChainControl
+from kvpool.stress.runner import FILLER_ROWS, FILLER_TEXT, PROGRESS_EVERY_S, PROMPTS, Say, run_stress
+from kvpool.stress.schedule import MIN_FILLER_ROWS, OP_WEIGHTS, PREFILL_FIRST, OpSchedule
+from kvpool.stress.slow_reader import ROWS_PER_APPEND, RSS_BOUND_BYTES, SlowReader
 
 __all__ = [
     "ADMIT_RETRY_S",
     "BACKOFF_BASE_S",
     "BACKOFF_MAX_DOUBLINGS",
-    "CANCEL_DELAY_MAX_S",
-    "CancelOutcome",
+    "CANCEL_ATTEMPTS",
+    "CancelDrill",
+    "CancelResult",
     "Chain",
+    "ChainControl",
     "ContractViolation",
     "DESCRIPTION",
     "DaemonReference",
     "DaemonSummary",
+    "DrillFacts",
     "FILLER_ROWS",
     "FILLER_TEXT",
     "FORCED_KINDS",
+    "FaultInjector",
+    "FaultKind",
     "IDLE_MARGIN_S",
     "JITTER_MAX_S",
     "KillRecord",
-    "LATE_CANCEL_EVERY",
+    "LATE_CANCEL",
     "Latency",
     "LocalReference",
     "LogEntry",
@@ -122,16 +105,22 @@ __all__ = [
     "MAX_REPLAYS_PER_RECOVERY",
     "MIN_FILLER_ROWS",
     "MiB",
+    "ORPHAN_DEADLINE_S",
     "OP_WEIGHTS",
     "OpKind",
+    "OpSchedule",
     "PREFILL_CHUNKS",
     "PREFILL_FIRST",
     "PROGRESS_EVERY_S",
     "PROMPTS",
+    "PlannedFault",
+    "ROWS_PER_APPEND",
+    "RSS_BOUND_BYTES",
     "Recorder",
     "ReferenceChain",
     "ReplayOutcome",
     "SETTLE_TIMEOUT_S",
+    "STALL_GRACE_S",
     "Sample",
     "Sampler",
     "Say",
@@ -139,16 +128,21 @@ __all__ = [
     "SessionPlan",
     "SessionSetup",
     "SessionSummary",
+    "SlowReader",
+    "SlowReaderRecord",
     "Snapshot",
     "StageFailed",
+    "StallRecord",
     "StressOptions",
     "StressReport",
+    "SupervisorKillRecord",
     "UNLIMITED_BUDGET",
     "Verdict",
     "WorkerMemory",
     "add_arguments",
     "build_parser",
     "build_plans",
+    "cancel_targets",
     "main",
     "options_from",
     "render",

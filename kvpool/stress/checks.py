@@ -1,4 +1,4 @@
-"""The daemons under test, and the checks after the run: snapshots, settling, worker memory, verdicts."""
+"""The checks after the run: snapshots, settling, worker memory, daemon summaries and the verdicts."""
 
 from __future__ import annotations
 
@@ -10,57 +10,14 @@ from collections.abc import Sequence
 
 from kvpool.client import Client
 from kvpool.config import format_bytes
-from kvpool.daemon_route import DaemonRoute
-from kvpool.launcher import Daemon, start_daemons
 from kvpool.protocol import StatsReply
+from kvpool.stress import drill_checks
+from kvpool.stress.daemons import Chain
 from kvpool.stress.driver import SessionDriver
-from kvpool.stress.options import FORCED_KINDS, IDLE_MARGIN_S, UNLIMITED_BUDGET, OpKind, StressOptions
-from kvpool.stress.report import DaemonSummary, Sample, SessionSummary, Verdict, WorkerMemory
+from kvpool.stress.options import IDLE_MARGIN_S, StressOptions
+from kvpool.stress.report import DaemonSummary, Sample, SessionSummary, SlowReaderRecord, StallRecord, SupervisorKillRecord, Verdict, WorkerMemory
 
 SETTLE_TIMEOUT_S = 30.0
-
-
-# ---- daemons ------------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(slots=True)
-class Chain:
-    """The daemons under test: started here (daemons set) or attached to (sockets only)."""
-
-    sockets: list[pathlib.Path]
-    shard_paths: list[pathlib.Path]
-    daemons: list[Daemon]
-    charges: list[int]
-    workers_expected: int | None
-
-
-def _stop(daemons: Sequence[Daemon]) -> list[int]:
-    return [daemon.stop() for daemon in reversed(daemons)][::-1]
-
-
-def _serve_options(options: StressOptions, *, max_sessions: int, budget: str, ttl_s: float) -> list[str]:
-    return [
-        "--threads", "1", "--n-ctx", str(options.n_ctx), "--max-sessions", str(max_sessions),
-        "--budget", budget, "--ttl", f"{ttl_s:g}",
-    ]
-
-
-def _probe_charges(shards: Sequence[pathlib.Path], socket_dir: pathlib.Path, options: StressOptions, prompt: Sequence[int]) -> list[int]:
-    """One session's charge on each daemon, measured by admitting a probe session."""
-    daemons = start_daemons(shards, socket_dir, _serve_options(options, max_sessions=1, budget=UNLIMITED_BUDGET, ttl_s=300), prefix="probe")
-    try:
-        clients = [daemon.client() for daemon in daemons]
-        try:
-            route = DaemonRoute(clients)
-            route.append("stress-probe", 1, 0, prompt)
-            charges = [next(row.charged_bytes for row in client.stats().sessions) for client in clients]
-            route.release("stress-probe", 1)
-            return charges
-        finally:
-            for client in clients:
-                client.close()
-    finally:
-        _stop(daemons)
 
 
 # ---- checks after the run ------------------------------------------------------------------------------
@@ -122,28 +79,45 @@ def _settle(sockets: Sequence[pathlib.Path], before: Sequence[Snapshot], prefix:
         time.sleep(0.25)
 
 
-def _daemon_summaries(chain: Chain, before: Sequence[Snapshot], after: Sequence[Snapshot], samples: Sequence[Sample], tolerance: int, prefix: str) -> list[DaemonSummary]:
+def _daemon_summaries(chain: Chain, before: Sequence[Snapshot], after: Sequence[Snapshot], samples: Sequence[Sample], tolerance: int, prefix: str, restarted: frozenset[int] = frozenset()) -> list[DaemonSummary]:
     summaries = []
     for index, (b, a) in enumerate(zip(before, after)):
         shard = a.stats.shard
         peak = max((s.reserved_bytes for s in samples if s.daemon == index), default=0)
         after_pids = {w.pid for w in a.stats.workers}
+        since = {} if index in restarted else b.stats.counters  # a restarted daemon counts from its restart
         summaries.append(
             DaemonSummary(
                 socket=str(chain.sockets[index]), layers=f"[{shard.layer_start}, {shard.layer_stop})",
                 limit_bytes=a.stats.budget.limit_bytes, session_charge_bytes=chain.charges[index] if chain.charges else 0,
                 peak_reserved_bytes=peak, reserved_before=b.stats.budget.reserved_bytes, reserved_after=a.stats.budget.reserved_bytes,
                 our_sessions_after=sum(row.session_id.startswith(prefix) for row in a.stats.sessions), integrity_after=a.stats.integrity,
-                counters={key: value - b.stats.counters.get(key, 0) for key, value in sorted(a.stats.counters.items()) if key != "peak_concurrent_compute_threads"}
+                counters={key: value - since.get(key, 0) for key, value in sorted(a.stats.counters.items()) if key != "peak_concurrent_compute_threads"}
                 | {"peak_concurrent_compute_threads": a.stats.counters.get("peak_concurrent_compute_threads", 0)},
                 workers=_worker_memory(b, a, tolerance), replaced_pids=sorted(set(b.uss_by_pid) - after_pids),
+                restarted=index in restarted,
             )
         )
     return summaries
 
 
-def _verdicts(options: StressOptions, chain: Chain, drivers: Sequence[SessionDriver], sessions: Sequence[SessionSummary], daemons: Sequence[DaemonSummary], samples: Sequence[Sample], sampler_failures: Sequence[str]) -> list[Verdict]:
+@dataclasses.dataclass(slots=True)
+class DrillFacts:
+    """What the fault drills recorded during the run, for their verdicts."""
+
+    supervisor_kills: list[SupervisorKillRecord] = dataclasses.field(default_factory=list)
+    stalls: list[StallRecord] = dataclasses.field(default_factory=list)
+    slow_reader: SlowReaderRecord | None = None
+    leftover_pids: list[int] | None = None  # None: the daemons were not started here (attached)
+    leftover_segments: list[str] = dataclasses.field(default_factory=list)
+    sampler_gaps: int = 0
+
+
+def _verdicts(options: StressOptions, chain: Chain, drivers: Sequence[SessionDriver], sessions: Sequence[SessionSummary], daemons: Sequence[DaemonSummary], samples: Sequence[Sample], sampler_failures: Sequence[str], drills: DrillFacts | None = None) -> tuple[list[Verdict], list[str]]:
+    """Every verdict of the run, and the warnings (what could not be exercised; never a failure)."""
+    drills = drills or DrillFacts()
     verdicts: list[Verdict] = []
+    warnings: list[str] = []
 
     def add(name: str, passed: bool, detail: str) -> None:
         verdicts.append(Verdict(name, bool(passed), detail))
@@ -155,20 +129,13 @@ def _verdicts(options: StressOptions, chain: Chain, drivers: Sequence[SessionDri
     greedy = sum(s.greedy_checked for s in sessions)
     exact = not mismatches and not violations and all(s.final_logits_max_abs_diff == 0.0 for s in sessions)
     add("exact", exact, f"{rows} output rows, {greedy} greedy tokens and {len(sessions)} final logits identical to each session alone" if exact else "; ".join(mismatches)[:2000] or "a session did not finish")
-    if options.ops >= 2 * len(FORCED_KINDS):
-        done = Counter()
-        for summary in sessions:
-            done.update(summary.ops)
-        wanted = [str(kind) for kind in FORCED_KINDS] + [str(OpKind.PREFILL), str(OpKind.DECODE)] + ([str(OpKind.IDLE)] if options.ttl_s is not None else [])
-        landed = sum(s.cancels_landed for s in sessions)
-        completed = sum(s.cancels_completed for s in sessions)
-        missing = [kind for kind in wanted if not done[kind]]
-        if options.budget_for is None:  # under budget pressure an eviction may cut any cancel short
-            missing += (["cancel landing mid-prefill"] if not landed else []) + (["cancel after completion"] if not completed else [])
-        add("operations", not missing, ("every kind exercised: " + ", ".join(f"{k} {done[k]}" for k in wanted) + f"; cancels landed mid-prefill {landed}, sent after completion {completed}") if not missing else f"never exercised: {missing}")
+    operations, missing = drill_checks.operations_verdict(options, sessions, len(chain.sockets))
+    verdicts.append(operations)
+    warnings += missing
     over = [s for s in samples if s.reserved_bytes > s.limit_bytes or s.integrity != "ok"]
+    gaps = f" ({drills.sampler_gaps} skipped while a killed daemon restarted)" if drills.sampler_gaps else ""
     add("books_at_every_sample", not over and bool(samples) and not sampler_failures,
-        f"{len(samples)} samples: reserved <= limit and the books balance at each" if not over and samples and not sampler_failures
+        f"{len(samples)} samples{gaps}: reserved <= limit and the books balance at each" if not over and samples and not sampler_failures
         else f"{len(over)} bad samples, e.g. {over[0] if over else None}; {list(sampler_failures)}")
     back = all(not d.our_sessions_after and d.reserved_after == d.reserved_before and d.integrity_after == "ok" for d in daemons)
     add("released", back, "no session left, reserved bytes back to " + ", ".join(format_bytes(d.reserved_after) for d in daemons) + ", integrity ok on every daemon"
@@ -178,6 +145,8 @@ def _verdicts(options: StressOptions, chain: Chain, drivers: Sequence[SessionDri
     worst = max((abs(w.delta_bytes) for _i, w in memory), default=0)
     add("worker_memory", not bad, f"{len(memory)} workers within {format_bytes(options.uss_tolerance_bytes)} of their pre-run USS (largest |delta| {format_bytes(worst)})"
         if not bad else "; ".join(f"daemon {i} pid {w.pid}: {format_bytes(w.before_bytes)} -> {format_bytes(w.after_bytes)}" for i, w in bad))
+    if drills.leftover_pids is not None:
+        verdicts.append(drill_checks.leftovers_verdict(drills.leftover_pids, drills.leftover_segments))
     if options.budget_for is not None:
         evictions = [d.counters.get("evictions", 0) for d in daemons]
         evicted_misses = sum(s.misses.get("evicted", 0) for s in sessions)
@@ -191,19 +160,13 @@ def _verdicts(options: StressOptions, chain: Chain, drivers: Sequence[SessionDri
         passed = bool(results) and all(r == "cache_miss/expired" for r in results) and sum(expirations) >= len(results) and exact
         add("ttl_expiry", passed, f"{len(results)} sessions idle {options.ttl_s + IDLE_MARGIN_S:g} s: next request answered {Counter(results)}; expirations per daemon {expirations}")
     if options.kill_worker:
-        kills = [driver.kill for driver in drivers if driver.kill is not None]
-        if not kills:
-            add("kill_worker", False, "the planned kill never happened (the session never decoded while live)")
-        else:
-            kill = kills[0]
-            victim = next(d for d in drivers if d.kill is kill)
-            daemon = daemons[kill.daemon]
-            replaced = kill.pid not in {w.pid for w in daemon.workers} and (chain.workers_expected is None or len(daemon.workers) == chain.workers_expected)
-            others = [s for s in sessions if s.session_id != victim.session_id]
-            others_exact = all(not s.mismatches and not s.violations for s in others)
-            reported = kill.reply in ("worker_lost", "cache_miss/worker_lost")
-            passed = reported and replaced and others_exact and exact and daemon.counters.get("worker_restarts", 0) >= 1
-            add("kill_worker", passed, f"SIGKILL pid {kill.pid} (daemon {kill.daemon}, {kill.session_id} at length {kill.length}): answered {kill.reply}; "
-                f"replayed from 0 at epoch {victim.epoch}; worker replaced: {replaced}; other sessions exact: {others_exact} "
-                f"(their recoveries: {sum(s.recoveries for s in others)})")
-    return verdicts
+        verdicts.append(drill_checks.kill_worker_verdict(drivers, sessions, daemons, chain.workers_expected, exact))
+    if options.kill_supervisor:
+        verdicts.append(drill_checks.kill_supervisor_verdict(drills.supervisor_kills, sessions, daemons, samples, exact))
+    if options.stall_worker:
+        verdicts.append(drill_checks.stall_worker_verdict(drills.stalls, sessions, daemons, chain.workers_expected, exact))
+    if options.slow_reader:
+        verdict, slow_warnings = drill_checks.slow_reader_verdict(drills.slow_reader, exact)
+        verdicts.append(verdict)
+        warnings += slow_warnings
+    return verdicts, warnings

@@ -22,11 +22,13 @@ from kvpool.stress.runner import Say, _stderr_say, run_stress
 DESCRIPTION = (
     "Start a chain of `kvpool serve` daemons on the bundled model (or attach to running ones with --sockets) "
     "and drive N concurrent sessions through it with a seeded random mix of chunked prefill, greedy decode, "
-    "truncate then replay, cancel in the middle of a long prefill, release and re-open, an epoch bump and a "
+    "truncate then replay, cancel in the middle of a long prefill (on each daemon) and after it completed, release and re-open, an epoch bump and a "
     "stale-epoch request. Every session's operations are then replayed alone on a fresh chain of daemons: every "
     "output row, greedy token and the final logits must be bit-identical, or the run fails (exit code 1). "
-    "Scenario flags add faults; after each run every daemon must have released everything, balanced its books "
-    "and returned its workers' memory within --uss-tolerance. Progress goes to stderr, the table to stdout."
+    "Scenario flags add faults (each bounded by operations, not time); after each run every daemon must have "
+    "released everything, balanced its books and returned its workers' memory within --uss-tolerance, and no process or "
+    "shared-memory segment of the daemons may outlive them. What timing did not let a run exercise is listed as a "
+    "warning, not a failure. Progress goes to stderr, the table to stdout."
 )
 
 
@@ -37,6 +39,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--budget-for", type=int, metavar="K", help="scenario: a budget for K sessions on each daemon (K + 0.5 times one session's measured charge), --sessions active: LRU evictions, cache_miss, replay; reserved bytes never above the limit")
     parser.add_argument("--ttl", type=float, metavar="SECONDS", help="scenario: daemons expire sessions idle this long; each session idles once and must get cache_miss/expired")
     parser.add_argument("--kill-worker", action="store_true", help="scenario: SIGKILL the worker of one session on one daemon mid-decode; it must report worker_lost and recover by replay, the others continue exactly")
+    parser.add_argument("--kill-supervisor", action="store_true", help="scenario: SIGKILL one daemon's supervisor mid-run; its processes must be gone within 5 s and its /dev/shm segments removed; the daemon is restarted on the same socket, every session that lost its connection replays from 0 at a new epoch, all stay exact")
+    parser.add_argument("--stall-worker", action="store_true", help="scenario: SIGSTOP the worker of one session on one daemon (started with --request-timeout, see --stall-timeout) just before an append; the append must answer worker_lost once the timeout passes, the worker be killed and replaced, the others continue exactly")
+    parser.add_argument("--stall-timeout", type=float, default=30.0, metavar="SECONDS", help="--request-timeout of the daemon whose worker --stall-worker stops (default 30: far above that daemon's largest worker call, its start-up calibration, on a slow busy machine)")
+    parser.add_argument("--slow-reader", action="store_true", help="scenario: one connection sends appends to the last daemon (all-row logits, 3 MiB replies) and never reads a reply; the daemon's memory must stay bounded (backpressure) while the other sessions continue exactly")
     parser.add_argument("--sockets", help="comma-separated daemon sockets, first shard to last: attach instead of starting daemons")
     parser.add_argument("--model", type=pathlib.Path, help="source GGUF to cut into shards (default: the bundled model)")
     parser.add_argument("--parts", type=int, default=3, help="shards, one daemon each (default 3)")
@@ -53,7 +59,8 @@ def options_from(args: argparse.Namespace) -> StressOptions:
     sockets = tuple(pathlib.Path(part) for part in args.sockets.split(",") if part) if args.sockets else ()
     return StressOptions(
         sessions=args.sessions, ops=args.ops, seed=args.seed, budget_for=args.budget_for, ttl_s=args.ttl,
-        kill_worker=args.kill_worker, sockets=sockets, model=args.model, parts=args.parts, n_ctx=args.n_ctx,
+        kill_worker=args.kill_worker, kill_supervisor=args.kill_supervisor, stall_worker=args.stall_worker, slow_reader=args.slow_reader,
+        stall_timeout_s=args.stall_timeout, sockets=sockets, model=args.model, parts=args.parts, n_ctx=args.n_ctx,
         reference=args.reference, final_tokens=args.final_tokens, sample_interval_s=args.sample_interval,
         uss_tolerance_bytes=parse_bytes(args.uss_tolerance), json_path=args.json, progress=not args.quiet,
     )

@@ -23,6 +23,15 @@ class OpKind(enum.StrEnum):
 
 
 FORCED_KINDS = (OpKind.TRUNCATE, OpKind.CANCEL, OpKind.RELEASE, OpKind.EPOCH_BUMP, OpKind.STALE)
+LATE_CANCEL = -1  # a cancel target: sent to every daemon after the append completed (not a daemon index)
+
+
+class FaultKind(enum.StrEnum):
+    """A fault one session injects into one daemon, once, at a planned operation (a decode)."""
+
+    KILL_WORKER = "kill_worker"
+    KILL_SUPERVISOR = "kill_supervisor"
+    STALL_WORKER = "stall_worker"
 
 
 # ---- options ----------------------------------------------------------------------------------------
@@ -38,6 +47,14 @@ class StressOptions:
     budget_for: int | None = None  # budget = (budget_for + 0.5) x one session's measured charge, per daemon
     ttl_s: float | None = None
     kill_worker: bool = False
+    kill_supervisor: bool = False  # SIGKILL one daemon's supervisor mid-run; restart it on its socket
+    stall_worker: bool = False  # SIGSTOP one session's worker mid-append, past the daemon's request timeout
+    slow_reader: bool = False  # a connection that sends appends to the last daemon and never reads replies
+    # --request-timeout of the daemon whose worker is stalled. It bounds every worker call of that daemon,
+    # the start-up calibration (one n_ctx-row batch: ~1.1 s for 512 rows on one 10-layer shard on a 2-core
+    # Xeon, more with three daemons starting at once beside CPU burners) and the 192-row cancelled
+    # prefill included, so it is far above either on a slow, busy machine.
+    stall_timeout_s: float = 30.0
     sockets: tuple[pathlib.Path, ...] = ()  # attach to running daemons instead of starting them
     model: pathlib.Path | None = None
     parts: int = 3
@@ -72,8 +89,12 @@ class StressOptions:
             problems.append("--final-tokens must be at least 1")
         if self.sample_interval_s <= 0:
             problems.append("--sample-interval must be positive")
+        if self.stall_timeout_s <= 0:
+            problems.append("--stall-timeout must be positive")
         if self.sockets and (self.budget_for is not None or self.ttl_s is not None):
             problems.append("--budget-for and --ttl configure the daemons: they need started daemons, not --sockets")
+        if self.sockets and (self.kill_supervisor or self.stall_worker):
+            problems.append("--kill-supervisor and --stall-worker restart or configure the daemons: they need started daemons, not --sockets")
         if problems:
             raise ValueError("; ".join(problems))
 
@@ -86,7 +107,23 @@ class StressOptions:
             parts.append(f"ttl-{self.ttl_s:g}")
         if self.kill_worker:
             parts.append("kill-worker")
+        if self.kill_supervisor:
+            parts.append("kill-supervisor")
+        if self.stall_worker:
+            parts.append("stall-worker")
+        if self.slow_reader:
+            parts.append("slow-reader")
         return "+".join(parts) or "default"
+
+    @property
+    def faults(self) -> tuple[FaultKind, ...]:
+        wanted = ((self.kill_worker, FaultKind.KILL_WORKER), (self.kill_supervisor, FaultKind.KILL_SUPERVISOR), (self.stall_worker, FaultKind.STALL_WORKER))
+        return tuple(kind for on, kind in wanted if on)
+
+    @property
+    def may_lose_state(self) -> bool:
+        """A session's state may vanish from a daemon without a request of its own (eviction, expiry, restart)."""
+        return self.budget_for is not None or self.ttl_s is not None or self.kill_supervisor
 
     @property
     def decode_cap(self) -> int:

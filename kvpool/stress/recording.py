@@ -7,7 +7,7 @@ import pathlib
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -70,15 +70,21 @@ class Recorder:
 
 
 class Sampler:
-    """Polls every daemon's stats from its own thread and connections every `interval_s`."""
+    """Polls every daemon's stats from its own thread and connections every `interval_s`.
 
-    def __init__(self, sockets: Sequence[pathlib.Path], interval_s: float) -> None:
+    A daemon for which `expected_loss(index)` is true (its supervisor was killed by the drill) may be
+    unreachable for a while: those samples are skipped (counted in `gaps`) and the connection reopened.
+    """
+
+    def __init__(self, sockets: Sequence[pathlib.Path], interval_s: float, expected_loss: Callable[[int], bool] | None = None) -> None:
         self._sockets = list(sockets)
         self._interval_s = interval_s
+        self._expected_loss = expected_loss or (lambda index: False)
         self._stop = threading.Event()
         self._started = time.monotonic()
         self.samples: list[Sample] = []
         self.failures: list[str] = []
+        self.gaps = 0
         self._thread = threading.Thread(target=self._run, name="kvpool-stress-sampler", daemon=True)
 
     def start(self) -> None:
@@ -94,25 +100,38 @@ class Sampler:
             latest[sample.daemon] = sample
         return latest
 
+    def _sample(self, index: int, client: Client) -> None:
+        stats = client.stats()
+        self.samples.append(
+            Sample(
+                t_s=round(time.monotonic() - self._started, 3), daemon=index,
+                reserved_bytes=stats.budget.reserved_bytes, limit_bytes=stats.budget.limit_bytes,
+                measured_uss_bytes=stats.budget.measured_uss_bytes, sessions=len(stats.sessions),
+                integrity=stats.integrity,
+            )
+        )
+
     def _run(self) -> None:
-        clients: list[Client] = []
+        clients: list[Client | None] = [None] * len(self._sockets)
         try:
-            clients = [Client(path, timeout_s=30, name="stress-sampler") for path in self._sockets]
             while True:
-                for index, client in enumerate(clients):
-                    stats = client.stats()
-                    self.samples.append(
-                        Sample(
-                            t_s=round(time.monotonic() - self._started, 3), daemon=index,
-                            reserved_bytes=stats.budget.reserved_bytes, limit_bytes=stats.budget.limit_bytes,
-                            measured_uss_bytes=stats.budget.measured_uss_bytes, sessions=len(stats.sessions),
-                            integrity=stats.integrity,
-                        )
-                    )
+                for index, path in enumerate(self._sockets):
+                    try:
+                        if clients[index] is None:
+                            clients[index] = Client(path, timeout_s=30, name="stress-sampler")
+                        self._sample(index, clients[index])
+                    except ConnectionLost:
+                        if not self._expected_loss(index):
+                            raise
+                        self.gaps += 1
+                        if clients[index] is not None:
+                            clients[index].close()
+                        clients[index] = None
                 if self._stop.wait(self._interval_s):
                     return
         except (ConnectionLost, KvpoolError, OSError) as error:
             self.failures.append(f"sampler stopped: {error}")
         finally:
             for client in clients:
-                client.close()
+                if client is not None:
+                    client.close()

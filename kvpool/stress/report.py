@@ -53,6 +53,12 @@ class SessionSummary(msgspec.Struct):
     mismatches: list[str]
     violations: list[str]
     unexercised: list[str]
+    late_cancels: int = 0  # cancels sent to every daemon after the append completed, each answered correctly
+    cancels_landed_on: dict[int, int] = msgspec.field(default_factory=dict)  # daemon -> mid-prefill cancels landed there
+    cancel_attempts_missed: int = 0  # mid-prefill cancels whose append completed first (timing; retried)
+    cancel_targets_missed: list[str] = msgspec.field(default_factory=list)  # planned cancels never exercised (warnings)
+    connection_losses: int = 0  # ConnectionLost seen because a supervisor was killed (then recovered)
+    failed_op: str = ""  # the operation during which the session broke the contract, if any
 
 
 class WorkerMemory(msgspec.Struct):
@@ -77,6 +83,7 @@ class DaemonSummary(msgspec.Struct):
     counters: dict[str, int]
     workers: list[WorkerMemory]
     replaced_pids: list[int]
+    restarted: bool = False  # restarted during the run (--kill-supervisor): counters are since the restart
 
 
 class KillRecord(msgspec.Struct):
@@ -86,6 +93,61 @@ class KillRecord(msgspec.Struct):
     epoch: int
     length: int
     reply: str = ""
+
+
+class StallRecord(msgspec.Struct):
+    """--stall-worker: the worker SIGSTOPped before one of its session's appends, and what came of it."""
+
+    session_id: str
+    daemon: int
+    pid: int
+    epoch: int
+    length: int
+    timeout_s: float  # the daemon's --request-timeout
+    reply: str = ""
+    elapsed_s: float = 0.0  # from the SIGSTOP to the reply
+    continued_by_driver: bool = False  # the daemon never answered: the driver sent SIGCONT (a hang)
+    worker_gone: bool = False  # the stopped pid was gone (or a zombie) soon after the reply
+    left_stopped: bool = False  # still alive and stopped at the end of the run (then SIGCONT + SIGKILL)
+
+
+class SupervisorKillRecord(msgspec.Struct):
+    """--kill-supervisor: one daemon's supervisor SIGKILLed, its processes and segments, and the restart."""
+
+    daemon: int
+    pid: int
+    session_id: str
+    op_index: int
+    descendants: list[int]  # pids of the supervisor's processes (workers, resource tracker) at the kill
+    segments: list[str]  # /dev/shm segments those processes had mapped
+    all_gone_s: float | None = None  # seconds until every descendant was gone (None: not within the watch)
+    orphans_at_deadline: list[int] = msgspec.field(default_factory=list)  # still alive ORPHAN_DEADLINE_S after the kill
+    segments_left: list[str] = msgspec.field(default_factory=list)  # still in /dev/shm after the deadline
+    restarted_by: str = ""
+    restart_s: float = 0.0
+    new_pid: int = 0
+    restart_error: str = ""
+
+
+class SlowReaderRecord(msgspec.Struct):
+    """--slow-reader: a connection that sent appends to one daemon and never read a reply."""
+
+    daemon: int
+    supervisor_pid: int
+    session_id: str
+    rows_per_append: int
+    reply_bytes_each: int
+    appends_planned: int
+    appends_sent: int = 0  # whole request frames the daemon's socket accepted
+    send_blocked: bool = False  # the socket stopped accepting: the daemon stopped reading
+    appends_processed: int = 0  # appends the daemon executed for the connection (the session's length / rows)
+    rss_before_bytes: int = 0
+    rss_max_bytes: int = 0
+    rss_after_bytes: int = 0
+    bound_bytes: int = 0
+    closed: bool = False
+    released: bool = False
+    detail: str = ""
 
 
 class StressReport(msgspec.Struct):
@@ -104,6 +166,10 @@ class StressReport(msgspec.Struct):
     kills: list[KillRecord]
     verdicts: list[Verdict]
     passed: bool
+    warnings: list[str] = msgspec.field(default_factory=list)  # what the run could not exercise (never a failure)
+    stalls: list[StallRecord] = msgspec.field(default_factory=list)
+    supervisor_kills: list[SupervisorKillRecord] = msgspec.field(default_factory=list)
+    slow_reader: SlowReaderRecord | None = None
 
 
 # ---- the table -----------------------------------------------------------------------------------------
@@ -134,12 +200,17 @@ def render(report: StressReport) -> str:
     for index, d in enumerate(report.daemons):
         worst = max((abs(w.delta_bytes) for w in d.workers), default=0)
         lines.append(
-            f"{index:<7} {d.layers:<9} {format_bytes(d.limit_bytes):>10} {format_bytes(d.peak_reserved_bytes):>10} {format_bytes(d.reserved_after):>10} "
+            f"{str(index) + ('*' if d.restarted else ''):<7} {d.layers:<9} {format_bytes(d.limit_bytes):>10} {format_bytes(d.peak_reserved_bytes):>10} {format_bytes(d.reserved_after):>10} "
             f"{d.counters.get('evictions', 0):>5} {d.counters.get('expirations', 0):>6} {d.counters.get('worker_restarts', 0):>7} "
             f"{d.counters.get('cancels', 0):>6}  {format_bytes(worst)} (tolerance {format_bytes(report.uss_tolerance_bytes)})"
         )
+    if any(d.restarted for d in report.daemons):
+        lines.append("* restarted during the run (--kill-supervisor): its counters are since the restart")
     lines += ["", "VERDICTS"]
     for verdict in report.verdicts:
         lines.append(f"  {'PASS' if verdict.passed else 'FAIL'}  {verdict.name:<22} {verdict.detail}")
+    if report.warnings:
+        lines += ["", "WARNINGS (not exercised in this run; not a failure)"]
+        lines += [f"  WARNING  {warning}" for warning in report.warnings]
     lines += ["", f"RESULT: {'PASS' if report.passed else 'FAIL'}"]
     return "\n".join(lines)

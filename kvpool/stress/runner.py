@@ -21,12 +21,18 @@ from kvpool.client import Client
 from kvpool.config import format_bytes
 from kvpool.launcher import start_daemons
 from kvpool.shardcache import shards_in_parts
-from kvpool.stress.checks import Chain, _daemon_summaries, _probe_charges, _serve_options, _settle, _snapshot, _stop, _verdicts
-from kvpool.stress.driver import SessionDriver, SessionSetup, build_plans
+from kvpool.stress.checks import DrillFacts, _daemon_summaries, _settle, _snapshot, _verdicts
+from kvpool.stress.daemons import Chain, open_chain, serve_options, stop_all
+from kvpool.stress.driver import SessionDriver
+from kvpool.stress.faults import resume_stalled
 from kvpool.stress.log import DaemonReference, LocalReference, ReplayOutcome, replay_alone
 from kvpool.stress.options import UNLIMITED_BUDGET, StressOptions
+from kvpool.stress.plans import SessionSetup, build_plans
+from kvpool.stress.processes import Footprint
 from kvpool.stress.recording import Recorder, Sampler
 from kvpool.stress.report import SessionSummary, StressReport
+from kvpool.stress.restarts import ChainControl
+from kvpool.stress.slow_reader import SlowReader
 from kvpool.tokenizer import Tokenizer
 
 FILLER_ROWS = 192  # rows of the long prefill that gets cancelled
@@ -71,26 +77,6 @@ def _shard_paths_of(sockets: Sequence[pathlib.Path]) -> list[pathlib.Path]:
     return paths
 
 
-def _open_chain(options: StressOptions, socket_dir: pathlib.Path, prompt: Sequence[int], say: Say, shard_paths: list[pathlib.Path]) -> Chain:
-    if options.sockets:
-        return Chain(list(options.sockets), shard_paths, [], [], None)
-    ttl = options.ttl_s if options.ttl_s is not None else 300.0
-    charges: list[int] = []
-    if options.budget_for is not None:
-        say("measuring one session's charge on each daemon (probe daemons)")
-        charges = _probe_charges(shard_paths, socket_dir, options, prompt)
-        budgets = [str(int(charge * (options.budget_for + 0.5))) for charge in charges]
-        max_sessions = options.sessions
-        say("charges " + ", ".join(format_bytes(c) for c in charges) + f": budgets for {options.budget_for} sessions " + ", ".join(format_bytes(int(b)) for b in budgets))
-    else:
-        budgets = [UNLIMITED_BUDGET] * len(shard_paths)
-        max_sessions = options.sessions + 1  # a spare warm worker: a replaced or recycling worker evicts nobody
-    serve = [_serve_options(options, max_sessions=max_sessions, budget=budget, ttl_s=ttl) for budget in budgets]
-    say(f"starting {len(shard_paths)} daemons: {' '.join(serve[0])}")
-    daemons = start_daemons(shard_paths, socket_dir, serve, prefix="shard")
-    return Chain([daemon.socket for daemon in daemons], shard_paths, daemons, charges, max_sessions)
-
-
 def _progress_loop(stop: threading.Event, recorder: Recorder, sampler: Sampler, total_ops: int, started: float, say: Say) -> None:
     while not stop.wait(PROGRESS_EVERY_S):
         latest = sampler.latest()
@@ -99,14 +85,19 @@ def _progress_loop(stop: threading.Event, recorder: Recorder, sampler: Sampler, 
         say(f"{time.monotonic() - started:6.1f} s  ops {recorder.ops_done}/{total_ops}  reserved {reserved}  replies with errors: {errors}")
 
 
-def _run_sessions(options: StressOptions, chain: Chain, setups: Sequence[SessionSetup], recorder: Recorder, sampler: Sampler, say: Say) -> list[SessionDriver]:
+def _run_sessions(options: StressOptions, chain: Chain, setups: Sequence[SessionSetup], recorder: Recorder, sampler: Sampler, say: Say, control: ChainControl | None) -> list[SessionDriver]:
     drivers: list[SessionDriver] = []
-    all_clients: list[Client] = []
     try:
         for setup in setups:
-            clients = [Client(path, name=setup.session_id) for path in chain.sockets]
-            all_clients += clients
-            drivers.append(SessionDriver(setup, clients, options, recorder))
+            clients: list[Client] = []
+            try:
+                for path in chain.sockets:
+                    clients.append(Client(path, name=setup.session_id))
+            except BaseException:
+                for client in clients:
+                    client.close()
+                raise
+            drivers.append(SessionDriver(setup, clients, options, recorder, control))
         threads = [threading.Thread(target=driver.run, name=driver.session_id, daemon=True) for driver in drivers]
         stop = threading.Event()
         progress = threading.Thread(
@@ -120,8 +111,9 @@ def _run_sessions(options: StressOptions, chain: Chain, setups: Sequence[Session
         stop.set()
         progress.join()
     finally:
-        for client in all_clients:
-            client.close()
+        for driver in drivers:  # a session replaces its client of a restarted daemon
+            for client in driver.clients:
+                client.close()
     return drivers
 
 
@@ -133,7 +125,7 @@ def _replay_all(options: StressOptions, chain: Chain, drivers: Sequence[SessionD
             return [replay_alone(driver.log, local, driver.session_id) for driver in drivers]
         finally:
             local.close()
-    serve = _serve_options(options, max_sessions=1, budget=UNLIMITED_BUDGET, ttl_s=3600)
+    serve = serve_options(options, max_sessions=1, budget=UNLIMITED_BUDGET, ttl_s=3600)
     say(f"replaying each session alone on a fresh chain of {len(chain.shard_paths)} daemons ({' '.join(serve)})")
     daemons = start_daemons(chain.shard_paths, socket_dir, serve, prefix="reference")
     try:
@@ -145,7 +137,7 @@ def _replay_all(options: StressOptions, chain: Chain, drivers: Sequence[SessionD
             for client in clients:
                 client.close()
     finally:
-        _stop(daemons)
+        stop_all(daemons)
 
 
 def _session_summary(driver: SessionDriver, replay: ReplayOutcome) -> SessionSummary:
@@ -162,6 +154,8 @@ def _session_summary(driver: SessionDriver, replay: ReplayOutcome) -> SessionSum
         final_epoch=driver.epoch, final_length=driver.length, generated=driver.tokens[len(driver.setup.prompt) :],
         checked_rows=replay.checked_rows, greedy_checked=replay.greedy_checked, final_logits_max_abs_diff=diff,
         mismatches=mismatches, violations=driver.violations, unexercised=driver.unexercised(),
+        late_cancels=driver.late_cancels, cancels_landed_on=dict(sorted(driver.cancels_landed_on.items())),
+        cancel_attempts_missed=driver.cancel_attempts_missed, cancel_targets_missed=driver.schedule.cancel_targets_missed, connection_losses=driver.connection_losses, failed_op=driver.failed_op,
     )
 
 
@@ -180,30 +174,50 @@ def run_stress(options: StressOptions, *, say: Say = _stderr_say) -> StressRepor
         with Tokenizer(shard_paths[0]) as tokenizer:
             prompts = _prompts(tokenizer, options.sessions)
             filler = tuple(tokenizer.encode(FILLER_TEXT, add_special=False)[:FILLER_ROWS])
-        chain = _open_chain(options, socket_dir, prompts[0], say, shard_paths)
+        plans = build_plans(options, len(shard_paths))
+        chain = open_chain(options, socket_dir, prompts[0], say, shard_paths, plans)
+        footprint = Footprint()
+        drills = DrillFacts()
         try:
-            plans = build_plans(options, len(chain.sockets))
             setups = [SessionSetup(i, f"{run_prefix}{i}", prompts[i], filler, plans[i]) for i in range(options.sessions)]
+            control = ChainControl(chain, say) if options.kill_supervisor else None
+            footprint.add(chain.daemons)
             before = _snapshot(chain.sockets)
             recorder = Recorder()
-            sampler = Sampler(chain.sockets, options.sample_interval_s)
+            sampler = Sampler(chain.sockets, options.sample_interval_s, expected_loss=control.restarted if control is not None else None)
+            slow = SlowReader(chain.sockets[-1], len(chain.sockets) - 1, f"{run_prefix}slow-reader", options.n_ctx, options.seed) if options.slow_reader else None
             sampler.start()
             say(f"{options.sessions} sessions x {options.ops} ops, scenario {options.scenario}, seed {options.seed}")
             try:
-                drivers = _run_sessions(options, chain, setups, recorder, sampler, say)
+                if slow is not None:
+                    slow.start()
+                    say(f"slow reader: {slow.record.appends_planned} appends to daemon {slow.record.daemon} on a connection that never reads")
+                drivers = _run_sessions(options, chain, setups, recorder, sampler, say, control)
+                if slow is not None:
+                    drills.slow_reader = slow.finish()
             finally:
+                if slow is not None:
+                    slow.close()
                 sampler.stop()
+            drills.stalls = [driver.faults.stall for driver in drivers if driver.faults.stall is not None]
+            resume_stalled(drills.stalls)
+            drills.supervisor_kills = control.kills if control is not None else []
+            drills.sampler_gaps = sampler.gaps
             say(f"sessions done in {time.monotonic() - started:.1f} s; waiting for the daemons to settle")
             after = _settle(chain.sockets, before, run_prefix, options.uss_tolerance_bytes, chain.workers_expected)
+            footprint.add(chain.daemons)
         finally:
-            codes = _stop(chain.daemons)
+            codes = stop_all(chain.daemons)
             if chain.daemons and any(codes):
                 keep_logs = True
                 say(f"daemon exit codes {codes}: logs kept in {socket_dir}")
+        if chain.daemons:
+            drills.leftover_pids, drills.leftover_segments = footprint.leftovers()
         replays = _replay_all(options, chain, drivers, socket_dir, say)
         sessions = [_session_summary(driver, replay) for driver, replay in zip(drivers, replays)]
-        daemons = _daemon_summaries(chain, before, after, sampler.samples, options.uss_tolerance_bytes, run_prefix)
-        verdicts = _verdicts(options, chain, drivers, sessions, daemons, sampler.samples, sampler.failures)
+        restarted = frozenset(kill.daemon for kill in drills.supervisor_kills)
+        daemons = _daemon_summaries(chain, before, after, sampler.samples, options.uss_tolerance_bytes, run_prefix, restarted)
+        verdicts, warnings = _verdicts(options, chain, drivers, sessions, daemons, sampler.samples, sampler.failures, drills)
         ops_by_kind = Counter()
         for driver in drivers:
             ops_by_kind.update(driver.ops)
@@ -215,8 +229,9 @@ def run_stress(options: StressOptions, *, say: Say = _stderr_say) -> StressRepor
             ops_by_kind=dict(sorted(ops_by_kind.items())), latency_ms=recorder.latency_summary(),
             errors_by_code=recorder.error_counts(), events=recorder.event_counts(),
             uss_tolerance_bytes=options.uss_tolerance_bytes, samples=sampler.samples, sessions=sessions, daemons=daemons,
-            kills=[driver.kill for driver in drivers if driver.kill is not None], verdicts=verdicts,
-            passed=all(verdict.passed for verdict in verdicts),
+            kills=[driver.faults.kill for driver in drivers if driver.faults.kill is not None], verdicts=verdicts,
+            passed=all(verdict.passed for verdict in verdicts), warnings=warnings, stalls=drills.stalls,
+            supervisor_kills=drills.supervisor_kills, slow_reader=drills.slow_reader,
         )
         keep_logs = keep_logs or not report.passed
         if options.json_path is not None:

@@ -1,0 +1,125 @@
+"""Verdicts of the operations and of the fault drills (kill worker, kill supervisor, stall worker,
+slow reader, nothing left over). A drill that ran and went wrong fails; what timing did not let the run
+exercise is a warning."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from kvpool.config import format_bytes
+from kvpool.stress.options import FORCED_KINDS, OpKind, StressOptions
+from kvpool.stress.processes import ORPHAN_DEADLINE_S
+from kvpool.stress.report import DaemonSummary, Sample, SessionSummary, SlowReaderRecord, StallRecord, SupervisorKillRecord, Verdict
+
+if TYPE_CHECKING:
+    from kvpool.stress.driver import SessionDriver
+
+
+def operations_verdict(options: StressOptions, sessions: Sequence[SessionSummary], n_stages: int) -> tuple[Verdict, list[str]]:
+    """Fails only when an operation ran and the daemons answered it wrongly; lists what was not exercised."""
+    done: Counter[str] = Counter()
+    for summary in sessions:
+        done.update(summary.ops)
+    wanted = [str(kind) for kind in FORCED_KINDS] + [str(OpKind.PREFILL), str(OpKind.DECODE)] + ([str(OpKind.IDLE)] if options.ttl_s is not None else [])
+    landed: Counter[int] = Counter()
+    for summary in sessions:
+        landed.update({int(stage): count for stage, count in summary.cancels_landed_on.items()})
+    late = sum(s.late_cancels for s in sessions)
+    missed_attempts = sum(s.cancel_attempts_missed for s in sessions)
+    closing_decodes = sum(s.greedy_checked for s in sessions)  # every session ends with greedy decodes
+    warnings = [f"operation {kind} never exercised" for kind in wanted if not done[kind] and not (kind == OpKind.DECODE and closing_decodes)]
+    if not late:
+        warnings.append("no cancel after completion was exercised (every one was cut short by lost state)")
+    for stage in range(n_stages):
+        if not landed[stage]:
+            warnings.append(f"no cancel landed mid-prefill on daemon {stage}: every attempt aimed there lost the session's state first (eviction, expiry) "
+                            f"or completed before a cancel landed ({missed_attempts} attempts in the run completed first)")
+    failed = [f"{s.session_id}: {s.failed_op}" for s in sessions if s.failed_op]
+    summary = (
+        ", ".join(f"{k} {done[k]}" for k in wanted)
+        + f"; cancels landed mid-prefill per daemon {[landed[stage] for stage in range(n_stages)]}, after completion (checked on every daemon) {late}"
+        + (f", attempts that completed first and were retried {missed_attempts}" if missed_attempts else "")
+    )
+    if failed:
+        return Verdict("operations", False, "behaved wrongly during: " + "; ".join(failed) + " (see contract)"), warnings
+    return Verdict("operations", True, summary + (f"; {len(warnings)} not exercised (warnings)" if warnings else "")), warnings
+
+
+def leftovers_verdict(pids: Sequence[int], segments: Sequence[str]) -> Verdict:
+    passed = not pids and not segments
+    return Verdict("no_leftovers", passed, f"every process of the daemons (workers, replacements, a killed supervisor's) gone within {ORPHAN_DEADLINE_S:g} s of its daemon's end; no /dev/shm segment of theirs left"
+                   if passed else f"still alive: {list(pids)} (killed now); segments left: {list(segments)} (unlinked now)")
+
+
+def kill_worker_verdict(drivers: Sequence[SessionDriver], sessions: Sequence[SessionSummary], daemons: Sequence[DaemonSummary], workers_expected: int | None, exact: bool) -> Verdict:
+    kills = [driver.faults.kill for driver in drivers if driver.faults.kill is not None]
+    if not kills:
+        return Verdict("kill_worker", False, "the planned kill never happened (the session never decoded while live)")
+    kill = kills[0]
+    victim = next(d for d in drivers if d.faults.kill is kill)
+    daemon = daemons[kill.daemon]
+    replaced = kill.pid not in {w.pid for w in daemon.workers} and (workers_expected is None or len(daemon.workers) == workers_expected)
+    others = [s for s in sessions if s.session_id != victim.session_id]
+    others_exact = all(not s.mismatches and not s.violations for s in others)
+    reported = kill.reply in ("worker_lost", "cache_miss/worker_lost")
+    passed = reported and replaced and others_exact and exact and daemon.counters.get("worker_restarts", 0) >= 1
+    return Verdict("kill_worker", passed, f"SIGKILL pid {kill.pid} (daemon {kill.daemon}, {kill.session_id} at length {kill.length}): answered {kill.reply}; "
+                   f"replayed from 0 at epoch {victim.epoch}; worker replaced: {replaced}; other sessions exact: {others_exact} "
+                   f"(their recoveries: {sum(s.recoveries for s in others)})")
+
+
+def kill_supervisor_verdict(kills: Sequence[SupervisorKillRecord], sessions: Sequence[SessionSummary], daemons: Sequence[DaemonSummary], samples: Sequence[Sample], exact: bool) -> Verdict:
+    if not kills:
+        return Verdict("kill_supervisor", False, "the planned supervisor kill never happened")
+    kill = kills[0]
+    orphans_ok = not kill.orphans_at_deadline and kill.all_gone_s is not None
+    segments_ok = not kill.segments_left
+    restarted = kill.new_pid > 0 and not kill.restart_error
+    lost = [s for s in sessions if s.connection_losses]
+    recovered = bool(lost) and all(s.recoveries >= 1 and s.final_epoch >= 2 and not s.violations for s in lost)
+    survivors = [i for i in range(len(daemons)) if i != kill.daemon]
+    books = all(daemons[i].integrity_after == "ok" for i in survivors) and all(s.integrity == "ok" for s in samples if s.daemon in survivors)
+    passed = orphans_ok and segments_ok and restarted and recovered and books and exact
+    gone = f"all {len(kill.descendants)} gone in {kill.all_gone_s:g} s" if kill.all_gone_s is not None else f"still alive after {ORPHAN_DEADLINE_S:g} s: {kill.orphans_at_deadline}"
+    return Verdict("kill_supervisor", passed,
+                   f"SIGKILL supervisor pid {kill.pid} of daemon {kill.daemon} ({kill.session_id}, op {kill.op_index}): its processes {kill.descendants} {gone} "
+                   f"(deadline {ORPHAN_DEADLINE_S:g} s); its {len(kill.segments)} /dev/shm segments " + ("all removed" if segments_ok else f"left: {kill.segments_left}")
+                   + (f"; restarted on the same socket by {kill.restarted_by} in {kill.restart_s:g} s (pid {kill.new_pid})" if restarted else f"; restart failed: {kill.restart_error or 'never restarted'}")
+                   + f"; {len(lost)} sessions got ConnectionLost and replayed from 0 at a new epoch: {recovered}; books of daemons {survivors} balanced at every sample and after: {books}; every session exact: {exact}")
+
+
+def stall_worker_verdict(stalls: Sequence[StallRecord], sessions: Sequence[SessionSummary], daemons: Sequence[DaemonSummary], workers_expected: int | None, exact: bool) -> Verdict:
+    if not stalls:
+        return Verdict("stall_worker", False, "the planned stall never happened (the session never decoded while live)")
+    stall = stalls[0]
+    daemon = daemons[stall.daemon]
+    typed = stall.reply == "worker_lost" and not stall.continued_by_driver
+    timed = stall.elapsed_s >= stall.timeout_s - 0.05  # never before the timeout (the lower bound does not depend on speed)
+    replaced = stall.pid not in {w.pid for w in daemon.workers} and (workers_expected is None or len(daemon.workers) == workers_expected)
+    passed = typed and timed and stall.worker_gone and replaced and not stall.left_stopped and exact
+    return Verdict("stall_worker", passed,
+                   f"SIGSTOP pid {stall.pid} (daemon {stall.daemon}, --request-timeout {stall.timeout_s:g} s, {stall.session_id} at length {stall.length}): the append answered "
+                   f"{stall.reply or 'nothing'} after {stall.elapsed_s:g} s" + (" (only after the driver's SIGCONT: a hang)" if stall.continued_by_driver else "")
+                   + f"; stopped worker gone: {stall.worker_gone}; replaced: {replaced}; left stopped at the end: {stall.left_stopped}; every session exact: {exact}")
+
+
+def slow_reader_verdict(record: SlowReaderRecord | None, exact: bool) -> tuple[Verdict, list[str]]:
+    if record is None:
+        return Verdict("slow_reader", False, "the slow reader never started"), []
+    growth = record.rss_max_bytes - record.rss_before_bytes
+    unread = record.appends_sent * record.reply_bytes_each
+    passed = growth <= record.bound_bytes and record.closed and record.released and not record.detail and exact
+    warnings = []
+    if record.appends_planned * record.reply_bytes_each < 2 * record.bound_bytes:
+        warnings.append(f"slow reader: all its replies together ({format_bytes(record.appends_planned * record.reply_bytes_each)}) are less than twice the RSS bound: the drill cannot tell a bound from none")
+    detail = (
+        f"{record.appends_sent} of {record.appends_planned} appends of {record.rows_per_append} rows sent to daemon {record.daemon} on one connection that never read "
+        f"(replies of {format_bytes(record.reply_bytes_each)} each; the socket {'stopped accepting' if record.send_blocked else 'accepted them all'}); "
+        f"the daemon executed {record.appends_processed} of them; supervisor RSS {format_bytes(record.rss_before_bytes)} -> max {format_bytes(record.rss_max_bytes)} "
+        f"(+{format_bytes(max(growth, 0))}, bound {format_bytes(record.bound_bytes)}; replies of the appends sent {format_bytes(unread)}, "
+        f"of all {record.appends_planned} {format_bytes(record.appends_planned * record.reply_bytes_each)}); "
+        f"closed: {record.closed}; session released: {record.released}; every other session exact: {exact}" + (f"; {record.detail}" if record.detail else "")
+    )
+    return Verdict("slow_reader", passed, detail), warnings

@@ -1,0 +1,85 @@
+"""Operations that probe one rule of the contract each: an epoch bump must miss with new_epoch, a
+stale-epoch request must be refused and change nothing, a session idle past the TTL must have expired."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from kvpool.client import KvpoolError
+from kvpool.protocol import ErrorCode, MissReason
+from kvpool.stress.errors import ContractViolation
+from kvpool.stress.options import IDLE_MARGIN_S
+
+if TYPE_CHECKING:
+    from kvpool.stress.driver import SessionDriver
+
+
+def bump_epoch(d: SessionDriver) -> None:
+    """A re-planned route: epoch + 1. Its first request at position > 0 must miss (new_epoch)."""
+    d.epoch += 1
+    if d.length > 0:
+        try:
+            d.clients[0].append(d.session_id, d.epoch, d.length, tokens=[d.tokens[0]])
+        except KvpoolError as error:
+            d.recorder.error(error)
+            if error.code != ErrorCode.CACHE_MISS or error.reason != MissReason.NEW_EPOCH:
+                raise ContractViolation(f"{d.session_id}: epoch {d.epoch} at position {d.length} answered {error}, expected cache_miss/new_epoch") from None
+        else:
+            raise ContractViolation(f"{d.session_id}: epoch {d.epoch} at position {d.length} was accepted without state")
+    d.reset()
+
+
+def stale_request(d: SessionDriver) -> None:
+    """A request at epoch - 1 to one daemon: stale_epoch, and the session there unchanged."""
+    stage = d.rng.randrange(len(d.clients))
+    client = d.clients[stage]
+    stale = d.epoch - 1
+    kind = d.rng.choice(("append", "truncate", "release", "cancel"))
+    try:
+        if kind == "append" and stage == 0:
+            client.append(d.session_id, stale, d.length, tokens=[d.tokens[0]])
+        elif kind == "append":
+            client.append(d.session_id, stale, d.length, hidden=np.zeros((1, client.shard.n_embd), np.float32))
+        elif kind == "truncate":
+            client.truncate(d.session_id, stale, 0)
+        elif kind == "release":
+            client.release(d.session_id, stale)
+        else:
+            client.cancel(d.session_id, stale)
+    except KvpoolError as error:
+        d.recorder.error(error)
+        if error.code != ErrorCode.STALE_EPOCH:
+            raise ContractViolation(f"{d.session_id}: stale {kind} (epoch {stale} < {d.epoch}) answered {error}") from None
+    else:
+        raise ContractViolation(f"{d.session_id}: stale {kind} (epoch {stale} < {d.epoch}) on daemon {stage} was accepted")
+    row = next((r for r in client.stats().sessions if r.session_id == d.session_id), None)
+    if row is None and not d.options.may_lose_state:
+        raise ContractViolation(f"{d.session_id}: gone from daemon {stage} after a stale {kind}")
+    if row is not None and (row.epoch, row.length) != (d.epoch, d.length):
+        raise ContractViolation(f"{d.session_id}: stale {kind} changed daemon {stage}: epoch/length {row.epoch}/{row.length}, expected {d.epoch}/{d.length}")
+
+
+def idle_until_expired(d: SessionDriver) -> None:
+    """Stay idle past the TTL; the next request must get cache_miss/expired, then replay."""
+    assert d.options.ttl_s is not None
+    time.sleep(d.options.ttl_s + IDLE_MARGIN_S)
+    if d.length < len(d.tokens):
+        tokens = d.tokens[d.length : d.length + 1]
+    else:
+        assert d.logits is not None
+        tokens = [int(np.argmax(d.logits))]
+    try:
+        d.clients[0].append(d.session_id, d.epoch, d.length, tokens=tokens)
+    except KvpoolError as error:
+        d.recorder.error(error)
+        d.idle_results.append(f"{error.code}/{error.reason}" if error.reason else str(error.code))
+        if error.code == ErrorCode.CACHE_MISS and error.reason == MissReason.EXPIRED:
+            d.misses["expired"] += 1
+            d.recover(new_epoch=False, reason="cache_miss/expired")
+            return
+        raise ContractViolation(f"{d.session_id}: after {d.options.ttl_s + IDLE_MARGIN_S:g} s idle the daemon answered {error}") from None
+    d.idle_results.append("not expired")
+    raise ContractViolation(f"{d.session_id}: still live on daemon 0 after {d.options.ttl_s + IDLE_MARGIN_S:g} s idle (ttl {d.options.ttl_s:g} s)")
