@@ -8,13 +8,16 @@ import pathlib
 import sys
 
 from kvpool.bundled import BundledModelMissing, bundled_model_path
-from kvpool.config import ServeConfig, available_cores, parse_bytes, work_dir
+from kvpool.config import ServeConfig, format_bytes, parse_bytes, work_dir
 from kvpool.lifeline import watch_lifeline
-from kvpool.pool import WorkerStartFailed
 from kvpool.segments import SharedMemoryTooSmall
 from kvpool.server import SocketSetupError
 from kvpool.shard_error import ShardError
 from kvpool.supervisor import Supervisor
+from kvpool.worker_handle import WorkerStartFailed
+
+
+DEFAULTS = ServeConfig.defaults()
 
 
 def add_parser(subcommands: argparse._SubParsersAction) -> None:
@@ -30,45 +33,48 @@ def add_parser(subcommands: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--model", type=pathlib.Path, help="shard GGUF to serve (default: the whole bundled model)")
     parser.add_argument("--socket", type=pathlib.Path, help="Unix socket path (default: <work dir>/run/<model>.sock); its directory must be yours and private")
-    parser.add_argument("--budget", default="1GiB", help="bytes all sessions' contexts may reserve, e.g. 1GiB, 512MiB (default 1GiB)")
-    parser.add_argument("--max-sessions", type=int, default=4, help="live sessions at most = warm worker processes (default 4)")
-    parser.add_argument("--ttl", type=float, default=300.0, help="seconds an idle session lives (default 300)")
-    parser.add_argument("--threads", type=int, default=available_cores(), help=f"llama threads computing at once across all workers (default: cores available, {available_cores()})")
-    parser.add_argument("--threads-per-worker", type=int, default=1, help="llama threads per worker (default 1)")
-    parser.add_argument("--n-ctx", type=int, default=2048, help="largest (and default) context per session (default 2048)")
-    parser.add_argument("--max-request-bytes", default="64MiB", help="largest request frame accepted (default 64MiB)")
-    parser.add_argument("--request-timeout", type=float, default=600.0, help="seconds a worker may take to answer one call (an append of --n-ctx rows included); a worker that does not is killed and replaced, and its request answered worker_lost (default 600)")
-    parser.add_argument("--housekeeping-interval", type=float, default=0.5, help="seconds between housekeeping passes: TTL expiry, replacing dead idle workers, memory checks (default 0.5)")
+    parser.add_argument("--budget", help=f"bytes all sessions' contexts may reserve, e.g. 1GiB, 512MiB (default {format_bytes(DEFAULTS['budget_bytes'])})")
+    parser.add_argument("--max-sessions", type=int, help=f"live sessions at most = warm worker processes (default {DEFAULTS['max_sessions']})")
+    parser.add_argument("--ttl", type=float, help=f"seconds an idle session lives (default {DEFAULTS['ttl_s']:g})")
+    parser.add_argument("--threads", type=int, help=f"llama threads computing at once across all workers (default: cores available, {DEFAULTS['threads']})")
+    parser.add_argument("--threads-per-worker", type=int, help=f"llama threads per worker (default {DEFAULTS['threads_per_worker']})")
+    parser.add_argument("--n-ctx", type=int, help=f"largest (and default) context per session (default {DEFAULTS['n_ctx']})")
+    parser.add_argument("--max-request-bytes", help=f"largest request frame accepted (default {format_bytes(DEFAULTS['max_request_bytes'])})")
+    parser.add_argument("--request-timeout", type=float, help=f"seconds a worker may take to answer one call (an append of --n-ctx rows included); a worker that does not is killed and replaced, and its request answered worker_lost (default {DEFAULTS['request_timeout_s']:g})")
+    parser.add_argument("--housekeeping-interval", type=float, help=f"seconds between housekeeping passes: TTL expiry, replacing dead idle workers, memory checks (default {DEFAULTS['housekeeping_interval_s']:g})")
     parser.add_argument("--lifeline-fd", type=int, help="an inherited pipe's read end: the daemon shuts down when it reaches end-of-file, i.e. when the program that started it is gone (kvpool's launcher passes it)")
-    parser.add_argument("--memory-margin", default="64MiB", help="recycle an idle worker whose measured memory exceeds its charge by this (default 64MiB)")
+    parser.add_argument("--memory-margin", help=f"recycle an idle worker whose measured memory exceeds its charge by this (default {format_bytes(DEFAULTS['memory_margin_bytes'])})")
     parser.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on 127.0.0.1:PORT")
-    parser.add_argument("--flash-attn", action="store_true", help="use flash attention (all shards of a route must agree)")
-    parser.add_argument("--n-gpu-layers", type=int, default=0, help="layers to offload to a GPU build of llama.cpp (default 0)")
-    parser.add_argument("--verbose", action="store_true", help="show llama.cpp's log")
+    parser.add_argument("--flash-attn", action="store_true", default=None, help="use flash attention (all shards of a route must agree)")
+    parser.add_argument("--n-gpu-layers", type=int, help=f"layers to offload to a GPU build of llama.cpp (default {DEFAULTS['n_gpu_layers']})")
+    parser.add_argument("--verbose", action="store_true", default=None, help="show llama.cpp's log")
     parser.set_defaults(func=run)
+
+
+# command-line option -> (ServeConfig field, conversion); an option not given keeps the field's default
+OPTIONS = {
+    "budget": ("budget_bytes", parse_bytes),
+    "max_sessions": ("max_sessions", int),
+    "ttl": ("ttl_s", float),
+    "threads": ("threads", int),
+    "threads_per_worker": ("threads_per_worker", int),
+    "n_ctx": ("n_ctx", int),
+    "max_request_bytes": ("max_request_bytes", parse_bytes),
+    "request_timeout": ("request_timeout_s", float),
+    "housekeeping_interval": ("housekeeping_interval_s", float),
+    "memory_margin": ("memory_margin_bytes", parse_bytes),
+    "metrics_port": ("metrics_port", int),
+    "flash_attn": ("flash_attn", bool),
+    "n_gpu_layers": ("n_gpu_layers", int),
+    "verbose": ("verbose", bool),
+}
 
 
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
     model = args.model or bundled_model_path()
     socket_path = args.socket or work_dir() / "run" / f"{model.stem}.sock"
-    return ServeConfig(
-        model=model.resolve(),
-        socket=socket_path.absolute(),
-        budget_bytes=parse_bytes(args.budget),
-        max_sessions=args.max_sessions,
-        ttl_s=args.ttl,
-        threads=args.threads,
-        threads_per_worker=args.threads_per_worker,
-        n_ctx=args.n_ctx,
-        flash_attn=args.flash_attn,
-        max_request_bytes=parse_bytes(args.max_request_bytes),
-        request_timeout_s=args.request_timeout,
-        housekeeping_interval_s=args.housekeeping_interval,
-        memory_margin_bytes=parse_bytes(args.memory_margin),
-        metrics_port=args.metrics_port,
-        n_gpu_layers=args.n_gpu_layers,
-        verbose=args.verbose,
-    )
+    given = {field: convert(getattr(args, option)) for option, (field, convert) in OPTIONS.items() if getattr(args, option) is not None}
+    return ServeConfig(model=model.resolve(), socket=socket_path.absolute(), **given)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -6,6 +6,8 @@ import dataclasses
 import os
 import pathlib
 
+from kvpool.protocol import DEFAULT_MAX_REQUEST_BYTES
+
 WORK_DIR_ENV = "KVPOOL_WORK_DIR"
 DEFAULT_WORK_DIR = ".kvpool"
 
@@ -64,7 +66,7 @@ class ServeConfig:
     threads_per_worker: int = 1
     n_ctx: int = 2048  # the largest context a session may ask for, and the default
     flash_attn: bool = False
-    max_request_bytes: int = 64 * 1024 * 1024
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     ready_timeout_s: float = 60.0
     request_timeout_s: float = 600.0  # a worker call not answered by then: worker killed, request worker_lost
     memory_margin_bytes: int = 64 * 1024**2  # measured USS above charge + this -> recycle when idle
@@ -97,6 +99,17 @@ class ServeConfig:
             problems.append(f"socket path too long for a Unix socket (max 107 bytes): {self.socket}")
         if problems:
             raise ValueError("; ".join(problems))
+
+    @classmethod
+    def defaults(cls) -> dict[str, object]:
+        """Every field's default, by field name (the command line reads its defaults from here)."""
+        values: dict[str, object] = {}
+        for field in dataclasses.fields(cls):
+            if field.default is not dataclasses.MISSING:
+                values[field.name] = field.default
+            elif field.default_factory is not dataclasses.MISSING:
+                values[field.name] = field.default_factory()
+        return values
 
     @property
     def concurrent_workers(self) -> int:

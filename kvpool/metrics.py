@@ -46,6 +46,11 @@ class Metrics:
             "kvpool_shared_memory_bytes", "the workers' shared-memory segments (outside the session budget)", registry=self.registry
         )
 
+    def show_books(self, books) -> None:
+        """Gauges from the books (kvpool.books.Books), after each change."""
+        self.sessions.set(len(books.table))
+        self.reserved_bytes.set(books.budget.reserved)
+
     def count(self, name: str, amount: int = 1) -> None:
         self._values[name] += amount
         self._counters[name].inc(amount)

@@ -15,7 +15,9 @@ import traceback
 from collections.abc import Callable
 
 from kvpool.config import ServeConfig, format_bytes
-from kvpool.pool import PoolSpec, WorkerPool
+from kvpool.errors import RequestFailed
+from kvpool.gguf_header import ShardInfo, read_shard_info
+from kvpool.pool import WorkerPool
 from kvpool.protocol import (
     PROTOCOL_VERSION,
     Append,
@@ -35,8 +37,8 @@ from kvpool.protocol import (
 )
 from kvpool.segments import SegmentLayout, check_room_for
 from kvpool.server import FrameServer, prepare_socket_path
-from kvpool.service import KvService, RequestFailed
-from kvpool.gguf_header import ShardInfo, read_shard_info
+from kvpool.service import KvService
+from kvpool.worker_handle import PoolSpec
 
 MEMORY_CHECK_EVERY = 4  # housekeeping ticks between measured-memory checks
 
@@ -99,12 +101,12 @@ class Supervisor:
                 source_sha256=info.source_sha256 or "",
             )
             self.service = service = KvService(config, pool, shard, ready.kv_bytes_per_position)
-            charge = await service.charge_for(config.n_ctx)
+            charge = await service.calibrator.charge_for(config.n_ctx)
             if self._stop.is_set():
                 return
             self._announce(
                 f"a session of n_ctx {config.n_ctx} is charged {format_bytes(charge)} "
-                f"(theoretical KV {format_bytes(service.theoretical_kv_bytes(config.n_ctx))})"
+                f"(theoretical KV {format_bytes(service.calibrator.theoretical_kv_bytes(config.n_ctx))})"
             )
             hello = HelloReply(
                 version=PROTOCOL_VERSION, shard=shard, max_n_ctx=config.n_ctx, default_n_ctx=config.n_ctx,
@@ -145,10 +147,10 @@ class Supervisor:
             await asyncio.sleep(self.config.housekeeping_interval_s)
             tick += 1
             try:
-                await service.expire_idle()
-                await service.replace_dead_free_workers()
+                await service.housekeeper.expire_idle()
+                await service.housekeeper.replace_dead_free_workers()
                 if tick % MEMORY_CHECK_EVERY == 0:
-                    await service.recycle_drifted()
+                    await service.housekeeper.recycle_drifted()
             except Exception:  # noqa: BLE001 - housekeeping must outlive any one failure
                 log.error("housekeeping failed:\n%s", traceback.format_exc())
 

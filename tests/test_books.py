@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
+from kvpool.books import Books
 from kvpool.budget import ByteBudget, OverBudget
 from kvpool.integrity import IntegrityError
 from kvpool.protocol import MissReason
@@ -313,3 +314,115 @@ def test_integrity_checks_hold_under_python_optimize() -> None:
     completed = subprocess.run([sys.executable, "-O", "-c", program], capture_output=True, text=True, timeout=120)
     assert completed.returncode == 0, completed.stderr
     assert completed.stdout.startswith("raised: charged")
+
+
+# ---- Books: sessions, budget and worker binding as one set ----------------------------------------
+
+
+class BooksMachine(RuleBasedStateMachine):
+    """Admissions (with LRU eviction), releases, in-flight requests, calibrations, dead and replaced
+    workers, in any order, against a plain model: the books must balance after every step and every
+    live session must own its worker alone."""
+
+    LIMIT = 1000
+    ids = st.sampled_from("abcdef")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names = iter(f"w{index}" for index in range(10_000))
+        self.books = Books(self.LIMIT, [next(self.names) for _ in range(3)])
+        self.dead: set[str] = set()
+        self.clock = 0.0
+        self.in_transit: set[str] = set()  # taken by the machine itself (calibrations, freed contexts)
+
+    def usable(self, worker: str) -> bool:
+        return worker not in self.dead
+
+    @rule(session_id=ids, charge=st.integers(min_value=1, max_value=700))
+    def admit(self, session_id: str, charge: int) -> None:
+        if self.books.table.get(session_id) is not None:
+            return
+        idle_before = {s.session_id: s for s in self.books.table.least_recently_used_idle()}
+        plan = self.books.plan_admission(charge, self.usable)
+        if plan is None:
+            room = self.books.budget.available + sum(s.charged_bytes for s in idle_before.values())
+            has_worker = bool(idle_before) or any(map(self.usable, self.books.free_workers()))
+            assert room < charge or not has_worker, "a feasible admission was refused"
+            return
+        assert [v.session_id for v in plan.victims] == list(idle_before)[: len(plan.victims)], "victims not LRU first"
+        assert plan.worker is None or self.usable(plan.worker)
+        self.clock += 1
+        session, released = self.books.admit(plan, session_id=session_id, epoch=1, n_ctx=64, charge=charge, now=self.clock)
+        assert self.books.session_of(session.worker_name) is session and session.worker_name not in self.dead
+        assert all(self.books.table.miss_reason(v.session_id, 1) is MissReason.EVICTED for v in plan.victims)
+        self.in_transit.update(released)
+
+    @rule(session_id=ids)
+    def release(self, session_id: str) -> None:
+        session = self.books.table.get(session_id)
+        if session is not None and session.idle:
+            self.in_transit.add(self.books.forget(session, MissReason.RELEASED))
+
+    @rule(session_id=ids, busy=st.booleans())
+    def request_in_flight(self, session_id: str, busy: bool) -> None:
+        session = self.books.table.get(session_id)
+        if session is not None:
+            session.in_flight = 1 if busy else 0
+            self.clock += 1
+            session.last_used = self.clock
+
+    @rule()
+    def finish_a_transit(self) -> None:
+        if self.in_transit:
+            worker = sorted(self.in_transit)[0]
+            self.in_transit.discard(worker)
+            if worker in self.dead:
+                self.books.remove_worker(worker)
+                self.books.add_worker(next(self.names))
+            else:
+                self.books.give_back(worker)
+
+    @rule()
+    def calibrate(self) -> None:
+        worker = self.books.take(self.usable)
+        if worker is not None:
+            assert self.books.state_of(worker) == "in transit"
+            self.in_transit.add(worker)
+
+    @rule(data=st.data())
+    def a_free_worker_dies(self, data) -> None:
+        free = self.books.free_workers()
+        if free:
+            self.dead.add(data.draw(st.sampled_from(free)))
+
+    @rule()
+    def replace_dead_free(self) -> None:
+        self.in_transit.update(self.books.take_unusable(self.usable))
+
+    @invariant()
+    def books_balance(self) -> None:
+        self.books.check_integrity()
+        live = self.books.table.sessions()
+        assert self.books.budget.reserved == sum(s.charged_bytes for s in live) <= self.LIMIT
+        assert len({s.worker_name for s in live}) == len(live)
+        assert all(self.books.state_of(w) == "in transit" for w in self.in_transit)
+
+
+BooksMachine.TestCase.settings = settings(max_examples=80, stateful_step_count=40, deadline=None)
+TestBooksMachine = BooksMachine.TestCase
+
+
+def test_books_integrity_catches_a_worker_in_two_states_and_a_leaked_charge() -> None:
+    books = Books(1000, ["w1", "w2"])
+    plan = books.plan_admission(100, lambda _w: True)
+    assert plan is not None and plan.victims == ()
+    session, released = books.admit(plan, session_id="s", epoch=1, n_ctx=64, charge=100, now=0.0)
+    assert released == [] and books.state_of(session.worker_name) == "bound"
+    books.check_integrity()
+    books._free.append(session.worker_name)  # the same worker free and bound
+    with pytest.raises(IntegrityError, match="two states"):
+        books.check_integrity()
+    books._free.remove(session.worker_name)
+    books.budget.reserve("leak", 5)
+    with pytest.raises(IntegrityError):
+        books.check_integrity()

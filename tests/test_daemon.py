@@ -23,7 +23,7 @@ from kvpool.client import Client, KvpoolError
 from kvpool.daemon_route import DaemonRoute
 from kvpool.generate import greedy_tokens
 from kvpool.protocol import FRAME_HEADER, PROTOCOL_VERSION, Append, AppendReply, Done, Hello, Release, Stats, decode_reply, encode
-from kvpool.service import MAX_ADMIT_WAIT_S
+from kvpool.admission import MAX_ADMIT_WAIT_S
 from tests.conftest import EVEN_SPLIT
 from tests.daemons import STOP_HANG_GUARD_S, DaemonProcess, private_socket_dir
 

@@ -22,11 +22,11 @@ class OpenContext(Command):
 
 
 class RunAppend(Command):
-    """Input rows are in the input region: int32 token ids, or float32 [n_rows, n_embd] hidden states."""
+    """Input rows are in the input region: int32 token ids on a first shard, float32 [n_rows, n_embd]
+    hidden states on any other (the worker knows which shard it runs)."""
 
     start_pos: int
     n_rows: int
-    tokens: bool
     output_rows: str = "last"
 
 

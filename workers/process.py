@@ -172,7 +172,7 @@ class WorkerServer:
         layout = self.model.layout
         n_rows = command.n_rows
         try:
-            if command.tokens:
+            if layout.is_first:
                 if n_rows * 4 > self.spec.input_bytes:
                     return Failed(code="bad_request", message="too many rows", length=context.length)
                 rows = np.frombuffer(self._buffer, np.int32, n_rows, CONTROL_BYTES)

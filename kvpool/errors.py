@@ -1,0 +1,13 @@
+"""RequestFailed: raised anywhere inside a request's handling, it becomes that request's typed ErrorReply."""
+
+from __future__ import annotations
+
+from kvpool.protocol import ErrorCode, MissReason
+
+
+class RequestFailed(Exception):
+    def __init__(self, code: ErrorCode, message: str, *, length: int = 0, reason: MissReason | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.length = length
+        self.reason = reason

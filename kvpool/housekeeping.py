@@ -1,0 +1,54 @@
+"""Housekeeping, run periodically by the supervisor: idle sessions past the TTL expire, free workers that
+died are replaced, and workers whose measured memory drifted above their charge are recycled when idle."""
+
+from __future__ import annotations
+
+import time
+
+from kvpool.books import Books
+from kvpool.config import ServeConfig
+from kvpool.metrics import Metrics
+from kvpool.pool import WorkerPool
+from kvpool.protocol import MissReason
+from kvpool.worker_lifecycle import WorkerLifecycle
+
+
+class Housekeeper:
+    def __init__(self, config: ServeConfig, books: Books, pool: WorkerPool, lifecycle: WorkerLifecycle, metrics: Metrics) -> None:
+        self.config = config
+        self.books = books
+        self.pool = pool
+        self.lifecycle = lifecycle
+        self.metrics = metrics
+
+    async def expire_idle(self) -> None:
+        for session in self.books.table.expired(time.monotonic(), self.config.ttl_s):
+            if session.idle and not session.lock.locked() and self.books.table.get(session.session_id) is session:
+                self.metrics.count("expirations")
+                await self.lifecycle.drop(session, MissReason.EXPIRED)
+
+    async def replace_dead_free_workers(self) -> None:
+        await self.lifecycle.replace_dead_free()
+
+    async def recycle_drifted(self) -> None:
+        """Recycle workers whose measured memory exceeds their charge by more than the margin, when idle."""
+        margin = self.config.memory_margin_bytes
+        for worker in self.pool.workers():
+            session = self.books.session_of(worker.name)
+            if session is not None and not session.idle:
+                continue
+            uss = await self.lifecycle.in_thread(worker.measure_uss)
+            if session is None and uss:
+                worker.baseline_uss = min(worker.baseline_uss, uss)  # the baseline is taken while import pages settle
+            drift = uss - worker.baseline_uss
+            allowed = (session.charged_bytes if session is not None else 0) + margin
+            if drift <= allowed:
+                continue
+            if session is not None:
+                if not session.idle or self.books.session_of(worker.name) is not session:
+                    continue
+                self.books.forget(session, MissReason.EVICTED)
+                self.metrics.count("evictions")
+            elif self.books.take(lambda _name: True, worker.name) is None:
+                continue  # no longer free: taken since the reading
+            await self.lifecycle.replace(worker.name)
