@@ -59,7 +59,7 @@ class WorkerPool:
     def usable(self, name: str) -> bool:
         """The worker can be lent: its process is alive and was never lost."""
         handle = self._workers.get(name)
-        return handle is not None and not handle.lost and handle.process.is_alive()
+        return handle is not None and not handle.lost and not handle.exited
 
     @property
     def segment_bytes(self) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import multiprocessing
+import multiprocessing.connection
 import os
 from dataclasses import dataclass
 from multiprocessing import shared_memory
@@ -118,6 +119,12 @@ class WorkerHandle:
     @property
     def pid(self) -> int:
         return self.process.pid or 0
+
+    @property
+    def exited(self) -> bool:
+        """The process has ended. Read from its sentinel (a pipe the kernel closes when it exits), not from
+        waitpid: multiprocessing's is_alive() answers True when the exit status was collected elsewhere."""
+        return bool(multiprocessing.connection.wait([self.process.sentinel], timeout=0))
 
     def wait_ready(self, timeout_s: float) -> Ready:
         if not self._connection.poll(timeout_s):
