@@ -7,7 +7,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from workers.runtime import OutputRows, ShardContext, ShardModel
+from workers.context import OutputRows, ShardContext
+from workers.runtime import ShardModel
 
 
 class LocalChain:

@@ -5,7 +5,7 @@ round by round in one process (the machine is shared and noisy: compare the rati
 
   baseline  llama.cpp context on the shard, no eval callback, output of the last row only
   all-rows  the same, every row marked as output (what a non-final shard must compute; explains the prefill gap)
-  kvpool    workers.runtime.ShardContext: C eval callback captures l_out-(n-1) of every row and stops the graph
+  kvpool    workers.context.ShardContext: C eval callback captures l_out-(n-1) of every row and stops the graph
 
 Usage: python scripts/bench_shard.py [--rounds 7] [--decode-steps 64] [--prefill 256] [--json PATH]
 """

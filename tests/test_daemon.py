@@ -19,7 +19,7 @@ import psutil
 import pytest
 
 from kvpool.chain import LocalChain
-from kvpool.client import Client, KvpoolError
+from kvpool.client import KvpoolError
 from kvpool.daemon_route import DaemonRoute
 from kvpool.generate import greedy_tokens
 from kvpool.protocol import FRAME_HEADER, PROTOCOL_VERSION, Append, AppendReply, Done, Hello, Release, Stats, decode_reply, encode

@@ -37,7 +37,8 @@ from workers.commands import (
     TruncateContext,
 )
 from workers.errors import ShardRuntimeError
-from workers.runtime import ShardContext, ShardModel
+from workers.context import ShardContext
+from workers.runtime import ShardModel
 
 
 @dataclass(frozen=True, slots=True)
