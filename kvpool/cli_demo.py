@@ -13,9 +13,8 @@ import time
 from kvpool.bundled import BundledModelMissing, bundled_model_path
 from kvpool.cli_status import render
 from kvpool.client import KvpoolError
-from kvpool.daemon_route import DaemonRoute
-from kvpool.generate import greedy_tokens
 from kvpool.launcher import DaemonStartFailed, start_daemons
+from kvpool.router import RecoveryFailed, Router
 from kvpool.shard_error import ShardError
 from kvpool.shardcache import shards_in_parts
 from kvpool.tokenizer import Tokenizer
@@ -71,8 +70,8 @@ def run(args: argparse.Namespace) -> int:
         _say(f"daemons ready in {time.perf_counter() - started:.1f} s")
         clients = [daemon.client() for daemon in daemons]
         try:
-            return _generate(args, shards[0].path, DaemonRoute(clients), clients)
-        except KvpoolError as error:
+            return _generate(args, shards[0].path, Router(clients))
+        except (KvpoolError, RecoveryFailed) as error:
             print(f"kvpool demo: error from a daemon: {error}", file=sys.stderr)
             return 1
         finally:
@@ -89,17 +88,13 @@ def run(args: argparse.Namespace) -> int:
             pass
 
 
-def _generate(args: argparse.Namespace, tokenizer_path: pathlib.Path, route: DaemonRoute, clients) -> int:
-    session_id, epoch = f"demo-{os.getpid()}", 1
+def _generate(args: argparse.Namespace, tokenizer_path: pathlib.Path, router: Router) -> int:
+    session = router.session(f"demo-{os.getpid()}")
     with Tokenizer(tokenizer_path) as tokenizer:
         prompt = tokenizer.encode(args.prompt if args.raw else tokenizer.chat_prompt(args.prompt))
-        _say(f"session ({session_id!r}, epoch {epoch}): {len(prompt)} prompt tokens through {len(clients)} daemons")
+        _say(f"session ({session.session_id!r}, epoch {session.epoch}): {len(prompt)} prompt tokens through {len(router.clients)} daemons")
         started = time.perf_counter()
-
-        def append(start: int, tokens) -> object:
-            return route.append(session_id, epoch, start, tokens)
-
-        tokens = greedy_tokens(append, prompt, args.max_tokens, is_end=tokenizer.is_end_of_generation)
+        tokens = session.greedy(prompt, args.max_tokens, is_end=tokenizer.is_end_of_generation)
         generated = tokenizer.stream(tokens, sys.stdout)
         elapsed = time.perf_counter() - started
         if args.ids:
@@ -107,8 +102,8 @@ def _generate(args: argparse.Namespace, tokenizer_path: pathlib.Path, route: Dae
                 print(token)
     _say(f"{len(generated)} tokens in {elapsed:.2f} s ({len(generated) / elapsed:.1f} tok/s, prefill included)")
     if not args.quiet:
-        for index, client in enumerate(clients):
+        for index, client in enumerate(router.clients):
             print(f"\n--- daemon {index}: kvpool status ---", file=sys.stderr)
             print(render(client.stats()), file=sys.stderr)
-    route.release(session_id, epoch)
+    session.release()
     return 0

@@ -1,14 +1,26 @@
-"""A route: the shards that together make the whole model, checked to be contiguous and of one source."""
+"""A route: the shards that together make the whole model, checked once, and one walk of a request
+through the daemons that serve them (no recovery: kvpool.router decides what a failure means)."""
 
 from __future__ import annotations
 
+import pathlib
 from collections.abc import Sequence
 
+import numpy as np
+
+from kvpool.client import Client, ConnectionLost, KvpoolError
 from kvpool.gguf_header import ShardInfo
+from kvpool.protocol import ShardDescription
 from kvpool.shard_error import ShardError
 
+Shard = ShardInfo | ShardDescription  # a shard file read here, or the shard a daemon says it serves
 
-def check_route(shards: Sequence[ShardInfo]) -> None:
+
+def _name(shard: Shard) -> str:
+    return shard.path.name if isinstance(shard, ShardInfo) else pathlib.PurePath(shard.model_path).name
+
+
+def check_route(shards: Sequence[Shard]) -> None:
     """Raise ShardError unless the shards cover [0, total) exactly, in order, from one source model."""
     if not shards:
         raise ShardError("a route needs at least one shard")
@@ -16,12 +28,78 @@ def check_route(shards: Sequence[ShardInfo]) -> None:
     expected_start = 0
     for shard in shards:
         if shard.total_layers != total or shard.source_sha256 != shards[0].source_sha256:
-            raise ShardError(f"{shard.path.name} comes from a different model than {shards[0].path.name}")
+            raise ShardError(f"{_name(shard)} comes from a different model than {_name(shards[0])}")
         if shard.layer_start != expected_start:
             raise ShardError(
                 f"route has a gap or overlap: expected a shard starting at layer {expected_start}, "
-                f"got {shard.path.name} [{shard.layer_start}, {shard.layer_stop})"
+                f"got {_name(shard)} [{shard.layer_start}, {shard.layer_stop})"
             )
         expected_start = shard.layer_stop
     if expected_start != total:
         raise ShardError(f"route ends at layer {expected_start}, the model has {total}")
+
+
+class StageFailed(KvpoolError):
+    """A daemon of the route answered an error; `stage` is its place in the route (0: the first shard)."""
+
+    def __init__(self, stage: int, error: KvpoolError) -> None:
+        super().__init__(error.reply)
+        self.stage = stage
+
+
+class Route:
+    """Clients of the daemons serving the shards of one model, first to last, checked by check_route
+    (not owned: the caller closes them). Each call walks the route once and raises StageFailed (a
+    KvpoolError) or ConnectionLost at the first daemon that fails, leaving the daemons before it as they
+    are: what to do then is kvpool.router's policy."""
+
+    def __init__(self, clients: Sequence[Client]) -> None:
+        self.clients = list(clients)
+        check_route([client.shard for client in self.clients])
+
+    def __len__(self) -> int:
+        return len(self.clients)
+
+    def append_at(
+        self, stage: int, session_id: str, epoch: int, start_pos: int, rows: Sequence[int] | np.ndarray, *,
+        output_rows: str = "last", n_ctx: int = 0, admit_timeout_s: float = 0.0,
+    ) -> np.ndarray:
+        """One daemon's part of an append: token ids into the first, the previous daemon's rows elsewhere."""
+        client = self.clients[stage]
+        inputs = {"tokens": list(rows)} if stage == 0 else {"hidden": rows}
+        try:
+            return client.append(
+                session_id, epoch, start_pos, **inputs, output_rows=output_rows, n_ctx=n_ctx, admit_timeout_s=admit_timeout_s
+            ).rows
+        except KvpoolError as error:
+            raise StageFailed(stage, error) from None
+
+    def append(
+        self, session_id: str, epoch: int, start_pos: int, tokens: Sequence[int], *, output_rows: str = "last", n_ctx: int = 0
+    ) -> np.ndarray:
+        """The whole walk: token ids in, the last daemon's rows (logits) out."""
+        rows: Sequence[int] | np.ndarray = tokens
+        for stage in range(len(self)):
+            rows = self.append_at(stage, session_id, epoch, start_pos, rows, output_rows=output_rows, n_ctx=n_ctx)
+        assert isinstance(rows, np.ndarray)
+        return rows
+
+    def truncate(self, session_id: str, epoch: int, length: int, *, stages: Sequence[int] | None = None) -> None:
+        for stage in range(len(self)) if stages is None else stages:
+            try:
+                self.clients[stage].truncate(session_id, epoch, length)
+            except KvpoolError as error:
+                raise StageFailed(stage, error) from None
+
+    def release(self, session_id: str, epoch: int) -> None:
+        """Release on every daemon, also past one that fails; then raise the first failure, if any."""
+        first_failure: Exception | None = None
+        for stage, client in enumerate(self.clients):
+            try:
+                client.release(session_id, epoch)
+            except KvpoolError as error:
+                first_failure = first_failure or StageFailed(stage, error)
+            except ConnectionLost as error:
+                first_failure = first_failure or error
+        if first_failure is not None:
+            raise first_failure

@@ -1,12 +1,16 @@
-"""Daemons for tests: kvpool.launcher.Daemon plus the checks a test wants when one stops, and a way to run
-a kvpool command that starts daemons of its own."""
+"""Daemons for tests: kvpool.launcher.Daemon plus the checks a test wants when one stops, waits for events
+with hang guards only (a stopped worker keeps a request in flight on any machine), and a way to run a
+kvpool command that starts daemons of its own."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 import signal
 import subprocess
+import threading
+import time
 
 import psutil
 import pytest
@@ -18,6 +22,7 @@ from kvpool.launcher import Daemon
 # and stops in under one on 2 quiet cores): a slow start or stop must never fail a test by itself.
 START_HANG_GUARD_S = 900.0
 STOP_HANG_GUARD_S = 300.0
+HANG_GUARD_S = 600.0  # any other wait for an event that takes well under a second on 2 quiet cores
 
 
 class DaemonProcess(Daemon):
@@ -39,6 +44,69 @@ class DaemonProcess(Daemon):
         assert not alive, f"orphan worker processes: {[p.pid for p in alive]}"
         assert not self.socket.exists(), "socket file left behind"
         return code
+
+
+# ---- waiting for events, never for time -----------------------------------------------------------
+
+
+def wait_until(predicate, what: str, timeout_s: float = HANG_GUARD_S):
+    """Poll `predicate` until it returns something true, and return that; the timeout is a hang guard."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"hang guard: waited {timeout_s:.0f} s for {what}")
+        time.sleep(0.01)
+
+
+@contextlib.contextmanager
+def stopped(pid: int):
+    """The process `pid` (a worker) is stopped inside the block: a command sent to it stays in flight for
+    as long as the test wants, on any machine, and completes once the block ends."""
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+
+
+def exited(pid: int) -> bool:
+    """The process is gone, or a zombie (it runs no more; its parent has not reaped it yet)."""
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def in_thread(call) -> tuple[threading.Thread, dict]:
+    """Run `call` in a started thread; the dict gets "result" or "error"."""
+    outcome: dict[str, object] = {}
+
+    def run() -> None:
+        try:
+            outcome["result"] = call()
+        except BaseException as error:  # noqa: BLE001
+            outcome["error"] = error
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, outcome
+
+
+def joined(thread: threading.Thread, outcome: dict) -> dict:
+    thread.join(HANG_GUARD_S)
+    assert not thread.is_alive(), f"hang guard: the request was still running after {HANG_GUARD_S:.0f} s"
+    return outcome
+
+
+def result(thread: threading.Thread, outcome: dict):
+    """What the call in the thread returned (its exception is raised here)."""
+    if "error" in joined(thread, outcome):
+        raise outcome["error"]
+    return outcome["result"]
 
 
 def private_socket_dir(tmp_path: pathlib.Path) -> pathlib.Path:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import os
 import signal
@@ -20,12 +19,14 @@ import pytest
 
 from kvpool.chain import LocalChain
 from kvpool.client import KvpoolError
-from kvpool.daemon_route import DaemonRoute
+from kvpool.route import Route
+from kvpool.router import Router
 from kvpool.generate import greedy_tokens
 from kvpool.protocol import FRAME_HEADER, PROTOCOL_VERSION, Append, AppendReply, Done, Hello, Release, Stats, decode_reply, encode
 from kvpool.admission import MAX_ADMIT_WAIT_S
 from tests.conftest import EVEN_SPLIT
 from tests.daemons import STOP_HANG_GUARD_S, DaemonProcess, private_socket_dir
+from tests.daemons import in_thread as _in_thread, joined as _joined, result as _result, stopped as _stopped, wait_until as _wait_until
 
 N_CTX = 512
 GREEDY = 16
@@ -76,8 +77,9 @@ def local_chain(shards):
 
 @pytest.fixture
 def route(chain_daemons):
+    """One walk per call, no recovery: the contract's errors reach the test."""
     clients = [daemon.client() for daemon in chain_daemons]
-    yield DaemonRoute(clients)
+    yield Route(clients)
     for client in clients:
         client.close()
 
@@ -94,11 +96,13 @@ def _alone(local_chain, prompt, count=GREEDY, chunk=0):
     return tokens, np.stack(rows[: len(tokens)])
 
 
-def _through(route, session_id, epoch, prompt, count=GREEDY, chunk=0):
+def _through(clients, session_id, epoch, prompt, count=GREEDY, chunk=0):
+    """The same run through the daemons, as kvpool.router walks it."""
+    session = Router(clients).session(session_id, epoch=epoch)
     rows = []
 
     def append(start, tokens):
-        logits = route.append(session_id, epoch, start, tokens)
+        logits = session.append_at(start, tokens)
         rows.append(logits[-1].copy())
         return logits
 
@@ -122,65 +126,13 @@ def _reserved(daemon) -> int:
         return client.stats().budget.reserved_bytes
 
 
-def _wait_until(predicate, what: str, timeout_s: float = HANG_GUARD_S):
-    """Poll `predicate` until it returns something true, and return that; the timeout is a hang guard."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"hang guard: waited {timeout_s:.0f} s for {what}")
-        time.sleep(0.01)
-
-
-@contextlib.contextmanager
-def _stopped(pid: int):
-    """The process `pid` (a worker) is stopped inside the block: a command sent to it stays in flight for
-    as long as the test wants, on any machine, and completes once the block ends."""
-    os.kill(pid, signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGCONT)
-
-
-def _in_thread(call) -> tuple[threading.Thread, dict]:
-    """Run `call` in a started thread; the dict gets "result" or "error"."""
-    outcome: dict[str, object] = {}
-
-    def run() -> None:
-        try:
-            outcome["result"] = call()
-        except BaseException as error:  # noqa: BLE001
-            outcome["error"] = error
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    return thread, outcome
-
-
-def _joined(thread: threading.Thread, outcome: dict) -> dict:
-    thread.join(HANG_GUARD_S)
-    assert not thread.is_alive(), f"hang guard: the request was still running after {HANG_GUARD_S:.0f} s"
-    return outcome
-
-
-def _result(thread: threading.Thread, outcome: dict):
-    """What the call in the thread returned (its exception is raised here)."""
-    if "error" in _joined(thread, outcome):
-        raise outcome["error"]
-    return outcome["result"]
-
-
 # ---- the contract ---------------------------------------------------------------------------------
 
 
 def test_prefill_and_decode_through_three_daemons_equal_the_in_process_chain(route, local_chain, chain_daemons, prompt_ids):
     prompt = prompt_ids[1]
     expected_tokens, expected_logits = _alone(local_chain, prompt, chunk=7)
-    tokens, logits = _through(route, "prefill-decode", 1, prompt, chunk=7)
+    tokens, logits = _through(route.clients, "prefill-decode", 1, prompt, chunk=7)
     assert tokens == expected_tokens
     assert np.abs(logits - expected_logits).max() == 0.0
     for daemon in chain_daemons:
@@ -338,7 +290,7 @@ def test_four_concurrent_sessions_through_the_chain_equal_each_alone(chain_daemo
     def run(index: int) -> None:
         clients = [daemon.client() for daemon in chain_daemons]
         try:
-            results[index] = _through(DaemonRoute(clients), f"concurrent-{index}", 3, prompts[index], chunk=5 + index)
+            results[index] = _through(clients, f"concurrent-{index}", 3, prompts[index], chunk=5 + index)
         except BaseException as error:  # noqa: BLE001
             errors.append(error)
         finally:

@@ -12,7 +12,7 @@ from kvpool.bench.options import EPOCH, ROUTE_N_CTX, SINGLE_THREADS, _say
 from kvpool.bench.reference import PlainContext
 from kvpool.bench.rig import Rig, Variant, _interleaved, _timed, payload_seconds, round_trips
 from kvpool.client import Client
-from kvpool.daemon_route import DaemonRoute
+from kvpool.router import Router
 
 MID_SESSION = "bench-mid"
 IDLE_MID_S = 0.002  # a middle-shard decode step: the mid daemon's threads sleep this long per append
@@ -93,8 +93,8 @@ def measure_mid_shard(rig: Rig) -> dict:
 def route_variants(rig: Rig, chain_clients: list[Client], whole_client: Client) -> tuple[dict[str, Variant], Callable[[], None]]:
     whole = PlainContext(rig.whole_model, ROUTE_N_CTX, n_threads=SINGLE_THREADS)
     local = rig.chain.new_session(ROUTE_N_CTX)
-    route = DaemonRoute(chain_clients)
     chain_session, whole_session = "bench-route-chain", "bench-route-whole"
+    routed = Router(chain_clients).session(chain_session, epoch=EPOCH)
     used: set[str] = set()
 
     def daemon_variant(session: str, reset_clients: list[Client], append) -> Variant:
@@ -112,14 +112,14 @@ def route_variants(rig: Rig, chain_clients: list[Client], whole_client: Client) 
     variants = {
         "llama.cpp whole": Variant(whole.reset, lambda start, tokens: whole.append(start, np.asarray(tokens, dtype=np.int32))),
         "in-process chain": Variant(lambda: local.truncate(0), lambda start, tokens: local.append(start, tokens)),
-        "daemon chain": daemon_variant(chain_session, chain_clients, lambda start, tokens: route.append(chain_session, EPOCH, start, tokens)),
+        "daemon chain": Variant(lambda: routed.truncate(0), routed.append_at),
         "daemon whole": daemon_variant(whole_session, [whole_client], lambda start, tokens: whole_client.append(whole_session, EPOCH, start, tokens=list(tokens), n_ctx=ROUTE_N_CTX).rows),
     }
 
     def close() -> None:
         whole.close()
         local.close()
-        route.release(chain_session, EPOCH)
+        routed.release()
         whole_client.release(whole_session, EPOCH)
 
     return variants, close

@@ -1,0 +1,296 @@
+"""kvpool.router: how a router embeds kvpool. A session's appends walk a route of shard daemons, and
+what a failure means is decided here, in one place:
+
+- cache_miss (any daemon), worker_lost, ConnectionLost: replay. Release the session's epoch on every
+  daemon, take epoch + 1, and send the session's token ids again from position 0, then the append.
+- over_budget: back off (the reply's `retry_after_s` when it has one, else exponential with jitter,
+  bounded) and ask the same daemon again, until `over_budget_give_up_s`.
+- cancelled at daemon i (a daemon's reply, or `cancel()` seen between daemons): daemons 0..i-1 are
+  truncated back to the length before the append, and `Cancelled` is raised.
+- anything else a daemon answers (stale_epoch, context_full, ...) is raised as a StageFailed after the
+  same roll-back; a timeout or an interrupt leaves the session to be replayed by its next append.
+
+A replay is exact: it repeats the session's appends with the same partition (on a CPU build a one-row
+append and the same row inside a longer prefill do not give the same bits), so what follows a
+recovery is bit for bit what an uninterrupted run gives. `exact_replay=False` sends one prefill instead.
+The knobs (back-off, limits) are a RecoveryPolicy, and what recovery did is counted in RecoveryCounts
+(kvpool.recovery).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import random
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+
+import numpy as np
+
+from kvpool.client import Client, ConnectionLost, KvpoolError
+from kvpool.generate import greedy_tokens
+from kvpool.protocol import ErrorCode
+from kvpool.recovery import RecoveryCounts, RecoveryPolicy
+from kvpool.route import Route, StageFailed
+
+
+class Cancelled(Exception):
+    """The append was cancelled at daemon `stage`; the session is as it was before the append."""
+
+    def __init__(self, stage: int) -> None:
+        super().__init__(f"the append was cancelled at daemon {stage}")
+        self.stage = stage
+
+
+class RecoveryFailed(Exception):
+    """The policy gave up: `max_replays` replays in a row did not get the append through."""
+
+
+class Router:
+    """A checked route of shard daemons (clients first to last; not owned: the caller closes them), the
+    recovery policy, and the recovery counts of all its sessions. Sessions may run in parallel threads."""
+
+    def __init__(self, clients: Sequence[Client], *, policy: RecoveryPolicy | None = None, seed: int | None = None) -> None:
+        self.route = Route(clients)
+        self.policy = policy or RecoveryPolicy()
+        self._seed = seed
+        self._lock = threading.Lock()
+        self._counts = RecoveryCounts()
+
+    @property
+    def clients(self) -> list[Client]:
+        return self.route.clients
+
+    def session(self, session_id: str, *, epoch: int = 1, n_ctx: int = 0, admit_timeout_s: float = 0.0) -> RoutedSession:
+        return RoutedSession(self, session_id, epoch=epoch, n_ctx=n_ctx, admit_timeout_s=admit_timeout_s)
+
+    @property
+    def counts(self) -> RecoveryCounts:
+        """A snapshot of the counts summed over every session of this router."""
+        with self._lock:
+            return dataclasses.replace(self._counts)
+
+    def _count(self, field: str, amount: int) -> None:
+        with self._lock:
+            setattr(self._counts, field, getattr(self._counts, field) + amount)
+
+    def _rng(self, session_id: str) -> random.Random:
+        return random.Random(None if self._seed is None else f"{self._seed}:{session_id}")
+
+
+class RoutedSession:
+    """One session through the router. Between calls, either every daemon holds the session's `tokens`
+    under `epoch`, or the next append replays them first. One thread appends; cancel() may come from any."""
+
+    def __init__(self, router: Router, session_id: str, *, epoch: int, n_ctx: int, admit_timeout_s: float) -> None:
+        self.router = router
+        self.route = router.route
+        self.policy = router.policy
+        self.session_id = session_id
+        self.epoch = epoch
+        self.n_ctx = n_ctx
+        self.admit_timeout_s = admit_timeout_s
+        self.counts = RecoveryCounts()
+        self._tokens: list[int] = []
+        self._appends: list[int] = []  # the row count of each append that built _tokens (the partition)
+        self._needs_replay = False
+        self._rng = router._rng(session_id)
+        self._lock = threading.Lock()
+        self._cancel = threading.Event()
+        self._appending = False
+        self._stage = -1
+
+    @property
+    def tokens(self) -> tuple[int, ...]:
+        return tuple(self._tokens)
+
+    @property
+    def length(self) -> int:
+        return len(self._tokens)
+
+    # ---- appends ---------------------------------------------------------------------------------
+
+    def append(self, tokens: Sequence[int], *, output_rows: str = "last") -> np.ndarray:
+        """Append token ids after the session's tokens; the last daemon's rows (logits) come back."""
+        tokens = [int(token) for token in tokens]
+        if not tokens:
+            raise ValueError("an append needs at least one token")
+        with self._lock:
+            self._cancel.clear()
+            self._appending = True
+        try:
+            return self._append(tokens, output_rows)
+        finally:
+            with self._lock:
+                self._appending, self._stage = False, -1
+
+    def append_at(self, start_pos: int, tokens: Sequence[int]) -> np.ndarray:
+        """append() for callers that name the position (kvpool.generate); it must be the session's length."""
+        if start_pos != self.length:
+            raise ValueError(f"start_pos {start_pos} != the session's length {self.length}")
+        return self.append(tokens)
+
+    def greedy(
+        self, prompt: Sequence[int], max_new_tokens: int, *, is_end: Callable[[int], bool] = lambda token: False, prefill_chunk: int = 0
+    ) -> Iterator[int]:
+        """Append the prompt after the session's tokens, then yield greedy tokens (see kvpool.generate)."""
+        offset = self.length
+
+        def append(start: int, tokens: Sequence[int]) -> np.ndarray:
+            return self.append_at(offset + start, tokens)
+
+        return greedy_tokens(append, prompt, max_new_tokens, is_end=is_end, prefill_chunk=prefill_chunk)
+
+    def _append(self, tokens: list[int], output_rows: str) -> np.ndarray:
+        start = self.length
+        failures = 0
+        while True:
+            try:
+                if self._needs_replay:
+                    self._replay()
+                rows = self._walk(start, tokens, output_rows)
+            except (StageFailed, ConnectionLost) as failure:
+                counter = _replay_counter(failure)
+                if counter is None:
+                    self._roll_back(start, failure.stage)
+                    raise
+                self._count(counter)
+                self._needs_replay = True
+                failures += 1
+                if failures > self.policy.max_replays:
+                    raise RecoveryFailed(f"{self.session_id}: {failures} failures in a row, the last: {failure}") from failure
+                if failures > 1:
+                    self._pause(self.policy.delay_s(failures - 2, self._rng))
+                continue
+            except Cancelled as cancelled:
+                self._roll_back(start, cancelled.stage)
+                raise
+            except BaseException:
+                self._needs_replay = True  # a timeout, an interrupt: what the daemons hold is unknown
+                raise
+            self._tokens.extend(tokens)
+            self._appends.append(len(tokens))
+            return rows
+
+    def _walk(self, start: int, tokens: list[int], output_rows: str) -> np.ndarray:
+        rows: list[int] | np.ndarray = tokens
+        for stage in range(len(self.route)):
+            self._stage = stage
+            if self._cancel.is_set():
+                raise Cancelled(stage)
+            rows = self._append_at_stage(stage, start, rows, output_rows)
+        assert isinstance(rows, np.ndarray)
+        return rows
+
+    def _append_at_stage(self, stage: int, start: int, rows: list[int] | np.ndarray, output_rows: str) -> np.ndarray:
+        """One daemon's part; over_budget is answered here by backing off and asking that daemon again."""
+        give_up_at = time.monotonic() + self.policy.over_budget_give_up_s
+        attempt = 0
+        while True:
+            try:
+                return self.route.append_at(
+                    stage, self.session_id, self.epoch, start, rows, output_rows=output_rows, n_ctx=self.n_ctx,
+                    admit_timeout_s=self.admit_timeout_s,
+                )
+            except StageFailed as failure:
+                if failure.code == ErrorCode.CANCELLED:
+                    raise Cancelled(stage) from None
+                left = give_up_at - time.monotonic()
+                if failure.code != ErrorCode.OVER_BUDGET or left <= 0:
+                    raise
+                self._count("over_budget_retries")
+                self._pause(min(left, self.policy.delay_s(attempt, self._rng, getattr(failure.reply, "retry_after_s", None))))
+                attempt += 1
+
+    def _pause(self, seconds: float) -> None:
+        if self._cancel.wait(seconds):
+            raise Cancelled(max(self._stage, 0))
+
+    def _replay(self) -> None:
+        """Release the epoch everywhere, take the next one, and repeat the session's appends from 0."""
+        with contextlib.suppress(KvpoolError, ConnectionLost):
+            self.route.release(self.session_id, self.epoch)  # frees room first; a dead daemon is found below
+        self.epoch += 1
+        position = 0
+        for rows in self._replay_partition():
+            self._walk(position, self._tokens[position : position + rows], "last")
+            position += rows
+        self._needs_replay = False
+        if position:
+            self._count("replays")
+            self._count("replayed_tokens", position)
+
+    def _replay_partition(self) -> list[int]:
+        if not self.policy.exact_replay:
+            return [self.length] if self._tokens else []
+        return list(self._appends)
+
+    def _roll_back(self, start: int, stage: int) -> None:
+        """The append failed at `stage`: daemons before it took its rows; take them back to `start`."""
+        if self._needs_replay or stage == 0:
+            return
+        try:
+            self.route.truncate(self.session_id, self.epoch, start, stages=range(stage))
+            self._count("rollbacks")
+        except (KvpoolError, ConnectionLost):
+            self._needs_replay = True
+
+    # ---- the rest of a session's life ---------------------------------------------------------------
+
+    def cancel(self) -> bool:
+        """Cancel the append in flight (from another thread): the daemon computing it is told at once, and
+        the walk stops before the next daemon. Returns False when no append was in flight."""
+        with self._lock:
+            if not self._appending:
+                return False
+            self._cancel.set()
+            stage, epoch = self._stage, self.epoch
+        if stage >= 0:
+            with contextlib.suppress(KvpoolError, ConnectionLost):
+                self.route.clients[stage].cancel(self.session_id, epoch)
+        return True
+
+    def truncate(self, length: int) -> None:
+        """Keep positions [0, length). A daemon that lost the session is caught up by the next append."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot truncate to {length}: the session holds {self.length} tokens")
+        if not self._needs_replay:
+            try:
+                self.route.truncate(self.session_id, self.epoch, length)
+            except (StageFailed, ConnectionLost) as failure:
+                self._needs_replay = True
+                if _replay_counter(failure) is None:
+                    raise
+        del self._tokens[length:]
+        kept, appends = 0, []
+        for rows in self._appends:
+            if kept + rows > length:
+                rows = length - kept
+            if rows == 0:
+                break
+            appends.append(rows)
+            kept += rows
+        self._appends = appends
+
+    def release(self) -> None:
+        """Release the session on every daemon; it may start again from an empty append history."""
+        self._tokens.clear()
+        self._appends.clear()
+        self._needs_replay = False
+        try:
+            self.route.release(self.session_id, self.epoch)
+        except BaseException:
+            self._needs_replay = True  # the next append releases again, under the next epoch
+            raise
+
+    def _count(self, field: str, amount: int = 1) -> None:
+        setattr(self.counts, field, getattr(self.counts, field) + amount)
+        self.router._count(field, amount)
+
+
+def _replay_counter(failure: StageFailed | ConnectionLost) -> str | None:
+    """The count a failure adds to when the policy answers it with a replay; None when it does not."""
+    if isinstance(failure, ConnectionLost):
+        return "connections_lost"
+    return {ErrorCode.CACHE_MISS: "cache_misses", ErrorCode.WORKER_LOST: "workers_lost"}.get(failure.code)
