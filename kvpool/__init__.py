@@ -2,13 +2,17 @@
 
 __version__ = "0.1.0"
 
-__all__ = ["Client", "KvpoolError", "__version__"]
+__all__ = ["AsyncClient", "Client", "KvpoolError", "__version__"]
 
 
 def __getattr__(name: str):
-    # Lazy: `import kvpool` stays cheap for the worker processes, which never use the client.
+    # Lazy: `import kvpool` stays cheap for the worker processes, which never use the clients.
     if name in ("Client", "KvpoolError"):
         from kvpool import client
 
         return getattr(client, name)
+    if name == "AsyncClient":
+        from kvpool import async_client
+
+        return async_client.AsyncClient
     raise AttributeError(name)

@@ -17,6 +17,7 @@ import os
 import socket
 import threading
 from dataclasses import dataclass
+from typing import TypedDict, Unpack
 
 import numpy as np
 
@@ -66,6 +67,47 @@ class AppendResult:
     length: int
     rows: np.ndarray  # float32 [rows, width]: hidden states, or logits on the last shard
     admitted: bool
+
+    @classmethod
+    def of(cls, reply: AppendReply) -> AppendResult:
+        rows = np.frombuffer(reply.data, dtype="<f4").reshape(reply.rows, reply.width)
+        return cls(length=reply.length, rows=rows, admitted=reply.admitted)
+
+
+# Shared with kvpool.async_client: what a request is made of, and what its reply must be.
+
+
+class AppendOptions(TypedDict, total=False):
+    """What an append carries besides the session and position: exactly one of tokens (first shard) and
+    hidden (float32 [rows, n_embd], elsewhere); output_rows "last" or "all"; n_ctx and admit_timeout_s
+    matter when the append admits a new session (0: the daemon's default; 0: answer over_budget at once)."""
+
+    tokens: list[int] | np.ndarray | None
+    hidden: np.ndarray | None
+    output_rows: str
+    n_ctx: int
+    admit_timeout_s: float
+
+
+def append_request(
+    session_id: str, epoch: int, start_pos: int, *, tokens: list[int] | np.ndarray | None = None, hidden: np.ndarray | None = None,
+    output_rows: str = "last", n_ctx: int = 0, admit_timeout_s: float = 0.0,
+) -> Append:
+    return Append(
+        session_id=session_id, epoch=epoch, start_pos=start_pos,
+        tokens=None if tokens is None else [int(token) for token in tokens],
+        hidden=None if hidden is None else np.ascontiguousarray(hidden, dtype="<f4").tobytes(),
+        output_rows=OutputRows(output_rows), n_ctx=n_ctx, admit_timeout_s=admit_timeout_s,
+    )
+
+
+def checked_reply(request: RequestMessage, reply: Reply, expected: type) -> Reply:
+    """The reply if it is of the expected type; an ErrorReply raises KvpoolError, anything else ConnectionLost."""
+    if isinstance(reply, ErrorReply):
+        raise KvpoolError(reply)
+    if not isinstance(reply, expected):
+        raise ConnectionLost(f"the daemon answered {type(request).__name__} with {type(reply).__name__}")
+    return reply
 
 
 def _receive_exactly(sock: socket.socket, size: int) -> bytes:
@@ -183,38 +225,10 @@ class Client:
                     connection.sock.settimeout(value)
 
     def _call(self, message: RequestMessage, expected: type) -> Reply:
-        reply = self._connection("main").request(message)
-        if isinstance(reply, ErrorReply):
-            raise KvpoolError(reply)
-        if not isinstance(reply, expected):
-            raise ConnectionLost(f"the daemon answered {type(message).__name__} with {type(reply).__name__}")
-        return reply
+        return checked_reply(message, self._connection("main").request(message), expected)
 
-    def append(
-        self,
-        session_id: str,
-        epoch: int,
-        start_pos: int,
-        *,
-        tokens: list[int] | np.ndarray | None = None,
-        hidden: np.ndarray | None = None,
-        output_rows: str = "last",
-        n_ctx: int = 0,
-        admit_timeout_s: float = 0.0,
-    ) -> AppendResult:
-        hidden_bytes = None
-        if hidden is not None:
-            hidden_bytes = np.ascontiguousarray(hidden, dtype="<f4").tobytes()
-        token_list = None if tokens is None else [int(token) for token in tokens]
-        reply = self._call(
-            Append(
-                session_id=session_id, epoch=epoch, start_pos=start_pos, tokens=token_list, hidden=hidden_bytes,
-                output_rows=OutputRows(output_rows), n_ctx=n_ctx, admit_timeout_s=admit_timeout_s,
-            ),
-            AppendReply,
-        )
-        rows = np.frombuffer(reply.data, dtype="<f4").reshape(reply.rows, reply.width)
-        return AppendResult(length=reply.length, rows=rows, admitted=reply.admitted)
+    def append(self, session_id: str, epoch: int, start_pos: int, **options: Unpack[AppendOptions]) -> AppendResult:
+        return AppendResult.of(self._call(append_request(session_id, epoch, start_pos, **options), AppendReply))
 
     def truncate(self, session_id: str, epoch: int, length: int) -> int:
         return self._call(Truncate(session_id=session_id, epoch=epoch, length=length), Done).length
@@ -224,12 +238,8 @@ class Client:
 
     def cancel(self, session_id: str, epoch: int) -> Done:
         """Abort the session's in-flight append (sent on a side connection; safe from another thread)."""
-        reply = self._connection("cancel").request(Cancel(session_id=session_id, epoch=epoch))
-        if isinstance(reply, ErrorReply):
-            raise KvpoolError(reply)
-        if not isinstance(reply, Done):
-            raise ConnectionLost(f"the daemon answered Cancel with {type(reply).__name__}")
-        return reply
+        request = Cancel(session_id=session_id, epoch=epoch)
+        return checked_reply(request, self._connection("cancel").request(request), Done)
 
     def stats(self) -> StatsReply:
         return self._call(Stats(), StatsReply)

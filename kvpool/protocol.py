@@ -2,9 +2,10 @@
 
 A frame is a 4-byte big-endian length followed by one MessagePack-encoded tagged struct. A connection
 starts with Hello (the protocol version is checked there), then carries requests, each answered by
-exactly one reply frame, in order. Every request carries a `request_id` chosen by the client and every
-reply echoes the id of the request it answers (0 for a frame that could not be decoded), so a client
-can prove that a reply belongs to its request. New fields always get defaults so older peers keep
+exactly one reply frame as it completes: requests in flight at the same time on one connection may be
+answered in any order. Every request carries a `request_id` chosen by the client and every reply echoes
+the id of the request it answers (0 for a frame that could not be decoded), so a client matches each
+reply to its request. New fields always get defaults so older peers keep
 decoding.
 """
 

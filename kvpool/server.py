@@ -1,4 +1,5 @@
-"""The Unix-socket transport of a daemon: socket safety, peer check, framing, one reply per request."""
+"""The Unix-socket transport of a daemon: socket safety, peer check, framing, one reply per request,
+the requests of one connection handled concurrently."""
 
 from __future__ import annotations
 
@@ -30,6 +31,22 @@ from kvpool.protocol import (
 PEER_CREDENTIALS = struct.Struct("3i")  # pid, uid, gid
 
 Dispatch = Callable[[Request], Awaitable[ReplyMessage]]
+Send = Callable[[Message], Awaitable[None]]
+MAX_IN_FLIGHT_PER_CONNECTION = 64
+
+
+def _replies_to(writer: asyncio.StreamWriter) -> Send:
+    """Whole frames, one at a time: the lock keeps frames from interleaving and, with drain(), keeps at
+    most one frame beyond the transport's high-water mark buffered."""
+    lock = asyncio.Lock()
+
+    async def send(message: Message) -> None:
+        frame = encode(message)
+        async with lock:
+            writer.write(frame)
+            await writer.drain()
+
+    return send
 
 
 class SocketSetupError(Exception):
@@ -60,13 +77,18 @@ def prepare_socket_path(path: pathlib.Path) -> None:
 
 
 class FrameServer:
-    """Accepts connections, checks the peer and the protocol version, and answers frames in order."""
+    """Accepts connections, checks the peer and the protocol version, and answers each request of a
+    connection as it completes (replies echo the request_id; their order is the order of completion)."""
 
-    def __init__(self, path: pathlib.Path, hello: HelloReply, dispatch: Dispatch, *, max_request_bytes: int) -> None:
+    def __init__(
+        self, path: pathlib.Path, hello: HelloReply, dispatch: Dispatch, *, max_request_bytes: int,
+        max_in_flight: int = MAX_IN_FLIGHT_PER_CONNECTION,
+    ) -> None:
         self.path = path
         self.hello = hello
         self.dispatch = dispatch
         self.max_request_bytes = max_request_bytes
+        self.max_in_flight = max_in_flight
         self._server: asyncio.base_events.Server | None = None
         self._connections: set[asyncio.Task] = set()
 
@@ -103,44 +125,71 @@ class FrameServer:
         _pid, uid, _gid = PEER_CREDENTIALS.unpack(credentials)
         return uid == os.getuid()
 
-    async def _read_frame(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bytes | None:
+    async def _read_frame(self, reader: asyncio.StreamReader, send: Send) -> bytes | None:
         header = await reader.readexactly(FRAME_HEADER.size)
         (size,) = FRAME_HEADER.unpack(header)
         if size > self.max_request_bytes:
-            await self._send(writer, ErrorReply(code=ErrorCode.BAD_REQUEST, message=f"frame of {size} bytes exceeds the limit of {self.max_request_bytes}"))
+            await send(ErrorReply(code=ErrorCode.BAD_REQUEST, message=f"frame of {size} bytes exceeds the limit of {self.max_request_bytes}"))
             return None
         return await reader.readexactly(size)
 
-    @staticmethod
-    async def _send(writer: asyncio.StreamWriter, message: Message) -> None:
-        writer.write(encode(message))
-        await writer.drain()
-
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        payload = await self._read_frame(reader, writer)
+        send = _replies_to(writer)
+        payload = await self._read_frame(reader, send)
         if payload is None:
             return
         try:
             hello = decode_request(payload)
         except (msgspec.DecodeError, msgspec.ValidationError) as error:
-            await self._send(writer, ErrorReply(code=ErrorCode.BAD_REQUEST, message=f"expected Hello: {error}"))
+            await send(ErrorReply(code=ErrorCode.BAD_REQUEST, message=f"expected Hello: {error}"))
             return
         if not isinstance(hello, Hello) or hello.version != PROTOCOL_VERSION:
-            await self._send(writer, ErrorReply(code=ErrorCode.BAD_REQUEST, message=f"the first frame must be Hello with version {PROTOCOL_VERSION}"))
+            await send(ErrorReply(code=ErrorCode.BAD_REQUEST, message=f"the first frame must be Hello with version {PROTOCOL_VERSION}"))
             return
-        await self._send(writer, msgspec.structs.replace(self.hello, request_id=hello.request_id))
-        while True:
-            payload = await self._read_frame(reader, writer)
-            if payload is None:
-                return
+        await send(msgspec.structs.replace(self.hello, request_id=hello.request_id))
+        await self._serve_requests(reader, send)
+
+    async def _serve_requests(self, reader: asyncio.StreamReader, send: Send) -> None:
+        """Each request is answered by its own task, as soon as it completes. At most max_in_flight are
+        read ahead of their replies: a slot is freed only once its reply is written (and drained), so a
+        client that stops reading stops this loop reading, and the connection's memory stays bounded."""
+        slots = asyncio.Semaphore(self.max_in_flight)
+        answering: set[asyncio.Task] = set()
+        try:
+            while True:
+                await slots.acquire()
+                try:
+                    payload = await self._read_frame(reader, send)
+                except BaseException:
+                    slots.release()
+                    raise
+                if payload is None:
+                    return
+                task = asyncio.create_task(self._answer(payload, send, slots))
+                answering.add(task)
+                task.add_done_callback(answering.discard)
+        except asyncio.CancelledError:
+            for task in answering:
+                task.cancel()  # the daemon is closing: requests in flight go with their connection
+            raise
+        finally:
+            # End of file or a refused frame: the requests already read are still handled and answered.
+            if answering:
+                await asyncio.gather(*answering, return_exceptions=True)
+
+    async def _answer(self, payload: bytes, send: Send, slots: asyncio.Semaphore) -> None:
+        try:
             try:
                 request = decode_request(payload)
             except (msgspec.DecodeError, msgspec.ValidationError) as error:
-                await self._send(writer, ErrorReply(code=ErrorCode.BAD_REQUEST, message=f"malformed request: {error}"))
-                continue
-            reply = await self.dispatch(request)
-            reply.request_id = request.request_id
-            await self._send(writer, reply)
+                reply: Message = ErrorReply(code=ErrorCode.BAD_REQUEST, message=f"malformed request: {error}")
+            else:
+                reply = await self.dispatch(request)
+                reply.request_id = request.request_id
+            with contextlib.suppress(ConnectionError):  # the client went away: nobody to answer
+                await send(reply)
+        finally:
+            slots.release()
 
     async def close(self) -> None:
         """Stop accepting, end open connections, remove the socket file."""
