@@ -17,6 +17,7 @@ import signal
 import sys
 import threading
 import time
+from multiprocessing import resource_tracker
 
 import psutil
 
@@ -24,7 +25,10 @@ GRACE_S = 3.0
 
 
 def _kill_children() -> None:
-    children = psutil.Process().children(recursive=True)
+    """Kill the workers, but not multiprocessing's resource tracker: once this process has exited, the
+    tracker unlinks the shared-memory segments it still holds, which nothing else would."""
+    tracker = getattr(resource_tracker._resource_tracker, "_pid", None)
+    children = [child for child in psutil.Process().children(recursive=True) if child.pid != tracker]
     for child in children:
         with contextlib.suppress(psutil.Error):
             child.kill()

@@ -32,7 +32,9 @@ PEER_CREDENTIALS = struct.Struct("3i")  # pid, uid, gid
 
 Dispatch = Callable[[Request], Awaitable[ReplyMessage]]
 Send = Callable[[Message], Awaitable[None]]
-MAX_IN_FLIGHT_PER_CONNECTION = 64
+# Requests of one connection computed ahead of their replies being read. Each holds its reply in memory
+# until written (a few MiB for rows of logits), so a client that stops reading pins at most this many.
+MAX_IN_FLIGHT_PER_CONNECTION = 4
 
 
 def _replies_to(writer: asyncio.StreamWriter) -> Send:
