@@ -184,10 +184,12 @@ UNDRAINED_SERVE = """
 import sys
 import kvpool.server as server
 
-async def send_without_backpressure(writer, message):
-    writer.write(server.encode(message))  # never waits for the buffer to drain
+def replies_without_backpressure(writer):
+    async def send(message):
+        writer.write(server.encode(message))  # never waits for the buffer to drain
+    return send
 
-server.FrameServer._send = staticmethod(send_without_backpressure)
+server._replies_to = replies_without_backpressure
 from kvpool.cli import main
 sys.exit(main())
 """
