@@ -67,22 +67,24 @@ class WorkerPool:
         with self._lock:
             return sum(handle.segment_bytes for handle in self._workers.values())
 
-    def replace(self, name: str) -> WorkerHandle:
-        """Stop a worker (lost, or drifted in memory) and start a fresh one in its place. Blocking; the old
-        name stays in the pool (dead, not usable) until the fresh worker is ready, or the start failed."""
+    def start_replacement(self, name: str) -> WorkerHandle:
+        """Stop a worker (lost, or drifted in memory) and start a fresh one, ready. Blocking; the pool itself
+        does not change until swap(), which the caller makes together with its books."""
         self._workers[name].stop(timeout_s=1.0)
         fresh = self._spawn()
         try:
             fresh.wait_ready(self.spec.ready_timeout_s)
         except BaseException:
             fresh.stop(timeout_s=1.0)
-            with self._lock:
-                self._workers.pop(name, None)
             raise
+        return fresh
+
+    def swap(self, name: str, fresh: WorkerHandle | None) -> None:
+        """The stopped worker `name` leaves the pool; `fresh` (if any) takes its place."""
         with self._lock:
             self._workers.pop(name, None)
-            self._workers[fresh.name] = fresh
-        return fresh
+            if fresh is not None:
+                self._workers[fresh.name] = fresh
 
     def check_integrity(self) -> None:
         expected = self.spec.segment.total_bytes

@@ -122,9 +122,15 @@ class WorkerHandle:
 
     @property
     def exited(self) -> bool:
-        """The process has ended. Read from its sentinel (a pipe the kernel closes when it exits), not from
-        waitpid: multiprocessing's is_alive() answers True when the exit status was collected elsewhere."""
-        return bool(multiprocessing.connection.wait([self.process.sentinel], timeout=0))
+        """The process has ended. Neither multiprocessing's is_alive() (True when the exit status was
+        collected elsewhere) nor the sentinel pipe (open while another process holds its write end) is
+        enough alone: a zombie read from /proc counts too (seen: a SIGKILLed free worker lent out)."""
+        if self.process.exitcode is not None or multiprocessing.connection.wait([self.process.sentinel], timeout=0):
+            return True
+        try:
+            return psutil.Process(self.pid).status() == psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return True
 
     def wait_ready(self, timeout_s: float) -> Ready:
         if not self._connection.poll(timeout_s):
@@ -201,6 +207,8 @@ class WorkerHandle:
         await self._expect(CloseContext(), Closed)
 
     def set_abort(self, value: bool) -> None:
+        if self.segment is None:
+            return  # stopped: nothing left to abort
         self._abort_flag.value = 1 if value else 0
 
     def write_input(self, rows: np.ndarray) -> None:

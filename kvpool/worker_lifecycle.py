@@ -71,9 +71,14 @@ class WorkerLifecycle:
         """Stop an in-transit worker and start a fresh, free one in its place."""
         self.metrics.count("worker_restarts")
         try:
-            fresh = await self.in_thread(self.pool.replace, worker)
-        finally:
+            fresh = await self.in_thread(self.pool.start_replacement, worker)
+        except BaseException:
+            self.pool.swap(worker, None)
             self.books.remove_worker(worker)
+            raise
+        # The pool and the books change together, on the loop: a status request never sees one without the other.
+        self.pool.swap(worker, fresh)
+        self.books.remove_worker(worker)
         self.books.add_worker(fresh.name)
         await self.notify_capacity()
 

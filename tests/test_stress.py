@@ -35,11 +35,11 @@ from kvpool.stress import (
     StressReport,
     build_plans,
     cancel_targets,
+    operations_verdict,
     replay_alone,
     row_digest,
     run_stress,
 )
-from kvpool.stress.drill_checks import operations_verdict
 from tests.conftest import EVEN_SPLIT
 
 SESSIONS = 4

@@ -9,9 +9,9 @@ import time
 
 import numpy as np
 
-from kvpool.bench.options import EPOCH, SESSIONS, SINGLE_THREADS, _say
+from kvpool.bench.options import EPOCH, SESSIONS, SINGLE_THREADS, bench_say
 from kvpool.bench.reference import PlainContext
-from kvpool.bench.rig import Rig, _timed, daemon_uss
+from kvpool.bench.rig import Rig, time_call, daemon_uss
 from kvpool.client import Client
 from workers.runtime import ShardModel
 
@@ -28,7 +28,7 @@ def measure_admission(rig: Rig) -> dict:
 
     def admit(n_ctx: int) -> tuple[str, float]:
         session = f"bench-admit-{next(counter)}"
-        elapsed = _timed(lambda: client.append(session, EPOCH, 0, tokens=token, n_ctx=n_ctx))
+        elapsed = time_call(lambda: client.append(session, EPOCH, 0, tokens=token, n_ctx=n_ctx))
         return session, elapsed
 
     calibrated_at_start = rig.options.max_n_ctx
@@ -48,7 +48,7 @@ def _admission_reference(model_path: str, n_ctx: int, token: list[int], repeats:
             started = time.perf_counter()
             plain = PlainContext(model, n_ctx, n_threads=SINGLE_THREADS)
             create.append(time.perf_counter() - started)
-            free.append(_timed(plain.close))
+            free.append(time_call(plain.close))
             started = time.perf_counter()
             context = model.new_context(n_ctx)
             context.append(0, tokens=np.asarray(token, dtype=np.int32))
@@ -88,14 +88,14 @@ def _measure_admissions(rig: Rig, client: Client, admit, token: list[int], refer
         results["bare_create_s"][n_ctx] = create
         results["bare_free_s"][n_ctx] = free
         results["inprocess_admit_s"][n_ctx] = inprocess
-        _say(f"admission: n_ctx {n_ctx} done")
+        bench_say(f"admission: n_ctx {n_ctx} done")
 
 
 def _measure_eviction(rig: Rig, client: Client, admit, token: list[int], results: dict) -> dict:
     options = rig.options
     # a 1-token decode through the daemon, to take the compute out of the admitting append
     session, _ = admit(2048)
-    decode = [_timed(lambda position=position: client.append(session, EPOCH, position, tokens=token)) for position in range(1, 1 + max(16, options.repeats * 4))]
+    decode = [time_call(lambda position=position: client.append(session, EPOCH, position, tokens=token)) for position in range(1, 1 + max(16, options.repeats * 4))]
     client.release(session, EPOCH)
     results["decode_s"] = decode
 
@@ -112,7 +112,7 @@ def _measure_eviction(rig: Rig, client: Client, admit, token: list[int], results
         client.release(session, EPOCH)
     results["evict_admit_s"] = evict
     results["evictions_counted"] = evictions
-    _say("admission: LRU eviction done")
+    bench_say("admission: LRU eviction done")
     return results
 
 
@@ -149,7 +149,7 @@ def measure_memory(rig: Rig) -> dict:
             daemon_totals[count] = daemon_uss(daemon)
     for session in sessions:
         client.release(session, EPOCH)
-    _say("memory done")
+    bench_say("memory done")
     return {
         "kv_bytes_per_position": per_position,
         "per_session": per_session,

@@ -18,7 +18,7 @@ import psutil
 
 from kvpool.bench.admission import measure_admission, measure_memory
 from kvpool.bench.one_session import measure_mid_shard, measure_route
-from kvpool.bench.options import BenchOptions, _say
+from kvpool.bench.options import BenchOptions, bench_say
 from kvpool.bench.parallel import measure_parallel
 from kvpool.bench.report import render_table, summarize, write_chart
 from kvpool.bench.rig import Rig
@@ -77,15 +77,15 @@ def run_bench(options: BenchOptions) -> tuple[dict, str]:
             "options": dataclasses.asdict(options),
             "daemons": {"start_s": rig.daemon_start_s, "options": rig.daemon_options},
         }
-        _say("section 1 and 4: the middle shard, one session")
+        bench_say("section 1 and 4: the middle shard, one session")
         results["mid_shard"] = measure_mid_shard(rig)
-        _say("section 2: one session through the whole route")
+        bench_say("section 2: one session through the whole route")
         results["route"] = measure_route(rig, [rig.client(f"chain{index}") for index in range(len(rig.shards))], rig.client("whole"))
-        _say("section 3: four sessions at once")
+        bench_say("section 3: four sessions at once")
         results["parallel"] = measure_parallel(rig)
-        _say("section 5: admission and reclaim")
+        bench_say("section 5: admission and reclaim")
         results["admission"] = measure_admission(rig)
-        _say("section 6: memory")
+        bench_say("section 6: memory")
         results["memory"] = measure_memory(rig)
     finally:
         rig.close()
@@ -95,7 +95,7 @@ def run_bench(options: BenchOptions) -> tuple[dict, str]:
     # every process this run started has been waited for by now, so its CPU time is in ours
     env["other_processes_cpu_s"] = (_busy_cpu_s() - busy_before) - (_own_tree_cpu_s() - ours_before)
     results["environment"] = _jsonable(env)
-    _say(f"run took {env['wall_s']:.0f} s; other processes used {env['other_processes_cpu_s']:.1f} CPU-seconds meanwhile; "
+    bench_say(f"run took {env['wall_s']:.0f} s; other processes used {env['other_processes_cpu_s']:.1f} CPU-seconds meanwhile; "
          f"load average at start {env['load_average_at_start'][0]:.2f}")
     summary, rows = summarize(results)
     table = render_table(rows)
@@ -105,11 +105,11 @@ def run_bench(options: BenchOptions) -> tuple[dict, str]:
     stem = "bench-quick" if options.quick else "bench"
     json_path = options.out_dir / f"{stem}.json"
     json_path.write_text(json.dumps(results, indent=1, allow_nan=False) + "\n")
-    _say(f"wrote {json_path}")
+    bench_say(f"wrote {json_path}")
     if options.chart:
         chart_path = options.out_dir / f"{stem}.png"
         write_chart(results, summary, chart_path)
-        _say(f"wrote {chart_path}")
+        bench_say(f"wrote {chart_path}")
     return results, table
 
 

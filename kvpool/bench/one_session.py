@@ -8,9 +8,9 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from kvpool.bench.options import EPOCH, ROUTE_N_CTX, SINGLE_THREADS, _say
+from kvpool.bench.options import EPOCH, ROUTE_N_CTX, SINGLE_THREADS, bench_say
 from kvpool.bench.reference import PlainContext
-from kvpool.bench.rig import Rig, Variant, _interleaved, _timed, payload_seconds, round_trips
+from kvpool.bench.rig import Rig, Variant, run_interleaved, time_call, payload_seconds, round_trips
 from kvpool.client import Client
 from kvpool.router import Router
 
@@ -68,19 +68,19 @@ def measure_mid_shard(rig: Rig) -> dict:
             variant.append(0, hidden[:history])
             for step in range(4):
                 variant.append(history + step, hidden[history + step : history + step + 1])
-        for round_index, order in _interleaved(options.rounds, list(variants)):
+        for round_index, order in run_interleaved(options.rounds, list(variants)):
             for name in order:
                 variant = variants[name]
                 variant.reset()
                 variant.append(0, hidden[:history])
                 for step in range(steps):
                     row = hidden[history + step : history + step + 1]
-                    decode[name].append(_timed(lambda: variant.append(history + step, row)))
+                    decode[name].append(time_call(lambda: variant.append(history + step, row)))
                 variant.reset()
-                prefill[name].append(_timed(lambda: variant.append(0, hidden[: options.prefill_rows])))
+                prefill[name].append(time_call(lambda: variant.append(0, hidden[: options.prefill_rows])))
             for kind, values in round_trips(client, MID_SESSION, options.prefill_rows, max(8, steps // 2), IDLE_MID_S).items():
                 trips[kind].extend(values)
-            _say(f"middle shard: round {round_index + 1}/{options.rounds}")
+            bench_say(f"middle shard: round {round_index + 1}/{options.rounds}")
     finally:
         close()
     payload = payload_seconds(hidden[:1], rig.middle.n_embd, count=200)
@@ -152,14 +152,14 @@ def measure_route(rig: Rig, chain_clients: list[Client], whole_client: Client) -
     try:
         for name, variant in variants.items():
             tokens[name] = _greedy_run(variant, prompt, min(steps, 16), None)  # warm-up; the tokens are compared
-        for round_index, order in _interleaved(options.rounds, list(variants)):
+        for round_index, order in run_interleaved(options.rounds, list(variants)):
             for name in order:
                 _greedy_run(variants[name], prompt, steps, times[name])
             length = len(prompt) + steps
             for index, client in enumerate(chain_clients):
                 for kind, values in round_trips(client, "bench-route-chain", length, max(8, steps // 2), IDLE_CHAIN_S).items():
                     trips[index][kind].extend(values)
-            _say(f"whole route: round {round_index + 1}/{options.rounds}")
+            bench_say(f"whole route: round {round_index + 1}/{options.rounds}")
     finally:
         close()
     shard_widths = [rig.shards[0].n_embd] * (len(rig.shards) - 1) + [rig.shards[-1].n_vocab]

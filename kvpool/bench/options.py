@@ -17,15 +17,15 @@ ROUTE_N_CTX = 1024  # context of the decode and prefill sessions
 EPOCH = 1
 
 
-def _say(message: str) -> None:
+def bench_say(message: str) -> None:
     print(f"kvpool bench: {time.strftime('%H:%M:%S', time.gmtime())} {message}", file=sys.stderr, flush=True)
 
 
-def _median(values: Sequence[float]) -> float:
+def median_of(values: Sequence[float]) -> float:
     return statistics.median(values) if values else math.nan
 
 
-def _mib(value: float) -> float:
+def as_mib(value: float) -> float:
     return value / 1024**2
 
 

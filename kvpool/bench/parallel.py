@@ -15,9 +15,9 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import psutil
 
-from kvpool.bench.options import EPOCH, PARALLEL_THREADS, ROUTE_N_CTX, SESSIONS, _say
+from kvpool.bench.options import EPOCH, PARALLEL_THREADS, ROUTE_N_CTX, SESSIONS, bench_say
 from kvpool.bench.reference import BatchedContext, PlainContext
-from kvpool.bench.rig import Rig, _interleaved
+from kvpool.bench.rig import Rig, run_interleaved
 from kvpool.client import Client
 from kvpool.launcher import Daemon
 from workers.runtime import ShardModel
@@ -237,10 +237,10 @@ def measure_parallel(rig: Rig) -> dict:
     try:
         for name, runner in runners.items():  # warm-up (and the whole daemon's calibration of n_ctx 1024)
             runner(4)
-        for round_index, order in _interleaved(options.parallel_rounds, list(runners)):
+        for round_index, order in run_interleaved(options.parallel_rounds, list(runners)):
             for name in order:
                 rates[name].append(runners[name](options.parallel_steps))
-            _say(f"four sessions: round {round_index + 1}/{options.parallel_rounds}")
+            bench_say(f"four sessions: round {round_index + 1}/{options.parallel_rounds}")
     finally:
         ceiling.close()
     return {"tokens_per_s": rates, "whole_daemon_cpu_s_per_token": whole_cpu[1:]}  # [0] is the warm-up

@@ -9,7 +9,7 @@ import statistics
 from collections.abc import Sequence
 
 from kvpool.bench.one_session import IDLE_CHAIN_S, IDLE_MID_S
-from kvpool.bench.options import PARALLEL_THREADS, SESSIONS, _median, _mib
+from kvpool.bench.options import PARALLEL_THREADS, SESSIONS, median_of, as_mib
 from kvpool.bench.parallel import CEILING
 
 DAEMON_OVERHEAD_TARGET = 0.95  # daemon tok/s >= 0.95 x in-process tok/s
@@ -55,11 +55,11 @@ def summarize(results: dict) -> tuple[dict, list[Row]]:
     rows: list[Row] = []
 
     mid = results["mid_shard"]
-    decode = {name: _median(values) for name, values in mid["decode_s"].items()}
-    prefill = {name: _median(values) for name, values in mid["prefill_s"].items()}
-    mid_trip = _median(mid["round_trip_s"]["worker_after_idle"])
-    mid_trip_hot = _median(mid["round_trip_s"]["worker"])
-    mid_supervisor = _median(mid["round_trip_s"]["supervisor"])
+    decode = {name: median_of(values) for name, values in mid["decode_s"].items()}
+    prefill = {name: median_of(values) for name, values in mid["prefill_s"].items()}
+    mid_trip = median_of(mid["round_trip_s"]["worker_after_idle"])
+    mid_trip_hot = median_of(mid["round_trip_s"]["worker"])
+    mid_supervisor = median_of(mid["round_trip_s"]["supervisor"])
     overhead = decode["daemon"] - decode["runtime"]
     mid_rest = overhead - mid_trip - mid["payload_s"]
     daemon_vs_runtime = decode["runtime"] / decode["daemon"]
@@ -86,12 +86,12 @@ def summarize(results: dict) -> tuple[dict, list[Row]]:
     ]
 
     route = results["route"]
-    greedy = {name: _median(values) for name, values in route["decode_s"].items()}
+    greedy = {name: median_of(values) for name, values in route["decode_s"].items()}
     whole, local, chain = greedy["llama.cpp whole"], greedy["in-process chain"], greedy["daemon chain"]
     difference = chain - whole
     split = local - whole
-    trips = sum(_median(hop["worker_after_idle"]) for hop in route["round_trip_s"])
-    trips_hot = sum(_median(hop["worker"]) for hop in route["round_trip_s"])
+    trips = sum(median_of(hop["worker_after_idle"]) for hop in route["round_trip_s"])
+    trips_hot = sum(median_of(hop["worker"]) for hop in route["round_trip_s"])
     payload = sum(route["payload_s_per_hop"])
     rest = chain - local - trips - payload
     summary.update({
@@ -113,7 +113,7 @@ def summarize(results: dict) -> tuple[dict, list[Row]]:
         Row("2", "greedy tokens identical in all four paths", "yes" if summary["s2_tokens_identical"] else "NO", "", ""),
     ]
 
-    parallel = {name: _median(values) for name, values in results["parallel"]["tokens_per_s"].items()}
+    parallel = {name: median_of(values) for name, values in results["parallel"]["tokens_per_s"].items()}
     spread = {name: f" (rounds {min(values):.0f}-{max(values):.0f})" for name, values in results["parallel"]["tokens_per_s"].items()}
     batched_names = [name for name in parallel if name.startswith("llama.cpp")]
     ceiling = parallel[CEILING]
@@ -129,7 +129,7 @@ def summarize(results: dict) -> tuple[dict, list[Row]]:
     rows.append(Row("3", f"four sessions, ceiling of kvpool's schedule ({CEILING}, in-process llama.cpp) vs the best batched",
                     f"{ceiling:.0f} tok/s{spread[CEILING]}", f"{best:.0f} tok/s", f"{ceiling / best:.3f}x tok/s"))
     cpu_rounds = results["parallel"]["whole_daemon_cpu_s_per_token"]
-    cpu = {part: _median([sample[part] for sample in cpu_rounds]) for part in ("workers", "supervisor", "router")}
+    cpu = {part: median_of([sample[part] for sample in cpu_rounds]) for part in ("workers", "supervisor", "router")}
     whole_rate = parallel["kvpool whole model, 1 daemon"]
     budget = PARALLEL_THREADS / whole_rate
     idle = budget - sum(cpu.values())
@@ -160,13 +160,13 @@ def summarize(results: dict) -> tuple[dict, list[Row]]:
     ]
 
     admission = results["admission"]
-    decode_step = _median(admission["decode_s"])
+    decode_step = median_of(admission["decode_s"])
     summary["s5_daemon_decode_step_s"] = decode_step
     for n_ctx in results["options"]["admit_n_ctx"]:
         key = str(n_ctx)
-        admit = _median(admission["admit_s"][key])
-        inprocess = _median(admission["inprocess_admit_s"][key])
-        bare = _median(admission["bare_create_s"][key])
+        admit = median_of(admission["admit_s"][key])
+        inprocess = median_of(admission["inprocess_admit_s"][key])
+        bare = median_of(admission["bare_create_s"][key])
         net = admit - decode_step
         summary.update({f"s5_admit_{n_ctx}_s": admit, f"s5_inprocess_admit_{n_ctx}_s": inprocess, f"s5_bare_create_{n_ctx}_s": bare})
         rows.append(Row("5", f"admit n_ctx {n_ctx} on a warm worker: admitting 1-token append vs in-process create + 1-token append",
@@ -177,7 +177,7 @@ def summarize(results: dict) -> tuple[dict, list[Row]]:
     firsts = []
     for n_ctx in results["options"]["admit_n_ctx"]:
         value = first[str(n_ctx)]
-        steady = _median(admission["admit_s"][str(n_ctx)])
+        steady = median_of(admission["admit_s"][str(n_ctx)])
         if value is None:
             firsts.append(f"{n_ctx}: at daemon start")
         else:
@@ -185,18 +185,18 @@ def summarize(results: dict) -> tuple[dict, list[Row]]:
             firsts.append(f"{n_ctx}: {_ms(value)} (+{_ms(value - steady)})")
     rows.append(Row("5", "first admission of an n_ctx (calibration: a context + 512-row prefill measured, then freed)", "; ".join(firsts),
                     "steady state above", ""))
-    release = _median([v for values in admission["release_s"].values() for v in values])
-    visible = _median([v for values in admission["reclaim_visible_s"].values() for v in values])
-    free = _median([v for values in admission["bare_free_s"].values() for v in values])
-    kept = {n_ctx: _median(values) for n_ctx, values in admission["uss_kept_bytes"].items()}
+    release = median_of([v for values in admission["release_s"].values() for v in values])
+    visible = median_of([v for values in admission["reclaim_visible_s"].values() for v in values])
+    free = median_of([v for values in admission["bare_free_s"].values() for v in values])
+    kept = {n_ctx: median_of(values) for n_ctx, values in admission["uss_kept_bytes"].items()}
     summary.update({"s5_release_s": release, "s5_reclaim_visible_s": visible, "s5_bare_free_s": free})
     summary.update({f"s5_uss_kept_{n_ctx}_bytes": value for n_ctx, value in kept.items()})
     rows.append(Row("5", "release -> bytes available: release round trip; until a stats reply shows reserved dropped",
                     f"{_ms(release)}; {_ms(visible)}", f"llama_free {_ms(free)}", f"{release / free:.1f}x time"))
     rows.append(Row("5", "  workers' USS still held after release (vs before the admission), by n_ctx",
-                    "; ".join(f"{n_ctx}: {_mib(value):+.1f} MiB" for n_ctx, value in kept.items()), "", ""))
-    evict = _median(admission["evict_admit_s"])
-    admit_2048 = _median(admission["admit_s"]["2048"]) if "2048" in admission["admit_s"] else math.nan
+                    "; ".join(f"{n_ctx}: {as_mib(value):+.1f} MiB" for n_ctx, value in kept.items()), "", ""))
+    evict = median_of(admission["evict_admit_s"])
+    admit_2048 = median_of(admission["admit_s"]["2048"]) if "2048" in admission["admit_s"] else math.nan
     summary.update({"s5_evict_admit_s": evict, "s5_evictions_counted": admission["evictions_counted"]})
     rows.append(Row("5", f"LRU eviction + admission, n_ctx 2048, all {SESSIONS} workers bound ({admission['evictions_counted']} evictions counted)",
                     _ms(evict), f"admit on a free worker {_ms(admit_2048)}", f"{evict / admit_2048:.2f}x time"))
@@ -208,9 +208,9 @@ def summarize(results: dict) -> tuple[dict, list[Row]]:
         summary.update({f"s6_charged_{n_ctx}_bytes": charged, f"s6_theory_{n_ctx}_bytes": theory, f"s6_uss_growth_{n_ctx}_bytes": growth})
         held = figures["held_before_bytes"]
         summary[f"s6_held_before_{n_ctx}_bytes"] = held
-        rows.append(Row("6", f"one session n_ctx {n_ctx}: charged; measured worker USS growth (the worker held {_mib(held):+.1f} MiB over its "
+        rows.append(Row("6", f"one session n_ctx {n_ctx}: charged; measured worker USS growth (the worker held {as_mib(held):+.1f} MiB over its "
                              "start-up USS before) vs theoretical KV (n_ctx x 30 layers x (k+v) x f16)",
-                        f"{_mib(charged):.1f} MiB; {_mib(growth):.1f} MiB", f"{_mib(theory):.1f} MiB",
+                        f"{as_mib(charged):.1f} MiB; {as_mib(growth):.1f} MiB", f"{as_mib(theory):.1f} MiB",
                         f"{charged / theory:.2f}x; {growth / theory:.2f}x"))
     totals = memory["daemon_uss_bytes"]
     n_ctx = memory["daemon_sessions_n_ctx"]
@@ -218,8 +218,8 @@ def summarize(results: dict) -> tuple[dict, list[Row]]:
     theory = n_ctx * memory["kv_bytes_per_position"]
     summary.update({f"s6_daemon_uss_{count}_bytes": value for count, value in totals.items()})
     rows.append(Row("6", f"whole-model daemon USS (supervisor + {SESSIONS} workers) at 0 / 1 / {SESSIONS} sessions of n_ctx {n_ctx}",
-                    " / ".join(f"{_mib(totals[key]):.0f}" for key in ("0", "1", str(SESSIONS))) + " MiB",
-                    f"+{_mib(theory):.1f} MiB KV per session", f"+{_mib(per_added):.1f} MiB per session = {per_added / theory:.2f}x"))
+                    " / ".join(f"{as_mib(totals[key]):.0f}" for key in ("0", "1", str(SESSIONS))) + " MiB",
+                    f"+{as_mib(theory):.1f} MiB KV per session", f"+{as_mib(per_added):.1f} MiB per session = {per_added / theory:.2f}x"))
     return summary, rows
 
 
@@ -280,7 +280,7 @@ def write_chart(results: dict, summary: dict, path: pathlib.Path) -> None:
     axes[1][1].legend(fontsize=8)
     for offset, (key, label, color) in enumerate([("s6_charged_{}_bytes", "charged", kvpool), ("s6_uss_growth_{}_bytes", "measured USS growth", "#70ad47"),
                                                   ("s6_theory_{}_bytes", "theoretical KV", reference)]):
-        axes[1][2].bar([i + (offset - 1) * width for i in range(len(sizes))], [_mib(summary[key.format(n)]) for n in sizes], width, label=label, color=color)
+        axes[1][2].bar([i + (offset - 1) * width for i in range(len(sizes))], [as_mib(summary[key.format(n)]) for n in sizes], width, label=label, color=color)
     axes[1][2].set_xticks(range(len(sizes)), [f"n_ctx {n}" for n in sizes])
     axes[1][2].set_title("6  memory per session (whole model)", fontsize=10)
     axes[1][2].set_ylabel("MiB")

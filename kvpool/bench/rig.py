@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator, Sequence
 import numpy as np
 import psutil
 
-from kvpool.bench.options import EPOCH, PARALLEL_THREADS, ROUTE_N_CTX, SESSIONS, SINGLE_THREADS, BenchOptions, _median, _say
+from kvpool.bench.options import EPOCH, PARALLEL_THREADS, ROUTE_N_CTX, SESSIONS, SINGLE_THREADS, BenchOptions, median_of, bench_say
 from kvpool.chain import LocalChain
 from kvpool.client import Client
 from kvpool.launcher import Daemon
@@ -53,7 +53,7 @@ class Rig:
     def _setup(self) -> None:
         options = self.options
         source = options.model
-        self.shards: list[ShardInfo] = shards_in_parts(source, 3, progress=_say)
+        self.shards: list[ShardInfo] = shards_in_parts(source, 3, progress=bench_say)
         self.middle = self.shards[1]
         common = ["--ttl", "600", "--threads-per-worker", "1"]
         route = [*common, "--n-ctx", str(ROUTE_N_CTX)]
@@ -64,7 +64,7 @@ class Rig:
                               "--n-ctx", str(options.max_n_ctx), "--budget", "2GiB"]),
         }
         self.daemon_options = {name: options_ for name, (_path, options_) in plan.items()}
-        _say(f"starting {len(plan)} daemons ({sum(int(o[o.index('--max-sessions') + 1]) for _p, o in plan.values())} workers), sockets in {self.socket_dir}")
+        bench_say(f"starting {len(plan)} daemons ({sum(int(o[o.index('--max-sessions') + 1]) for _p, o in plan.values())} workers), sockets in {self.socket_dir}")
         started = time.perf_counter()
         self.daemons: dict[str, Daemon] = {}
         for name, (path, daemon_options) in plan.items():
@@ -74,7 +74,7 @@ class Rig:
         for daemon in self.daemons.values():
             daemon.wait_ready()
         self.daemon_start_s = time.perf_counter() - started
-        _say(f"daemons ready in {self.daemon_start_s:.1f} s")
+        bench_say(f"daemons ready in {self.daemon_start_s:.1f} s")
         self.daemon_uss_at_start = daemon_uss(self.daemons["whole"])
 
         self.tokenizer = self._stack.enter_context(Tokenizer(source))
@@ -112,13 +112,13 @@ def daemon_uss(daemon: Daemon) -> int:
     return total
 
 
-def _timed(function: Callable[[], object]) -> float:
+def time_call(function: Callable[[], object]) -> float:
     started = time.perf_counter()
     function()
     return time.perf_counter() - started
 
 
-def _interleaved(rounds: int, names: Sequence[str]) -> Iterator[tuple[int, list[str]]]:
+def run_interleaved(rounds: int, names: Sequence[str]) -> Iterator[tuple[int, list[str]]]:
     """Round r runs the variants forwards on even r, backwards on odd r (drift hits all alike)."""
     for round_index in range(rounds):
         yield round_index, list(names) if round_index % 2 == 0 else list(reversed(names))
@@ -140,10 +140,10 @@ def round_trips(client: Client, session: str, length: int, count: int, idle_s: f
     or between a chain's hops), and an idle core's wake-up is not free on a VM."""
     times: dict[str, list[float]] = {"supervisor": [], "worker": [], "worker_after_idle": []}
     for _ in range(count):
-        times["supervisor"].append(_timed(lambda: client.release("bench-no-such-session", EPOCH)))
-        times["worker"].append(_timed(lambda: client.truncate(session, EPOCH, length)))
+        times["supervisor"].append(time_call(lambda: client.release("bench-no-such-session", EPOCH)))
+        times["worker"].append(time_call(lambda: client.truncate(session, EPOCH, length)))
         time.sleep(idle_s)
-        times["worker_after_idle"].append(_timed(lambda: client.truncate(session, EPOCH, length)))
+        times["worker_after_idle"].append(time_call(lambda: client.truncate(session, EPOCH, length)))
     return times
 
 
@@ -171,4 +171,4 @@ def payload_seconds(rows: np.ndarray, out_floats: int, *, count: int) -> float:
         reply = decode_reply(bytes(bytearray(frame[4:])))
         np.frombuffer(reply.data, dtype="<f4")
         times.append(time.perf_counter() - started)
-    return _median(times)
+    return median_of(times)

@@ -23,128 +23,31 @@ global order.
 
 from __future__ import annotations
 
-from kvpool.stress.cancels import CANCEL_ATTEMPTS, CancelDrill, CancelResult
-from kvpool.stress.checks import SETTLE_TIMEOUT_S, DrillFacts, Snapshot
-from kvpool.stress.cli import DESCRIPTION, add_arguments, build_parser, main, options_from, run
-from kvpool.stress.daemons import Chain
-from kvpool.stress.driver import (
-    ADMIT_RETRY_S,
-    BACKOFF_BASE_S,
-    BACKOFF_MAX_DOUBLINGS,
-    JITTER_MAX_S,
-    MAX_REPLAYS_PER_RECOVERY,
-    PREFILL_CHUNKS,
-    SessionDriver,
-)
-from kvpool.stress.errors import ContractViolation, StageFailed
-from kvpool.stress.faults import STALL_GRACE_S, FaultInjector
-from kvpool.stress.log import (
-    DaemonReference,
-    LocalReference,
-    LogEntry,
-    LoggedAppend,
-    LoggedReset,
-    LoggedTruncate,
-    ReferenceChain,
-    ReplayOutcome,
-    replay_alone,
-    row_digest,
-)
-from kvpool.stress.options import FORCED_KINDS, IDLE_MARGIN_S, LATE_CANCEL, UNLIMITED_BUDGET, FaultKind, MiB, OpKind, StressOptions
-from kvpool.stress.plans import PlannedFault, SessionPlan, SessionSetup, build_plans, cancel_targets
-from kvpool.stress.processes import ORPHAN_DEADLINE_S
-from kvpool.stress.recording import Recorder, Sampler
-from kvpool.stress.report import (
-    DaemonSummary,
-    KillRecord,
-    Latency,
-    Sample,
-    SessionSummary,
-    SlowReaderRecord,
-    StallRecord,
-    StressReport,
-    SupervisorKillRecord,
-    Verdict,
-    WorkerMemory,
-    render,
-)
-from kvpool.stress.restarts import ChainControl
-from kvpool.stress.runner import FILLER_ROWS, FILLER_TEXT, PROGRESS_EVERY_S, PROMPTS, Say, run_stress
-from kvpool.stress.schedule import MIN_FILLER_ROWS, OP_WEIGHTS, PREFILL_FIRST, OpSchedule
-from kvpool.stress.slow_reader import ROWS_PER_APPEND, RSS_BOUND_BYTES, SlowReader
+from kvpool.stress.cli import DESCRIPTION, add_arguments, main, run
+from kvpool.stress.drill_checks import operations_verdict
+from kvpool.stress.log import LocalReference, LoggedAppend, LoggedReset, LoggedTruncate, replay_alone, row_digest
+from kvpool.stress.options import LATE_CANCEL, FaultKind, OpKind, StressOptions
+from kvpool.stress.plans import build_plans, cancel_targets
+from kvpool.stress.report import SessionSummary, StressReport, render
+from kvpool.stress.runner import run_stress
 
 __all__ = [
-    "ADMIT_RETRY_S",
-    "BACKOFF_BASE_S",
-    "BACKOFF_MAX_DOUBLINGS",
-    "CANCEL_ATTEMPTS",
-    "CancelDrill",
-    "CancelResult",
-    "Chain",
-    "ChainControl",
-    "ContractViolation",
     "DESCRIPTION",
-    "DaemonReference",
-    "DaemonSummary",
-    "DrillFacts",
-    "FILLER_ROWS",
-    "FILLER_TEXT",
-    "FORCED_KINDS",
-    "FaultInjector",
-    "FaultKind",
-    "IDLE_MARGIN_S",
-    "JITTER_MAX_S",
-    "KillRecord",
     "LATE_CANCEL",
-    "Latency",
+    "FaultKind",
     "LocalReference",
-    "LogEntry",
     "LoggedAppend",
     "LoggedReset",
     "LoggedTruncate",
-    "MAX_REPLAYS_PER_RECOVERY",
-    "MIN_FILLER_ROWS",
-    "MiB",
-    "ORPHAN_DEADLINE_S",
-    "OP_WEIGHTS",
     "OpKind",
-    "OpSchedule",
-    "PREFILL_CHUNKS",
-    "PREFILL_FIRST",
-    "PROGRESS_EVERY_S",
-    "PROMPTS",
-    "PlannedFault",
-    "ROWS_PER_APPEND",
-    "RSS_BOUND_BYTES",
-    "Recorder",
-    "ReferenceChain",
-    "ReplayOutcome",
-    "SETTLE_TIMEOUT_S",
-    "STALL_GRACE_S",
-    "Sample",
-    "Sampler",
-    "Say",
-    "SessionDriver",
-    "SessionPlan",
-    "SessionSetup",
     "SessionSummary",
-    "SlowReader",
-    "SlowReaderRecord",
-    "Snapshot",
-    "StageFailed",
-    "StallRecord",
     "StressOptions",
     "StressReport",
-    "SupervisorKillRecord",
-    "UNLIMITED_BUDGET",
-    "Verdict",
-    "WorkerMemory",
     "add_arguments",
-    "build_parser",
     "build_plans",
     "cancel_targets",
     "main",
-    "options_from",
+    "operations_verdict",
     "render",
     "replay_alone",
     "row_digest",

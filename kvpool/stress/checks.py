@@ -32,7 +32,7 @@ class Snapshot:
         return {worker.pid: worker.uss_bytes for worker in self.stats.workers}
 
 
-def _snapshot(sockets: Sequence[pathlib.Path]) -> list[Snapshot]:
+def take_snapshot(sockets: Sequence[pathlib.Path]) -> list[Snapshot]:
     snapshots = []
     for path in sockets:
         with Client(path, timeout_s=30, name="stress-check") as client:
@@ -65,7 +65,7 @@ def _settled(before: Snapshot, after: Snapshot, prefix: str, tolerance: int, wor
     )
 
 
-def _settle(sockets: Sequence[pathlib.Path], before: Sequence[Snapshot], prefix: str, tolerance: int, workers_expected: int | None) -> list[Snapshot]:
+def settle_daemons(sockets: Sequence[pathlib.Path], before: Sequence[Snapshot], prefix: str, tolerance: int, workers_expected: int | None) -> list[Snapshot]:
     """Stats of every daemon once everything is back (or as they are when SETTLE_TIMEOUT_S runs out).
 
     Evicted sessions' contexts are freed in the background and killed workers are replaced
@@ -73,13 +73,13 @@ def _settle(sockets: Sequence[pathlib.Path], before: Sequence[Snapshot], prefix:
     """
     deadline = time.monotonic() + SETTLE_TIMEOUT_S
     while True:
-        after = _snapshot(sockets)
+        after = take_snapshot(sockets)
         if all(_settled(b, a, prefix, tolerance, workers_expected) for b, a in zip(before, after)) or time.monotonic() > deadline:
             return after
         time.sleep(0.25)
 
 
-def _daemon_summaries(chain: Chain, before: Sequence[Snapshot], after: Sequence[Snapshot], samples: Sequence[Sample], tolerance: int, prefix: str, restarted: frozenset[int] = frozenset()) -> list[DaemonSummary]:
+def daemon_summaries(chain: Chain, before: Sequence[Snapshot], after: Sequence[Snapshot], samples: Sequence[Sample], tolerance: int, prefix: str, restarted: frozenset[int] = frozenset()) -> list[DaemonSummary]:
     summaries = []
     for index, (b, a) in enumerate(zip(before, after)):
         shard = a.stats.shard
@@ -113,7 +113,7 @@ class DrillFacts:
     sampler_gaps: int = 0
 
 
-def _verdicts(options: StressOptions, chain: Chain, drivers: Sequence[SessionDriver], sessions: Sequence[SessionSummary], daemons: Sequence[DaemonSummary], samples: Sequence[Sample], sampler_failures: Sequence[str], drills: DrillFacts | None = None) -> tuple[list[Verdict], list[str]]:
+def build_verdicts(options: StressOptions, chain: Chain, drivers: Sequence[SessionDriver], sessions: Sequence[SessionSummary], daemons: Sequence[DaemonSummary], samples: Sequence[Sample], sampler_failures: Sequence[str], drills: DrillFacts | None = None) -> tuple[list[Verdict], list[str]]:
     """Every verdict of the run, and the warnings (what could not be exercised; never a failure)."""
     drills = drills or DrillFacts()
     verdicts: list[Verdict] = []

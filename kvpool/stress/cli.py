@@ -13,7 +13,7 @@ from kvpool.launcher import DaemonStartFailed
 from kvpool.shard_error import ShardError
 from kvpool.stress.options import StressOptions
 from kvpool.stress.report import render
-from kvpool.stress.runner import Say, _stderr_say, run_stress
+from kvpool.stress.runner import Say, say_on_stderr, run_stress
 
 
 # ---- command line ---------------------------------------------------------------------------------------
@@ -73,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as error:
         print(f"kvpool stress: error: {error}", file=sys.stderr)
         return 2
-    say: Say = _stderr_say if options.progress else (lambda message: None)
+    say: Say = say_on_stderr if options.progress else (lambda message: None)
     try:
         report = run_stress(options, say=say)
     except (DaemonStartFailed, ShardError, BundledModelMissing, ConnectionLost, OSError) as error:

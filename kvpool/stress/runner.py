@@ -21,7 +21,7 @@ from kvpool.client import Client
 from kvpool.config import format_bytes
 from kvpool.launcher import start_daemons
 from kvpool.shardcache import shards_in_parts
-from kvpool.stress.checks import DrillFacts, _daemon_summaries, _settle, _snapshot, _verdicts
+from kvpool.stress.checks import DrillFacts, daemon_summaries, settle_daemons, take_snapshot, build_verdicts
 from kvpool.stress.daemons import Chain, open_chain, serve_options, stop_all
 from kvpool.stress.driver import SessionDriver
 from kvpool.stress.faults import resume_stalled
@@ -57,7 +57,7 @@ FILLER_TEXT = " ".join(f"The lighthouse log entry number {i} says the sea was ca
 Say = Callable[[str], None]
 
 
-def _stderr_say(message: str) -> None:
+def say_on_stderr(message: str) -> None:
     print(f"kvpool stress: {message}", file=sys.stderr, flush=True)
 
 
@@ -159,7 +159,7 @@ def _session_summary(driver: SessionDriver, replay: ReplayOutcome) -> SessionSum
     )
 
 
-def run_stress(options: StressOptions, *, say: Say = _stderr_say) -> StressReport:
+def run_stress(options: StressOptions, *, say: Say = say_on_stderr) -> StressReport:
     """The whole run: set up, drive the sessions, check, replay alone, judge. Raises on setup failure."""
     started = time.monotonic()
     run_prefix = f"stress-{os.getpid()}-{options.seed}-"
@@ -182,7 +182,7 @@ def run_stress(options: StressOptions, *, say: Say = _stderr_say) -> StressRepor
             setups = [SessionSetup(i, f"{run_prefix}{i}", prompts[i], filler, plans[i]) for i in range(options.sessions)]
             control = ChainControl(chain, say) if options.kill_supervisor else None
             footprint.add(chain.daemons)
-            before = _snapshot(chain.sockets)
+            before = take_snapshot(chain.sockets)
             recorder = Recorder()
             sampler = Sampler(chain.sockets, options.sample_interval_s, expected_loss=control.restarted if control is not None else None)
             slow = SlowReader(chain.sockets[-1], len(chain.sockets) - 1, f"{run_prefix}slow-reader", options.n_ctx, options.seed) if options.slow_reader else None
@@ -204,7 +204,7 @@ def run_stress(options: StressOptions, *, say: Say = _stderr_say) -> StressRepor
             drills.supervisor_kills = control.kills if control is not None else []
             drills.sampler_gaps = sampler.gaps
             say(f"sessions done in {time.monotonic() - started:.1f} s; waiting for the daemons to settle")
-            after = _settle(chain.sockets, before, run_prefix, options.uss_tolerance_bytes, chain.workers_expected)
+            after = settle_daemons(chain.sockets, before, run_prefix, options.uss_tolerance_bytes, chain.workers_expected)
             footprint.add(chain.daemons)
         finally:
             codes = stop_all(chain.daemons)
@@ -216,8 +216,8 @@ def run_stress(options: StressOptions, *, say: Say = _stderr_say) -> StressRepor
         replays = _replay_all(options, chain, drivers, socket_dir, say)
         sessions = [_session_summary(driver, replay) for driver, replay in zip(drivers, replays)]
         restarted = frozenset(kill.daemon for kill in drills.supervisor_kills)
-        daemons = _daemon_summaries(chain, before, after, sampler.samples, options.uss_tolerance_bytes, run_prefix, restarted)
-        verdicts, warnings = _verdicts(options, chain, drivers, sessions, daemons, sampler.samples, sampler.failures, drills)
+        daemons = daemon_summaries(chain, before, after, sampler.samples, options.uss_tolerance_bytes, run_prefix, restarted)
+        verdicts, warnings = build_verdicts(options, chain, drivers, sessions, daemons, sampler.samples, sampler.failures, drills)
         ops_by_kind = Counter()
         for driver in drivers:
             ops_by_kind.update(driver.ops)
