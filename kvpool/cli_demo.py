@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
         return 1
     try:
         for daemon, shard in zip(daemons, shards):
-            _say(f"daemon pid {daemon.process.pid} serves layers [{shard.layer_start}, {shard.layer_stop}) on {daemon.socket.name}")
+            _say(f"daemon pid {daemon.process.pid} serves {shard.shape} on {daemon.socket.name}")
         _say(f"daemons ready in {time.perf_counter() - started:.1f} s")
         clients = [daemon.client() for daemon in daemons]
         try:

@@ -29,7 +29,7 @@ def render(stats: StatsReply) -> str:
     shard = stats.shard
     budget = stats.budget
     lines = [
-        f"shard   layers [{shard.layer_start}, {shard.layer_stop}) of {shard.total_layers}  {shard.model_path}",
+        f"shard   {shard.shape}  {shard.model_path}",
         f"uptime  {stats.uptime_s:.0f} s   books: {stats.integrity}",
         f"budget  reserved {format_bytes(budget.reserved_bytes)} / limit {format_bytes(budget.limit_bytes)}   "
         f"measured USS {format_bytes(budget.measured_uss_bytes)}"

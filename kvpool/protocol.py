@@ -16,7 +16,9 @@ import struct
 
 import msgspec
 
-PROTOCOL_VERSION = 2  # 2: request_id on every request and reply
+from kvpool.shard_shape import ShardShape
+
+PROTOCOL_VERSION = 3  # 2: request_id on every request and reply; 3: ShardDescription.shape
 FRAME_HEADER = struct.Struct(">I")
 DEFAULT_MAX_REQUEST_BYTES = 64 * 1024 * 1024
 MAX_REPLY_BYTES = 2 * 1024 * 1024 * 1024 - 1
@@ -125,21 +127,9 @@ Request = Hello | Append | Truncate | Release | Cancel | Stats | Shutdown
 
 
 class ShardDescription(Message):
-    layer_start: int
-    layer_stop: int
-    total_layers: int
-    n_embd: int
-    n_vocab: int
+    shape: ShardShape
     model_path: str
     source_sha256: str = ""
-
-    @property
-    def is_first(self) -> bool:
-        return self.layer_start == 0
-
-    @property
-    def is_last(self) -> bool:
-        return self.layer_stop == self.total_layers
 
 
 class HelloReply(ReplyMessage):

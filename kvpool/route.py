@@ -24,17 +24,18 @@ def check_route(shards: Sequence[Shard]) -> None:
     """Raise ShardError unless the shards cover [0, total) exactly, in order, from one source model."""
     if not shards:
         raise ShardError("a route needs at least one shard")
-    total = shards[0].total_layers
+    total = shards[0].shape.total_layers
     expected_start = 0
     for shard in shards:
-        if shard.total_layers != total or shard.source_sha256 != shards[0].source_sha256:
+        shape = shard.shape
+        if shape.total_layers != total or shard.source_sha256 != shards[0].source_sha256:
             raise ShardError(f"{_name(shard)} comes from a different model than {_name(shards[0])}")
-        if shard.layer_start != expected_start:
+        if shape.layer_start != expected_start:
             raise ShardError(
                 f"route has a gap or overlap: expected a shard starting at layer {expected_start}, "
-                f"got {_name(shard)} [{shard.layer_start}, {shard.layer_stop})"
+                f"got {_name(shard)} [{shape.layer_start}, {shape.layer_stop})"
             )
-        expected_start = shard.layer_stop
+        expected_start = shape.layer_stop
     if expected_start != total:
         raise ShardError(f"route ends at layer {expected_start}, the model has {total}")
 

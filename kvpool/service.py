@@ -82,20 +82,20 @@ class KvService:
             raise bad("start_pos must be >= 0")
         if not 0 <= request.n_ctx <= self.config.n_ctx:
             raise bad(f"n_ctx must be in [0, {self.config.n_ctx}] (0: the default {self.config.n_ctx})")
-        if self.shard.is_first:
+        if self.shard.shape.is_first:
             if request.tokens is None or request.hidden is not None:
                 raise bad("the first shard takes token ids (tokens), not hidden states")
             rows = np.asarray(request.tokens, dtype=np.int64)
-            if rows.size and (rows.min() < 0 or rows.max() >= self.shard.n_vocab):
-                raise bad(f"token ids must be in [0, {self.shard.n_vocab})")
+            if rows.size and (rows.min() < 0 or rows.max() >= self.shard.shape.n_vocab):
+                raise bad(f"token ids must be in [0, {self.shard.shape.n_vocab})")
             rows = rows.astype(np.int32)
         else:
             if request.hidden is None or request.tokens is not None:
                 raise bad("this shard takes hidden states (hidden), not token ids")
-            row_bytes = self.shard.n_embd * 4
+            row_bytes = self.shard.shape.n_embd * 4
             if len(request.hidden) % row_bytes:
-                raise bad(f"hidden must be float32 rows of {self.shard.n_embd} values ({len(request.hidden)} bytes given)")
-            rows = np.frombuffer(request.hidden, dtype="<f4").reshape(-1, self.shard.n_embd)
+                raise bad(f"hidden must be float32 rows of {self.shard.shape.n_embd} values ({len(request.hidden)} bytes given)")
+            rows = np.frombuffer(request.hidden, dtype="<f4").reshape(-1, self.shard.shape.n_embd)
         if rows.shape[0] == 0:
             raise bad("an append needs at least one row")
         if rows.shape[0] > self.config.n_ctx:

@@ -32,7 +32,11 @@ from workers.commands import (
     Opened,
     OpenContext,
     Ready,
+    Restored,
+    RestoreState,
     RunAppend,
+    Saved,
+    SaveState,
     Truncated,
     TruncateContext,
 )
@@ -205,6 +209,14 @@ class WorkerHandle:
 
     async def close_context(self) -> None:
         await self._expect(CloseContext(), Closed)
+
+    async def save_state(self) -> bytes:
+        """The open context's sequence state (positions [0, length))."""
+        return (await self._expect(SaveState(), Saved)).blob
+
+    async def restore_state(self, n_ctx: int, blob: bytes, length: int) -> int:
+        """A fresh context loaded with `blob`, cut to `length`; WorkerFailed code restore_failed if refused."""
+        return (await self._expect(RestoreState(n_ctx=n_ctx, blob=blob, length=length), Restored)).length
 
     def set_abort(self, value: bool) -> None:
         if self.segment is None:

@@ -235,7 +235,7 @@ def test_stale_epoch_is_rejected_untouched_and_newer_epoch_releases_old_state(ro
     route.append("epoch", 5, 0, prompt[:6])
     reserved = [_reserved(daemon) for daemon in chain_daemons]
     for call in (
-        lambda c: c.append("epoch", 4, 6, tokens=[1]) if c.shard.is_first else c.append("epoch", 4, 6, hidden=np.zeros((1, 576), np.float32)),
+        lambda c: c.append("epoch", 4, 6, tokens=[1]) if c.shard.shape.is_first else c.append("epoch", 4, 6, hidden=np.zeros((1, 576), np.float32)),
         lambda c: c.truncate("epoch", 4, 0),
         lambda c: c.release("epoch", 4),
         lambda c: c.cancel("epoch", 4),

@@ -253,8 +253,7 @@ def test_back_off_doubles_with_jitter_is_bounded_and_the_daemons_hint_wins():
 def test_one_route_check_for_shard_files_and_for_what_daemons_serve(shards):
     check_route(shards)
     served = [
-        ShardDescription(layer_start=s.layer_start, layer_stop=s.layer_stop, total_layers=s.total_layers, n_embd=s.n_embd,
-                         n_vocab=s.n_vocab, model_path=str(s.path), source_sha256=s.source_sha256 or "")
+        ShardDescription(shape=s.shape, model_path=str(s.path), source_sha256=s.source_sha256 or "")
         for s in shards
     ]
     check_route(served)

@@ -88,7 +88,7 @@ def daemon_summaries(chain: Chain, before: Sequence[Snapshot], after: Sequence[S
         since = {} if index in restarted else b.stats.counters  # a restarted daemon counts from its restart
         summaries.append(
             DaemonSummary(
-                socket=str(chain.sockets[index]), layers=f"[{shard.layer_start}, {shard.layer_stop})",
+                socket=str(chain.sockets[index]), layers=f"[{shard.shape.layer_start}, {shard.shape.layer_stop})",
                 limit_bytes=a.stats.budget.limit_bytes, session_charge_bytes=chain.charges[index] if chain.charges else 0,
                 peak_reserved_bytes=peak, reserved_before=b.stats.budget.reserved_bytes, reserved_after=a.stats.budget.reserved_bytes,
                 our_sessions_after=sum(row.session_id.startswith(prefix) for row in a.stats.sessions), integrity_after=a.stats.integrity,
