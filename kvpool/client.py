@@ -31,10 +31,12 @@ from kvpool.protocol import (
     Done,
     ErrorCode,
     ErrorReply,
+    Fork,
     Hello,
     HelloReply,
     MissReason,
     OutputRows,
+    Park,
     Release,
     Reply,
     RequestMessage,
@@ -67,11 +69,12 @@ class AppendResult:
     length: int
     rows: np.ndarray  # float32 [rows, width]: hidden states, or logits on the last shard
     admitted: bool
+    restored: bool = False  # the session was parked; its saved state was restored for this append
 
     @classmethod
     def of(cls, reply: AppendReply) -> AppendResult:
         rows = np.frombuffer(reply.data, dtype="<f4").reshape(reply.rows, reply.width)
-        return cls(length=reply.length, rows=rows, admitted=reply.admitted)
+        return cls(length=reply.length, rows=rows, admitted=reply.admitted, restored=reply.restored)
 
 
 # Shared with kvpool.async_client: what a request is made of, and what its reply must be.
@@ -235,6 +238,14 @@ class Client:
 
     def release(self, session_id: str, epoch: int) -> Done:
         return self._call(Release(session_id=session_id, epoch=epoch), Done)
+
+    def park(self, session_id: str, epoch: int) -> Done:
+        """Save the idle session's state to the daemon's spill store and free its context now."""
+        return self._call(Park(session_id=session_id, epoch=epoch), Done)
+
+    def fork(self, session_id: str, epoch: int, new_session_id: str, new_epoch: int, length: int) -> Done:
+        """A new session holding the source's first `length` positions (parked until its first append)."""
+        return self._call(Fork(session_id=session_id, epoch=epoch, new_session_id=new_session_id, new_epoch=new_epoch, length=length), Done)
 
     def cancel(self, session_id: str, epoch: int) -> Done:
         """Abort the session's in-flight append (sent on a side connection; safe from another thread)."""

@@ -18,7 +18,7 @@ import msgspec
 
 from kvpool.shard_shape import ShardShape
 
-PROTOCOL_VERSION = 3  # 2: request_id on every request and reply; 3: ShardDescription.shape
+PROTOCOL_VERSION = 3  # 2: request_id on every request and reply; 3: ShardDescription.shape, Park, Fork, tiers
 FRAME_HEADER = struct.Struct(">I")
 DEFAULT_MAX_REQUEST_BYTES = 64 * 1024 * 1024
 MAX_REPLY_BYTES = 2 * 1024 * 1024 * 1024 - 1
@@ -60,6 +60,7 @@ class MissReason(enum.StrEnum):
     WORKER_LOST = "worker_lost"
     NEW_EPOCH = "new_epoch"
     RELEASED = "released"
+    RESTORE_FAILED = "restore_failed"
 
 
 class OutputRows(enum.StrEnum):
@@ -112,6 +113,25 @@ class Cancel(RequestMessage):
     epoch: int
 
 
+class Park(RequestMessage):
+    """Save an idle hot session's state to the spill store now and free its context (it is restored,
+    exactly, by its next append)."""
+
+    session_id: str
+    epoch: int
+
+
+class Fork(RequestMessage):
+    """A new session (new_session_id, new_epoch) holding the source's first `length` positions, parked;
+    independent of the source afterwards."""
+
+    session_id: str
+    epoch: int
+    new_session_id: str
+    new_epoch: int
+    length: int
+
+
 class Stats(RequestMessage):
     pass
 
@@ -120,7 +140,7 @@ class Shutdown(RequestMessage):
     pass
 
 
-Request = Hello | Append | Truncate | Release | Cancel | Stats | Shutdown
+Request = Hello | Append | Truncate | Release | Cancel | Park | Fork | Stats | Shutdown
 
 
 # ---- replies --------------------------------------------------------------------------------------
@@ -150,6 +170,7 @@ class AppendReply(ReplyMessage):
     width: int
     data: bytes
     admitted: bool = False
+    restored: bool = False  # the session was parked and its saved state restored for this append
 
 
 class Done(ReplyMessage):
@@ -177,8 +198,9 @@ class SessionRow(Message):
     n_ctx: int
     charged_bytes: int
     idle_s: float
-    worker_pid: int
+    worker_pid: int  # 0 while parked
     in_flight: bool
+    tier: str = "hot"  # hot (a worker's context), ram or disk (parked in the spill store)
 
 
 class WorkerRow(Message):
@@ -196,6 +218,10 @@ class BudgetRow(Message):
     measured_uss_bytes: int
     measured_vram_bytes: int | None = None
     shared_memory_bytes: int = 0  # the workers' segments: fixed, outside the session budget
+    spill_limit_bytes: int = 0  # the spill store's memory tier (0: the warm tier is off)
+    spill_bytes: int = 0
+    spill_disk_limit_bytes: int = 0
+    spill_disk_bytes: int = 0
 
 
 class StatsReply(ReplyMessage):

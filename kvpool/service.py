@@ -21,11 +21,14 @@ from kvpool.gpu import VramMeter
 from kvpool.housekeeping import Housekeeper
 from kvpool.integrity import require
 from kvpool.metrics import Metrics
+from kvpool.parking import Parking
 from kvpool.pool import WorkerPool
-from kvpool.protocol import Append, AppendReply, Cancel, Done, ErrorCode, MissReason, Release, ShardDescription, StatsReply, Truncate
+from kvpool.protocol import Append, AppendReply, Cancel, Done, ErrorCode, Fork, MissReason, Park, Release, ShardDescription, StatsReply, Truncate
 from kvpool.sessions import EpochCheck, Session
+from kvpool.spill import SpillStore
 from kvpool.status import build_stats, integrity_of
 from kvpool.worker_handle import WorkerFailed, WorkerLost
+from kvpool.warm_requests import WarmRequests
 from kvpool.worker_lifecycle import WorkerLifecycle
 
 MAX_SESSION_ID_BYTES = 256
@@ -37,26 +40,30 @@ class KvService:
         self.pool = pool
         self.shard = shard
         self.metrics = Metrics()
-        self.books = Books(config.budget_bytes, pool.names(), on_change=self.metrics.show_books)
+        spill = SpillStore(config.spill_limit_bytes, disk_dir=config.spill_dir, disk_limit_bytes=config.spill_disk_budget_bytes)
+        self.books = Books(config.budget_bytes, pool.names(), spill=spill, on_change=self.metrics.show_books)
+        self.metrics.show_books(self.books)
         self.metrics.limit_bytes.set(config.budget_bytes)
         self.vram = VramMeter()
         self.started = time.monotonic()
         self.compute = ComputeSlots(config.concurrent_workers)
         self.lifecycle = WorkerLifecycle(self.books, pool, self.metrics, threads=2 * config.max_sessions + 4)
         self.calibrator = Calibrator(self.books, pool, self.lifecycle, self.compute, shard, kv_bytes_per_position)
-        self.admission = Admission(config, self.books, pool, self.lifecycle, self.calibrator, self.metrics)
-        self.housekeeper = Housekeeper(config, self.books, pool, self.lifecycle, self.metrics)
+        self.parking = Parking(self.books, pool, self.lifecycle, self.metrics)
+        self.admission = Admission(config, self.books, pool, self.lifecycle, self.calibrator, self.parking, self.metrics)
+        self.warm = WarmRequests(self)
+        self.housekeeper = Housekeeper(config, self.books, pool, self.lifecycle, self.parking, self.metrics)
 
     def check_integrity(self) -> None:
         self.books.check_integrity()
         self.pool.check_integrity()
         require(self.books.workers() == set(self.pool.names()), "the books' workers != the pool's workers")
 
-    def _length_of(self, session_id: str, epoch: int) -> int:
+    def length_of(self, session_id: str, epoch: int) -> int:
         session = self.books.table.get(session_id)
         return session.length if session is not None and session.epoch == epoch else 0
 
-    def _miss(self, session_id: str, epoch: int, message: str) -> RequestFailed:
+    def miss(self, session_id: str, epoch: int, message: str) -> RequestFailed:
         reason = self.books.table.miss_reason(session_id, epoch)
         self.metrics.count_miss(reason)
         return RequestFailed(ErrorCode.CACHE_MISS, message, reason=reason)
@@ -64,7 +71,7 @@ class KvService:
     # ---- validation and fencing ------------------------------------------------------------------
 
     @staticmethod
-    def _validate_session_fields(session_id: str, epoch: int, length: int) -> None:
+    def validate_session_fields(session_id: str, epoch: int, length: int) -> None:
         if not session_id or len(session_id.encode()) > MAX_SESSION_ID_BYTES:
             raise RequestFailed(ErrorCode.BAD_REQUEST, f"session_id must be 1..{MAX_SESSION_ID_BYTES} bytes", length=length)
         if epoch < 0 or epoch >= 2**63:
@@ -72,12 +79,12 @@ class KvService:
 
     def _validate_append(self, request: Append) -> np.ndarray:
         """The request's rows as the worker takes them: int32 token ids (first shard) or float32 hidden states."""
-        length = self._length_of(request.session_id, request.epoch)
+        length = self.length_of(request.session_id, request.epoch)
 
         def bad(message: str) -> RequestFailed:
             return RequestFailed(ErrorCode.BAD_REQUEST, message, length=length)
 
-        self._validate_session_fields(request.session_id, request.epoch, length)
+        self.validate_session_fields(request.session_id, request.epoch, length)
         if request.start_pos < 0:
             raise bad("start_pos must be >= 0")
         if not 0 <= request.n_ctx <= self.config.n_ctx:
@@ -102,7 +109,7 @@ class KvService:
             raise bad(f"{rows.shape[0]} rows exceed the daemon's largest context {self.config.n_ctx}")
         return rows
 
-    async def _fence(self, session_id: str, epoch: int) -> None:
+    async def fence(self, session_id: str, epoch: int) -> None:
         """Epoch fencing shared by every session request: reject stale, release older state on newer."""
         table = self.books.table
         check = table.check_epoch(session_id, epoch)
@@ -120,12 +127,12 @@ class KvService:
         else:
             table.see_epoch(session_id, epoch)
 
-    async def _enter(self, session: Session) -> None:
-        """Count a request in flight on the session and take its lock (released by _leave)."""
+    async def enter(self, session: Session) -> None:
+        """Count a request in flight on the session and take its lock (released by leave)."""
         session.in_flight += 1
         await session.lock.acquire()
 
-    async def _leave(self, session: Session) -> None:
+    async def leave(self, session: Session) -> None:
         session.lock.release()
         session.in_flight -= 1
         session.last_used = time.monotonic()
@@ -136,27 +143,30 @@ class KvService:
 
     async def append(self, request: Append) -> AppendReply:
         rows = self._validate_append(request)
-        await self._fence(request.session_id, request.epoch)
+        await self.fence(request.session_id, request.epoch)
         session = self.books.table.get(request.session_id)
         admitted = session is None
         if session is None:
             if request.start_pos > 0:
-                raise self._miss(request.session_id, request.epoch, f"no state for this session at position {request.start_pos}")
+                raise self.miss(request.session_id, request.epoch, f"no state for this session at position {request.start_pos}")
             session = await self.admission.admit(request)  # returned entered: lock held, in flight
         else:
             self.metrics.count("hits")
-            await self._enter(session)
+            await self.enter(session)
         try:
             if self.books.table.get(session.session_id) is not session:
-                raise self._miss(session.session_id, session.epoch, "the session ended while this request waited")
-            return await self._append_entered(session, request, rows, admitted)
+                raise self.miss(session.session_id, session.epoch, "the session ended while this request waited")
+            if request.start_pos != session.length:
+                raise RequestFailed(ErrorCode.POSITION_MISMATCH, f"start_pos {request.start_pos} != session length {session.length}", length=session.length)
+            restored = not session.hot
+            if restored:
+                await self.admission.restore(session, self.admission.deadline_of(request.admit_timeout_s))
+            return await self._append_entered(session, request, rows, admitted, restored)
         finally:
-            await self._leave(session)
+            await self.leave(session)
 
-    async def _append_entered(self, session: Session, request: Append, rows: np.ndarray, admitted: bool) -> AppendReply:
+    async def _append_entered(self, session: Session, request: Append, rows: np.ndarray, admitted: bool, restored: bool) -> AppendReply:
         n_rows = rows.shape[0]
-        if request.start_pos != session.length:
-            raise RequestFailed(ErrorCode.POSITION_MISMATCH, f"start_pos {request.start_pos} != session length {session.length}", length=session.length)
         if session.length + n_rows > session.n_ctx:
             raise RequestFailed(ErrorCode.CONTEXT_FULL, f"{session.length} + {n_rows} rows exceed the session's n_ctx {session.n_ctx}", length=session.length)
         worker = self.pool.get(session.worker_name)
@@ -182,25 +192,29 @@ class KvService:
         self.metrics.count("append_rows", n_rows)
         return AppendReply(
             session_id=session.session_id, epoch=session.epoch, length=session.length,
-            rows=output.rows, width=output.width, data=output.data, admitted=admitted,
+            rows=output.rows, width=output.width, data=output.data, admitted=admitted, restored=restored,
         )
 
     async def truncate(self, request: Truncate) -> Done:
-        self._validate_session_fields(request.session_id, request.epoch, self._length_of(request.session_id, request.epoch))
+        self.validate_session_fields(request.session_id, request.epoch, self.length_of(request.session_id, request.epoch))
         if request.length < 0:
-            raise RequestFailed(ErrorCode.BAD_REQUEST, "length must be >= 0", length=self._length_of(request.session_id, request.epoch))
-        await self._fence(request.session_id, request.epoch)
+            raise RequestFailed(ErrorCode.BAD_REQUEST, "length must be >= 0", length=self.length_of(request.session_id, request.epoch))
+        await self.fence(request.session_id, request.epoch)
         session = self.books.table.get(request.session_id)
         if session is None:
             if request.length == 0:
                 return Done(length=0, session_id=request.session_id, epoch=request.epoch, detail="no state")
-            raise self._miss(request.session_id, request.epoch, "no state for this session")
-        await self._enter(session)
+            raise self.miss(request.session_id, request.epoch, "no state for this session")
+        await self.enter(session)
         try:
             if self.books.table.get(session.session_id) is not session:
-                raise self._miss(session.session_id, session.epoch, "the session ended while this request waited")
+                raise self.miss(session.session_id, session.epoch, "the session ended while this request waited")
             if request.length > session.length:
                 raise RequestFailed(ErrorCode.POSITION_MISMATCH, f"cannot truncate to {request.length}: length is {session.length}", length=session.length)
+            if not session.hot:
+                session.length = request.length  # the saved state is cut to this length when restored
+                self.metrics.count("truncates")
+                return Done(length=session.length, session_id=session.session_id, epoch=session.epoch, detail="parked")
             try:
                 session.length = await self.pool.get(session.worker_name).truncate(request.length)
             except WorkerLost as lost:
@@ -211,11 +225,11 @@ class KvService:
             self.metrics.count("truncates")
             return Done(length=session.length, session_id=session.session_id, epoch=session.epoch)
         finally:
-            await self._leave(session)
+            await self.leave(session)
 
     async def release(self, request: Release) -> Done:
-        self._validate_session_fields(request.session_id, request.epoch, 0)
-        await self._fence(request.session_id, request.epoch)
+        self.validate_session_fields(request.session_id, request.epoch, 0)
+        await self.fence(request.session_id, request.epoch)
         session = self.books.table.get(request.session_id)
         if session is None:
             return Done(length=0, session_id=request.session_id, epoch=request.epoch, detail="no state")
@@ -230,7 +244,7 @@ class KvService:
         return Done(length=0, session_id=request.session_id, epoch=request.epoch, detail="released")
 
     async def cancel(self, request: Cancel) -> Done:
-        self._validate_session_fields(request.session_id, request.epoch, self._length_of(request.session_id, request.epoch))
+        self.validate_session_fields(request.session_id, request.epoch, self.length_of(request.session_id, request.epoch))
         if self.books.table.check_epoch(request.session_id, request.epoch) is EpochCheck.STALE:
             self.metrics.count("stale_epoch_rejects")
             raise RequestFailed(ErrorCode.STALE_EPOCH, "stale epoch")
@@ -251,6 +265,13 @@ class KvService:
             counters=self.metrics.snapshot() | {"peak_concurrent_compute_threads": self.compute.peak * self.config.threads_per_worker},
         )
 
+    async def park(self, request: Park) -> Done:
+        return await self.warm.park(request)
+
+    async def fork(self, request: Fork) -> Done:
+        return await self.warm.fork(request)
+
     def close(self) -> None:
         self.lifecycle.close()
+        self.books.spill.close()
         self.vram.close()

@@ -25,9 +25,11 @@ from kvpool.protocol import (
     Done,
     ErrorCode,
     ErrorReply,
+    Fork,
     Hello,
     HelloReply,
     Message,
+    Park,
     Release,
     Request,
     ShardDescription,
@@ -141,6 +143,7 @@ class Supervisor:
             tick += 1
             try:
                 await service.housekeeper.expire_idle()
+                await service.housekeeper.park_idle()
                 await service.housekeeper.replace_dead_free_workers()
                 if tick % MEMORY_CHECK_EVERY == 0:
                     await service.housekeeper.recycle_drifted()
@@ -160,6 +163,10 @@ class Supervisor:
                     return await service.release(request)
                 case Cancel():
                     return await service.cancel(request)
+                case Park():
+                    return await service.park(request)
+                case Fork():
+                    return await service.fork(request)
                 case Stats():
                     return await service.stats()
                 case Shutdown():

@@ -318,7 +318,7 @@ def test_an_abort_flag_left_by_a_late_cancel_does_not_abort_the_next_compute(sha
 
 
 def test_an_admission_that_must_evict_works_while_a_dead_free_worker_awaits_housekeeping(shards, socket_dir):
-    daemon = DaemonProcess(shards[0].path, socket_dir / "deadfree.sock", *SMALL, "--housekeeping-interval", "3600")
+    daemon = DaemonProcess(shards[0].path, socket_dir / "deadfree.sock", *SMALL, "--housekeeping-interval", "3600", "--spill-budget", "0")
     try:
         with daemon.client() as client:
             client.append("old", 1, 0, tokens=[1, 2, 3])

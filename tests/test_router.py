@@ -168,7 +168,7 @@ def test_a_restarted_daemon_is_reconnected_to_and_the_session_replayed_exactly(d
 def test_over_budget_is_retried_with_back_off_until_room_frees_up(daemons, shards, socket_dir, local_chain, prompt_ids):
     """The middle daemon has room for one session, busy (its worker stopped) until the router has been
     refused at least once; then it goes idle, and the router's next try evicts it."""
-    middle = DaemonProcess(shards[1].path, socket_dir / "one.sock", "--threads", "1", "--n-ctx", str(N_CTX), "--max-sessions", "1")
+    middle = DaemonProcess(shards[1].path, socket_dir / "one.sock", "--threads", "1", "--n-ctx", str(N_CTX), "--max-sessions", "1", "--spill-budget", "0")
     clients = [daemons[0].client(), middle.client(), daemons[2].client()]
     try:
         router = Router(clients, policy=QUICK)

@@ -14,7 +14,7 @@ from kvpool.protocol import StatsReply
 from kvpool.stress import drill_checks
 from kvpool.stress.daemons import Chain
 from kvpool.stress.driver import SessionDriver
-from kvpool.stress.options import IDLE_MARGIN_S, StressOptions
+from kvpool.stress.options import IDLE_MARGIN_S, SPILL_PLACES, StressOptions
 from kvpool.stress.report import DaemonSummary, Sample, SessionSummary, SlowReaderRecord, StallRecord, SupervisorKillRecord, Verdict, WorkerMemory
 
 SETTLE_TIMEOUT_S = 30.0
@@ -154,6 +154,13 @@ def build_verdicts(options: StressOptions, chain: Chain, drivers: Sequence[Sessi
         passed = sum(evictions) > 0 and evicted_misses > 0 and peaks and exact
         add("lru_eviction", passed, f"evictions per daemon {evictions}, {evicted_misses} cache_miss/evicted seen and replayed from 0, all exact; "
             f"peak reserved " + ", ".join(f"{format_bytes(d.peak_reserved_bytes)}/{format_bytes(d.limit_bytes)}" for d in daemons))
+    if options.spill:
+        misses = sum(sum(s.misses.values()) for s in sessions)
+        restores = [d.counters.get("restores", 0) for d in daemons]
+        spills = [d.counters.get("spills", 0) for d in daemons]
+        passed = misses == 0 and all(restores) and exact
+        add("warm_tier", passed, f"{options.sessions} sessions on {SPILL_PLACES} places per daemon: "
+            f"spills per daemon {spills}, restores {restores}, {misses} cache misses that lost a session's state (planned epoch probes aside), all exact")
     if options.ttl_s is not None:
         results = [result for driver in drivers for result in driver.idle_results]
         expirations = [d.counters.get("expirations", 0) for d in daemons]

@@ -163,8 +163,9 @@ class SessionDriver:
             except KvpoolError as error:
                 self.first_error_at = self.first_error_at or time.monotonic()
                 self.recorder.error(error)
-                # A router's answer to over_budget at admission: back off and ask again.
-                if error.code == ErrorCode.OVER_BUDGET and start == 0 and self.options.budget_for is not None and time.monotonic() < deadline:
+                # A router's answer to over_budget at admission (or, with the warm tier, at a restore): back off and ask again.
+                admitting = start == 0 and self.options.budget_for is not None
+                if error.code == ErrorCode.OVER_BUDGET and (admitting or self.options.spill) and time.monotonic() < deadline:
                     time.sleep(self.rng.uniform(0.005, 0.03))
                     continue
                 raise StageFailed(stage, error) from None
