@@ -95,6 +95,36 @@ def test_four_sessions_on_two_places_park_and_restore_bit_identically(model_path
         daemon.stop()
 
 
+def test_budget_pressure_parks_instead_of_refusing(model_path, socket_dir, whole, prompt_ids):
+    probe = _serve(model_path, socket_dir, "charge-probe", "--max-sessions", "1")
+    try:
+        with probe.client() as client:
+            client.append("probe", 1, 0, tokens=prompt_ids[0][:4])
+            charge = client.stats().sessions[0].charged_bytes
+    finally:
+        probe.stop()
+    daemon = _serve(model_path, socket_dir, "budget-two", "--max-sessions", "4", "--budget", str(int(charge * 2.5)))
+    names = ["b0", "b1", "b2"]
+    references = {name: Reference(whole) for name in names}
+    try:
+        with daemon.client() as client:
+            for step in range(2):
+                for index, name in enumerate(names):
+                    tokens = prompt_ids[index % len(prompt_ids)][index : index + 5] if step == 0 else [9]
+                    start = 0 if step == 0 else 5
+                    got = client.append(name, 1, start, tokens=tokens)
+                    assert np.array_equal(got.rows, references[name].append(start, tokens))
+                    stats = _checked(client)
+                    assert stats.budget.reserved_bytes <= stats.budget.limit_bytes
+                    assert sum(row.tier == "hot" for row in stats.sessions) <= 2
+            stats = _checked(client)
+            assert stats.counters["misses"] == 0 and stats.counters["restores"] == 3 and stats.counters["evictions"] == 0
+    finally:
+        for reference in references.values():
+            reference.close()
+        daemon.stop()
+
+
 def test_a_full_spill_store_drops_the_oldest_blob_only(model_path, socket_dir, whole, prompt_ids):
     prompt = prompt_ids[0][:12]
     with whole.new_context(N_CTX) as probe:
