@@ -47,6 +47,7 @@ from kvpool.protocol import (
     decode_reply,
     encode,
 )
+from workers.sampling import Sampling
 
 
 class KvpoolError(Exception):
@@ -70,11 +71,17 @@ class AppendResult:
     rows: np.ndarray  # float32 [rows, width]: hidden states, or logits on the last shard
     admitted: bool
     restored: bool = False  # the session was parked; its saved state was restored for this append
+    token: int | None = None  # with sample=: the token the last shard picked
+    top_ids: tuple[int, ...] = ()  # with sample.logprobs: the most likely tokens and their log-probabilities
+    top_logprobs: tuple[float, ...] = ()
 
     @classmethod
     def of(cls, reply: AppendReply) -> AppendResult:
         rows = np.frombuffer(reply.data, dtype="<f4").reshape(reply.rows, reply.width)
-        return cls(length=reply.length, rows=rows, admitted=reply.admitted, restored=reply.restored)
+        return cls(
+            length=reply.length, rows=rows, admitted=reply.admitted, restored=reply.restored,
+            token=reply.token if reply.token >= 0 else None, top_ids=tuple(reply.top_ids), top_logprobs=tuple(reply.top_logprobs),
+        )
 
 
 # Shared with kvpool.async_client: what a request is made of, and what its reply must be.
@@ -90,17 +97,18 @@ class AppendOptions(TypedDict, total=False):
     output_rows: str
     n_ctx: int
     admit_timeout_s: float
+    sample: Sampling | None
 
 
 def append_request(
     session_id: str, epoch: int, start_pos: int, *, tokens: list[int] | np.ndarray | None = None, hidden: np.ndarray | None = None,
-    output_rows: str = "last", n_ctx: int = 0, admit_timeout_s: float = 0.0,
+    output_rows: str = "last", n_ctx: int = 0, admit_timeout_s: float = 0.0, sample: Sampling | None = None,
 ) -> Append:
     return Append(
         session_id=session_id, epoch=epoch, start_pos=start_pos,
         tokens=None if tokens is None else [int(token) for token in tokens],
         hidden=None if hidden is None else np.ascontiguousarray(hidden, dtype="<f4").tobytes(),
-        output_rows=OutputRows(output_rows), n_ctx=n_ctx, admit_timeout_s=admit_timeout_s,
+        output_rows=OutputRows(output_rows), n_ctx=n_ctx, admit_timeout_s=admit_timeout_s, sample=sample,
     )
 
 

@@ -17,8 +17,9 @@ import struct
 import msgspec
 
 from kvpool.shard_shape import ShardShape
+from workers.sampling import Sampling
 
-PROTOCOL_VERSION = 3  # 2: request_id on every request and reply; 3: ShardDescription.shape, Park, Fork, tiers
+PROTOCOL_VERSION = 3  # 2: request_id on every request and reply; 3: ShardDescription.shape, Park, Fork, tiers, sampling
 FRAME_HEADER = struct.Struct(">I")
 DEFAULT_MAX_REQUEST_BYTES = 64 * 1024 * 1024
 MAX_REPLY_BYTES = 2 * 1024 * 1024 * 1024 - 1
@@ -91,6 +92,7 @@ class Append(RequestMessage):
     output_rows: OutputRows = OutputRows.LAST
     n_ctx: int = 0
     admit_timeout_s: float = 0.0
+    sample: Sampling | None = None  # last shard only: pick the next token here instead of returning logits
 
 
 class Truncate(RequestMessage):
@@ -171,6 +173,9 @@ class AppendReply(ReplyMessage):
     data: bytes
     admitted: bool = False
     restored: bool = False  # the session was parked and its saved state restored for this append
+    token: int = -1  # with Append.sample: the token picked (data then holds logits only if asked)
+    top_ids: list[int] = msgspec.field(default_factory=list)
+    top_logprobs: list[float] = msgspec.field(default_factory=list)
 
 
 class Done(ReplyMessage):

@@ -105,6 +105,14 @@ class KvService:
             rows = np.frombuffer(request.hidden, dtype="<f4").reshape(-1, self.shard.shape.n_embd)
         if rows.shape[0] == 0:
             raise bad("an append needs at least one row")
+        if request.sample is not None:
+            if not self.shard.shape.is_last:
+                raise bad("only the last shard samples (sample is set on a shard without the output head)")
+            if request.output_rows != "last":
+                raise bad("sample picks from the last row: output_rows must be 'last'")
+            problems = request.sample.problems(self.shard.shape.n_vocab)
+            if problems:
+                raise bad("; ".join(problems))
         if rows.shape[0] > self.config.n_ctx:
             raise bad(f"{rows.shape[0]} rows exceed the daemon's largest context {self.config.n_ctx}")
         return rows
@@ -174,7 +182,7 @@ class KvService:
         session.appending = True
         try:
             async with self.compute.slot():
-                output = await worker.append(request.start_pos, rows, str(request.output_rows))
+                output = await worker.append(request.start_pos, rows, str(request.output_rows), request.sample)
         except WorkerLost as lost:
             self.lifecycle.lost(session)
             raise RequestFailed(ErrorCode.WORKER_LOST, f"the worker serving this session was lost: {lost}") from None
@@ -193,6 +201,7 @@ class KvService:
         return AppendReply(
             session_id=session.session_id, epoch=session.epoch, length=session.length,
             rows=output.rows, width=output.width, data=output.data, admitted=admitted, restored=restored,
+            token=output.token, top_ids=output.top_ids, top_logprobs=output.top_logprobs,
         )
 
     async def truncate(self, request: Truncate) -> Done:

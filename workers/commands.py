@@ -10,6 +10,7 @@ from __future__ import annotations
 import msgspec
 
 from kvpool.shard_shape import ShardShape
+from workers.sampling import Sampling
 
 CONTROL_BYTES = 64
 ABORT_FLAG_OFFSET = 0
@@ -30,6 +31,7 @@ class RunAppend(Command):
     start_pos: int
     n_rows: int
     output_rows: str = "last"
+    sample: Sampling | None = None  # last shard: pick the next token (rows come back only with sample.logits)
 
 
 class TruncateContext(Command):
@@ -79,6 +81,9 @@ class Appended(WorkerReply):
     rows: int
     width: int
     inline: bytes = b""
+    token: int = -1
+    top_ids: list[int] = msgspec.field(default_factory=list)
+    top_logprobs: list[float] = msgspec.field(default_factory=list)
 
 
 class Truncated(WorkerReply):

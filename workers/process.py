@@ -43,6 +43,7 @@ from workers.commands import (
 from workers.errors import ShardRuntimeError
 from workers.context import ShardContext
 from workers.runtime import ShardModel
+from workers.sampling import sample
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,6 +211,13 @@ class WorkerServer:
             context.append(command.start_pos, output_rows=command.output_rows, out=out, **kwargs)
         except ShardRuntimeError as error:
             return Failed(code=error.code, message=str(error), length=error.length)
+        if command.sample is not None:
+            picked = sample(out[-1], command.sample, context.length)
+            returned = out_rows if command.sample.logits else 0
+            return Appended(
+                length=context.length, rows=returned, width=width, inline=out.tobytes() if inline and returned else b"",
+                token=picked.token, top_ids=picked.top_ids, top_logprobs=picked.top_logprobs,
+            )
         return Appended(length=context.length, rows=out_rows, width=width, inline=out.tobytes() if inline else b"")
 
     def _close_context(self) -> None:
