@@ -10,6 +10,7 @@ import time
 
 from kvpool.books import AdmissionPlan, Books
 from kvpool.calibration import Calibrator
+from kvpool.channels import Channels
 from kvpool.config import ServeConfig
 from kvpool.errors import RequestFailed
 from kvpool.metrics import Metrics
@@ -28,8 +29,9 @@ PARK_RETRY_S = 0.01
 class Admission:
     def __init__(
         self, config: ServeConfig, books: Books, pool: WorkerPool, lifecycle: WorkerLifecycle, calibrator: Calibrator,
-        parking: Parking, metrics: Metrics,
+        parking: Parking, channels: Channels, metrics: Metrics,
     ) -> None:
+        self.channels = channels
         self.config = config
         self.books = books
         self.pool = pool
@@ -57,6 +59,7 @@ class Admission:
             still_wanted()
             if any(not self.pool.usable(worker) for worker in self.books.free_workers()):
                 self.lifecycle.spawn(self.lifecycle.replace_dead_free())
+            self.channels.refresh()  # direct appends count as uses: the least recently used is chosen right
             plan = self.books.plan_admission(charge, self.pool.usable)
             if plan is not None and plan.victims and self.books.spill.enabled:
                 if not await self.parking.park(plan.victims[0]):

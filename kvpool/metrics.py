@@ -27,6 +27,7 @@ COUNTERS = (
     "restore_failures",
     "parks",
     "forks",
+    "direct_cancels_forwarded",
 )
 
 

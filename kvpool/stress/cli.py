@@ -59,7 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def options_from(args: argparse.Namespace) -> StressOptions:
     sockets = tuple(pathlib.Path(part) for part in args.sockets.split(",") if part) if args.sockets else ()
     return StressOptions(
-        sessions=args.sessions or (8 if args.spill else 4), spill=args.spill, ops=args.ops, seed=args.seed, budget_for=args.budget_for, ttl_s=args.ttl,
+        sessions=args.sessions if args.sessions is not None else (8 if args.spill else 4), spill=args.spill, ops=args.ops, seed=args.seed, budget_for=args.budget_for, ttl_s=args.ttl,
         kill_worker=args.kill_worker, kill_supervisor=args.kill_supervisor, stall_worker=args.stall_worker, slow_reader=args.slow_reader,
         stall_timeout_s=args.stall_timeout, sockets=sockets, model=args.model, parts=args.parts, n_ctx=args.n_ctx,
         reference=args.reference, final_tokens=args.final_tokens, sample_interval_s=args.sample_interval,
