@@ -27,6 +27,7 @@ COUNTERS = (
     "restore_failures",
     "parks",
     "forks",
+    "calibrations",  # charge measurements: at start-up only (an admission never measures)
 )
 
 

@@ -9,7 +9,7 @@ from kvpool.gpu import VramMeter
 from kvpool.integrity import IntegrityError
 from kvpool.metrics import Metrics
 from kvpool.pool import WorkerPool
-from kvpool.protocol import BudgetRow, SessionRow, ShardDescription, StatsReply, WorkerRow
+from kvpool.protocol import BudgetRow, CalibrationRow, SessionRow, ShardDescription, StatsReply, WorkerRow
 from kvpool.worker_handle import WorkerHandle
 
 
@@ -24,6 +24,7 @@ def integrity_of(check) -> str:
 def build_stats(
     *, shard: ShardDescription, books: Books, pool: WorkerPool, metrics: Metrics, vram: VramMeter,
     workers: list[WorkerHandle], usses: list[int], integrity: str, counters: dict[str, int], started: float,
+    calibration: list[CalibrationRow],
 ) -> StatsReply:
     """`usses` are the measured USS of `workers`, in that order."""
     now = time.monotonic()
@@ -59,4 +60,5 @@ def build_stats(
         ),
         counters=counters,
         uptime_s=round(now - started, 3),
+        calibration=calibration,
     )
