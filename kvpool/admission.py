@@ -40,8 +40,8 @@ class Admission:
         self.parking = parking
         self.metrics = metrics
 
-    async def charge_for(self, n_ctx: int) -> int:
-        charge = await self.calibrator.charge_for(n_ctx)
+    def charge_for(self, n_ctx: int) -> int:
+        charge = self.calibrator.charge_for(n_ctx)  # fitted at start-up: an admission never measures
         if charge > self.books.budget.limit:
             self.metrics.count("over_budget_rejects")
             raise RequestFailed(ErrorCode.OVER_BUDGET, f"a context of n_ctx {n_ctx} needs {charge} bytes, the budget is {self.books.budget.limit}")
@@ -87,7 +87,7 @@ class Admission:
         """The new session, its context open, returned with its lock held and one request in flight
         (the admitting append's): nothing can come between admission and that append."""
         n_ctx = request.n_ctx or self.config.n_ctx
-        charge = await self.charge_for(n_ctx)
+        charge = self.charge_for(n_ctx)
 
         def not_admitted_meanwhile() -> None:
             live = self.books.table.get(request.session_id)
@@ -119,7 +119,7 @@ class Admission:
         """Make a parked session hot again, its lock held by the caller: a worker and the charge, a fresh
         context loaded with the saved state. A blob that fails its check or that llama.cpp refuses ends
         the session alone (cache_miss, restore_failed); that context is freed, never reused."""
-        charge = await self.charge_for(session.n_ctx)
+        charge = self.charge_for(session.n_ctx)
         started = time.monotonic()
         try:
             blob = self.books.take_blob(session)

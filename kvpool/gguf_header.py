@@ -1,7 +1,8 @@
 """What a GGUF file holds, read from its metadata header alone: for shard files and whole models alike.
 
 A shard records where it came from under `kvpool.shard.*` (format, layer range, total layer count, the
-source file's sha256); a file without those keys is a whole model. Arrays (the vocabulary) are skipped,
+source file's sha256, and how many lookahead layers follow its range); a file without those keys is a
+whole model. Arrays (the vocabulary) are skipped,
 not materialized, so reading a header costs milliseconds.
 """
 
@@ -23,11 +24,14 @@ from kvpool.shard_error import ShardError
 from kvpool.shard_shape import ShardShape
 
 SHARD_FORMAT = 1
+SHARD_FORMAT_LOOKAHEAD = 2  # a shard with lookahead layers: a reader that knows only format 1 refuses it
+READABLE_FORMATS = (SHARD_FORMAT, SHARD_FORMAT_LOOKAHEAD)
 KEY_FORMAT = "kvpool.shard.format"
 KEY_LAYER_START = "kvpool.shard.layer_start"
 KEY_LAYER_STOP = "kvpool.shard.layer_stop"
 KEY_TOTAL_LAYERS = "kvpool.shard.total_layers"
 KEY_SOURCE_SHA256 = "kvpool.shard.source_sha256"
+KEY_LOOKAHEAD_LAYERS = "kvpool.shard.lookahead_layers"
 
 SUPPORTED_ARCH = "llama"
 NO_VOCAB_TOKENIZERS = frozenset({"none", "no_vocab"})
@@ -58,6 +62,8 @@ class ShardInfo:
     shape: ShardShape
     source_sha256: str | None  # None for a whole model file
     vocab_free: bool
+    # Layers stored after the range that never run (see kvpool.shard_contents): block_count = n_layers + this.
+    lookahead_layers: int = 0
 
     @property
     def layers(self) -> LayerRange:
@@ -223,12 +229,17 @@ def _info_from_header(path: pathlib.Path, header: _Header) -> ShardInfo:
         shape = ShardShape(layer_start=0, layer_stop=block_count, total_layers=block_count, n_embd=n_embd, n_vocab=n_vocab)
         return ShardInfo(path, arch, shape, None, vocab_free)
     shard_format = integer(KEY_FORMAT)
-    if shard_format != SHARD_FORMAT:
-        raise ShardError(f"{path} is a kvpool shard of format {shard_format}; this kvpool reads format {SHARD_FORMAT}")
-    start, stop, total = integer(KEY_LAYER_START), integer(KEY_LAYER_STOP), integer(KEY_TOTAL_LAYERS)
-    if not 0 <= start < stop <= total or stop - start != block_count:
+    if shard_format not in READABLE_FORMATS:
         raise ShardError(
-            f"{path} has inconsistent shard metadata: layers {start}:{stop} of {total}, block_count {block_count}"
+            f"{path} is a kvpool shard of format {shard_format}; this kvpool reads formats "
+            f"{', '.join(map(str, READABLE_FORMATS))}"
+        )
+    start, stop, total = integer(KEY_LAYER_START), integer(KEY_LAYER_STOP), integer(KEY_TOTAL_LAYERS)
+    lookahead = integer(KEY_LOOKAHEAD_LAYERS) if KEY_LOOKAHEAD_LAYERS in header.values else 0
+    if not 0 <= start < stop <= total or stop - start + lookahead != block_count or not 0 <= lookahead <= total - stop:
+        raise ShardError(
+            f"{path} has inconsistent shard metadata: layers {start}:{stop} of {total}, "
+            f"{lookahead} lookahead, block_count {block_count}"
         )
     shape = ShardShape(layer_start=start, layer_stop=stop, total_layers=total, n_embd=n_embd, n_vocab=n_vocab)
-    return ShardInfo(path, arch, shape, str(value(KEY_SOURCE_SHA256)), vocab_free)
+    return ShardInfo(path, arch, shape, str(value(KEY_SOURCE_SHA256)), vocab_free, lookahead)

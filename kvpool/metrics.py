@@ -28,6 +28,7 @@ COUNTERS = (
     "parks",
     "forks",
     "direct_cancels_forwarded",
+    "calibrations",  # charge measurements: at start-up only (an admission never measures)
 )
 
 

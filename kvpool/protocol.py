@@ -233,6 +233,15 @@ class BudgetRow(Message):
     spill_disk_bytes: int = 0
 
 
+class CalibrationRow(Message):
+    """One start-up measurement: the memory a context of n_ctx took, and what a session of n_ctx is charged."""
+
+    n_ctx: int
+    measured_bytes: int
+    charged_bytes: int
+    theoretical_kv_bytes: int = 0  # f16 K and V of every layer llama.cpp allocates a cache for
+
+
 class StatsReply(ReplyMessage):
     shard: ShardDescription
     sessions: list[SessionRow]
@@ -241,6 +250,7 @@ class StatsReply(ReplyMessage):
     counters: dict[str, int]
     uptime_s: float
     integrity: str = "ok"  # the books' check_integrity(): "ok" or what does not balance
+    calibration: list[CalibrationRow] = []  # the measurements every session's charge is fitted from
 
 
 Reply = HelloReply | AppendReply | Done | ErrorReply | StatsReply

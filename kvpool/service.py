@@ -50,7 +50,7 @@ class KvService:
         self.started = time.monotonic()
         self.compute = ComputeSlots(config.concurrent_workers)
         self.lifecycle = WorkerLifecycle(self.books, pool, self.metrics, threads=2 * config.max_sessions + 4)
-        self.calibrator = Calibrator(self.books, pool, self.lifecycle, self.compute, shard, kv_bytes_per_position)
+        self.calibrator = Calibrator(self.books, pool, self.lifecycle, self.compute, self.metrics, shard, kv_bytes_per_position)
         self.channels = Channels(self.books, pool, self.lifecycle, enabled=config.direct)
         self.parking = Parking(self.books, pool, self.lifecycle, self.channels, self.metrics)
         self.admission = Admission(config, self.books, pool, self.lifecycle, self.calibrator, self.parking, self.channels, self.metrics)
@@ -254,6 +254,7 @@ class KvService:
             shard=self.shard, books=self.books, pool=self.pool, metrics=self.metrics, vram=self.vram, workers=workers, usses=usses,
             integrity=integrity_of(self.check_integrity), started=self.started, busy=self.channels.busy,
             counters=self.metrics.snapshot() | self.channels.counts() | {"peak_concurrent_compute_threads": self.compute.peak * self.config.threads_per_worker},
+            calibration=self.calibrator.rows(),
         )
 
     async def park(self, request: Park) -> Done:

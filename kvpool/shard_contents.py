@@ -8,7 +8,12 @@ Invariants of a shard file:
 - the first shard (A == 0) keeps the real vocabulary and embeddings: it takes token ids;
 - the last shard (B == total) keeps the vocabulary and the output head: it produces logits;
 - a middle shard is vocabulary-free (tokenizer model "none", 32 dummy tokens, a zero 32-row
-  `token_embd.weight`, no `output.weight`): it takes and returns hidden states only.
+  `token_embd.weight`, no `output.weight`): it takes and returns hidden states only;
+- the first shard of a split also stores layer B, as its last block, a *lookahead layer* that never runs
+  (`kvpool.shard.lookahead_layers` = 1). llama.cpp keeps only the rows marked as outputs in the model's
+  last layer and sizes its output buffer n_vocab x outputs; with the lookahead layer last, the shard's own
+  layers keep every row while marking one output per batch, so its context is not charged the logits of
+  every row (96 MiB at 512 rows and a 49k vocabulary). The runtime stops the graph after layer B - 1.
 """
 
 from __future__ import annotations
@@ -24,9 +29,11 @@ from kvpool.gguf_header import (
     KEY_FORMAT,
     KEY_LAYER_START,
     KEY_LAYER_STOP,
+    KEY_LOOKAHEAD_LAYERS,
     KEY_SOURCE_SHA256,
     KEY_TOTAL_LAYERS,
     SHARD_FORMAT,
+    SHARD_FORMAT_LOOKAHEAD,
     ShardInfo,
 )
 from kvpool.layer_ranges import LayerRange
@@ -47,8 +54,14 @@ def shard_info(model: ShardInfo, layers: LayerRange, path: pathlib.Path, source_
     shape = ShardShape(
         layer_start=layers.start, layer_stop=layers.stop, total_layers=model.shape.total_layers, n_embd=model.shape.n_embd, n_vocab=n_vocab
     )
-    return ShardInfo(path, model.arch, shape, source_sha256, vocab_free
+    return ShardInfo(
+        path, model.arch, shape, source_sha256, vocab_free, lookahead_layers(model.shape.total_layers, layers)
     )
+
+
+def lookahead_layers(total_layers: int, layers: LayerRange) -> int:
+    """Layers stored after `layers` that never run: one for the first shard of a split (see above)."""
+    return 1 if layers.start == 0 and layers.stop < total_layers else 0
 
 
 def write_shard_file(
@@ -75,6 +88,7 @@ def _add_metadata(
 ) -> None:
     arch = model.arch
     vocab_free = _is_middle(model, layers)
+    stored = LayerRange(layers.start, layers.stop + lookahead_layers(model.shape.total_layers, layers))
     for key, field in reader.fields.items():
         if key in _WRITER_OWNED_KEYS:
             continue
@@ -85,19 +99,21 @@ def _add_metadata(
             continue
         value, value_type, sub_type = _field_value(key, field)
         if key == f"{arch}.block_count":
-            value = layers.n_layers
+            value = stored.n_layers
         elif _is_per_layer_array(key, arch, value_type, sub_type, value, model.shape.total_layers):
-            value = value[layers.start : layers.stop]
+            value = value[stored.start : stored.stop]
         if value_type == gguf.GGUFValueType.ARRAY and not value:
             continue  # gguf-py cannot write an empty array; llama.cpp treats it like an absent key
         writer.add_key_value(key, value, value_type, sub_type)
     if vocab_free:
         _add_dummy_vocabulary(writer, reader, arch)
-    writer.add_uint32(KEY_FORMAT, SHARD_FORMAT)
+    writer.add_uint32(KEY_FORMAT, SHARD_FORMAT_LOOKAHEAD if stored.stop > layers.stop else SHARD_FORMAT)
     writer.add_uint32(KEY_LAYER_START, layers.start)
     writer.add_uint32(KEY_LAYER_STOP, layers.stop)
     writer.add_uint32(KEY_TOTAL_LAYERS, model.shape.total_layers)
     writer.add_string(KEY_SOURCE_SHA256, source_sha256)
+    if stored.stop > layers.stop:
+        writer.add_uint32(KEY_LOOKAHEAD_LAYERS, stored.stop - layers.stop)
 
 
 def _field_value(key: str, field: Any) -> tuple[Any, gguf.GGUFValueType, gguf.GGUFValueType | None]:
@@ -161,11 +177,12 @@ def _add_dummy_vocabulary(writer: gguf.GGUFWriter, reader: gguf.GGUFReader, arch
 
 def _add_tensors(writer: gguf.GGUFWriter, reader: gguf.GGUFReader, model: ShardInfo, layers: LayerRange) -> None:
     vocab_free = _is_middle(model, layers)
+    stop = layers.stop + lookahead_layers(model.shape.total_layers, layers)
     for tensor in reader.tensors:
         match = _BLOCK_TENSOR.fullmatch(tensor.name)
         if match is not None:
             layer = int(match.group(1))
-            if layers.start <= layer < layers.stop:
+            if layers.start <= layer < stop:
                 _copy_tensor(writer, tensor, f"blk.{layer - layers.start}.{match.group(2)}")
         elif vocab_free and tensor.name == "token_embd.weight":
             writer.add_tensor(tensor.name, np.zeros((VOCAB_FREE_SIZE, model.shape.n_embd), dtype=np.float32))

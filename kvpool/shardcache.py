@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 from kvpool.config import work_dir
 from kvpool.gguf_header import ShardInfo, file_sha256, read_shard_info
 from kvpool.layer_ranges import LayerRange, even_splits
+from kvpool.shard_contents import lookahead_layers
 from kvpool.shard_writer import shard_file_name, write_shards
 
 
@@ -24,7 +25,11 @@ def cached_shards(
     paths = [directory / shard_file_name(source, layers) for layers in ranges]
     if all(path.is_file() for path in paths):
         infos = [read_shard_info(path) for path in paths]
-        if all(info.source_sha256 == source_sha256 for info in infos):
+        # a shard written by an older kvpool (no lookahead layer on the first shard) is cut again
+        if all(
+            info.source_sha256 == source_sha256 and info.lookahead_layers == lookahead_layers(info.shape.total_layers, info.layers)
+            for info in infos
+        ):
             return infos
     return write_shards(source, ranges, directory, progress=progress)
 

@@ -9,7 +9,7 @@ from kvpool.gpu import VramMeter
 from kvpool.integrity import IntegrityError
 from kvpool.metrics import Metrics
 from kvpool.pool import WorkerPool
-from kvpool.protocol import BudgetRow, SessionRow, ShardDescription, StatsReply, WorkerRow
+from kvpool.protocol import BudgetRow, CalibrationRow, SessionRow, ShardDescription, StatsReply, WorkerRow
 from kvpool.worker_handle import WorkerHandle
 
 
@@ -25,6 +25,7 @@ def build_stats(
     *, shard: ShardDescription, books: Books, pool: WorkerPool, metrics: Metrics, vram: VramMeter,
     workers: list[WorkerHandle], usses: list[int], integrity: str, counters: dict[str, int], started: float,
     busy=lambda session: False,
+    calibration: list[CalibrationRow],
 ) -> StatsReply:
     """`usses` are the measured USS of `workers`, in that order."""
     now = time.monotonic()
@@ -60,4 +61,5 @@ def build_stats(
         ),
         counters=counters,
         uptime_s=round(now - started, 3),
+        calibration=calibration,
     )

@@ -1,7 +1,8 @@
 """`kvpool serve`: wires the worker pool, the service and the socket together, and tears them down.
 
-Start order: workers (ready acknowledgements), calibration of the default context size, socket,
-metrics endpoint, housekeeping. Teardown runs in reverse; a partial start is cleaned up the same way.
+Start order: workers (ready acknowledgements), calibration (the charge of every n_ctx, fitted from two
+measured sizes), socket, metrics endpoint, housekeeping. Teardown runs in reverse; a partial start is
+cleaned up the same way.
 """
 
 from __future__ import annotations
@@ -118,12 +119,16 @@ class Supervisor:
                 return
             shard = ShardDescription(shape=ready.shape, model_path=str(config.model), source_sha256=info.source_sha256 or "")
             self.service = service = KvService(config, pool, shard, ready.kv_bytes_per_position)
-            charge = await service.calibrator.charge_for(config.n_ctx)
+            fit = await service.calibrator.calibrate(config.n_ctx)
             if self._stop.is_set():
                 return
             self._announce(
-                f"a session of n_ctx {config.n_ctx} is charged {format_bytes(charge)} "
-                f"(theoretical KV {format_bytes(service.calibrator.theoretical_kv_bytes(config.n_ctx))})"
+                "charges fitted from start-up measurements: "
+                + ", ".join(
+                    f"n_ctx {n_ctx}: {format_bytes(fit.charge(n_ctx))} (measured {format_bytes(size)}, "
+                    f"theoretical KV {format_bytes(fit.theoretical_kv_bytes(n_ctx))})"
+                    for n_ctx, size in reversed(fit.measured)
+                )
             )
             hello = HelloReply(
                 version=PROTOCOL_VERSION, shard=shard, max_n_ctx=config.n_ctx, default_n_ctx=config.n_ctx,

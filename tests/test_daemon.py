@@ -386,6 +386,40 @@ def test_lru_eviction_on_admission_spares_recent_and_returns_bytes(shards, socke
         daemon.stop()
 
 
+def test_no_admission_measures_and_the_first_shard_costs_no_more_than_the_others(chain_daemons, shards, socket_dir):
+    """Charges are fitted from two sizes measured at start-up: an admission of an n_ctx no daemon has
+    measured runs no calibration, and is charged at least its theoretical KV and what a daemon measures for
+    that n_ctx later. The first shard is charged like the others (its lookahead layer keeps llama.cpp's
+    output buffer at one row of logits instead of 512)."""
+    unseen = 300
+    charges, measured = [], []
+    for daemon, shard in zip(chain_daemons, shards):
+        with daemon.client() as client:
+            stats = client.stats()
+            assert [row.n_ctx for row in stats.calibration] == [64, N_CTX]
+            assert stats.counters["calibrations"] == 2
+            rows = {"tokens": [1, 2, 3]} if shard.shape.is_first else {"hidden": np.zeros((3, shard.shape.n_embd), np.float32)}
+            client.append("unseen", 1, 0, n_ctx=unseen, **rows)
+            after = client.stats()
+            [session] = after.sessions
+            assert session.n_ctx == unseen and after.counters["calibrations"] == 2  # nothing measured
+            per_position = stats.calibration[-1].theoretical_kv_bytes // N_CTX
+            assert session.charged_bytes >= unseen * per_position > 0
+            charges.append(session.charged_bytes)
+            measured.append(stats.calibration[-1].measured_bytes)
+            client.release("unseen", 1)
+    first, middle, last = measured  # a context of N_CTX after one 512-row batch, each shard 10 layers
+    assert first <= 1.5 * middle and last <= 1.5 * middle, [m / 2**20 for m in measured]
+    for index, (shard, charge) in enumerate(zip(shards, charges)):
+        daemon = DaemonProcess(shard.path, socket_dir / f"measure{index}.sock", "--threads", "1", "--n-ctx", str(unseen), "--max-sessions", "1")
+        try:
+            with daemon.client() as client:
+                [later] = [row for row in client.stats().calibration if row.n_ctx == unseen]
+        finally:
+            daemon.stop()
+        assert charge >= later.measured_bytes, (shard.path.name, charge, later.measured_bytes)
+
+
 def test_budget_admission_over_budget_and_waiting(shards, socket_dir, prompt_ids):
     first = shards[0]
     # n_ctx 64 sessions; the budget fits exactly one of them (charge measured at start, reported in stats)

@@ -74,6 +74,23 @@ def test_chain_reproduces_whole_model_exactly(chain, whole_model, prompt_ids, pr
     assert np.abs(logits - expected_logits).max() == 0.0
 
 
+def test_a_prefill_of_several_batches_through_the_chain_equals_the_whole_model(chain, whole_model, prompt_ids):
+    """600 rows: two llama batches (512 + 88) on every shard. The first shard marks one output row per batch
+    (its lookahead layer, never run, is where llama.cpp prunes), and still hands every row on exactly."""
+    assert chain.models[0].lookahead_layers == 1
+    prompt = (prompt_ids[1] * 20)[:600]
+    with whole_model.new_context(640) as whole, chain.new_session(640) as sharded:
+        expected = whole.append(0, tokens=np.asarray(prompt), output_rows="all")
+        hidden = sharded.contexts[0].append(0, tokens=np.asarray(prompt))
+        assert hidden.shape == (600, 576)
+        for context in sharded.contexts[1:-1]:
+            hidden = context.append(0, hidden=hidden)
+        logits = sharded.contexts[-1].append(0, hidden=hidden, output_rows="all")
+        assert np.abs(logits - expected).max() == 0.0
+        token = int(np.argmax(expected[-1]))
+        assert np.array_equal(sharded.append(600, [token]), whole.append(600, tokens=np.asarray([token])))
+
+
 def test_non_final_shards_return_every_row_as_float32_hidden_states(chain, prompt_ids):
     prompt = prompt_ids[1]
     with chain.new_session(N_CTX) as session:

@@ -15,12 +15,13 @@ import llama_cpp
 import numpy as np
 import pytest
 
-from kvpool import cli_shard
+from kvpool import cli_shard, shard_contents
 from kvpool.bundled import bundled_model_path
 from kvpool.gguf_header import (
     KEY_FORMAT,
     KEY_LAYER_START,
     KEY_LAYER_STOP,
+    KEY_LOOKAHEAD_LAYERS,
     KEY_SOURCE_SHA256,
     KEY_TOTAL_LAYERS,
     ShardInfo,
@@ -31,6 +32,8 @@ from kvpool.layer_ranges import LayerRange
 from kvpool.shard_error import ShardError
 from kvpool.shard_shape import ShardShape
 from kvpool.shard_writer import write_shard, write_shards
+from kvpool.shardcache import cached_shards
+from workers.runtime import ShardModel
 
 TOTAL_LAYERS = 30
 N_EMBD = 576
@@ -39,6 +42,11 @@ SPLITS = [LayerRange(0, 10), LayerRange(10, 20), LayerRange(20, 30)]
 KINDS = ["first", "middle", "last"]
 KVPOOL_KEYS = {KEY_FORMAT, KEY_LAYER_START, KEY_LAYER_STOP, KEY_TOTAL_LAYERS, KEY_SOURCE_SHA256}
 GGUF_COUNT_KEYS = {"GGUF.tensor_count", "GGUF.kv_count"}
+LOOKAHEAD = {"first": 1, "middle": 0, "last": 0}  # the first shard also stores the next layer, never run
+
+
+def kvpool_keys(kind: str) -> set[str]:
+    return KVPOOL_KEYS | ({KEY_LOOKAHEAD_LAYERS} if LOOKAHEAD[kind] else set())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,13 +167,19 @@ def test_shard_metadata_round_trip(
         ),
         source_sha256=source_sha256,
         vocab_free=kind == "middle",
+        lookahead_layers=LOOKAHEAD[kind],
     )
     assert (info.shape.is_first, info.shape.is_last, info.shape.n_layers) == (kind == "first", kind == "last", 10)
     reader = shard_readers[kind]
     assert field_value(reader, "general.architecture") == "llama"
-    assert field_value(reader, "llama.block_count") == 10
+    assert field_value(reader, "llama.block_count") == 10 + LOOKAHEAD[kind]
     assert field_types(reader, "llama.block_count") == [gguf.GGUFValueType.UINT32]
-    for key, value in [(KEY_FORMAT, 1), (KEY_LAYER_START, layers.start), (KEY_LAYER_STOP, layers.stop), (KEY_TOTAL_LAYERS, 30)]:
+    expected = [(KEY_FORMAT, 1 + LOOKAHEAD[kind]), (KEY_LAYER_START, layers.start), (KEY_LAYER_STOP, layers.stop), (KEY_TOTAL_LAYERS, 30)]
+    if LOOKAHEAD[kind]:
+        expected.append((KEY_LOOKAHEAD_LAYERS, LOOKAHEAD[kind]))
+    else:
+        assert KEY_LOOKAHEAD_LAYERS not in reader.fields
+    for key, value in expected:
         assert field_value(reader, key) == value
         assert field_types(reader, key) == [gguf.GGUFValueType.UINT32]
     assert field_types(reader, KEY_SOURCE_SHA256) == [gguf.GGUFValueType.STRING]
@@ -184,14 +198,14 @@ def test_full_vocabulary_shards_copy_every_metadata_key_with_its_type(
     kind: str, shard_readers: dict[str, gguf.GGUFReader], source_reader: gguf.GGUFReader
 ) -> None:
     shard = shard_readers[kind]
-    assert set(shard.fields) == set(source_reader.fields) | KVPOOL_KEYS
+    assert set(shard.fields) == set(source_reader.fields) | kvpool_keys(kind)
     for key, field in source_reader.fields.items():
         if key in GGUF_COUNT_KEYS or key == "llama.block_count":
             continue
         copied = shard.fields[key]
         assert copied.types == field.types, key
         assert copied.contents() == field.contents(), key
-    assert field_value(shard, "GGUF.kv_count") == field_value(source_reader, "GGUF.kv_count") + len(KVPOOL_KEYS)
+    assert field_value(shard, "GGUF.kv_count") == field_value(source_reader, "GGUF.kv_count") + len(kvpool_keys(kind))
 
 
 @pytest.mark.parametrize(("kind", "layers"), list(zip(KINDS, SPLITS)))
@@ -200,15 +214,16 @@ def test_block_tensors_are_renumbered_byte_for_byte(
 ) -> None:
     source_tensors = tensors_by_name(source_reader)
     shard_tensors = tensors_by_name(shard_readers[kind])
+    stored = range(layers.start, layers.stop + LOOKAHEAD[kind])  # the lookahead layer is copied like the others
     expected_names = {
         name.replace(f"blk.{layer}.", f"blk.{layer - layers.start}.", 1)
         for name in source_tensors
-        for layer in range(layers.start, layers.stop)
+        for layer in stored
         if name.startswith(f"blk.{layer}.")
     }
     assert {name for name in shard_tensors if name.startswith("blk.")} == expected_names
-    assert len(expected_names) == 9 * 10
-    for layer in range(layers.start, layers.stop):
+    assert len(expected_names) == 9 * len(stored)
+    for layer in stored:
         for name, original in source_tensors.items():
             if not name.startswith(f"blk.{layer}."):
                 continue
@@ -218,7 +233,7 @@ def test_block_tensors_are_renumbered_byte_for_byte(
             assert copy.n_bytes == original.n_bytes, name
             assert copy.data.tobytes() == original.data.tobytes(), name
     quantized = [t for t in shard_tensors.values() if t.tensor_type == gguf.GGMLQuantizationType.Q4_1]
-    assert len(quantized) == 7 * 10
+    assert len(quantized) == 7 * len(stored)
 
 
 @pytest.mark.parametrize("kind", ["first", "last"])
@@ -248,7 +263,7 @@ def test_middle_shard_is_vocabulary_free_and_small(
     tokenizer_keys = {key for key in middle.fields if key.startswith("tokenizer.")}
     assert tokenizer_keys == {"tokenizer.ggml.model", "tokenizer.ggml.tokens", "tokenizer.ggml.token_type"}
     # everything outside the tokenizer is still copied
-    kept = {key for key in source_reader.fields if not key.startswith("tokenizer.")} | KVPOOL_KEYS
+    kept = {key for key in source_reader.fields if not key.startswith("tokenizer.")} | kvpool_keys("middle")
     assert set(middle.fields) - tokenizer_keys == kept
     tensors = tensors_by_name(middle)
     embeddings = tensors["token_embd.weight"]
@@ -269,7 +284,7 @@ def test_each_shard_kind_loads_in_llama_cpp(kind: str, n_vocab: int, shard_paths
     model = llama_cpp.llama_model_load_from_file(str(shard_paths[kind]).encode(), params)
     assert model, f"llama.cpp failed to load the {kind} shard"
     try:
-        assert llama_cpp.llama_model_n_layer(model) == 10
+        assert llama_cpp.llama_model_n_layer(model) == 10 + LOOKAHEAD[kind]
         assert llama_cpp.llama_model_n_embd(model) == N_EMBD
         assert llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model)) == n_vocab
     finally:
@@ -371,12 +386,43 @@ def test_per_layer_arrays_and_custom_alignment_follow_the_range(tmp_path: pathli
     assert "tokenizer.ggml.bos_token_id" not in middle.fields
     assert sorted(tensors_by_name(middle)) == ["blk.0.attn_norm.weight", "blk.1.attn_norm.weight", "output_norm.weight", "token_embd.weight"]
 
+    first_info = write_shard(source, LayerRange(0, 2), tmp_path / "first.gguf")
+    first = gguf.GGUFReader(first_info.path)
+    assert (first_info.shape.n_layers, first_info.lookahead_layers) == (2, 1)
+    assert field_value(first, "llama.block_count") == 3
+    assert field_value(first, "llama.feed_forward_length") == [16, 32, 48]  # the lookahead layer's entry too
+    first_tensors = tensors_by_name(first)
+    assert sorted(name for name in first_tensors if name.startswith("blk.")) == [f"blk.{layer}.attn_norm.weight" for layer in range(3)]
+    assert first_tensors["blk.2.attn_norm.weight"].data.tolist() == [2.0] * 8
+
 
 def test_read_shard_info_rejects_other_architectures(tmp_path: pathlib.Path) -> None:
     path = tmp_path / "tiny-gpt2.gguf"
     write_tiny_gguf(path, "gpt2")
     with pytest.raises(ShardError, match="architecture 'gpt2' is not supported; kvpool shards llama-family models only"):
         read_shard_info(path)
+
+
+def test_a_first_shard_of_format_1_still_runs_and_the_shard_cache_cuts_it_again(
+    tmp_path: pathlib.Path, source: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A first shard written before lookahead layers (format 1, every row marked as an output) still
+    loads and runs; the shard cache replaces it with one that has its lookahead layer."""
+    ranges = [LayerRange(0, 2), LayerRange(2, 30)]
+    with monkeypatch.context() as patch:
+        patch.setattr(shard_contents, "lookahead_layers", lambda _total, _layers: 0)  # as an older kvpool wrote it
+        old = cached_shards(source, ranges, root=tmp_path)[0]
+    reader = gguf.GGUFReader(old.path)
+    assert (field_value(reader, KEY_FORMAT), field_value(reader, "llama.block_count"), old.lookahead_layers) == (1, 2, 0)
+    tokens = np.asarray([1, 504, 3458, 282], dtype=np.int32)
+    with ShardModel(old.path) as model, model.new_context(16) as context:
+        assert model.lookahead_layers == 0
+        hidden = context.append(0, tokens=tokens).copy()
+    new = cached_shards(source, ranges, root=tmp_path)[0]
+    assert new.path == old.path and new.lookahead_layers == 1 and read_shard_info(new.path) == new
+    with ShardModel(new.path) as model, model.new_context(16) as context:
+        assert model.lookahead_layers == 1
+        assert np.array_equal(context.append(0, tokens=tokens), hidden)  # every row, bit for bit
 
 
 def test_file_sha256_streams_the_whole_file(tmp_path: pathlib.Path) -> None:

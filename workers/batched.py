@@ -310,10 +310,16 @@ class BatchedShardContext:
                 self._batch_outputs[offset:stop] = 0
                 if piece.row_stop == rows[piece.item].shape[0]:
                     self._batch_outputs[stop - 1] = 1
+            elif not layout.is_last and self._model.lookahead_layers:
+                # Pruning to the marked rows happens in the lookahead layer, which never runs (see
+                # workers/context.py): one output for the whole ubatch, marked below.
+                self._batch_outputs[offset:stop] = 0
             else:
                 # Non-final shards mark every row: llama.cpp prunes unmarked rows in the last layer.
                 self._batch_outputs[offset:stop] = 1
             offset = stop
+        if not layout.is_last and self._model.lookahead_layers:
+            self._batch_outputs[offset - 1] = 1
         batch.n_tokens = offset
         capture = self._capture
         if capture is not None:

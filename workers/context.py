@@ -182,6 +182,11 @@ class ShardContext:
                 self._batch_outputs[:chunk_rows] = 0
                 if chunk_stop == n_rows:
                     self._batch_outputs[chunk_rows - 1] = 1
+            elif not layout.is_last and self._model.lookahead_layers:
+                # llama.cpp prunes unmarked rows in the model's last layer, here the lookahead layer, which
+                # never runs: one output per batch keeps its output buffer at one row of logits.
+                self._batch_outputs[:chunk_rows] = 0
+                self._batch_outputs[chunk_rows - 1] = 1
             else:
                 # Non-final shards mark every row: llama.cpp prunes unmarked rows in the last layer.
                 self._batch_outputs[:chunk_rows] = 1

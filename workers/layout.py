@@ -17,6 +17,13 @@ def meta_value(model: llama_cpp.llama_model_p, key: str) -> str | None:
     return buffer.value.decode() if written >= 0 else None
 
 
+def read_lookahead_layers(model: llama_cpp.llama_model_p) -> int:
+    """Layers stored after the shard's range that llama.cpp loads but never runs: the first shard of a
+    split has one (kvpool.shard_contents), so that pruning to the output rows happens in a layer that never
+    runs and the shard's own last layer keeps every row without every row marked as an output."""
+    return int(meta_value(model, META_PREFIX + "lookahead_layers") or 0)
+
+
 def read_layout(model: llama_cpp.llama_model_p) -> ShardShape:
     n_layer = llama_cpp.llama_model_n_layer(model)
     vocab = llama_cpp.llama_model_get_vocab(model)
@@ -32,6 +39,9 @@ def read_layout(model: llama_cpp.llama_model_p) -> ShardShape:
         n_embd=llama_cpp.llama_model_n_embd(model),
         n_vocab=llama_cpp.llama_vocab_n_tokens(vocab),
     )
-    if layout.n_layers != n_layer:
-        raise ValueError(f"shard metadata says {layout.n_layers} layers, llama.cpp loaded {n_layer}")
+    lookahead = read_lookahead_layers(model)
+    if layout.n_layers + lookahead != n_layer:
+        raise ValueError(f"shard metadata says {layout.n_layers} layers and {lookahead} lookahead, llama.cpp loaded {n_layer}")
+    if lookahead and layout.is_last:
+        raise ValueError("a last shard cannot have lookahead layers")
     return layout

@@ -15,7 +15,7 @@ import pathlib
 import llama_cpp
 
 from workers.context import ShardContext
-from workers.layout import read_layout
+from workers.layout import read_layout, read_lookahead_layers
 from workers.native import NativeLibrary, load_native
 
 
@@ -52,6 +52,7 @@ class ShardModel:
         self._model: llama_cpp.llama_model_p | None = model
         try:
             self.layout = read_layout(model)
+            self.lookahead_layers = read_lookahead_layers(model)  # loaded after the range, never run
         except Exception:
             self.close()
             raise
@@ -68,12 +69,13 @@ class ShardModel:
         return self._native
 
     def kv_bytes_per_position(self) -> int:
-        """Theoretical KV cache bytes per position for this shard's layers (f16 K and V)."""
+        """Theoretical KV cache bytes per position of the layers llama.cpp allocates a cache for (f16 K and
+        V): the shard's own layers and its lookahead layer, if any."""
         model = self.handle
         n_head = llama_cpp.llama_model_n_head(model)
         n_head_kv = llama_cpp.llama_model_n_head_kv(model)
         head_dim = self.layout.n_embd // n_head
-        return self.layout.n_layers * 2 * n_head_kv * head_dim * 2
+        return (self.layout.n_layers + self.lookahead_layers) * 2 * n_head_kv * head_dim * 2
 
     def new_context(
         self, n_ctx: int, *, n_batch: int = 512, abort_flag_address: int | None = None

@@ -183,7 +183,7 @@ def summarize(results: dict) -> tuple[dict, list[Row]]:
         else:
             summary[f"s5_first_admit_{n_ctx}_s"] = value
             firsts.append(f"{n_ctx}: {_ms(value)} (+{_ms(value - steady)})")
-    rows.append(Row("5", "first admission of an n_ctx (calibration: a context + 512-row prefill measured, then freed)", "; ".join(firsts),
+    rows.append(Row("5", "first admission of an n_ctx (charges are fitted at start-up: no admission measures)", "; ".join(firsts),
                     "steady state above", ""))
     release = median_of([v for values in admission["release_s"].values() for v in values])
     visible = median_of([v for values in admission["reclaim_visible_s"].values() for v in values])

@@ -53,9 +53,9 @@ class StressOptions:
     slow_reader: bool = False  # a connection that sends appends to the last daemon and never reads replies
     spill: bool = False  # the warm tier on, SPILL_PLACES contexts per daemon: evictions park and restore
     # --request-timeout of the daemon whose worker is stalled. It bounds every worker call of that daemon,
-    # the start-up calibration (one n_ctx-row batch: ~1.1 s for 512 rows on one 10-layer shard on a 2-core
-    # Xeon, more with three daemons starting at once beside CPU burners) and the 192-row cancelled
-    # prefill included, so it is far above either on a slow, busy machine.
+    # the start-up calibration (a 512-row and a 64-row batch: ~1.1 s for 512 rows on one 10-layer shard on
+    # a 2-core Xeon, more with three daemons starting at once beside CPU burners) and the 192-row
+    # cancelled prefill included, so it is far above either on a slow, busy machine.
     stall_timeout_s: float = 30.0
     sockets: tuple[pathlib.Path, ...] = ()  # attach to running daemons instead of starting them
     model: pathlib.Path | None = None
