@@ -43,6 +43,20 @@ class Housekeeper:
             if session.hot and await self.parking.park(session):
                 self.metrics.count("parks")
 
+    async def kill_stalled_direct(self) -> None:
+        """A worker serving a direct channel that has not answered for --request-timeout (computing one
+        append, or stopped) is killed, as a supervisor call would have been: its session is worker_lost,
+        and the client's channel ends (the client then asks the daemon)."""
+        now = time.monotonic()
+        for session in self.books.table.sessions():
+            if not (session.channel and session.hot) or session.lock.locked():
+                continue  # a supervisor call in flight has its own timeout
+            worker = self.pool.get(session.worker_name)
+            if worker.stalled_for(now) > self.config.request_timeout_s:
+                worker.lost = True
+                worker.process.kill()
+                self.lifecycle.lost(session)
+
     async def replace_dead_free_workers(self) -> None:
         await self.lifecycle.replace_dead_free()
 

@@ -6,6 +6,8 @@ session is the books' business (kvpool.books).
 
 from __future__ import annotations
 
+import contextlib
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -23,6 +25,7 @@ class WorkerPool:
 
     def start(self) -> Ready:
         """Spawn every worker in parallel and wait for all to be ready; on failure stop them all."""
+        self._create_compute_lock_file()
         handles = [self._spawn() for _ in range(self.spec.size)]
         try:
             with ThreadPoolExecutor(max_workers=len(handles)) as executor:
@@ -35,6 +38,15 @@ class WorkerPool:
             for handle in handles:
                 self._workers[handle.name] = handle
         return readies[0]
+
+    def _create_compute_lock_file(self) -> None:
+        """The file whose byte-range locks bound the workers computing at once (kvpool.supervisor names it)."""
+        if self.spec.compute_lock_path:
+            descriptor = os.open(self.spec.compute_lock_path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                os.ftruncate(descriptor, self.spec.compute_slots)
+            finally:
+                os.close(descriptor)
 
     def _next_number(self) -> int:
         """Unique for the pool's life, also when replacements start in several threads at once."""
@@ -98,3 +110,6 @@ class WorkerPool:
             self._workers.clear()
         for handle in reversed(handles):
             handle.stop()
+        if self.spec.compute_lock_path:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.spec.compute_lock_path)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import pathlib
 import signal
 import sys
@@ -77,15 +76,6 @@ def compute_lock_path(config: ServeConfig) -> pathlib.Path:
     return config.socket.with_name(f".{config.socket.name}.compute")
 
 
-def create_compute_lock_file(config: ServeConfig) -> pathlib.Path:
-    path = compute_lock_path(config)
-    descriptor = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        os.ftruncate(descriptor, config.concurrent_workers)
-    finally:
-        os.close(descriptor)
-    return path
-
 
 class Supervisor:
     def __init__(self, config: ServeConfig, *, announce: Callable[[str], None] | None = None) -> None:
@@ -112,7 +102,6 @@ class Supervisor:
             loop.add_signal_handler(signum, self.request_stop)
         server: FrameServer | None = None
         housekeeping: asyncio.Task | None = None
-        lock_file = create_compute_lock_file(config)
         try:
             ready = await asyncio.to_thread(pool.start)
             if self._stop.is_set():
@@ -159,7 +148,6 @@ class Supervisor:
             for worker in pool.workers():
                 worker.set_abort(True)  # interrupt in-flight appends so workers can exit promptly
             await asyncio.to_thread(pool.close)
-            lock_file.unlink(missing_ok=True)
             if self.service is not None:
                 self.service.close()
             self._announce("stopped")
@@ -172,6 +160,7 @@ class Supervisor:
             try:
                 await service.housekeeper.expire_idle()
                 await service.housekeeper.park_idle()
+                await service.housekeeper.kill_stalled_direct()
                 await service.housekeeper.replace_dead_free_workers()
                 if tick % MEMORY_CHECK_EVERY == 0:
                     await service.housekeeper.recycle_drifted()

@@ -432,7 +432,7 @@ def test_budget_admission_over_budget_and_waiting(shards, socket_dir, prompt_ids
         probe.stop()
     daemon = DaemonProcess(first.path, socket_dir / "budget.sock", "--threads", "1", "--n-ctx", "64", "--max-sessions", "3", "--budget", str(charge + charge // 2), "--spill-budget", "0")
     try:
-        with daemon.client() as client, daemon.client() as other:
+        with daemon.client() as client, daemon.client(direct=False) as other:  # in flight as soon as the daemon reads it
             client.append("busy", 1, 0, tokens=prompt_ids[0][:4])
             # an idle session is evicted to make room
             client.append("second", 1, 0, tokens=prompt_ids[0][:4])
@@ -486,7 +486,9 @@ def test_over_budget_while_the_only_session_is_busy_then_waiting_admission_wakes
     daemon = DaemonProcess(first.path, socket_dir / "wait.sock", "--threads", "1", "--n-ctx", "64", "--max-sessions", "1", "--spill-budget", "0")
     try:
         holder_tokens = prompt_ids[1]
-        with daemon.client() as client, daemon.client() as other:
+        # the holder's append through the supervisor: a direct append counts as in flight only once its
+        # worker reads it, and this worker is stopped before it could
+        with daemon.client() as client, daemon.client(direct=False) as other:
             other.append("holder", 1, 0, tokens=holder_tokens[:4])
             holder_pid = client.stats().sessions[0].worker_pid
             # the holder's append stays in flight until the block ends (its worker is stopped), on any machine
@@ -547,28 +549,29 @@ def test_ttl_expires_idle_sessions(shards, socket_dir, prompt_ids):
 
 
 def test_killed_worker_loses_one_session_only_and_is_replaced(route, chain_daemons, local_chain, prompt_ids):
+    victim, survivor = f"victim-{route.name}", f"survivor-{route.name}"  # the daemons remember epochs
     victim_prompt, survivor_prompt = prompt_ids[1], prompt_ids[0]
     expected_tokens, expected_logits = _alone(local_chain, survivor_prompt)
-    route.append("victim", 1, 0, victim_prompt)
-    route.append("survivor", 1, 0, survivor_prompt[:5])
+    route.append(victim, 1, 0, victim_prompt)
+    route.append(survivor, 1, 0, survivor_prompt[:5])
     middle = chain_daemons[1]
     with middle.client() as client:
         stats = client.stats()
-        victim_pid = next(row.worker_pid for row in stats.sessions if row.session_id == "victim")
+        victim_pid = next(row.worker_pid for row in stats.sessions if row.session_id == victim)
         workers_before = len(stats.workers)
     os.kill(victim_pid, signal.SIGKILL)
     with pytest.raises(KvpoolError) as lost:
-        route.append("victim", 1, len(victim_prompt), [42])
+        route.append(victim, 1, len(victim_prompt), [42])
     assert lost.value.code in ("worker_lost", "cache_miss")
     # the middle shard reports why it has no state (the first shard has taken the token: the router's
     # business, it replays the route from 0)
     with pytest.raises(KvpoolError) as after:
-        route.clients[1].append("victim", 1, len(victim_prompt) + 1, hidden=np.zeros((1, 576), np.float32))
+        route.clients[1].append(victim, 1, len(victim_prompt) + 1, hidden=np.zeros((1, 576), np.float32))
     assert after.value.code == "cache_miss" and after.value.reason == "worker_lost"
     rows = []
 
     def append(start, tokens):
-        logits = route.append("survivor", 1, 5, survivor_prompt[5:]) if start == 0 else route.append("survivor", 1, start, tokens)
+        logits = route.append(survivor, 1, 5, survivor_prompt[5:]) if start == 0 else route.append(survivor, 1, start, tokens)
         rows.append(logits[-1].copy())
         return logits
 
@@ -585,8 +588,8 @@ def test_killed_worker_loses_one_session_only_and_is_replaced(route, chain_daemo
         assert len(stats.workers) == workers_before and stats.counters["worker_restarts"] >= 1
         assert victim_pid not in {w.pid for w in stats.workers}
     # the victim replays from 0 and gets the exact result
-    route.release("victim", 1)
-    logits = route.append("victim", 2, 0, victim_prompt)
+    route.release(victim, 1)
+    logits = route.append(victim, 2, 0, victim_prompt)
     with local_chain.new_session(N_CTX) as fresh:
         assert np.abs(logits - fresh.append(0, victim_prompt)).max() == 0.0
     _all_released(chain_daemons)

@@ -419,7 +419,7 @@ def test_worker_names_are_unique_when_replacements_start_in_many_threads(shards)
 def test_a_stalled_worker_is_killed_at_the_request_timeout_and_the_others_continue(shards, socket_dir):
     daemon = DaemonProcess(shards[0].path, socket_dir / "stall.sock", *SMALL, "--request-timeout", "20")
     try:
-        with daemon.client() as client:
+        with daemon.client(direct=False) as client:
             client.append("stalled", 1, 0, tokens=[1, 2, 3])
             client.append("other", 1, 0, tokens=[4, 5])
             pid = _worker_of(client, "stalled")
@@ -438,5 +438,25 @@ def test_a_stalled_worker_is_killed_at_the_request_timeout_and_the_others_contin
                 return len(stats.workers) == 2 and pid not in {w.pid for w in stats.workers} and stats.integrity == "ok"
 
             _wait_until(replaced, "the stalled worker replaced")
+    finally:
+        daemon.stop()
+
+
+def test_a_worker_stalled_under_a_direct_append_is_killed_at_the_request_timeout(shards, socket_dir):
+    daemon = DaemonProcess(shards[0].path, socket_dir / "stall-direct.sock", *SMALL, "--request-timeout", "5")
+    try:
+        with daemon.client() as client, daemon.client(direct=False) as observer:
+            client.append("stalled", 1, 0, tokens=[1, 2, 3])
+            client.append("stalled", 1, 3, tokens=[4])  # bound: the next append goes to the worker directly
+            client.append("other", 1, 0, tokens=[4, 5])
+            pid = _worker_of(observer, "stalled")
+            with _frozen([pid]):
+                with pytest.raises(KvpoolError) as lost:
+                    client.append("stalled", 1, 4, tokens=[5])
+            # the channel ended with the killed worker; the daemon's answer is the contract's
+            assert (lost.value.code, lost.value.reason) in {("worker_lost", None), ("cache_miss", "worker_lost")}, lost.value
+            _wait_until(lambda: _gone(pid), "the stalled worker killed")
+            assert client.append("other", 1, 2, tokens=[6]).length == 3
+            _wait_until(lambda: (stats := observer.stats()).integrity == "ok" and pid not in {w.pid for w in stats.workers}, "the worker replaced")
     finally:
         daemon.stop()

@@ -19,6 +19,7 @@ DIRECT_LENGTH_OFFSET = 8  # int64, by the worker: the context's length after the
 DIRECT_LAST_USED_OFFSET = 16  # float64, by the worker: time.monotonic() when that append ended
 DIRECT_APPENDS_OFFSET = 24  # int64, by the worker: appends served from the direct channel
 DIRECT_ROWS_OFFSET = 32  # int64, by the worker: their rows
+DIRECT_BUSY_SINCE_OFFSET = 40  # float64, by the worker: time.monotonic() when the running direct append began
 
 
 class Command(msgspec.Struct, tag=True, forbid_unknown_fields=True, kw_only=True):

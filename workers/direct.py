@@ -22,6 +22,7 @@ from workers.commands import (
     ABORT_FLAG_OFFSET,
     DIRECT_APPENDS_OFFSET,
     DIRECT_BUSY_OFFSET,
+    DIRECT_BUSY_SINCE_OFFSET,
     DIRECT_LAST_USED_OFFSET,
     DIRECT_LENGTH_OFFSET,
     DIRECT_ROWS_OFFSET,
@@ -119,6 +120,7 @@ class DirectChannel:
         self._last_used = ctypes.c_double.from_buffer(buffer, DIRECT_LAST_USED_OFFSET)
         self._appends = ctypes.c_int64.from_buffer(buffer, DIRECT_APPENDS_OFFSET)
         self._rows = ctypes.c_int64.from_buffer(buffer, DIRECT_ROWS_OFFSET)
+        self._busy_since = ctypes.c_double.from_buffer(buffer, DIRECT_BUSY_SINCE_OFFSET)
 
     def accept(self) -> socket.socket | None:
         return accept_same_uid(self.listener)
@@ -149,6 +151,7 @@ class DirectChannel:
         key = (request.session_id, request.epoch)
         if not self.cancels.begin(key, request.request_id):
             return ErrorReply(code=ErrorCode.CANCELLED, message="append cancelled", length=context.length, **ids)
+        self._busy_since.value = time.monotonic()
         self._busy.value = 1
         try:
             with server.compute:
@@ -173,5 +176,5 @@ class DirectChannel:
         )
 
     def close(self) -> None:
-        del self._abort, self._busy, self._length, self._last_used, self._appends, self._rows
+        del self._abort, self._busy, self._length, self._last_used, self._appends, self._rows, self._busy_since
         self.listener.close()
