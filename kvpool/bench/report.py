@@ -184,7 +184,8 @@ def summarize(results: dict) -> tuple[dict, dict, list[Row]]:
     evict = median_of(admission["evict_admit_s"])
     admit_2048 = median_of(admission["admit_s"]["2048"]) if "2048" in admission["admit_s"] else math.nan
     summary.update({"s5_evict_admit_s": evict, "s5_evictions_counted": admission["evictions_counted"]})
-    rows.append(Row("5", f"LRU eviction + admission, n_ctx 2048, all {SESSIONS} workers bound ({admission['evictions_counted']} evictions counted)",
+    rows.append(Row("5", f"LRU eviction + admission, n_ctx 2048, all {SESSIONS} workers bound ({admission['evictions_counted']} evictions counted, "
+                         f"{admission.get('evicted_victims_parked', 0)} of them parked in the warm tier)",
                     ms(evict), f"admit on a free worker {ms(admit_2048)}", f"{evict / admit_2048:.2f}x time"))
 
     memory = results["memory"]
