@@ -15,7 +15,7 @@ import pytest
 from tests.daemons import run_to_completion
 
 REPOSITORY = pathlib.Path(__file__).resolve().parents[1]
-SECTIONS = ("1", "2", "3", "4", "5", "6")
+SECTIONS = ("1", "2", "3", "4", "5", "6", "7")
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
@@ -51,9 +51,11 @@ def test_quick_bench_prints_every_section_and_writes_json_and_png(tmp_path: path
     assert sections == set(SECTIONS)
     for expected in ("daemon vs the same shard in-process", "3 shard daemons vs the whole model", "four sessions: kvpool whole model",
                      "prefill 512 rows", "admit n_ctx 8192", "release -> bytes available", "LRU eviction + admission",
-                     "one session n_ctx 2048: charged", "whole-model daemon USS"):
+                     "one session n_ctx 2048: charged", "whole-model daemon USS", "128-token session, 3 daemons: Park on each",
+                     "512-token session, 3 daemons: Park on each", "sessions per GiB, 256 tokens at n_ctx 2048"):
         assert any(expected in line for line in table), expected
     assert "greedy tokens identical in all four paths | yes" in completed.stdout
+    assert "bit-identical to the re-prefilled session's | yes" in completed.stdout  # every timed decode restored, none missed
 
     results = json.loads((out / "bench-quick.json").read_text())
     assert results["table"].strip() == "\n".join(table).strip()
@@ -72,6 +74,13 @@ def test_quick_bench_prints_every_section_and_writes_json_and_png(tmp_path: path
     for n_ctx in ("512", "2048", "8192"):
         assert memory[n_ctx]["charged_bytes"] >= memory[n_ctx]["theoretical_kv_bytes"] > 0  # charge never below theory
     assert results["memory"]["daemon_uss_bytes"]["4"] > results["memory"]["daemon_uss_bytes"]["0"] > 0
+    ratios = results["ratios"]
+    assert ratios["restore_vs_reprefill_512"]["target"] == 10 and ratios["parked_vs_hot_sessions_per_gib"]["target"] == 20
+    assert all(ratios[key]["value"] > 0 for key in ("restore_vs_reprefill_128", "restore_vs_reprefill_512", "parked_vs_hot_sessions_per_gib"))
+    parked = results["warm"]["parked_vs_hot"]
+    assert parked["tiers_after_park"] == ["ram"] * 3 and results["warm"]["integrity"] == ["ok"] * 3
+    for blob, theory, hot in zip(parked["parked_bytes_per_daemon"], parked["theoretical_kv_bytes_per_daemon"], parked["hot_bytes_per_daemon"]):
+        assert theory <= blob < 1.25 * theory < hot  # a parked session keeps its positions' KV, about nothing more
 
     chart = out / "bench-quick.png"
     assert chart.read_bytes()[:8] == PNG_SIGNATURE

@@ -12,6 +12,11 @@ and noisy: compare the ratios, not the absolute times; every figure is a median)
   4 prefill                        512 rows into the middle shard through a daemon / in-process
   5 admission and reclaim          admit on a warm worker / a bare llama context; release; LRU eviction
   6 memory                         bytes charged / theoretical KV / measured USS growth; daemon USS
+  7 warm tier                      through 3 shard daemons of their own (--n-ctx 2112): Park on each + the
+                                   1-token decode that restores on each / a fresh session's prefill + the same
+                                   decode (what a cache miss costs), at 128, 512, 2048 tokens (quick: 128, 512);
+                                   sessions per GiB parked (spill bytes) / hot (charged bytes), 256 tokens at
+                                   n_ctx 2048
 
 Threads: every single-session figure uses 1 llama thread per computing context (kvpool's default
 --threads-per-worker). Four sessions: llama.cpp batched uses 2 threads; the whole-model daemon runs
@@ -19,27 +24,32 @@ Threads: every single-session figure uses 1 llama thread per computing context (
 `--threads 1` each, which alone would allow 3 single threads at once across daemons, so the benchmark's
 router caps the chain at 2 appends in flight (at most 2 llama threads); an uncapped chain row is shown too.
 Flash attention is off everywhere. Greedy decoding continues past end-of-generation tokens (timing only).
+
+The JSON's "ratios" names the headline ratios, each with its target (null: none) and whether it was met.
 """
 
 # The package's docstring is `kvpool bench --help`'s description (here and in kvpool/cli_bench.py).
 # Modules, in import order: options (BenchOptions, shared constants), reference (llama.cpp contexts),
 # rig (daemons, models, timing helpers), one_session (sections 1, 2, 4), parallel (section 3),
-# admission (sections 5, 6), report (summary, table, chart), cli (run_bench, the command line).
+# admission (sections 5, 6), table (rows and cell formats), warm (section 7: measurement, summary, chart
+# panels), report (summary, table, chart), cli (run_bench, the command line).
 
 from kvpool.bench.admission import measure_admission, measure_memory
 from kvpool.bench.cli import add_arguments, environment, main, options_from_args, run, run_bench
 from kvpool.bench.one_session import IDLE_CHAIN_S, IDLE_MID_S, MID_SESSION, measure_mid_shard, measure_route, mid_shard_variants, route_variants
-from kvpool.bench.options import EPOCH, PARALLEL_THREADS, ROUTE_N_CTX, SESSIONS, SINGLE_THREADS, BenchOptions
+from kvpool.bench.options import EPOCH, PARALLEL_THREADS, ROUTE_N_CTX, SESSIONS, SINGLE_THREADS, WARM_N_CTX, BenchOptions
 from kvpool.bench.parallel import CEILING, CeilingProcesses, measure_parallel
 from kvpool.bench.reference import BatchedContext, PlainContext
-from kvpool.bench.report import DAEMON_OVERHEAD_TARGET, PARALLEL_TARGET, Row, render_table, summarize, write_chart
-from kvpool.bench.rig import FILLER_TEXT, PROMPTS, Rig, Variant, daemon_uss, payload_seconds, round_trips
+from kvpool.bench.report import DAEMON_OVERHEAD_TARGET, PARALLEL_TARGET, summarize, write_chart
+from kvpool.bench.rig import FILLER_TEXT, PROMPTS, Rig, Variant, daemon_uss, payload_seconds, round_trips, start_daemons
+from kvpool.bench.table import Row, headline, render_table
+from kvpool.bench.warm import PARKED_TARGET, RESTORE_TARGET, measure_warm, summarize_warm
 
 __all__ = [
     "CEILING", "DAEMON_OVERHEAD_TARGET", "EPOCH", "FILLER_TEXT", "IDLE_CHAIN_S", "IDLE_MID_S", "MID_SESSION", "PARALLEL_TARGET",
-    "PARALLEL_THREADS", "PROMPTS", "ROUTE_N_CTX", "SESSIONS", "SINGLE_THREADS",
+    "PARALLEL_THREADS", "PARKED_TARGET", "PROMPTS", "RESTORE_TARGET", "ROUTE_N_CTX", "SESSIONS", "SINGLE_THREADS", "WARM_N_CTX",
     "BatchedContext", "BenchOptions", "CeilingProcesses", "PlainContext", "Rig", "Row", "Variant",
-    "add_arguments", "daemon_uss", "environment", "main", "measure_admission", "measure_memory", "measure_mid_shard",
-    "measure_parallel", "measure_route", "mid_shard_variants", "options_from_args", "payload_seconds", "render_table",
-    "round_trips", "route_variants", "run", "run_bench", "summarize", "write_chart",
+    "add_arguments", "daemon_uss", "environment", "headline", "main", "measure_admission", "measure_memory", "measure_mid_shard",
+    "measure_parallel", "measure_route", "measure_warm", "mid_shard_variants", "options_from_args", "payload_seconds", "render_table",
+    "round_trips", "route_variants", "run", "run_bench", "start_daemons", "summarize", "summarize_warm", "write_chart",
 ]

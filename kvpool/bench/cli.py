@@ -20,8 +20,10 @@ from kvpool.bench.admission import measure_admission, measure_memory
 from kvpool.bench.one_session import measure_mid_shard, measure_route
 from kvpool.bench.options import BenchOptions, bench_say
 from kvpool.bench.parallel import measure_parallel
-from kvpool.bench.report import render_table, summarize, write_chart
+from kvpool.bench.report import summarize, write_chart
 from kvpool.bench.rig import Rig
+from kvpool.bench.table import render_table
+from kvpool.bench.warm import measure_warm
 from kvpool.bundled import bundled_model_path
 from kvpool.config import work_dir
 from kvpool.gguf_header import file_sha256
@@ -87,6 +89,8 @@ def run_bench(options: BenchOptions) -> tuple[dict, str]:
         results["admission"] = measure_admission(rig)
         bench_say("section 6: memory")
         results["memory"] = measure_memory(rig)
+        bench_say("section 7: warm tier, restore vs re-prefill and sessions per GiB")
+        results["warm"] = measure_warm(rig)
     finally:
         rig.close()
     results = _jsonable(results)
@@ -97,9 +101,10 @@ def run_bench(options: BenchOptions) -> tuple[dict, str]:
     results["environment"] = _jsonable(env)
     bench_say(f"run took {env['wall_s']:.0f} s; other processes used {env['other_processes_cpu_s']:.1f} CPU-seconds meanwhile; "
          f"load average at start {env['load_average_at_start'][0]:.2f}")
-    summary, rows = summarize(results)
+    summary, ratios, rows = summarize(results)
     table = render_table(rows)
     results["summary"] = summary
+    results["ratios"] = ratios
     results["table"] = table
     options.out_dir.mkdir(parents=True, exist_ok=True)
     stem = "bench-quick" if options.quick else "bench"
@@ -122,6 +127,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--parallel-rounds", type=int, help="interleaved rounds of the four-session section (default 7, quick 1)")
     parser.add_argument("--parallel-steps", type=int, help="decode steps per session per round (default 64, quick 8)")
     parser.add_argument("--repeats", type=int, help="admissions/releases/evictions per size (default 11, quick 2)")
+    parser.add_argument("--warm-repeats", type=int, help="rounds of restore against re-prefill per session length (default 3, quick 2)")
     parser.add_argument("--no-chart", action="store_true", help="skip the PNG chart")
 
 
@@ -132,7 +138,8 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
     overrides = {
         field: value
         for field, value in (("rounds", args.rounds), ("decode_steps", args.decode_steps), ("parallel_rounds", args.parallel_rounds),
-                             ("parallel_steps", args.parallel_steps), ("repeats", args.repeats))
+                             ("parallel_steps", args.parallel_steps), ("repeats", args.repeats),
+                             ("warm_repeats", args.warm_repeats))
         if value is not None
     }
     return dataclasses.replace(base, chart=not args.no_chart, **overrides)

@@ -14,6 +14,7 @@ SESSIONS = 4
 PARALLEL_THREADS = 2  # llama threads computing at once in section 3 (the machine's cores)
 SINGLE_THREADS = 1  # llama threads of a single-session context
 ROUTE_N_CTX = 1024  # context of the decode and prefill sessions
+WARM_N_CTX = 2048 + 64  # section 7's daemons: a 2048-token session and its decodes fit
 EPOCH = 1
 
 
@@ -44,18 +45,23 @@ class BenchOptions:
     parallel_steps: int = 64  # decode steps per session per round in section 3
     repeats: int = 11  # admissions, releases and evictions measured per size
     admit_n_ctx: tuple[int, ...] = (512, 2048, 8192)
+    warm_lengths: tuple[int, ...] = (128, 512, 2048)  # section 7: session lengths restored and re-prefilled
+    warm_repeats: int = 3  # section 7: rounds per length (each re-prefills the length twice)
     chart: bool = True
 
     def __post_init__(self) -> None:
-        if min(self.rounds, self.decode_steps, self.history, self.prefill_rows, self.parallel_rounds, self.parallel_steps, self.repeats) < 1:
-            raise ValueError("rounds, steps, history, prefill rows and repeats must be at least 1")
+        if min(self.rounds, self.decode_steps, self.history, self.prefill_rows, self.parallel_rounds, self.parallel_steps, self.repeats,
+               self.warm_repeats, *self.warm_lengths) < 1:
+            raise ValueError("rounds, steps, history, prefill rows, repeats and warm lengths must be at least 1")
         if self.prefill_rows > ROUTE_N_CTX or self.history + self.decode_steps + 8 > ROUTE_N_CTX:
             raise ValueError(f"prefill rows and history + decode steps must fit in n_ctx {ROUTE_N_CTX}")
+        if not self.warm_lengths or max(self.warm_lengths) + 2 > WARM_N_CTX:
+            raise ValueError(f"warm lengths (at least one) and two decodes must fit in n_ctx {WARM_N_CTX}")
 
     @classmethod
     def quick_run(cls, out_dir: pathlib.Path, model: pathlib.Path) -> BenchOptions:
         return cls(out_dir=out_dir, model=model, quick=True, rounds=2, decode_steps=8, history=16,
-                   parallel_rounds=1, parallel_steps=8, repeats=2)
+                   parallel_rounds=1, parallel_steps=8, repeats=2, warm_lengths=(128, 512), warm_repeats=2)
 
     @property
     def max_n_ctx(self) -> int:

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import pathlib
 import statistics
-from collections.abc import Sequence
 
 from kvpool.bench.one_session import IDLE_CHAIN_S, IDLE_MID_S
 from kvpool.bench.options import PARALLEL_THREADS, SESSIONS, median_of, as_mib
 from kvpool.bench.parallel import CEILING
+from kvpool.bench.table import Row, headline, ms, verdict
+from kvpool.bench.warm import draw_warm, summarize_warm
 
 DAEMON_OVERHEAD_TARGET = 0.95  # daemon tok/s >= 0.95 x in-process tok/s
 PARALLEL_TARGET = 1.2  # kvpool aggregate tok/s >= 1.2 x llama.cpp batched
@@ -19,26 +19,8 @@ PARALLEL_TARGET = 1.2  # kvpool aggregate tok/s >= 1.2 x llama.cpp batched
 # ---- the report: one table, JSON, chart -------------------------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Row:
-    section: str
-    what: str
-    kvpool: str
-    reference: str
-    ratio: str
-    target: str = ""
-
-
-def _verdict(value: float, target: float) -> str:
-    return f">= {target:.2f}: {'met' if value >= target else 'MISSED'}"
-
-
-def _ms(seconds: float) -> str:
-    return f"{seconds * 1e3:.3f} ms" if seconds < 0.01 else f"{seconds * 1e3:.1f} ms"
-
-
 def _rate(seconds: float) -> str:
-    return f"{1 / seconds:.0f} tok/s ({_ms(seconds)})"
+    return f"{1 / seconds:.0f} tok/s ({ms(seconds)})"
 
 
 def _slug(name: str) -> str:
@@ -49,9 +31,11 @@ def _share(part: float, whole: float) -> str:
     return f"{100 * part / whole:.0f}%" if whole > 0 else "n/a"
 
 
-def summarize(results: dict) -> tuple[dict, list[Row]]:
-    """Medians and ratios from the raw measurements, and the table rows."""
+def summarize(results: dict) -> tuple[dict, dict, list[Row]]:
+    """Medians and ratios from the raw measurements (summary); the headline ratios by name, each with its
+    target (JSON "ratios"); the table rows."""
     summary: dict[str, float | int | bool] = {}
+    ratios: dict[str, dict] = {}
     rows: list[Row] = []
 
     mid = results["mid_shard"]
@@ -63,6 +47,7 @@ def summarize(results: dict) -> tuple[dict, list[Row]]:
     overhead = decode["daemon"] - decode["runtime"]
     mid_rest = overhead - mid_trip - mid["payload_s"]
     daemon_vs_runtime = decode["runtime"] / decode["daemon"]
+    ratios["daemon_vs_runtime_decode"] = headline(daemon_vs_runtime, DAEMON_OVERHEAD_TARGET)
     summary.update({
         "s1_daemon_decode_s": decode["daemon"], "s1_runtime_decode_s": decode["runtime"], "s1_llamacpp_decode_s": decode["llama.cpp"],
         "s1_daemon_vs_runtime": daemon_vs_runtime, "s1_daemon_vs_llamacpp": decode["llama.cpp"] / decode["daemon"],
@@ -72,17 +57,17 @@ def summarize(results: dict) -> tuple[dict, list[Row]]:
     })
     rows += [
         Row("1", "middle shard decode: daemon vs the same shard in-process (worker runtime)", _rate(decode["daemon"]), _rate(decode["runtime"]),
-            f"{daemon_vs_runtime:.3f}x tok/s", _verdict(daemon_vs_runtime, DAEMON_OVERHEAD_TARGET)),
+            f"{daemon_vs_runtime:.3f}x tok/s", verdict(daemon_vs_runtime, DAEMON_OVERHEAD_TARGET)),
         Row("1", "middle shard decode: daemon vs llama.cpp in-process, no capture", _rate(decode["daemon"]), _rate(decode["llama.cpp"]),
             f"{decode['llama.cpp'] / decode['daemon']:.3f}x tok/s"),
         Row("1", "middle shard decode: worker runtime (capture, graph stopped) vs llama.cpp, no capture", _rate(decode["runtime"]), _rate(decode["llama.cpp"]),
             f"{decode['llama.cpp'] / decode['runtime']:.3f}x tok/s"),
-        Row("1", "daemon overhead per token (daemon minus worker runtime)", _ms(overhead), "", "100%"),
+        Row("1", "daemon overhead per token (daemon minus worker runtime)", ms(overhead), "", "100%"),
         Row("1", f"  round trip client-supervisor-worker-back, no compute, after {IDLE_MID_S * 1e3:.0f} ms idle "
-                 f"(hot: {_ms(mid_trip_hot)}; supervisor only: {_ms(mid_supervisor)})", _ms(mid_trip), "", _share(mid_trip, overhead)),
+                 f"(hot: {ms(mid_trip_hot)}; supervisor only: {ms(mid_supervisor)})", ms(mid_trip), "", _share(mid_trip, overhead)),
         Row("1", "  payload: encode, decode, shared-memory copies of one row each way (replayed in-process, hot caches)",
-            _ms(mid["payload_s"]), "", _share(mid["payload_s"], overhead)),
-        Row("1", "  rest: append bookkeeping in supervisor and worker, compute-slot semaphore, scheduling", _ms(mid_rest), "", _share(mid_rest, overhead)),
+            ms(mid["payload_s"]), "", _share(mid["payload_s"], overhead)),
+        Row("1", "  rest: append bookkeeping in supervisor and worker, compute-slot semaphore, scheduling", ms(mid_rest), "", _share(mid_rest, overhead)),
     ]
 
     route = results["route"]
@@ -104,12 +89,12 @@ def summarize(results: dict) -> tuple[dict, list[Row]]:
         Row("2", "greedy decode: whole model through 1 daemon vs in one llama.cpp context", _rate(greedy["daemon whole"]), _rate(whole),
             f"{whole / greedy['daemon whole']:.3f}x tok/s"),
         Row("2", "greedy decode: 3 shards in-process (LocalChain) vs the whole model in one context", _rate(local), _rate(whole), f"{whole / local:.3f}x tok/s"),
-        Row("2", "where the difference goes (3 daemons minus whole model), per token", _ms(difference), "", "100%"),
-        Row("2", "  split into 3 contexts in-process: 3 graphs, capture, Python (LocalChain minus whole)", _ms(split), "", _share(split, difference)),
-        Row("2", f"  IPC round trips: 3 x client-supervisor-worker-back after {IDLE_CHAIN_S * 1e3:.0f} ms idle (hot: {_ms(trips_hot)})",
-            _ms(trips), "", _share(trips, difference)),
-        Row("2", "  payload: 2 hidden-state hops + 192 KiB of logits, encode/decode/copies (replayed in-process, hot caches)", _ms(payload), "", _share(payload, difference)),
-        Row("2", "  rest: append bookkeeping, thread hand-offs, scheduling (daemons minus LocalChain minus the two above)", _ms(rest), "", _share(rest, difference)),
+        Row("2", "where the difference goes (3 daemons minus whole model), per token", ms(difference), "", "100%"),
+        Row("2", "  split into 3 contexts in-process: 3 graphs, capture, Python (LocalChain minus whole)", ms(split), "", _share(split, difference)),
+        Row("2", f"  IPC round trips: 3 x client-supervisor-worker-back after {IDLE_CHAIN_S * 1e3:.0f} ms idle (hot: {ms(trips_hot)})",
+            ms(trips), "", _share(trips, difference)),
+        Row("2", "  payload: 2 hidden-state hops + 192 KiB of logits, encode/decode/copies (replayed in-process, hot caches)", ms(payload), "", _share(payload, difference)),
+        Row("2", "  rest: append bookkeeping, thread hand-offs, scheduling (daemons minus LocalChain minus the two above)", ms(rest), "", _share(rest, difference)),
         Row("2", "greedy tokens identical in all four paths", "yes" if summary["s2_tokens_identical"] else "NO", "", ""),
     ]
 
@@ -135,9 +120,9 @@ def summarize(results: dict) -> tuple[dict, list[Row]]:
     idle = budget - sum(cpu.values())
     summary.update({f"s3_whole_cpu_{part}_s_per_token": value for part, value in cpu.items()})
     rows.append(Row("3", f"four sessions, kvpool whole model: where the {PARALLEL_THREADS} cores' time per token goes "
-                         f"({PARALLEL_THREADS} cores / its rate = {_ms(budget)}) vs the no-IPC ceiling's {_ms(PARALLEL_THREADS / ceiling)}",
-                    f"workers {_ms(cpu['workers'])}; supervisor {_ms(cpu['supervisor'])}; router (this process) {_ms(cpu['router'])}; idle {_ms(idle)}",
-                    f"{_ms(PARALLEL_THREADS / ceiling)} compute", f"{_share(cpu['workers'], budget)} / {_share(cpu['supervisor'], budget)} / "
+                         f"({PARALLEL_THREADS} cores / its rate = {ms(budget)}) vs the no-IPC ceiling's {ms(PARALLEL_THREADS / ceiling)}",
+                    f"workers {ms(cpu['workers'])}; supervisor {ms(cpu['supervisor'])}; router (this process) {ms(cpu['router'])}; idle {ms(idle)}",
+                    f"{ms(PARALLEL_THREADS / ceiling)} compute", f"{_share(cpu['workers'], budget)} / {_share(cpu['supervisor'], budget)} / "
                     f"{_share(cpu['router'], budget)} / {_share(idle, budget)}"))
     notes = {
         "kvpool whole model, 1 daemon": f"--threads {PARALLEL_THREADS} --threads-per-worker 1: at most {PARALLEL_THREADS} workers compute",
@@ -147,15 +132,16 @@ def summarize(results: dict) -> tuple[dict, list[Row]]:
     for name, note in notes.items():
         ratio = parallel[name] / best
         summary[f"s3_{_slug(name)}_vs_batched"] = ratio
+        ratios[f"{_slug(name)}_vs_batched"] = headline(ratio, None if "uncapped" in name else PARALLEL_TARGET)
         rows.append(Row("3", f"four sessions: {name} ({note}) vs the best llama.cpp batched", f"{parallel[name]:.0f} tok/s{spread[name]}", f"{best:.0f} tok/s",
-                        f"{ratio:.3f}x tok/s", _verdict(ratio, PARALLEL_TARGET) if "uncapped" not in name else "(3 threads: not counted)"))
+                        f"{ratio:.3f}x tok/s", verdict(ratio, PARALLEL_TARGET) if "uncapped" not in name else "(3 threads: not counted)"))
 
     rows_n = results["options"]["prefill_rows"]
     summary.update({"s4_daemon_prefill_s": prefill["daemon"], "s4_runtime_prefill_s": prefill["runtime"], "s4_llamacpp_prefill_s": prefill["llama.cpp"]})
     rows += [
-        Row("4", f"prefill {rows_n} rows, middle shard: daemon vs in-process (worker runtime)", _ms(prefill["daemon"]), _ms(prefill["runtime"]),
+        Row("4", f"prefill {rows_n} rows, middle shard: daemon vs in-process (worker runtime)", ms(prefill["daemon"]), ms(prefill["runtime"]),
             f"{prefill['runtime'] / prefill['daemon']:.3f}x tok/s"),
-        Row("4", f"prefill {rows_n} rows: daemon vs llama.cpp in-process, no capture, last row out", _ms(prefill["daemon"]), _ms(prefill["llama.cpp"]),
+        Row("4", f"prefill {rows_n} rows: daemon vs llama.cpp in-process, no capture, last row out", ms(prefill["daemon"]), ms(prefill["llama.cpp"]),
             f"{prefill['llama.cpp'] / prefill['daemon']:.3f}x tok/s"),
     ]
 
@@ -170,9 +156,9 @@ def summarize(results: dict) -> tuple[dict, list[Row]]:
         net = admit - decode_step
         summary.update({f"s5_admit_{n_ctx}_s": admit, f"s5_inprocess_admit_{n_ctx}_s": inprocess, f"s5_bare_create_{n_ctx}_s": bare})
         rows.append(Row("5", f"admit n_ctx {n_ctx} on a warm worker: admitting 1-token append vs in-process create + 1-token append",
-                        _ms(admit), _ms(inprocess), f"{admit / inprocess:.2f}x time"))
-        rows.append(Row("5", f"  admission alone (minus a {_ms(decode_step)} decode through the daemon) vs a bare llama context create",
-                        _ms(net), _ms(bare), f"{net / bare:.2f}x time"))
+                        ms(admit), ms(inprocess), f"{admit / inprocess:.2f}x time"))
+        rows.append(Row("5", f"  admission alone (minus a {ms(decode_step)} decode through the daemon) vs a bare llama context create",
+                        ms(net), ms(bare), f"{net / bare:.2f}x time"))
     first = admission["first_admit_s"]
     firsts = []
     for n_ctx in results["options"]["admit_n_ctx"]:
@@ -182,7 +168,7 @@ def summarize(results: dict) -> tuple[dict, list[Row]]:
             firsts.append(f"{n_ctx}: at daemon start")
         else:
             summary[f"s5_first_admit_{n_ctx}_s"] = value
-            firsts.append(f"{n_ctx}: {_ms(value)} (+{_ms(value - steady)})")
+            firsts.append(f"{n_ctx}: {ms(value)} (+{ms(value - steady)})")
     rows.append(Row("5", "first admission of an n_ctx (charges are fitted at start-up: no admission measures)", "; ".join(firsts),
                     "steady state above", ""))
     release = median_of([v for values in admission["release_s"].values() for v in values])
@@ -192,14 +178,15 @@ def summarize(results: dict) -> tuple[dict, list[Row]]:
     summary.update({"s5_release_s": release, "s5_reclaim_visible_s": visible, "s5_bare_free_s": free})
     summary.update({f"s5_uss_kept_{n_ctx}_bytes": value for n_ctx, value in kept.items()})
     rows.append(Row("5", "release -> bytes available: release round trip; until a stats reply shows reserved dropped",
-                    f"{_ms(release)}; {_ms(visible)}", f"llama_free {_ms(free)}", f"{release / free:.1f}x time"))
+                    f"{ms(release)}; {ms(visible)}", f"llama_free {ms(free)}", f"{release / free:.1f}x time"))
     rows.append(Row("5", "  workers' USS still held after release (vs before the admission), by n_ctx",
                     "; ".join(f"{n_ctx}: {as_mib(value):+.1f} MiB" for n_ctx, value in kept.items()), "", ""))
     evict = median_of(admission["evict_admit_s"])
     admit_2048 = median_of(admission["admit_s"]["2048"]) if "2048" in admission["admit_s"] else math.nan
     summary.update({"s5_evict_admit_s": evict, "s5_evictions_counted": admission["evictions_counted"]})
-    rows.append(Row("5", f"LRU eviction + admission, n_ctx 2048, all {SESSIONS} workers bound ({admission['evictions_counted']} evictions counted)",
-                    _ms(evict), f"admit on a free worker {_ms(admit_2048)}", f"{evict / admit_2048:.2f}x time"))
+    rows.append(Row("5", f"LRU eviction + admission, n_ctx 2048, all {SESSIONS} workers bound ({admission['evictions_counted']} evictions counted, "
+                         f"{admission.get('evicted_victims_parked', 0)} of them parked in the warm tier)",
+                    ms(evict), f"admit on a free worker {ms(admit_2048)}", f"{evict / admit_2048:.2f}x time"))
 
     memory = results["memory"]
     for n_ctx in results["options"]["admit_n_ctx"]:
@@ -220,13 +207,12 @@ def summarize(results: dict) -> tuple[dict, list[Row]]:
     rows.append(Row("6", f"whole-model daemon USS (supervisor + {SESSIONS} workers) at 0 / 1 / {SESSIONS} sessions of n_ctx {n_ctx}",
                     " / ".join(f"{as_mib(totals[key]):.0f}" for key in ("0", "1", str(SESSIONS))) + " MiB",
                     f"+{as_mib(theory):.1f} MiB KV per session", f"+{as_mib(per_added):.1f} MiB per session = {per_added / theory:.2f}x"))
-    return summary, rows
-
-
-def render_table(rows: Sequence[Row]) -> str:
-    lines = ["| # | measurement | kvpool | reference | ratio | target |", "|---|---|---|---|---|---|"]
-    lines += [f"| {r.section} | {r.what} | {r.kvpool} | {r.reference} | {r.ratio} | {r.target} |" for r in rows]
-    return "\n".join(lines)
+    if "warm" in results:
+        warm_summary, warm_ratios, warm_rows = summarize_warm(results["warm"])
+        summary.update(warm_summary)
+        ratios.update(warm_ratios)
+        rows += warm_rows
+    return summary, ratios, rows
 
 
 def write_chart(results: dict, summary: dict, path: pathlib.Path) -> None:
@@ -235,7 +221,7 @@ def write_chart(results: dict, summary: dict, path: pathlib.Path) -> None:
     matplotlib.use("Agg")
     from matplotlib import pyplot
 
-    figure, axes = pyplot.subplots(2, 3, figsize=(16, 9))
+    figure, axes = pyplot.subplots(2, 4, figsize=(21, 9))
 
     def bars(axis, labels, values, title, unit, *, colors=None, line=None) -> None:
         positions = range(len(labels))
@@ -285,6 +271,11 @@ def write_chart(results: dict, summary: dict, path: pathlib.Path) -> None:
     axes[1][2].set_title("6  memory per session (whole model)", fontsize=10)
     axes[1][2].set_ylabel("MiB")
     axes[1][2].legend(fontsize=8)
+    if "warm" in results:
+        draw_warm(axes[0][3], axes[1][3], summary, results["options"]["warm_lengths"])
+    else:
+        axes[0][3].set_axis_off()
+        axes[1][3].set_axis_off()
     figure.suptitle(f"kvpool vs llama.cpp, {results['environment']['date_utc']} (medians; kvpool blue, references grey)", fontsize=11)
     figure.tight_layout()
     figure.savefig(path, dpi=72)

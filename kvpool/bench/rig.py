@@ -66,13 +66,7 @@ class Rig:
         self.daemon_options = {name: options_ for name, (_path, options_) in plan.items()}
         bench_say(f"starting {len(plan)} daemons ({sum(int(o[o.index('--max-sessions') + 1]) for _p, o in plan.values())} workers), sockets in {self.socket_dir}")
         started = time.perf_counter()
-        self.daemons: dict[str, Daemon] = {}
-        for name, (path, daemon_options) in plan.items():
-            daemon = Daemon(path, self.socket_dir / f"{name}.sock", daemon_options)
-            self.daemons[name] = daemon
-            self._stack.callback(daemon.stop)
-        for daemon in self.daemons.values():
-            daemon.wait_ready()
+        self.daemons = start_daemons(plan, self.socket_dir, self._stack)
         self.daemon_start_s = time.perf_counter() - started
         bench_say(f"daemons ready in {self.daemon_start_s:.1f} s")
         self.daemon_uss_at_start = daemon_uss(self.daemons["whole"])
@@ -96,6 +90,19 @@ class Rig:
 
     def close(self) -> None:
         self._stack.close()
+
+
+def start_daemons(plan: dict[str, tuple[pathlib.Path, list[str]]], socket_dir: pathlib.Path, stack: contextlib.ExitStack) -> dict[str, Daemon]:
+    """Start one daemon per plan entry (name: shard, options) at <socket_dir>/<name>.sock, all at once, and
+    wait until every one answers; each is stopped when `stack` closes (also after a failed start)."""
+    daemons: dict[str, Daemon] = {}
+    for name, (path, daemon_options) in plan.items():
+        daemon = Daemon(path, socket_dir / f"{name}.sock", daemon_options)
+        daemons[name] = daemon
+        stack.callback(daemon.stop)
+    for daemon in daemons.values():
+        daemon.wait_ready()
+    return daemons
 
 
 def daemon_uss(daemon: Daemon) -> int:

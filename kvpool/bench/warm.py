@@ -1,0 +1,202 @@
+"""Section 7, the warm tier through a 3-daemon route: a parked session's restore against the re-prefill
+that a cache miss costs, and how many sessions a GiB holds hot and parked.
+
+The section starts its own three daemons (one per shard of the rig's route) with --n-ctx WARM_N_CTX, so
+that a 2048-token session and its decodes fit, and stops them at its end. Its walks go through
+kvpool.route.Route, which has no recovery: a cache miss raises instead of being replayed silently, so
+a "restore" timed here is never a re-prefill in disguise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+from kvpool.bench.options import EPOCH, WARM_N_CTX, as_mib, bench_say, median_of
+from kvpool.bench.rig import FILLER_TEXT, Rig, run_interleaved, start_daemons, time_call
+from kvpool.bench.table import Row, headline, ms, verdict
+from kvpool.client import Client
+from kvpool.protocol import StatsReply
+from kvpool.route import Route
+
+WARM_SESSIONS = 2  # workers per daemon: the parked session's restore and a fresh session never wait for one
+PARKED_TOKENS = 256
+PARKED_N_CTX = 2048
+RESTORE_TARGET = 10.0  # (prefill + decode of a fresh session) / (Park + the decode that restores)
+RESTORE_TARGET_LENGTH = 512
+PARKED_TARGET = 20.0  # parked sessions per GiB / hot sessions per GiB
+GIB = 1024**3
+
+
+# ---- measurement --------------------------------------------------------------------------------------
+
+
+def _counters(clients: Sequence[Client], name: str) -> list[int]:
+    return [client.stats().counters.get(name, 0) for client in clients]
+
+
+def _row(stats: StatsReply, session: str):
+    return next(row for row in stats.sessions if row.session_id == session)
+
+
+def _restore_once(route: Route, session: str, tokens: list[int], length: int) -> dict:
+    """Prefill (not timed), then time Park on every daemon and the 1-token decode that restores on each,
+    then one more decode (hot again)."""
+    clients = route.clients
+    route.append(session, EPOCH, 0, tokens[:length])
+    park_s = time_call(lambda: [client.park(session, EPOCH) for client in clients])
+    parked = all(_row(client.stats(), session).tier != "hot" for client in clients)
+    restores, misses = _counters(clients, "restores"), _counters(clients, "misses")
+    started = time.perf_counter()
+    logits = route.append(session, EPOCH, length, tokens[length : length + 1])
+    restore_s = time.perf_counter() - started
+    restored = [after - before for after, before in zip(_counters(clients, "restores"), restores)] == [1] * len(clients)
+    restored = restored and _counters(clients, "misses") == misses
+    hot_s = time_call(lambda: route.append(session, EPOCH, length + 1, tokens[length + 1 : length + 2]))
+    route.release(session, EPOCH)
+    return {"park_s": park_s, "restore_s": restore_s, "hot_decode_s": hot_s, "restored_everywhere": parked and restored, "logits": logits}
+
+
+def _reprefill_once(route: Route, session: str, tokens: list[int], length: int) -> dict:
+    """What a cache miss costs: a fresh session's prefill of the same tokens, then the same decode."""
+    started = time.perf_counter()
+    route.append(session, EPOCH, 0, tokens[:length])
+    prefill_s = time.perf_counter() - started
+    logits = route.append(session, EPOCH, length, tokens[length : length + 1])
+    total_s = time.perf_counter() - started
+    route.release(session, EPOCH)
+    return {"prefill_s": prefill_s, "total_s": total_s, "logits": logits}
+
+
+def _measure_length(route: Route, tokens: list[int], length: int, repeats: int) -> dict:
+    runs: dict[str, list] = {"park_s": [], "restore_s": [], "hot_decode_s": [], "reprefill_prefill_s": [], "reprefill_s": [],
+                             "restored_everywhere": [], "logits_identical": []}
+    for round_index, order in run_interleaved(repeats, ["restore", "re-prefill"]):
+        logits = {}
+        for name in order:
+            session = f"bench-warm-{length}-{round_index}-{name}"
+            if name == "restore":
+                got = _restore_once(route, session, tokens, length)
+                for key in ("park_s", "restore_s", "hot_decode_s", "restored_everywhere"):
+                    runs[key].append(got[key])
+            else:
+                got = _reprefill_once(route, session, tokens, length)
+                runs["reprefill_prefill_s"].append(got["prefill_s"])
+                runs["reprefill_s"].append(got["total_s"])
+            logits[name] = got["logits"]
+        runs["logits_identical"].append(bool(np.array_equal(logits["restore"], logits["re-prefill"])))
+        bench_say(f"warm tier: {length} tokens, round {round_index + 1}/{repeats}")
+    return runs
+
+
+def _parked_vs_hot(route: Route, tokens: list[int], kv_bytes_per_position: list[int]) -> dict:
+    """One PARKED_TOKENS-token session of n_ctx PARKED_N_CTX: its charge on each daemon while hot, and the
+    spill-store bytes it takes on each once parked."""
+    clients, session = route.clients, "bench-warm-memory"
+    spill_before = [client.stats().budget.spill_bytes for client in clients]
+    route.append(session, EPOCH, 0, tokens[:PARKED_TOKENS], n_ctx=PARKED_N_CTX)
+    hot = [_row(client.stats(), session).charged_bytes for client in clients]
+    for client in clients:
+        client.park(session, EPOCH)
+    after = [client.stats() for client in clients]
+    tiers = [_row(stats, session).tier for stats in after]
+    route.release(session, EPOCH)
+    return {
+        "tokens": PARKED_TOKENS, "n_ctx": PARKED_N_CTX, "hot_bytes_per_daemon": hot, "tiers_after_park": tiers,
+        "parked_bytes_per_daemon": [stats.budget.spill_bytes - before for stats, before in zip(after, spill_before)],
+        "theoretical_kv_bytes_per_daemon": [PARKED_TOKENS * per_position for per_position in kv_bytes_per_position],
+    }
+
+
+def measure_warm(rig: Rig) -> dict:
+    options = rig.options
+    common = ["--ttl", "600", "--threads-per-worker", "1", "--threads", "1", "--max-sessions", str(WARM_SESSIONS),
+              "--n-ctx", str(WARM_N_CTX), "--budget", "1GiB", "--spill-budget", "1GiB"]
+    plan = {f"warm{index}": (shard.path, common) for index, shard in enumerate(rig.shards)}
+    filler = rig.tokenizer.encode(FILLER_TEXT, add_special=False)
+    needed = max(*options.warm_lengths, PARKED_TOKENS) + 2
+    tokens = (rig.prompts[0] + filler * (needed // len(filler) + 1))[:needed]
+    with contextlib.ExitStack() as stack:
+        bench_say(f"warm tier: starting {len(plan)} daemons (--n-ctx {WARM_N_CTX}, --max-sessions {WARM_SESSIONS})")
+        started = time.perf_counter()
+        daemons = start_daemons(plan, rig.socket_dir, stack)
+        start_s = time.perf_counter() - started
+        clients = [stack.enter_context(Client(daemon.socket, name="kvpool-bench")) for daemon in daemons.values()]
+        route = Route(clients)
+        smallest = min(options.warm_lengths)
+        _restore_once(route, "bench-warm-warm-up-restore", tokens, smallest)  # first contexts, saves and restores allocate
+        _reprefill_once(route, "bench-warm-warm-up-re-prefill", tokens, smallest)
+        lengths = {length: _measure_length(route, tokens, length, options.warm_repeats) for length in options.warm_lengths}
+        memory = _parked_vs_hot(route, tokens, [model.kv_bytes_per_position() for model in rig.chain.models])
+        integrity = [client.stats().integrity for client in clients]
+    bench_say("warm tier done")
+    return {"daemon_options": common, "daemon_start_s": start_s, "lengths": lengths, "parked_vs_hot": memory, "integrity": integrity}
+
+
+# ---- report -------------------------------------------------------------------------------------------
+
+
+def summarize_warm(warm: dict) -> tuple[dict, dict, list[Row]]:
+    """Section 7's summary (s7_* keys), its ratios with their targets (JSON "ratios"), and its table rows."""
+    summary: dict[str, float | bool] = {}
+    ratios: dict[str, dict] = {}
+    rows: list[Row] = []
+    checks = True
+    for key, runs in warm["lengths"].items():
+        length = int(key)
+        park, restore, hot = (median_of(runs[name]) for name in ("park_s", "restore_s", "hot_decode_s"))
+        parked_and_restored = median_of([a + b for a, b in zip(runs["park_s"], runs["restore_s"])])
+        reprefill = median_of(runs["reprefill_s"])
+        ratio = reprefill / parked_and_restored
+        target = RESTORE_TARGET if length == RESTORE_TARGET_LENGTH else None
+        ratios[f"restore_vs_reprefill_{length}"] = headline(ratio, target)
+        summary.update({f"s7_park_{length}_s": park, f"s7_restore_decode_{length}_s": restore, f"s7_hot_decode_{length}_s": hot,
+                        f"s7_park_and_restore_{length}_s": parked_and_restored, f"s7_reprefill_{length}_s": reprefill,
+                        f"s7_restore_vs_reprefill_{length}": ratio, f"s7_restore_decode_vs_reprefill_{length}": reprefill / restore})
+        checks = checks and all(runs["restored_everywhere"]) and all(runs["logits_identical"])
+        rows.append(Row("7", f"{length}-token session, 3 daemons: Park on each + the 1-token decode that restores on each vs a fresh "
+                             "session's prefill + the same decode (re-prefill: a cache miss)",
+                        f"{ms(parked_and_restored)} (park {ms(park)}; restoring decode {ms(restore)}; then a hot decode {ms(hot)})",
+                        f"{ms(reprefill)} (prefill {ms(median_of(runs['reprefill_prefill_s']))})", f"{ratio:.1f}x faster",
+                        "" if target is None else verdict(ratio, target)))
+    summary["s7_restored_exactly"] = checks
+    rows.append(Row("7", "every timed decode restored on all 3 daemons (no miss), its logits bit-identical to the re-prefilled session's",
+                    "yes" if checks else "NO", "", ""))
+
+    memory = warm["parked_vs_hot"]
+    hot, parked = sum(memory["hot_bytes_per_daemon"]), sum(memory["parked_bytes_per_daemon"])
+    theory = sum(memory["theoretical_kv_bytes_per_daemon"])
+    ratio = hot / parked
+    ratios["parked_vs_hot_sessions_per_gib"] = headline(ratio, PARKED_TARGET)
+    summary.update({"s7_hot_session_bytes": hot, "s7_parked_session_bytes": parked, "s7_theoretical_kv_bytes": theory,
+                    "s7_hot_sessions_per_gib": GIB / hot, "s7_parked_sessions_per_gib": GIB / parked, "s7_parked_vs_hot_sessions_per_gib": ratio})
+    rows.append(Row("7", f"sessions per GiB, {memory['tokens']} tokens at n_ctx {memory['n_ctx']}, summed over 3 daemons: parked (spill bytes; "
+                         f"theoretical KV {as_mib(theory):.2f} MiB) vs hot (charged bytes; per daemon "
+                         + " / ".join(f"{as_mib(value):.1f}" for value in memory["hot_bytes_per_daemon"]) + " MiB)",
+                    f"{GIB / parked:.0f} ({as_mib(parked):.2f} MiB each)", f"{GIB / hot:.1f} ({as_mib(hot):.1f} MiB each)",
+                    f"{ratio:.1f}x sessions", verdict(ratio, PARKED_TARGET)))
+    return summary, ratios, rows
+
+
+def draw_warm(restore_axis, memory_axis, summary: dict, lengths: Sequence[int]) -> None:
+    """Section 7's two panels of the chart (matplotlib axes)."""
+    positions = np.arange(len(lengths))
+    for offset, (key, label, color) in enumerate([("s7_park_and_restore_{}_s", "park + restoring decode", "#4472c4"),
+                                                  ("s7_reprefill_{}_s", "re-prefill + decode", "#a5a5a5")]):
+        restore_axis.bar(positions + (offset - 0.5) * 0.4, [summary[key.format(n)] * 1e3 for n in lengths], 0.4, label=label, color=color)
+    restore_axis.set_yscale("log")
+    restore_axis.set_xticks(list(positions), [f"{n} tokens" for n in lengths])
+    restore_axis.set_title("7  warm tier: restore vs re-prefill, 3 daemons", fontsize=10)
+    restore_axis.set_ylabel("ms (log)")
+    restore_axis.legend(fontsize=8)
+    values = [summary["s7_parked_sessions_per_gib"], summary["s7_hot_sessions_per_gib"]]
+    memory_axis.bar([0, 1], values, color=["#4472c4", "#a5a5a5"])
+    memory_axis.set_yscale("log")
+    memory_axis.set_xticks([0, 1], ["parked", "hot"])
+    for position, value in enumerate(values):
+        memory_axis.annotate(f"{value:.3g}", (position, value), ha="center", va="bottom", fontsize=8)
+    memory_axis.set_title(f"7  sessions per GiB, {PARKED_TOKENS} tokens, n_ctx {PARKED_N_CTX}", fontsize=10)
+    memory_axis.set_ylabel("sessions (log)")
