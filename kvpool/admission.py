@@ -1,11 +1,13 @@
 """Admission: a new session gets its whole charge reserved and a worker with a fresh context before any
 compute, evicting least recently used idle sessions if that makes room, or waiting up to the request's
-admit_timeout_s for room to free up."""
+admit_timeout_s for room to free up, in line with the other admissions (kvpool.admission_queue); recently
+used sessions are not evicted (kvpool.residency)."""
 
 from __future__ import annotations
 
 import time
 
+from kvpool.admission_queue import MAX_ADMIT_WAIT_S, AdmissionQueue
 from kvpool.books import Books
 from kvpool.calibration import Calibrator
 from kvpool.config import ServeConfig
@@ -13,11 +15,12 @@ from kvpool.errors import RequestFailed
 from kvpool.metrics import Metrics
 from kvpool.pool import WorkerPool
 from kvpool.protocol import Append, ErrorCode, MissReason
+from kvpool.residency import Residency, derived_min_residency_s
 from kvpool.sessions import Session
 from kvpool.worker_handle import WorkerFailed, WorkerLost
 from kvpool.worker_lifecycle import WorkerLifecycle
 
-MAX_ADMIT_WAIT_S = 60.0
+__all__ = ["MAX_ADMIT_WAIT_S", "Admission"]
 
 
 class Admission:
@@ -28,6 +31,20 @@ class Admission:
         self.lifecycle = lifecycle
         self.calibrator = calibrator
         self.metrics = metrics
+        self.queue = AdmissionQueue(books, pool.usable, lifecycle, metrics, limit=config.admit_queue_limit, residency=self.residency)
+        self._residency: Residency | None = None
+
+    def residency(self) -> Residency:
+        """--min-residency, or the default derived from the step measured at start-up (fixed once known)."""
+        if self._residency is None:
+            if self.config.min_residency_s is not None:
+                self._residency = Residency(self.config.min_residency_s)
+            elif self.calibrator.step_s is not None:
+                self._residency = Residency(derived_min_residency_s(self.calibrator.step_s, self.calibrator.shard))
+            else:
+                return Residency(derived_min_residency_s(None, self.calibrator.shard))  # before start-up calibration
+            self.metrics.note("min_residency_ms", round(self._residency.min_s * 1000))
+        return self._residency
 
     async def admit(self, request: Append) -> Session:
         """The new session, its context open, returned with its lock held and one request in flight
@@ -37,26 +54,16 @@ class Admission:
         if charge > self.books.budget.limit:
             self.metrics.count("over_budget_rejects")
             raise RequestFailed(ErrorCode.OVER_BUDGET, f"a context of n_ctx {n_ctx} needs {charge} bytes, the budget is {self.books.budget.limit}")
-        deadline = time.monotonic() + min(max(request.admit_timeout_s, 0.0), MAX_ADMIT_WAIT_S)
-        while True:
+
+        def before_each_try() -> None:
             live = self.books.table.get(request.session_id)
             if live is not None:
                 length = live.length if live.epoch == request.epoch else 0
                 raise RequestFailed(ErrorCode.POSITION_MISMATCH, "the session was admitted by a concurrent request", length=length)
             if any(not self.pool.usable(worker) for worker in self.books.free_workers()):
                 self.lifecycle.spawn(self.lifecycle.replace_dead_free())
-            plan = self.books.plan_admission(charge, self.pool.usable)
-            if plan is not None:
-                break
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                self.metrics.count("over_budget_rejects")
-                raise RequestFailed(
-                    ErrorCode.OVER_BUDGET,
-                    f"needs {charge} bytes and a worker; {self.books.budget.available} bytes and "
-                    f"{sum(map(self.pool.usable, self.books.free_workers()))} workers free, no idle session to evict",
-                )
-            await self.lifecycle.wait_for_capacity(remaining)
+
+        plan = await self.queue.place(charge, request.admit_timeout_s, before_each_try)
         session, evicted_workers = self.books.admit(
             plan, session_id=request.session_id, epoch=request.epoch, n_ctx=n_ctx, charge=charge, now=time.monotonic()
         )

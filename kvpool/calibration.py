@@ -1,8 +1,12 @@
 """What a session of n_ctx positions is charged: measured once per n_ctx on a free worker (a context
 created, one full batch run through it, the worker's USS growth read, the context freed), never less
-than the theoretical KV cache."""
+than the theoretical KV cache. The same context then times a few one-row appends: the shard's decode
+step (`step_s`, the median), from which the default residency is derived (kvpool.residency)."""
 
 from __future__ import annotations
+
+import statistics
+import time
 
 import numpy as np
 
@@ -13,6 +17,7 @@ from kvpool.protocol import ShardDescription
 from kvpool.worker_lifecycle import WorkerLifecycle
 
 CALIBRATION_ROWS = 512
+STEP_SAMPLES = 3
 
 
 class Calibrator:
@@ -24,6 +29,7 @@ class Calibrator:
         self.shard = shard
         self.kv_bytes_per_position = kv_bytes_per_position
         self._charge_by_n_ctx: dict[int, int] = {}
+        self.step_s: float | None = None  # one decode step of this shard, measured with the first charge
 
     def theoretical_kv_bytes(self, n_ctx: int) -> int:
         return n_ctx * self.kv_bytes_per_position
@@ -54,4 +60,17 @@ class Calibrator:
         async with self.compute.slot():
             await worker.append(0, batch)
         after = await self.lifecycle.in_thread(worker.measure_uss)
+        if self.step_s is None:
+            self.step_s = await self._time_steps(worker, rows, batch[:1])
         return max(after - before, self.theoretical_kv_bytes(n_ctx))
+
+    async def _time_steps(self, worker, rows: int, row: np.ndarray) -> float:
+        """The median of STEP_SAMPLES one-row appends at the end of the calibration batch."""
+        samples = []
+        for _ in range(STEP_SAMPLES):
+            await worker.truncate(rows - 1)
+            async with self.compute.slot():
+                started = time.perf_counter()
+                await worker.append(rows - 1, row)
+                samples.append(time.perf_counter() - started)
+        return statistics.median(samples)

@@ -42,6 +42,8 @@ def add_parser(subcommands: argparse._SubParsersAction) -> None:
     parser.add_argument("--max-request-bytes", help=f"largest request frame accepted (default {format_bytes(DEFAULTS['max_request_bytes'])})")
     parser.add_argument("--request-timeout", type=float, help=f"seconds a worker may take to answer one call (an append of --n-ctx rows included); a worker that does not is killed and replaced, and its request answered worker_lost (default {DEFAULTS['request_timeout_s']:g})")
     parser.add_argument("--housekeeping-interval", type=float, help=f"seconds between housekeeping passes: TTL expiry, replacing dead idle workers, memory checks (default {DEFAULTS['housekeeping_interval_s']:g})")
+    parser.add_argument("--min-residency", type=float, metavar="S", help="an idle session that appended within the last S seconds is not evicted to admit another: the admission waits for it to lapse instead (default: derived at start-up from the measured decode step, a few of the route's steps; 0 turns it off)")
+    parser.add_argument("--admit-queue", type=int, metavar="N", help=f"admissions that may wait for room at once, served first come first served; one more is answered over_budget with retry_after_s (default {DEFAULTS['admit_queue_limit']})")
     parser.add_argument("--lifeline-fd", type=int, help="an inherited pipe's read end: the daemon shuts down when it reaches end-of-file, i.e. when the program that started it is gone (kvpool's launcher passes it)")
     parser.add_argument("--memory-margin", help=f"recycle an idle worker whose measured memory exceeds its charge by this (default {format_bytes(DEFAULTS['memory_margin_bytes'])})")
     parser.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on 127.0.0.1:PORT")
@@ -62,6 +64,8 @@ OPTIONS = {
     "max_request_bytes": ("max_request_bytes", parse_bytes),
     "request_timeout": ("request_timeout_s", float),
     "housekeeping_interval": ("housekeeping_interval_s", float),
+    "min_residency": ("min_residency_s", float),
+    "admit_queue": ("admit_queue_limit", int),
     "memory_margin": ("memory_margin_bytes", parse_bytes),
     "metrics_port": ("metrics_port", int),
     "flash_attn": ("flash_attn", bool),
