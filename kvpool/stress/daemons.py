@@ -7,8 +7,8 @@ import pathlib
 from collections.abc import Callable, Sequence
 
 from kvpool.config import format_bytes
-from kvpool.daemon_route import DaemonRoute
 from kvpool.launcher import Daemon, start_daemons
+from kvpool.route import Route
 from kvpool.stress.options import UNLIMITED_BUDGET, FaultKind, StressOptions
 from kvpool.stress.plans import SessionPlan, fault_stage
 
@@ -50,7 +50,7 @@ def probe_charges(shards: Sequence[pathlib.Path], socket_dir: pathlib.Path, opti
     try:
         clients = [daemon.client() for daemon in daemons]
         try:
-            route = DaemonRoute(clients)
+            route = Route(clients)
             route.append("stress-probe", 1, 0, prompt)
             charges = [next(row.charged_bytes for row in client.stats().sessions) for client in clients]
             route.release("stress-probe", 1)
