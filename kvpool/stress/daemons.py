@@ -41,6 +41,8 @@ def serve_options(options: StressOptions, *, max_sessions: int, budget: str, ttl
     ]
     if request_timeout_s is not None:
         flags += ["--request-timeout", f"{request_timeout_s:g}"]
+    if options.min_residency_s is not None:
+        flags += ["--min-residency", f"{options.min_residency_s:g}"]
     return flags
 
 
