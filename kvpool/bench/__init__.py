@@ -12,6 +12,9 @@ and noisy: compare the ratios, not the absolute times; every figure is a median)
   4 prefill                        512 rows into the middle shard through a daemon / in-process
   5 admission and reclaim          admit on a warm worker / a bare llama context; release; LRU eviction
   6 memory                         bytes charged / theoretical KV / measured USS growth; daemon USS
+  7 overload                       8 sessions at once through a 3-daemon chain with 2 places per daemon /
+                                   the same 8 sessions run 2 at a time by the router (`--overload-only`
+                                   runs this section alone); whether the daemons have the warm tier
 
 Threads: every single-session figure uses 1 llama thread per computing context (kvpool's default
 --threads-per-worker). Four sessions: llama.cpp batched uses 2 threads; the whole-model daemon runs
@@ -24,22 +27,23 @@ Flash attention is off everywhere. Greedy decoding continues past end-of-generat
 # The package's docstring is `kvpool bench --help`'s description (here and in kvpool/cli_bench.py).
 # Modules, in import order: options (BenchOptions, shared constants), reference (llama.cpp contexts),
 # rig (daemons, models, timing helpers), one_session (sections 1, 2, 4), parallel (section 3),
-# admission (sections 5, 6), report (summary, table, chart), cli (run_bench, the command line).
+# admission (sections 5, 6), overload (section 7), report (summary, table, chart), cli (run_bench, the command line).
 
 from kvpool.bench.admission import measure_admission, measure_memory
 from kvpool.bench.cli import add_arguments, environment, main, options_from_args, run, run_bench
 from kvpool.bench.one_session import IDLE_CHAIN_S, IDLE_MID_S, MID_SESSION, measure_mid_shard, measure_route, mid_shard_variants, route_variants
 from kvpool.bench.options import EPOCH, PARALLEL_THREADS, ROUTE_N_CTX, SESSIONS, SINGLE_THREADS, BenchOptions
+from kvpool.bench.overload import OVERLOAD_TARGET, measure_overload, summarize_overload
 from kvpool.bench.parallel import CEILING, CeilingProcesses, measure_parallel
 from kvpool.bench.reference import BatchedContext, PlainContext
 from kvpool.bench.report import DAEMON_OVERHEAD_TARGET, PARALLEL_TARGET, Row, render_table, summarize, write_chart
 from kvpool.bench.rig import FILLER_TEXT, PROMPTS, Rig, Variant, daemon_uss, payload_seconds, round_trips
 
 __all__ = [
-    "CEILING", "DAEMON_OVERHEAD_TARGET", "EPOCH", "FILLER_TEXT", "IDLE_CHAIN_S", "IDLE_MID_S", "MID_SESSION", "PARALLEL_TARGET",
+    "CEILING", "DAEMON_OVERHEAD_TARGET", "EPOCH", "FILLER_TEXT", "IDLE_CHAIN_S", "IDLE_MID_S", "MID_SESSION", "OVERLOAD_TARGET", "PARALLEL_TARGET",
     "PARALLEL_THREADS", "PROMPTS", "ROUTE_N_CTX", "SESSIONS", "SINGLE_THREADS",
     "BatchedContext", "BenchOptions", "CeilingProcesses", "PlainContext", "Rig", "Row", "Variant",
     "add_arguments", "daemon_uss", "environment", "main", "measure_admission", "measure_memory", "measure_mid_shard",
-    "measure_parallel", "measure_route", "mid_shard_variants", "options_from_args", "payload_seconds", "render_table",
-    "round_trips", "route_variants", "run", "run_bench", "summarize", "write_chart",
+    "measure_overload", "measure_parallel", "measure_route", "mid_shard_variants", "options_from_args", "payload_seconds", "render_table",
+    "round_trips", "route_variants", "run", "run_bench", "summarize", "summarize_overload", "write_chart",
 ]

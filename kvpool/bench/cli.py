@@ -9,7 +9,9 @@ import json
 import os
 import pathlib
 import platform
+import shutil
 import sys
+import tempfile
 import time
 
 import llama_cpp
@@ -19,12 +21,15 @@ import psutil
 from kvpool.bench.admission import measure_admission, measure_memory
 from kvpool.bench.one_session import measure_mid_shard, measure_route
 from kvpool.bench.options import BenchOptions, bench_say
+from kvpool.bench.overload import measure_overload, summarize_overload
 from kvpool.bench.parallel import measure_parallel
 from kvpool.bench.report import render_table, summarize, write_chart
 from kvpool.bench.rig import Rig
 from kvpool.bundled import bundled_model_path
 from kvpool.config import work_dir
 from kvpool.gguf_header import file_sha256
+from kvpool.shardcache import shards_in_parts
+from kvpool.tokenizer import Tokenizer
 
 
 def environment(source: pathlib.Path) -> dict:
@@ -87,6 +92,9 @@ def run_bench(options: BenchOptions) -> tuple[dict, str]:
         results["admission"] = measure_admission(rig)
         bench_say("section 6: memory")
         results["memory"] = measure_memory(rig)
+        bench_say("section 7: overload, 8 sessions on 2 places per daemon")
+        results["overload"] = measure_overload([shard.path for shard in rig.shards], rig.tokenizer, rig.socket_dir,
+                                               steps=options.overload_steps, rounds=options.overload_rounds, say=bench_say)
     finally:
         rig.close()
     results = _jsonable(results)
@@ -113,6 +121,28 @@ def run_bench(options: BenchOptions) -> tuple[dict, str]:
     return results, table
 
 
+def run_overload_only(options: BenchOptions) -> tuple[dict, str]:
+    """Section 7 alone (its own daemons); writes <out>/bench-overload.json."""
+    env = environment(options.model)
+    shards = shards_in_parts(options.model, 3, progress=bench_say)
+    socket_dir = pathlib.Path(tempfile.mkdtemp(prefix="kvpool-bench-"))
+    try:
+        with Tokenizer(shards[0].path) as tokenizer:
+            overload = measure_overload([shard.path for shard in shards], tokenizer, socket_dir,
+                                        steps=options.overload_steps, rounds=options.overload_rounds, say=bench_say)
+    finally:
+        shutil.rmtree(socket_dir, ignore_errors=True)
+    env["load_average_at_end"] = os.getloadavg()
+    summary, rows = summarize_overload(overload)
+    table = render_table(rows)
+    results = _jsonable({"environment": env, "options": dataclasses.asdict(options), "overload": overload, "summary": summary, "table": table})
+    options.out_dir.mkdir(parents=True, exist_ok=True)
+    json_path = options.out_dir / "bench-overload.json"
+    json_path.write_text(json.dumps(results, indent=1, allow_nan=False) + "\n")
+    bench_say(f"wrote {json_path}")
+    return results, table
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="a short run (about a minute): few rounds and steps")
     parser.add_argument("--model", type=pathlib.Path, help="source GGUF (default: the bundled model)")
@@ -122,6 +152,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--parallel-rounds", type=int, help="interleaved rounds of the four-session section (default 7, quick 1)")
     parser.add_argument("--parallel-steps", type=int, help="decode steps per session per round (default 64, quick 8)")
     parser.add_argument("--repeats", type=int, help="admissions/releases/evictions per size (default 11, quick 2)")
+    parser.add_argument("--overload-rounds", type=int, help="interleaved rounds of the overload section (default 3, quick 1)")
+    parser.add_argument("--overload-steps", type=int, help="decode steps per session in the overload section (default 32, quick 8)")
+    parser.add_argument("--overload-only", action="store_true", help="run only section 7 (overload) on its own daemons")
     parser.add_argument("--no-chart", action="store_true", help="skip the PNG chart")
 
 
@@ -132,7 +165,8 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
     overrides = {
         field: value
         for field, value in (("rounds", args.rounds), ("decode_steps", args.decode_steps), ("parallel_rounds", args.parallel_rounds),
-                             ("parallel_steps", args.parallel_steps), ("repeats", args.repeats))
+                             ("parallel_steps", args.parallel_steps), ("repeats", args.repeats),
+                             ("overload_rounds", args.overload_rounds), ("overload_steps", args.overload_steps))
         if value is not None
     }
     return dataclasses.replace(base, chart=not args.no_chart, **overrides)
@@ -140,7 +174,7 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
 
 def run(args: argparse.Namespace) -> int:
     options = options_from_args(args)
-    _, table = run_bench(options)
+    _, table = run_overload_only(options) if args.overload_only else run_bench(options)
     print(table)
     return 0
 

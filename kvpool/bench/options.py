@@ -17,6 +17,18 @@ ROUTE_N_CTX = 1024  # context of the decode and prefill sessions
 EPOCH = 1
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Row:
+    """One line of the table."""
+
+    section: str
+    what: str
+    kvpool: str
+    reference: str
+    ratio: str
+    target: str = ""
+
+
 def bench_say(message: str) -> None:
     print(f"kvpool bench: {time.strftime('%H:%M:%S', time.gmtime())} {message}", file=sys.stderr, flush=True)
 
@@ -44,10 +56,13 @@ class BenchOptions:
     parallel_steps: int = 64  # decode steps per session per round in section 3
     repeats: int = 11  # admissions, releases and evictions measured per size
     admit_n_ctx: tuple[int, ...] = (512, 2048, 8192)
+    overload_rounds: int = 3  # interleaved rounds of section 7 (each variant once per round)
+    overload_steps: int = 32  # greedy decode steps per session in section 7
     chart: bool = True
 
     def __post_init__(self) -> None:
-        if min(self.rounds, self.decode_steps, self.history, self.prefill_rows, self.parallel_rounds, self.parallel_steps, self.repeats) < 1:
+        if min(self.rounds, self.decode_steps, self.history, self.prefill_rows, self.parallel_rounds, self.parallel_steps, self.repeats,
+               self.overload_rounds, self.overload_steps) < 1:
             raise ValueError("rounds, steps, history, prefill rows and repeats must be at least 1")
         if self.prefill_rows > ROUTE_N_CTX or self.history + self.decode_steps + 8 > ROUTE_N_CTX:
             raise ValueError(f"prefill rows and history + decode steps must fit in n_ctx {ROUTE_N_CTX}")
@@ -55,7 +70,7 @@ class BenchOptions:
     @classmethod
     def quick_run(cls, out_dir: pathlib.Path, model: pathlib.Path) -> BenchOptions:
         return cls(out_dir=out_dir, model=model, quick=True, rounds=2, decode_steps=8, history=16,
-                   parallel_rounds=1, parallel_steps=8, repeats=2)
+                   parallel_rounds=1, parallel_steps=8, repeats=2, overload_rounds=1, overload_steps=8)
 
     @property
     def max_n_ctx(self) -> int:

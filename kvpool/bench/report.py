@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import pathlib
 import statistics
 from collections.abc import Sequence
 
 from kvpool.bench.one_session import IDLE_CHAIN_S, IDLE_MID_S
-from kvpool.bench.options import PARALLEL_THREADS, SESSIONS, median_of, as_mib
+from kvpool.bench.options import PARALLEL_THREADS, SESSIONS, Row, median_of, as_mib
+from kvpool.bench.overload import summarize_overload
 from kvpool.bench.parallel import CEILING
 
 DAEMON_OVERHEAD_TARGET = 0.95  # daemon tok/s >= 0.95 x in-process tok/s
@@ -17,16 +17,6 @@ PARALLEL_TARGET = 1.2  # kvpool aggregate tok/s >= 1.2 x llama.cpp batched
 
 
 # ---- the report: one table, JSON, chart -------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Row:
-    section: str
-    what: str
-    kvpool: str
-    reference: str
-    ratio: str
-    target: str = ""
 
 
 def _verdict(value: float, target: float) -> str:
@@ -220,6 +210,10 @@ def summarize(results: dict) -> tuple[dict, list[Row]]:
     rows.append(Row("6", f"whole-model daemon USS (supervisor + {SESSIONS} workers) at 0 / 1 / {SESSIONS} sessions of n_ctx {n_ctx}",
                     " / ".join(f"{as_mib(totals[key]):.0f}" for key in ("0", "1", str(SESSIONS))) + " MiB",
                     f"+{as_mib(theory):.1f} MiB KV per session", f"+{as_mib(per_added):.1f} MiB per session = {per_added / theory:.2f}x"))
+    if "overload" in results:
+        overload_summary, overload_rows = summarize_overload(results["overload"])
+        summary.update(overload_summary)
+        rows += overload_rows
     return summary, rows
 
 

@@ -1,0 +1,167 @@
+"""Section 7: overload. Eight sessions through a chain of 3 shard daemons with 2 places each, all at once
+(the daemons queue, protect and evict: kvpool.admission_queue, kvpool.residency), against the same eight
+sessions run 2 at a time by the router (no session ever waits or is evicted: the best any scheduler could
+do with 2 places). Each session: its prompt, then `steps` greedy decode steps through kvpool.router, then
+release. Throughput is the sessions' decoded tokens over the wall time from the common start to the last
+finish; variants alternate round by round on the same daemons; the ratio of medians is the figure.
+
+The warm tier (evicted sessions parked and restored instead of replayed) makes an eviction cheap; whether
+the daemons have it is read from their counters (a spill or restore counter) and reported with the ratio.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import queue
+import threading
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+from kvpool.bench.options import Row, median_of
+from kvpool.bench.rig import run_interleaved
+from kvpool.client import Client
+from kvpool.launcher import Daemon
+from kvpool.router import RecoveryPolicy, Router
+from kvpool.tokenizer import Tokenizer
+
+OVERLOAD_SESSIONS = 8
+PLACES = 2
+OVERLOAD_N_CTX = 512
+OVERLOAD_TARGET = 0.8  # 8 sessions on 2 places >= 0.8 x the same sessions 2 at a time (with the warm tier)
+ALL_AT_ONCE = f"{OVERLOAD_SESSIONS} sessions at once on {PLACES} places per daemon"
+TWO_AT_A_TIME = f"the same {OVERLOAD_SESSIONS} sessions, {PLACES} at a time by the router"
+ADMIT_TIMEOUT_S = 60.0
+POLICY = RecoveryPolicy(max_replays=100, over_budget_give_up_s=1800.0)
+TIER_COUNTERS = ("spill", "restore", "park")  # a counter whose name holds one of these: the warm tier is there
+PROMPTS = (
+    "What is the capital of France?",
+    "Write a short poem about the sea.",
+    "List four fruits.",
+    "Why is the sky blue? Answer briefly.",
+    "Explain what a hash table is to a ten year old.",
+    "Give three tips for writing clear commit messages.",
+    "Translate 'good morning' into Spanish and French.",
+    "Describe the water cycle in two sentences.",
+)
+
+
+def _run_session(clients: Sequence[Client], name: str, prompt: Sequence[int], steps: int) -> tuple[list[int], dict[str, int]]:
+    session = Router(clients, policy=POLICY).session(name, n_ctx=OVERLOAD_N_CTX, admit_timeout_s=ADMIT_TIMEOUT_S)
+    try:
+        tokens = list(session.greedy(prompt, steps))
+    finally:
+        session.release()
+    counts = session.counts
+    return tokens, {"replays": counts.replays, "replayed_tokens": counts.replayed_tokens, "over_budget_retries": counts.over_budget_retries}
+
+
+def _run(sockets: Sequence[pathlib.Path], prompts: Sequence[Sequence[int]], steps: int, concurrency: int, tag: str) -> dict:
+    """Every session once, `concurrency` at a time (each runner thread takes the next session in order)."""
+    todo: queue.Queue[int] = queue.Queue()
+    for index in range(len(prompts)):
+        todo.put(index)
+    tokens: list[list[int]] = [[] for _ in prompts]
+    counts: list[dict[str, int]] = [{} for _ in prompts]
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(concurrency + 1)
+
+    def runner() -> None:
+        clients = [Client(path, name=f"bench-overload-{tag}") for path in sockets]
+        try:
+            barrier.wait()
+            while True:
+                try:
+                    index = todo.get_nowait()
+                except queue.Empty:
+                    return
+                tokens[index], counts[index] = _run_session(clients, f"overload-{tag}-{index}", prompts[index], steps)
+        except BaseException as error:  # noqa: BLE001 - re-raised in the caller's thread
+            errors.append(error)
+            barrier.abort()
+        finally:
+            for client in clients:
+                client.close()
+
+    threads = [threading.Thread(target=runner, name=f"bench-overload-{tag}-{index}") for index in range(concurrency)]
+    for thread in threads:
+        thread.start()
+    barrier.wait()
+    started = time.perf_counter()
+    for thread in threads:
+        thread.join()
+    wall = time.perf_counter() - started
+    if errors:
+        raise errors[0]
+    return {"wall_s": wall, "tokens_per_s": len(prompts) * steps / wall, "tokens": tokens,
+            **{key: sum(c.get(key, 0) for c in counts) for key in ("replays", "replayed_tokens", "over_budget_retries")}}
+
+
+def _counters(sockets: Sequence[pathlib.Path]) -> list[dict[str, int]]:
+    counters = []
+    for path in sockets:
+        with Client(path, name="bench-overload-stats") as client:
+            counters.append(dict(client.stats().counters))
+    return counters
+
+
+def measure_overload(shard_paths: Sequence[pathlib.Path], tokenizer: Tokenizer, socket_dir: pathlib.Path, *, steps: int, rounds: int, say) -> dict:
+    """Section 7 on its own chain of daemons (started and stopped here)."""
+    options = ["--threads", "1", "--threads-per-worker", "1", "--n-ctx", str(OVERLOAD_N_CTX), "--max-sessions", str(PLACES), "--ttl", "600"]
+    daemons = [Daemon(path, socket_dir / f"overload{index}.sock", options) for index, path in enumerate(shard_paths)]
+    try:
+        for daemon in daemons:
+            daemon.wait_ready()
+        sockets = [daemon.socket for daemon in daemons]
+        prompts = [tokenizer.encode(tokenizer.chat_prompt(text)) for text in PROMPTS[:OVERLOAD_SESSIONS]]
+        variants = {ALL_AT_ONCE: OVERLOAD_SESSIONS, TWO_AT_A_TIME: PLACES}
+        rates: dict[str, list[float]] = {name: [] for name in variants}
+        runs: dict[str, list[dict]] = {name: [] for name in variants}
+        deltas: list[dict[str, int]] = []
+        for round_index, names in run_interleaved(rounds, list(variants)):
+            for name in names:
+                before = _counters(sockets)
+                result = _run(sockets, prompts, steps, variants[name], f"{round_index}-{variants[name]}")
+                after = _counters(sockets)
+                if name == ALL_AT_ONCE:
+                    deltas.append({key: sum(a.get(key, 0) - b.get(key, 0) for a, b in zip(after, before)) for key in after[0]})
+                rates[name].append(result["tokens_per_s"])
+                runs[name].append(result)
+                say(f"overload round {round_index}: {name}: {result['tokens_per_s']:.1f} tok/s ({result['wall_s']:.1f} s)")
+        reference = runs[TWO_AT_A_TIME][0]["tokens"]
+        identical = all(run["tokens"] == reference for name in variants for run in runs[name])
+        tier = sorted({key for counters in _counters(sockets) for key in counters if any(word in key for word in TIER_COUNTERS)})
+        return {
+            "tokens_per_s": rates, "tokens_identical": identical, "warm_tier_counters": tier, "steps": steps,
+            "all_at_once": {key: [run[key] for run in runs[ALL_AT_ONCE]] for key in ("replays", "replayed_tokens", "over_budget_retries")},
+            "daemon_counters_all_at_once": deltas,
+            "min_residency_ms": [counters.get("min_residency_ms", 0) for counters in _counters(sockets)],
+        }
+    finally:
+        for daemon in reversed(daemons):
+            daemon.stop()
+
+
+def summarize_overload(results: dict) -> tuple[dict, list[Row]]:
+    """Summary figures and table rows of section 7."""
+    rates = {name: median_of(values) for name, values in results["tokens_per_s"].items()}
+    ratio = rates[ALL_AT_ONCE] / rates[TWO_AT_A_TIME]
+    tier = results["warm_tier_counters"]
+    deltas = results["daemon_counters_all_at_once"]
+    evictions = median_of([d.get("evictions", 0) for d in deltas])
+    queued = median_of([d.get("admissions_queued", 0) for d in deltas])
+    replays = median_of(results["all_at_once"]["replays"])
+    summary = {"s7_all_at_once_tok_s": rates[ALL_AT_ONCE], "s7_two_at_a_time_tok_s": rates[TWO_AT_A_TIME], "s7_ratio": ratio,
+               "s7_tokens_identical": results["tokens_identical"], "s7_warm_tier": bool(tier)}
+    spread = {name: f" (rounds {min(values):.1f}-{max(values):.1f})" for name, values in results["tokens_per_s"].items()}
+    tier_note = f"warm tier on ({', '.join(tier)})" if tier else "warm tier absent: evicted sessions replay from 0"
+    rows = [
+        Row("7", f"overload, decode throughput: {ALL_AT_ONCE} vs {TWO_AT_A_TIME} ({results['steps']} steps each; {tier_note})",
+            f"{rates[ALL_AT_ONCE]:.1f} tok/s{spread[ALL_AT_ONCE]}", f"{rates[TWO_AT_A_TIME]:.1f} tok/s{spread[TWO_AT_A_TIME]}", f"{ratio:.3f}x tok/s",
+            f">= {OVERLOAD_TARGET:.2f} with the warm tier: {'met' if ratio >= OVERLOAD_TARGET else 'MISSED'}" + ("" if tier else " (tier absent)")),
+        Row("7", f"  all at once, per round (medians): evictions {evictions:g} (3 daemons), admissions that waited in line {queued:g}, "
+                 f"router replays {replays:g}; min residency {results['min_residency_ms']} ms", "", "", ""),
+        Row("7", "greedy tokens identical, all at once and 2 at a time", "yes" if results["tokens_identical"] else "NO", "", ""),
+    ]
+    return summary, rows
