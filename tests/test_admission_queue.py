@@ -8,13 +8,14 @@ from __future__ import annotations
 import asyncio
 import time
 
+import msgspec
 import pytest
 
 from kvpool.admission_queue import AdmissionQueue
 from kvpool.books import Books
 from kvpool.errors import RequestFailed
 from kvpool.metrics import Metrics
-from kvpool.protocol import ErrorCode, ShardDescription
+from kvpool.protocol import ErrorCode, ErrorReply, ShardDescription, decode_reply, encode
 from kvpool.residency import MIN_RESIDENCY_FLOOR_S, RESIDENCY_ROUTE_STEPS, Residency, derived_min_residency_s
 from kvpool.worker_lifecycle import WorkerLifecycle
 
@@ -135,3 +136,27 @@ def test_the_default_residency_is_a_few_route_steps_of_the_measured_step_with_a_
     assert derived_min_residency_s(0.1, middle) == pytest.approx(RESIDENCY_ROUTE_STEPS * 3 * 0.1)
     half = ShardDescription(layer_start=0, layer_stop=15, total_layers=30, n_embd=576, n_vocab=32, model_path="m")
     assert derived_min_residency_s(0.1, half) == pytest.approx(RESIDENCY_ROUTE_STEPS * 2 * 0.1)
+
+
+class OldErrorReply(msgspec.Struct, tag="ErrorReply", forbid_unknown_fields=True, omit_defaults=True, kw_only=True):
+    """ErrorReply as a peer from before retry_after_s decodes it."""
+
+    request_id: int = 0
+    code: str
+    message: str
+    length: int = 0
+    reason: str | None = None
+    session_id: str = ""
+    epoch: int = 0
+
+
+def test_retry_after_s_is_omitted_unless_set_so_a_reply_without_it_is_what_old_peers_decode():
+    plain = encode(ErrorReply(code=ErrorCode.OVER_BUDGET, message="no room", request_id=3))[4:]
+    assert msgspec.msgpack.decode(plain, type=OldErrorReply).message == "no room"  # an old peer decodes it
+    assert decode_reply(plain).retry_after_s is None  # and so does a new one
+    old = msgspec.msgpack.encode(OldErrorReply(code="over_budget", message="old daemon"))
+    assert decode_reply(old).retry_after_s is None  # a new peer reads an old daemon's reply
+    hinted = encode(ErrorReply(code=ErrorCode.OVER_BUDGET, message="no room", retry_after_s=0.25))[4:]
+    assert decode_reply(hinted).retry_after_s == 0.25
+    with pytest.raises(msgspec.ValidationError):  # known limit: a hinted over_budget is new to an old peer (unknown field)
+        msgspec.msgpack.decode(hinted, type=OldErrorReply)
