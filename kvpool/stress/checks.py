@@ -18,6 +18,7 @@ from kvpool.stress.options import IDLE_MARGIN_S, StressOptions
 from kvpool.stress.report import DaemonSummary, Sample, SessionSummary, SlowReaderRecord, StallRecord, SupervisorKillRecord, Verdict, WorkerMemory
 
 SETTLE_TIMEOUT_S = 30.0
+NOT_COUNTS = ("peak_concurrent_compute_threads", "min_residency_ms", "admission_wait_max_ms")  # values, not counts: shown as they end
 
 
 # ---- checks after the run ------------------------------------------------------------------------------
@@ -92,8 +93,8 @@ def daemon_summaries(chain: Chain, before: Sequence[Snapshot], after: Sequence[S
                 limit_bytes=a.stats.budget.limit_bytes, session_charge_bytes=chain.charges[index] if chain.charges else 0,
                 peak_reserved_bytes=peak, reserved_before=b.stats.budget.reserved_bytes, reserved_after=a.stats.budget.reserved_bytes,
                 our_sessions_after=sum(row.session_id.startswith(prefix) for row in a.stats.sessions), integrity_after=a.stats.integrity,
-                counters={key: value - since.get(key, 0) for key, value in sorted(a.stats.counters.items()) if key != "peak_concurrent_compute_threads"}
-                | {"peak_concurrent_compute_threads": a.stats.counters.get("peak_concurrent_compute_threads", 0)},
+                counters={key: value - since.get(key, 0) for key, value in sorted(a.stats.counters.items()) if key not in NOT_COUNTS}
+                | {key: a.stats.counters.get(key, 0) for key in NOT_COUNTS},
                 workers=_worker_memory(b, a, tolerance), replaced_pids=sorted(set(b.uss_by_pid) - after_pids),
                 restarted=index in restarted,
             )

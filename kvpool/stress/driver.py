@@ -1,14 +1,10 @@
 """One session: the SessionDriver thread that runs its plan through kvpool.router, as a router would.
 
-What a failure means is the router's (kvpool.router, the one router): a cache miss, a lost worker or a lost
-connection is replayed from 0 at a new epoch with the session's own append partition, over_budget is
-retried after the daemon's retry_after_s. The driver keeps, in `log`, what the daemons were made to hold,
-for the run alone: a replay the router did inside an append is logged as a reset and the session's appends
-again (their outputs are not returned by the router, so not compared), then the append itself.
-
-Between operations every daemon holds positions [0, length) of `tokens` under the router session's epoch
-(or lost them to eviction or expiry, and the next append replays); `logits` is the last row's output for
-position length - 1 when known.
+Recovery is the router's (replay from 0 at a new epoch with the session's own partition; over_budget
+retried after retry_after_s). The driver logs what the daemons were made to hold, for the run alone: a
+replay inside an append as a reset and the session's appends again (kvpool.stress.log.replayed). Between
+operations every daemon holds [0, length) of `tokens` under the session's epoch (or lost it to eviction or
+expiry, and the next append replays); `logits` is the output for position length - 1 when known.
 """
 
 from __future__ import annotations
@@ -31,13 +27,13 @@ from kvpool.stress import probes
 from kvpool.stress.cancels import CancelDrill, CancelResult
 from kvpool.stress.errors import ContractViolation
 from kvpool.stress.faults import FaultInjector
-from kvpool.stress.log import LogEntry, LoggedAppend, LoggedReset, LoggedTruncate, row_digest
+from kvpool.stress.log import LogEntry, LoggedAppend, LoggedReset, LoggedTruncate, replayed, row_digest
 from kvpool.stress.options import OpKind, StressOptions
 from kvpool.stress.plans import SessionSetup
 from kvpool.stress.recording import Recorder
 from kvpool.stress.restarts import ChainControl
 from kvpool.stress.schedule import OpSchedule, target_name
-from kvpool.stress.tap import TappedClient
+from kvpool.stress.tap import Reconnected, TappedClient
 
 PREFILL_CHUNKS = (1, 2, 3, 5, 8, 13, 16, 24)
 JITTER_MAX_S = 0.003
@@ -74,7 +70,8 @@ class SessionDriver:
         self.cancels = CancelDrill(self)
         self.ops: Counter[str] = Counter()
         self.misses: Counter[str] = Counter()
-        self.appends = self.resets = self.connection_losses = 0
+        self.appends = self.resets = self.connection_losses = self.restarts = 0
+        self._unanswered_losses = 0  # reconnections the router has not answered with a replay at a new epoch
         self.cancels_landed = self.cancels_completed = self.late_cancels = self.cancel_attempts_missed = 0
         self.cancels_landed_on: Counter[int] = Counter()
         self.admission_waits: list[float] = []  # seconds each admission took, queue and back-off included
@@ -98,9 +95,9 @@ class SessionDriver:
 
     @property
     def recoveries(self) -> int:
-        """Replays the router started (each failure it answered with one)."""
+        """Replays the router started, and restarts after a connection lost outside the router."""
         counts = self.session.counts
-        return counts.cache_misses + counts.workers_lost + counts.connections_lost
+        return counts.cache_misses + counts.workers_lost + counts.connections_lost + self.restarts
 
     # ---- the loop ------------------------------------------------------------------------------------
 
@@ -131,7 +128,7 @@ class SessionDriver:
     def _do(self, kind: OpKind) -> None:
         self._op_label = str(kind)
         with self.recorder.timed(kind):
-            self._perform(kind)
+            self._survive(lambda: self._perform(kind))
         if self.session.needs_replay and self.length:  # a failed truncate or roll-back: start again from 0
             self.start_over()
         self.ops[kind] += 1
@@ -146,16 +143,16 @@ class SessionDriver:
             self._op_label = "closing"
             if self.length < len(self.tokens):
                 with self.recorder.timed(OpKind.PREFILL):
-                    self.append(self.tokens[self.length :], greedy=False)
+                    self._survive(lambda: self.append(self.tokens[self.length :], greedy=False))
             elif self.logits is None:
-                self.start_over()
+                self._survive(self.start_over)
             elif self.schedule.forced_pending:
                 kind = self.schedule.next_forced(self)
                 if kind is not None:
                     self._do(kind)
             elif len(self.tokens) < (target := target or len(self.tokens) + self.options.final_tokens):
                 with self.recorder.timed(OpKind.DECODE):
-                    self._decode()
+                    self._survive(self._decode)
             else:
                 return
         raise ContractViolation(f"{self.session_id}: could not finish after {MAX_CLOSING_STEPS} steps")
@@ -186,21 +183,17 @@ class SessionDriver:
     def route_append(self, tokens: Sequence[int]) -> np.ndarray:
         """The router's append of `tokens` at the session's length: the last output row. A replay the router
         did first is logged here; the append itself is the caller's to log (took_effect)."""
-        before, partition, replays = self.session.tokens, self.session.partition, self.session.counts.replays
+        counts = self.session.counts
+        before, partition, replays, lost = self.session.tokens, self.session.partition, counts.replays, counts.connections_lost
         try:
             rows = self.session.append(list(tokens))
         finally:
-            if self.session.counts.replays != replays:
-                self._log_replay(before, partition)
+            if counts.replays != replays:
+                self.log += replayed(before, partition)
+                self.resets += 1
+            if counts.connections_lost != lost:
+                self._unanswered_losses = 0  # the router replayed at a new epoch
         return np.array(rows[-1], copy=True)
-
-    def _log_replay(self, tokens: Sequence[int], partition: Sequence[int]) -> None:
-        self.log.append(LoggedReset())
-        self.resets += 1
-        position = 0
-        for rows in partition:
-            self.log.append(LoggedAppend(position, tuple(tokens[position : position + rows]), None, False))
-            position += rows
 
     def append(self, tokens: Sequence[int], *, greedy: bool) -> None:
         start = self.length
@@ -252,19 +245,32 @@ class SessionDriver:
                 self.cancelled_reply = (stage, error.length)
         self.faults.answered(stage, error)
 
-    def lost(self, stage: int, error: ConnectionLost) -> Client:
-        """A connection to daemon `stage` was lost: only a killed supervisor (the drill) explains it. Wait
-        until it serves again (restarted by whichever session needs it first); a new client there."""
+    def lost(self, _stage: int, error: ConnectionLost) -> None:
+        """Only a killed supervisor (the drill) explains a lost connection: reconnect to every daemon
+        restarted since this session last looked (kvpool.stress.restarts), or fail the run."""
         self.stage = -1
-        lost = self.control.stages_lost_since(self._generations) if self.control is not None else []
-        if stage not in lost:
+        if self.control is None or not self.control.reconnect(self._generations, self.clients, self.session_id):
             raise ContractViolation(f"connection lost (did a daemon die?): {error}")
-        self._generations[stage] = self.control.wait_serving(stage, self.session_id)
-        old = self.clients[stage].client
-        old.close()
         self.connection_losses += 1
+        self._unanswered_losses += 1
         self.recorder.event("connection lost (supervisor killed): replayed at a new epoch")
-        return Client(old.socket_path, name=self.session_id)
+
+    def _survive(self, action: Callable[[], object]) -> None:
+        """Run `action`. A connection lost where the router did not replay (a truncate, a release, a probe's
+        or a drill's own request) is answered here as the router would: start again from 0 at a new epoch."""
+        for _ in range(MAX_CONNECTION_RECOVERIES):
+            try:
+                action()
+            except ConnectionLost as error:
+                if not isinstance(error, Reconnected):
+                    self.lost(-1, error)
+            if not self._unanswered_losses:
+                return
+            self._unanswered_losses = 0
+            self.restarts += 1
+            self.epoch += 1
+            action = self.start_over
+        raise ContractViolation(f"{self.session_id}: still losing connections after {MAX_CONNECTION_RECOVERIES} recoveries")
 
     # ---- operations ---------------------------------------------------------------------------------------
 

@@ -40,6 +40,17 @@ class LoggedReset:
 LogEntry = LoggedAppend | LoggedTruncate | LoggedReset
 
 
+def replayed(tokens: Sequence[int], partition: Sequence[int]) -> list[LogEntry]:
+    """What a replay from 0 made the daemons hold: a reset, then the appends of `partition` again (their
+    outputs are not returned by the router: not compared)."""
+    entries: list[LogEntry] = [LoggedReset()]
+    position = 0
+    for rows in partition:
+        entries.append(LoggedAppend(position, tuple(tokens[position : position + rows]), None, False))
+        position += rows
+    return entries
+
+
 def row_digest(row: np.ndarray) -> str:
     return hashlib.sha256(np.ascontiguousarray(row, dtype="<f4").tobytes()).hexdigest()[:32]
 

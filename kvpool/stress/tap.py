@@ -14,6 +14,10 @@ from kvpool.protocol import Done, ErrorCode, StatsReply
 from kvpool.stress.errors import ContractViolation
 
 
+class Reconnected(ConnectionLost):
+    """The connection to a daemon a drill restarted was lost; the tap has reconnected to it."""
+
+
 class Tap(Protocol):
     """What the session driver does around each request to daemon `stage`."""
 
@@ -21,7 +25,7 @@ class Tap(Protocol):
 
     def sending(self, stage: int, start_pos: int, rows: int) -> None: ...
     def answered(self, stage: int, error: KvpoolError | None, *, admitted: bool = False, waited_s: float = 0.0) -> None: ...
-    def lost(self, stage: int, error: ConnectionLost) -> Client: ...
+    def lost(self, stage: int, error: ConnectionLost) -> None: ...
 
 
 class TappedClient:
@@ -43,8 +47,8 @@ class TappedClient:
         try:
             return request(self.client)
         except ConnectionLost as error:
-            self.client = self.tap.lost(self.stage, error)  # raises unless a drill explains the loss
-            raise
+            self.tap.lost(self.stage, error)  # reconnects, or raises if no drill explains the loss
+            raise Reconnected(str(error)) from error
 
     def append(self, session_id: str, epoch: int, start_pos: int, **options) -> AppendResult:
         rows = len(options["tokens"]) if options.get("tokens") is not None else len(options["hidden"])
@@ -83,7 +87,7 @@ class TappedClient:
         return self.client.cancel(session_id, epoch)
 
     def stats(self) -> StatsReply:
-        return self.client.stats()
+        return self._call(lambda client: client.stats())
 
     def _answered(self, request):
         try:
