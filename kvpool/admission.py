@@ -63,10 +63,11 @@ class Admission:
             if any(not self.pool.usable(worker) for worker in self.books.free_workers()):
                 self.lifecycle.spawn(self.lifecycle.replace_dead_free())
 
-        plan = await self.queue.place(charge, request.admit_timeout_s, before_each_try)
-        session, evicted_workers = self.books.admit(
-            plan, session_id=request.session_id, epoch=request.epoch, n_ctx=n_ctx, charge=charge, now=time.monotonic()
-        )
+        async with self.queue.turn(request.admit_timeout_s) as ticket:
+            plan = await self.queue.plan(ticket, charge, before_each_try)
+            session, evicted_workers = self.books.admit(
+                plan, session_id=request.session_id, epoch=request.epoch, n_ctx=n_ctx, charge=charge, now=time.monotonic()
+            )
         if plan.victims:
             self.metrics.count("evictions", len(plan.victims))
         for worker in evicted_workers:

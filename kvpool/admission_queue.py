@@ -1,7 +1,8 @@
 """The admission queue: admissions wait for room first come, first served.
 
-Every admission joins the line; only the first in line may take room (evict, reserve), so a later arrival
-never overtakes an earlier one, whatever the timing of its wake-ups. An admission waits:
+Every admission joins the line (`turn`, held while it takes the room); only the first in line is handed a
+plan to take room (`plan`: evict or park, reserve), so a later arrival never overtakes an earlier one,
+whatever the timing of its wake-ups. An admission waits:
 
 - up to its request's `admit_timeout_s` (at most MAX_ADMIT_WAIT_S) for room: for a session to end, to go
   idle, or for a worker to come back; then over_budget;
@@ -19,10 +20,11 @@ so its wait is bounded by the time the k + 1 sessions holding the next places ke
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import itertools
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 
 from kvpool.books import AdmissionPlan, Books, Usable
 from kvpool.errors import RequestFailed
@@ -39,10 +41,14 @@ HEAD_WAIT_WEIGHT = 0.25  # of each new sample in the running mean of first-in-li
 
 @dataclasses.dataclass(slots=True, eq=False)
 class Ticket:
+    """One admission's place in line."""
+
     number: int
     joined: float
+    deadline: float  # its admit_timeout_s runs out (a residency lapse may still be waited for past it)
     first_since: float | None = None  # when it became first in line
     waited: bool = False  # it had to wait at least once
+    placed: bool = False  # a plan was handed out (its waits are counted once)
 
 
 class AdmissionQueue:
@@ -60,37 +66,43 @@ class AdmissionQueue:
     def __len__(self) -> int:
         return len(self._line)
 
-    async def place(self, charge: int, admit_timeout_s: float, before_each_try: Callable[[], None]) -> AdmissionPlan:
-        """A plan that makes room for `charge` bytes and a worker, once this admission is first in line;
-        before_each_try() may raise to end the wait (RequestFailed). Carry the plan out before the next await."""
+    @contextlib.asynccontextmanager
+    async def turn(self, admit_timeout_s: float) -> AsyncIterator[Ticket]:
+        """A place in line for one admission, held until the block ends (take the room inside it); at once
+        over_budget when the line is full."""
         now = time.monotonic()
         if len(self._line) >= self.limit:
             self.metrics.count("over_budget_rejects")
             raise RequestFailed(ErrorCode.OVER_BUDGET, f"{len(self._line)} admissions already wait for room here (the line's limit)", retry_after_s=self.retry_after_s(len(self._line)))
-        ticket = Ticket(next(self._numbers), now)
+        ticket = Ticket(next(self._numbers), now, now + min(max(admit_timeout_s, 0.0), MAX_ADMIT_WAIT_S))
         self._line.append(ticket)
-        deadline = now + min(max(admit_timeout_s, 0.0), MAX_ADMIT_WAIT_S)
         try:
-            while True:
-                before_each_try()
-                now = time.monotonic()
-                wake_at = deadline
-                if self._line[0] is ticket:
-                    plan, lapse = self._try(ticket, charge, now)
-                    if plan is not None:
-                        self._placed(ticket, now)
-                        return plan
-                    if lapse is not None:
-                        wake_at = max(deadline, lapse)
-                if now >= wake_at:
-                    self.metrics.count("over_budget_rejects")
-                    raise RequestFailed(ErrorCode.OVER_BUDGET, self._refusal(charge), retry_after_s=self.retry_after_s(self._ahead_of(ticket)))
-                ticket.waited = True
-                await self.lifecycle.wait_for_capacity(min(wake_at - now, RECHECK_S))
+            yield ticket
         finally:
             self._line.remove(ticket)
             if self._line:  # the next in line (or one behind a leaver) looks again
                 self.lifecycle.spawn(self.lifecycle.notify_capacity())
+
+    async def plan(self, ticket: Ticket, charge: int, before_each_try: Callable[[], None]) -> AdmissionPlan:
+        """A plan that makes room for `charge` bytes and a worker, once `ticket` is first in line; over_budget
+        (with retry_after_s) when its wait runs out. before_each_try() may raise to end the wait. Carry the
+        plan out before the next await (its victims may be used again otherwise); ask again as often as needed."""
+        while True:
+            before_each_try()
+            now = time.monotonic()
+            wake_at = ticket.deadline
+            if self._line[0] is ticket:
+                plan, lapse = self._try(ticket, charge, now)
+                if plan is not None:
+                    self._placed(ticket, now)
+                    return plan
+                if lapse is not None:
+                    wake_at = max(ticket.deadline, lapse)
+            if now >= wake_at:
+                self.metrics.count("over_budget_rejects")
+                raise RequestFailed(ErrorCode.OVER_BUDGET, self._refusal(charge), retry_after_s=self.retry_after_s(self._ahead_of(ticket)))
+            ticket.waited = True
+            await self.lifecycle.wait_for_capacity(min(wake_at - now, RECHECK_S))
 
     def _try(self, ticket: Ticket, charge: int, now: float) -> tuple[AdmissionPlan | None, float | None]:
         """The plan if room can be made now; else when a protection lapses, if evicting a protected
@@ -104,8 +116,9 @@ class AdmissionQueue:
         return None, residency.next_lapse(self.books.table.least_recently_used_idle(), now)
 
     def _placed(self, ticket: Ticket, now: float) -> None:
-        if not ticket.waited:
+        if not ticket.waited or ticket.placed:
             return
+        ticket.placed = True
         self.metrics.count("admissions_queued")
         self.metrics.note_max("admission_wait_max_ms", round((now - ticket.joined) * 1000))
         first_wait = now - (ticket.first_since if ticket.first_since is not None else now)

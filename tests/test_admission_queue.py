@@ -34,8 +34,9 @@ class Daemon:
         self.admitted: list[str] = []
 
     async def admit(self, session_id: str, timeout_s: float, *, busy: bool = True):
-        plan = await self.queue.place(CHARGE, timeout_s, lambda: None)
-        session, released = self.books.admit(plan, session_id=session_id, epoch=1, n_ctx=64, charge=CHARGE, now=time.monotonic())
+        async with self.queue.turn(timeout_s) as ticket:
+            plan = await self.queue.plan(ticket, CHARGE, lambda: None)
+            session, released = self.books.admit(plan, session_id=session_id, epoch=1, n_ctx=64, charge=CHARGE, now=time.monotonic())
         for worker in released:
             self.books.give_back(worker)
         session.in_flight = 1 if busy else 0
