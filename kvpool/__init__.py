@@ -2,7 +2,7 @@
 
 __version__ = "0.1.0"
 
-__all__ = ["AsyncClient", "Client", "KvpoolError", "__version__"]
+__all__ = ["AsyncClient", "Client", "KvpoolError", "Sampling", "__version__"]
 
 
 def __getattr__(name: str):
@@ -11,6 +11,10 @@ def __getattr__(name: str):
         from kvpool import client
 
         return getattr(client, name)
+    if name == "Sampling":
+        from workers.sampling import Sampling
+
+        return Sampling
     if name == "AsyncClient":
         from kvpool import async_client
 

@@ -4,8 +4,8 @@ Every admission joins the line (`turn`, held while it takes the room); only the 
 plan to take room (`plan`: evict or park, reserve), so a later arrival never overtakes an earlier one,
 whatever the timing of its wake-ups. An admission waits:
 
-- up to its request's `admit_timeout_s` (at most MAX_ADMIT_WAIT_S) for room: for a session to end, to go
-  idle, or for a worker to come back; then over_budget;
+- until its deadline (the request's `admit_timeout_s`, at most kvpool.admission.MAX_ADMIT_WAIT_S) for
+  room: for a session to end, to go idle, or for a worker to come back; then over_budget;
 - when first in line and only protected sessions could make room (kvpool.residency), until the first
   protection lapses (at most the minimum residency), even past its admit timeout: that wait is bounded;
 - never in a full line: beyond `limit` waiting admissions the reply is over_budget at once.
@@ -33,7 +33,6 @@ from kvpool.protocol import ErrorCode
 from kvpool.residency import Residency
 from kvpool.worker_lifecycle import WorkerLifecycle
 
-MAX_ADMIT_WAIT_S = 60.0
 MAX_RETRY_AFTER_S = 30.0
 RECHECK_S = 1.0  # a waiting admission looks again at least this often, whatever woke it or not
 HEAD_WAIT_WEIGHT = 0.25  # of each new sample in the running mean of first-in-line waits
@@ -45,7 +44,7 @@ class Ticket:
 
     number: int
     joined: float
-    deadline: float  # its admit_timeout_s runs out (a residency lapse may still be waited for past it)
+    deadline: float  # (monotonic) its admit_timeout_s runs out; a residency lapse may still be waited for past it
     first_since: float | None = None  # when it became first in line
     waited: bool = False  # it had to wait at least once
     placed: bool = False  # a plan was handed out (its waits are counted once)
@@ -67,14 +66,14 @@ class AdmissionQueue:
         return len(self._line)
 
     @contextlib.asynccontextmanager
-    async def turn(self, admit_timeout_s: float) -> AsyncIterator[Ticket]:
+    async def turn(self, deadline: float) -> AsyncIterator[Ticket]:
         """A place in line for one admission, held until the block ends (take the room inside it); at once
         over_budget when the line is full."""
         now = time.monotonic()
         if len(self._line) >= self.limit:
             self.metrics.count("over_budget_rejects")
             raise RequestFailed(ErrorCode.OVER_BUDGET, f"{len(self._line)} admissions already wait for room here (the line's limit)", retry_after_s=self.retry_after_s(len(self._line)))
-        ticket = Ticket(next(self._numbers), now, now + min(max(admit_timeout_s, 0.0), MAX_ADMIT_WAIT_S))
+        ticket = Ticket(next(self._numbers), now, deadline)
         self._line.append(ticket)
         try:
             yield ticket

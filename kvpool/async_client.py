@@ -22,7 +22,7 @@ import msgspec
 
 from kvpool.client import AppendOptions, AppendResult, ConnectionLost, KvpoolError, append_request, checked_reply
 from kvpool.protocol import FRAME_HEADER, MAX_REPLY_BYTES, PROTOCOL_VERSION, AppendReply, Cancel, Done, ErrorReply, Hello
-from kvpool.protocol import HelloReply, Release, Reply, RequestMessage, ShardDescription, Shutdown, Stats, StatsReply, Truncate
+from kvpool.protocol import Fork, HelloReply, Park, Release, Reply, RequestMessage, ShardDescription, Shutdown, Stats, StatsReply, Truncate
 from kvpool.protocol import decode_reply, encode
 
 
@@ -205,6 +205,14 @@ class AsyncClient:
 
     async def release(self, session_id: str, epoch: int) -> Done:
         return await self._call(Release(session_id=session_id, epoch=epoch), Done)
+
+    async def park(self, session_id: str, epoch: int) -> Done:
+        """Save the idle session's state to the daemon's spill store and free its context now."""
+        return await self._call(Park(session_id=session_id, epoch=epoch), Done)
+
+    async def fork(self, session_id: str, epoch: int, new_session_id: str, new_epoch: int, length: int) -> Done:
+        """A new session holding the source's first `length` positions (parked until its first append)."""
+        return await self._call(Fork(session_id=session_id, epoch=epoch, new_session_id=new_session_id, new_epoch=new_epoch, length=length), Done)
 
     async def cancel(self, session_id: str, epoch: int) -> Done:
         """Abort the session's in-flight append; goes on the same connection, beside that append."""

@@ -1,10 +1,12 @@
 """The daemon's books: the session table, the byte budget and which worker serves which session, kept as
 one synchronous set (no awaits, no processes), so every decision about them is made in one step.
 
-A worker is in exactly one state: free (no session, usable), bound (serving one live session), or in
-transit (taken out of the books' hands: its context being freed, a calibration, a replacement).
-check_integrity() raises IntegrityError unless: every worker is in one state; the bound workers are
-exactly the live sessions' workers; the reserved bytes are exactly the live sessions' charges.
+A live session is hot (bound to a worker, its charge reserved in the hot budget) or parked (no worker,
+its saved state in the spill store, charged to that store's limits). A worker is in exactly one state:
+free (no session, usable), bound (serving one hot session), or in transit (taken out of the books'
+hands: its context being freed, a calibration, a replacement). check_integrity() raises IntegrityError
+unless: every worker is in one state; the bound workers are exactly the hot sessions' workers; the
+reserved bytes are exactly the hot sessions' charges; the stored blobs are exactly the parked sessions'.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from kvpool.budget import ByteBudget
 from kvpool.integrity import require
 from kvpool.protocol import MissReason
 from kvpool.sessions import Session, SessionTable
+from kvpool.spill import SpillStore
 
 Usable = Callable[[str], bool]
 
@@ -31,10 +34,14 @@ class AdmissionPlan:
 
 
 class Books:
-    def __init__(self, budget_bytes: int, workers: Iterable[str], *, on_change: Callable[[Books], None] | None = None) -> None:
-        self._on_change = on_change or (lambda _books: None)  # after every admission and forget (gauges)
+    def __init__(
+        self, budget_bytes: int, workers: Iterable[str], *, spill: SpillStore | None = None, on_change: Callable[[Books], None] | None = None
+    ) -> None:
+        self._on_change = on_change or (lambda _books: None)  # after every change of a session (gauges)
         self.table = SessionTable()
         self.budget = ByteBudget(budget_bytes)
+        self.spill = spill if spill is not None else SpillStore(0)
+        self._restoring: dict[tuple[str, int], int] = {}  # parked sessions whose blob left the store to be restored: its size
         self._free: list[str] = list(workers)
         self._bound: dict[str, Session] = {}
         self._in_transit: set[str] = set()
@@ -109,34 +116,105 @@ class Books:
     def admit(self, plan: AdmissionPlan, *, session_id: str, epoch: int, n_ctx: int, charge: int, now: float) -> tuple[Session, list[str]]:
         """Carry out `plan` in one step: evict, reserve, bind. Returns the new session and the evicted
         sessions' workers now in transit (to be freed by the caller), the taken-over one excluded."""
-        released: list[str] = [self.forget(victim, MissReason.EVICTED) for victim in plan.victims]
+        session = Session(session_id=session_id, epoch=epoch, n_ctx=n_ctx, charged_bytes=charge, worker_name="", last_used=now)
+        self.table.add(session)
+        return session, self._bind(plan, session, charge)
+
+    def take_blob(self, session: Session) -> bytes:
+        """A parked session's blob leaves the store for its restore (so making room for the restore never
+        drops it); raises CorruptBlob (the blob is then gone too). put_back_blob or unpark follows."""
+        require(not session.hot and session.key not in self._restoring, "only a parked session's blob is taken")
+        try:
+            blob = self.spill.read(session.key)
+        finally:
+            self.spill.discard(session.key)
+        self._restoring[session.key] = len(blob)
+        return blob
+
+    def put_back_blob(self, session: Session, blob: bytes) -> list[Session]:
+        """A restore that could not start: the blob goes back (newest); returns the sessions dropped for room."""
+        del self._restoring[session.key]
+        dropped = self._drop_spilled(self.spill.put(session.key, blob))
+        self._on_change(self)
+        return dropped
+
+    def unpark(self, plan: AdmissionPlan, session: Session, charge: int) -> list[str]:
+        """A parked session whose blob was taken becomes hot on the plan's worker. Returns the evicted
+        sessions' workers now in transit, as admit does."""
+        require(not session.hot and self.table.get(session.session_id) is session, "only a live parked session is unparked")
+        self._restoring.pop(session.key, None)
+        return self._bind(plan, session, charge)
+
+    def _bind(self, plan: AdmissionPlan, session: Session, charge: int) -> list[str]:
+        released: list[str] = [worker for victim in plan.victims if (worker := self.forget(victim, MissReason.EVICTED))]
         if plan.worker is not None:
             worker = self.take(lambda _name: True, plan.worker)
             require(worker is not None, f"planned worker {plan.worker} is not free")
         else:
             worker = released.pop(0)
         self._in_transit.discard(worker)
-        session = Session(session_id=session_id, epoch=epoch, n_ctx=n_ctx, charged_bytes=charge, worker_name=worker, last_used=now)
+        session.worker_name = worker
+        session.charged_bytes = charge
         self.budget.reserve(session.key, charge)
-        self.table.add(session)
         self._bound[worker] = session
         self._on_change(self)
-        return session, released
+        return released
 
-    def forget(self, session: Session, reason: MissReason) -> str:
-        """Drop a live session: table (remembering why), budget, binding. Its worker is now in transit."""
+    def park(self, session: Session, blob: bytes) -> tuple[str, list[Session]]:
+        """A hot session's saved state goes to the spill store and its worker into transit (its context
+        to be freed), its charge back to the hot budget. Returns the worker and the sessions whose blobs
+        were dropped to make room (gone: evicted), this one included when its blob fits nowhere."""
+        require(session.hot and self._bound.get(session.worker_name) is session, "only a bound hot session is parked")
+        worker = session.worker_name
+        del self._bound[worker]
+        self._in_transit.add(worker)
+        self.budget.release(session.key)
+        session.worker_name = ""
+        dropped = self._drop_spilled(self.spill.put(session.key, blob))
+        self._on_change(self)
+        return worker, dropped
+
+    def add_parked(self, session: Session, blob: bytes) -> list[Session]:
+        """A new live session that starts parked (a fork); returns the sessions dropped for room."""
+        require(not session.hot and self.spill.fits(len(blob)), "a parked session needs a blob the store can hold")
+        self.table.add(session)
+        dropped = self._drop_spilled(self.spill.put(session.key, blob))
+        self._on_change(self)
+        return dropped
+
+    def _drop_spilled(self, keys: list) -> list[Session]:
+        dropped = []
+        for session_id, epoch in keys:
+            session = self.table.get(session_id)
+            if session is not None and session.epoch == epoch:
+                self.table.remove(session, MissReason.EVICTED)
+                self._restoring.pop(session.key, None)
+                dropped.append(session)
+        return dropped
+
+    def forget(self, session: Session, reason: MissReason) -> str | None:
+        """Drop a live session: table (remembering why), budget or stored blob, binding. Returns its
+        worker, now in transit (None for a parked session)."""
         self.table.remove(session, reason)
         self.budget.release(session.key)
-        if self._bound.get(session.worker_name) is session:
-            del self._bound[session.worker_name]
-            self._in_transit.add(session.worker_name)
+        self.spill.discard(session.key)
+        self._restoring.pop(session.key, None)
+        worker = None
+        if session.hot and self._bound.get(session.worker_name) is session:
+            worker = session.worker_name
+            del self._bound[worker]
+            self._in_transit.add(worker)
         self._on_change(self)
-        return session.worker_name
+        return worker
 
     # ---- integrity -------------------------------------------------------------------------------
 
     def check_integrity(self) -> None:
-        live = self.table.sessions()
+        everyone = self.table.sessions()
+        live = [session for session in everyone if session.hot]
+        parked = {session.key for session in everyone if not session.hot}
+        require(set(self._restoring) <= parked, "a blob being restored belongs to no parked session")
+        self.spill.check_integrity(parked - set(self._restoring))
         self.budget.check_integrity(session.key for session in live)
         require(all(self.budget.charge_of(s.key) == s.charged_bytes for s in live), "a charge differs from its session's")
         require({s.worker_name for s in live} == set(self._bound), "bound workers != the live sessions' workers")

@@ -56,7 +56,8 @@ class Calibrator:
         worker.set_abort(False)  # a late cancel of this worker's previous session must not abort this
         await worker.open(n_ctx)
         rows = min(CALIBRATION_ROWS, n_ctx)
-        batch = np.zeros(rows, np.int32) if self.shard.is_first else np.zeros((rows, self.shard.n_embd), np.float32)
+        shape = self.shard.shape
+        batch = np.zeros(rows, np.int32) if shape.is_first else np.zeros((rows, shape.n_embd), np.float32)
         async with self.compute.slot():
             await worker.append(0, batch)
         after = await self.lifecycle.in_thread(worker.measure_uss)

@@ -7,6 +7,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from kvpool.gguf_header import read_shard_info
+from kvpool.route import check_route
 from workers.context import OutputRows, ShardContext
 from workers.runtime import ShardModel
 
@@ -17,6 +19,7 @@ class LocalChain:
     def __init__(
         self, shard_paths: Sequence[str | os.PathLike[str]], *, n_threads: int = 1, flash_attn: bool = False
     ) -> None:
+        check_route([read_shard_info(path) for path in shard_paths])
         self.models: list[ShardModel] = []
         try:
             for path in shard_paths:
@@ -24,9 +27,6 @@ class LocalChain:
         except BaseException:
             self.close()
             raise
-        if not self.models or not self.models[0].layout.is_first or not self.models[-1].layout.is_last:
-            self.close()
-            raise ValueError("a chain must start with the first shard and end with the last")
 
     def new_session(self, n_ctx: int) -> LocalChainSession:
         return LocalChainSession([model.new_context(n_ctx) for model in self.models])

@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
         return 1
     try:
         for daemon, shard in zip(daemons, shards):
-            _say(f"daemon pid {daemon.process.pid} serves layers [{shard.layer_start}, {shard.layer_stop}) on {daemon.socket.name}")
+            _say(f"daemon pid {daemon.process.pid} serves {shard.shape} on {daemon.socket.name}")
         _say(f"daemons ready in {time.perf_counter() - started:.1f} s")
         clients = [daemon.client() for daemon in daemons]
         try:
@@ -93,14 +93,22 @@ def _generate(args: argparse.Namespace, tokenizer_path: pathlib.Path, router: Ro
     with Tokenizer(tokenizer_path) as tokenizer:
         prompt = tokenizer.encode(args.prompt if args.raw else tokenizer.chat_prompt(args.prompt))
         _say(f"session ({session.session_id!r}, epoch {session.epoch}): {len(prompt)} prompt tokens through {len(router.clients)} daemons")
-        started = time.perf_counter()
-        tokens = session.greedy(prompt, args.max_tokens, is_end=tokenizer.is_end_of_generation)
-        generated = tokenizer.stream(tokens, sys.stdout)
-        elapsed = time.perf_counter() - started
+        stamps: list[float] = [time.perf_counter()]
+
+        def timed(tokens):
+            for token in tokens:
+                stamps.append(time.perf_counter())
+                yield token
+
+        # greedy, picked on the last daemon: a token id crosses the last hop, not n_vocab logits
+        tokens = session.generate(prompt, args.max_tokens, is_end=tokenizer.is_end_of_generation)
+        generated = tokenizer.stream(timed(tokens), sys.stdout)
         if args.ids:
             for token in generated:
                 print(token)
-    _say(f"{len(generated)} tokens in {elapsed:.2f} s ({len(generated) / elapsed:.1f} tok/s, prefill included)")
+    first = stamps[1] - stamps[0] if len(stamps) > 1 else 0.0
+    decode = f", then {(len(stamps) - 2) / (stamps[-1] - stamps[1]):.1f} tok/s decoding" if len(stamps) > 2 else ""
+    _say(f"{len(generated)} tokens: prefill and first token {first * 1000:.0f} ms{decode} (steady state, sampled on the last shard)")
     if not args.quiet:
         for index, client in enumerate(router.clients):
             print(f"\n--- daemon {index}: kvpool status ---", file=sys.stderr)

@@ -67,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvpool generate: error: {error}", file=sys.stderr)
         return 2
     for shard in shards:
-        _progress(f"shard [{shard.layer_start:2d}, {shard.layer_stop:2d}) {shard.path}")
+        _progress(f"shard [{shard.shape.layer_start:2d}, {shard.shape.layer_stop:2d}) {shard.path}")
     with Tokenizer(shards[0].path) as tokenizer, LocalChain(
         [shard.path for shard in shards], n_threads=args.threads
     ) as chain, chain.new_session(args.n_ctx) as session:

@@ -27,8 +27,9 @@ def add_parser(subcommands: argparse._SubParsersAction) -> None:
         description=(
             "Run a shard daemon: a supervisor and a pool of warm worker processes, each holding the shard "
             "and at most one bounded llama context bound to one (route_session_id, route_epoch). Sessions "
-            "are admitted against a byte budget, evicted least-recently-used when idle, and expire after "
-            "--ttl seconds idle. Stop with SIGTERM, Ctrl-C or `kvpool status --shutdown`."
+            "are admitted against a byte budget; when a place is needed the least recently used idle session "
+            "is parked (its state saved to the spill store and restored by its next append) or, with the warm "
+            "tier off or full, evicted; sessions expire after --ttl seconds idle in any tier. Stop with SIGTERM, Ctrl-C or `kvpool status --shutdown`."
         ),
     )
     parser.add_argument("--model", type=pathlib.Path, help="shard GGUF to serve (default: the whole bundled model)")
@@ -45,6 +46,10 @@ def add_parser(subcommands: argparse._SubParsersAction) -> None:
     parser.add_argument("--min-residency", type=float, metavar="S", help="an idle session that appended within the last S seconds is not evicted to admit another: the admission waits for it to lapse instead (default: derived at start-up from the measured decode step, a few of the route's steps; 0 turns it off)")
     parser.add_argument("--admit-queue", type=int, metavar="N", help=f"admissions that may wait for room at once, served first come first served; one more is answered over_budget with retry_after_s (default {DEFAULTS['admit_queue_limit']})")
     parser.add_argument("--lifeline-fd", type=int, help="an inherited pipe's read end: the daemon shuts down when it reaches end-of-file, i.e. when the program that started it is gone (kvpool's launcher passes it)")
+    parser.add_argument("--spill-budget", help="bytes of parked sessions' saved states kept in memory (the warm tier): an evicted or parked session is restored exactly by its next append instead of a cache miss; 0 turns the tier off (default: equal to --budget)")
+    parser.add_argument("--park-after", type=float, help=f"park a session idle this many seconds even when nobody needs its place; 0: only when its place is needed (default {DEFAULTS['park_after_s']:g})")
+    parser.add_argument("--spill-dir", type=pathlib.Path, help="the disk tier: a private directory (created 0700) for saved states pushed out of memory; files of an earlier run are deleted at start (needs --spill-disk-budget)")
+    parser.add_argument("--spill-disk-budget", help="bytes of saved states kept in --spill-dir")
     parser.add_argument("--memory-margin", help=f"recycle an idle worker whose measured memory exceeds its charge by this (default {format_bytes(DEFAULTS['memory_margin_bytes'])})")
     parser.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on 127.0.0.1:PORT")
     parser.add_argument("--flash-attn", action="store_true", default=None, help="use flash attention (all shards of a route must agree)")
@@ -67,6 +72,10 @@ OPTIONS = {
     "min_residency": ("min_residency_s", float),
     "admit_queue": ("admit_queue_limit", int),
     "memory_margin": ("memory_margin_bytes", parse_bytes),
+    "spill_budget": ("spill_budget_bytes", lambda text: 0 if text.strip() == "0" else parse_bytes(text)),
+    "park_after": ("park_after_s", float),
+    "spill_dir": ("spill_dir", pathlib.Path.absolute),
+    "spill_disk_budget": ("spill_disk_budget_bytes", parse_bytes),
     "metrics_port": ("metrics_port", int),
     "flash_attn": ("flash_attn", bool),
     "n_gpu_layers": ("n_gpu_layers", int),

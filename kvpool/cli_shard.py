@@ -71,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
         for info in written:
             _progress(f"hashing {info.path.name}")
             size = info.path.stat().st_size
-            print(f"{info.path}\t{info.layer_start}:{info.layer_stop}\t{size}\t{file_sha256(info.path)}")
+            print(f"{info.path}\t{info.layers}\t{size}\t{file_sha256(info.path)}")
     except ShardError as exc:
         return _fail(str(exc))
     return 0
@@ -82,7 +82,7 @@ def _write(source: pathlib.Path, args: argparse.Namespace) -> list[ShardInfo]:
     if args.layers is not None:
         layers = parse_layers(args.layers)
         return [write_shard(source, layers, output, progress=_progress)]
-    total_layers = read_shard_info(source).total_layers
+    total_layers = read_shard_info(source).shape.total_layers
     if args.splits is not None:
         ranges = parse_splits(args.splits, total_layers)
     else:

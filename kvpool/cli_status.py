@@ -10,7 +10,7 @@ import msgspec
 
 from kvpool.client import Client, ConnectionLost, KvpoolError
 from kvpool.config import format_bytes
-from kvpool.protocol import StatsReply
+from kvpool.protocol import BudgetRow, StatsReply
 
 
 def add_parser(subcommands: argparse._SubParsersAction) -> None:
@@ -29,18 +29,19 @@ def render(stats: StatsReply) -> str:
     shard = stats.shard
     budget = stats.budget
     lines = [
-        f"shard   layers [{shard.layer_start}, {shard.layer_stop}) of {shard.total_layers}  {shard.model_path}",
+        f"shard   {shard.shape}  {shard.model_path}",
         f"uptime  {stats.uptime_s:.0f} s   books: {stats.integrity}",
         f"budget  reserved {format_bytes(budget.reserved_bytes)} / limit {format_bytes(budget.limit_bytes)}   "
         f"measured USS {format_bytes(budget.measured_uss_bytes)}"
         + (f"   VRAM {format_bytes(budget.measured_vram_bytes)}" if budget.measured_vram_bytes is not None else "   VRAM n/a (no GPU)"),
+        _spill_line(budget),
         "",
-        f"{'SESSION':<24} {'EPOCH':>5} {'LENGTH':>6} {'N_CTX':>6} {'BYTES':>10} {'IDLE_S':>7} {'PID':>7}  STATE",
+        f"{'SESSION':<24} {'EPOCH':>5} {'LENGTH':>6} {'N_CTX':>6} {'BYTES':>10} {'IDLE_S':>7} {'PID':>7} {'TIER':<4}  STATE",
     ]
     for row in stats.sessions:
         lines.append(
             f"{row.session_id[:24]:<24} {row.epoch:>5} {row.length:>6} {row.n_ctx:>6} {format_bytes(row.charged_bytes):>10} "
-            f"{row.idle_s:>7.1f} {row.worker_pid:>7}  {'busy' if row.in_flight else 'idle'}"
+            f"{row.idle_s:>7.1f} {row.worker_pid:>7} {row.tier:<4}  {'busy' if row.in_flight else 'idle'}"
         )
     if not stats.sessions:
         lines.append("(no sessions)")
@@ -53,6 +54,15 @@ def render(stats: StatsReply) -> str:
     counters = "  ".join(f"{name}={value}" for name, value in sorted(stats.counters.items()) if value)
     lines += ["", f"counters  {counters or '(none yet)'}"]
     return "\n".join(line.rstrip() for line in lines)
+
+
+def _spill_line(budget: BudgetRow) -> str:
+    if not budget.spill_limit_bytes:
+        return "spill   off (--spill-budget 0)"
+    line = f"spill   memory {format_bytes(budget.spill_bytes)} / {format_bytes(budget.spill_limit_bytes)}"
+    if budget.spill_disk_limit_bytes:
+        line += f"   disk {format_bytes(budget.spill_disk_bytes)} / {format_bytes(budget.spill_disk_limit_bytes)}"
+    return line
 
 
 def run(args: argparse.Namespace) -> int:

@@ -31,10 +31,12 @@ from kvpool.protocol import (
     Done,
     ErrorCode,
     ErrorReply,
+    Fork,
     Hello,
     HelloReply,
     MissReason,
     OutputRows,
+    Park,
     Release,
     Reply,
     RequestMessage,
@@ -45,6 +47,7 @@ from kvpool.protocol import (
     decode_reply,
     encode,
 )
+from workers.sampling import Sampling
 
 
 class KvpoolError(Exception):
@@ -67,11 +70,18 @@ class AppendResult:
     length: int
     rows: np.ndarray  # float32 [rows, width]: hidden states, or logits on the last shard
     admitted: bool
+    restored: bool = False  # the session was parked; its saved state was restored for this append
+    token: int | None = None  # with sample=: the token the last shard picked
+    top_ids: tuple[int, ...] = ()  # with sample.logprobs: the most likely tokens and their log-probabilities
+    top_logprobs: tuple[float, ...] = ()
 
     @classmethod
     def of(cls, reply: AppendReply) -> AppendResult:
         rows = np.frombuffer(reply.data, dtype="<f4").reshape(reply.rows, reply.width)
-        return cls(length=reply.length, rows=rows, admitted=reply.admitted)
+        return cls(
+            length=reply.length, rows=rows, admitted=reply.admitted, restored=reply.restored,
+            token=reply.token if reply.token >= 0 else None, top_ids=tuple(reply.top_ids), top_logprobs=tuple(reply.top_logprobs),
+        )
 
 
 # Shared with kvpool.async_client: what a request is made of, and what its reply must be.
@@ -87,17 +97,18 @@ class AppendOptions(TypedDict, total=False):
     output_rows: str
     n_ctx: int
     admit_timeout_s: float
+    sample: Sampling | None
 
 
 def append_request(
     session_id: str, epoch: int, start_pos: int, *, tokens: list[int] | np.ndarray | None = None, hidden: np.ndarray | None = None,
-    output_rows: str = "last", n_ctx: int = 0, admit_timeout_s: float = 0.0,
+    output_rows: str = "last", n_ctx: int = 0, admit_timeout_s: float = 0.0, sample: Sampling | None = None,
 ) -> Append:
     return Append(
         session_id=session_id, epoch=epoch, start_pos=start_pos,
         tokens=None if tokens is None else [int(token) for token in tokens],
         hidden=None if hidden is None else np.ascontiguousarray(hidden, dtype="<f4").tobytes(),
-        output_rows=OutputRows(output_rows), n_ctx=n_ctx, admit_timeout_s=admit_timeout_s,
+        output_rows=OutputRows(output_rows), n_ctx=n_ctx, admit_timeout_s=admit_timeout_s, sample=sample,
     )
 
 
@@ -235,6 +246,14 @@ class Client:
 
     def release(self, session_id: str, epoch: int) -> Done:
         return self._call(Release(session_id=session_id, epoch=epoch), Done)
+
+    def park(self, session_id: str, epoch: int) -> Done:
+        """Save the idle session's state to the daemon's spill store and free its context now."""
+        return self._call(Park(session_id=session_id, epoch=epoch), Done)
+
+    def fork(self, session_id: str, epoch: int, new_session_id: str, new_epoch: int, length: int) -> Done:
+        """A new session holding the source's first `length` positions (parked until its first append)."""
+        return self._call(Fork(session_id=session_id, epoch=epoch, new_session_id=new_session_id, new_epoch=new_epoch, length=length), Done)
 
     def cancel(self, session_id: str, epoch: int) -> Done:
         """Abort the session's in-flight append (sent on a side connection; safe from another thread)."""

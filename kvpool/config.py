@@ -79,6 +79,10 @@ class ServeConfig:
     metrics_port: int | None = None
     n_gpu_layers: int = 0
     verbose: bool = False
+    spill_budget_bytes: int | None = None  # the warm tier's memory limit; None: equal to budget_bytes, 0: off
+    park_after_s: float = 0.0  # park hot sessions idle this long (0: only when their place is needed)
+    spill_dir: pathlib.Path | None = None  # the disk tier (opt-in, with spill_disk_budget_bytes)
+    spill_disk_budget_bytes: int = 0
 
     def __post_init__(self) -> None:
         problems = []
@@ -102,6 +106,12 @@ class ServeConfig:
             problems.append("--n-ctx must be at least 16")
         if self.max_request_bytes < 1024:
             problems.append("--max-request-bytes must be at least 1024")
+        if self.spill_budget_bytes is not None and self.spill_budget_bytes < 0:
+            problems.append("--spill-budget must be >= 0")
+        if self.park_after_s < 0:
+            problems.append("--park-after must be >= 0")
+        if (self.spill_dir is None) != (self.spill_disk_budget_bytes == 0):
+            problems.append("--spill-dir and --spill-disk-budget go together")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             problems.append("--metrics-port must be in [0, 65535]")
         if len(os.fsencode(self.socket)) >= 108:
@@ -119,6 +129,10 @@ class ServeConfig:
             elif field.default_factory is not dataclasses.MISSING:
                 values[field.name] = field.default_factory()
         return values
+
+    @property
+    def spill_limit_bytes(self) -> int:
+        return self.budget_bytes if self.spill_budget_bytes is None else self.spill_budget_bytes
 
     @property
     def concurrent_workers(self) -> int:

@@ -20,6 +20,7 @@ import gguf
 
 from kvpool.layer_ranges import LayerRange
 from kvpool.shard_error import ShardError
+from kvpool.shard_shape import ShardShape
 
 SHARD_FORMAT = 1
 KEY_FORMAT = "kvpool.shard.format"
@@ -54,29 +55,13 @@ class ShardInfo:
 
     path: pathlib.Path
     arch: str
-    layer_start: int
-    layer_stop: int
-    total_layers: int
-    n_embd: int
-    n_vocab: int  # as llama.cpp sees it: 32 for a vocabulary-free middle shard
+    shape: ShardShape
     source_sha256: str | None  # None for a whole model file
     vocab_free: bool
 
     @property
-    def is_first(self) -> bool:
-        return self.layer_start == 0
-
-    @property
-    def is_last(self) -> bool:
-        return self.layer_stop == self.total_layers
-
-    @property
-    def n_layers(self) -> int:
-        return self.layer_stop - self.layer_start
-
-    @property
     def layers(self) -> LayerRange:
-        return LayerRange(self.layer_start, self.layer_stop)
+        return LayerRange(self.shape.layer_start, self.shape.layer_stop)
 
 
 def file_sha256(path: str | os.PathLike[str]) -> str:
@@ -99,8 +84,7 @@ def read_whole_model_info(source: str | os.PathLike[str]) -> ShardInfo:
     model = _info_from_header(source, header)
     if model.source_sha256 is not None:
         raise ShardError(
-            f"{source} is already a kvpool shard (layers {model.layer_start}:{model.layer_stop} of "
-            f"{model.total_layers}); shard the original model instead"
+            f"{source} is already a kvpool shard ({model.shape}); shard the original model instead"
         )
     split_count = header.values.get("split.count")
     if isinstance(split_count, int) and split_count > 1:
@@ -236,7 +220,8 @@ def _info_from_header(path: pathlib.Path, header: _Header) -> ShardInfo:
     else:
         raise ShardError(f"{path} lacks the metadata key tokenizer.ggml.tokens")
     if KEY_FORMAT not in header.values:
-        return ShardInfo(path, arch, 0, block_count, block_count, n_embd, n_vocab, None, vocab_free)
+        shape = ShardShape(layer_start=0, layer_stop=block_count, total_layers=block_count, n_embd=n_embd, n_vocab=n_vocab)
+        return ShardInfo(path, arch, shape, None, vocab_free)
     shard_format = integer(KEY_FORMAT)
     if shard_format != SHARD_FORMAT:
         raise ShardError(f"{path} is a kvpool shard of format {shard_format}; this kvpool reads format {SHARD_FORMAT}")
@@ -245,4 +230,5 @@ def _info_from_header(path: pathlib.Path, header: _Header) -> ShardInfo:
         raise ShardError(
             f"{path} has inconsistent shard metadata: layers {start}:{stop} of {total}, block_count {block_count}"
         )
-    return ShardInfo(path, arch, start, stop, total, n_embd, n_vocab, str(value(KEY_SOURCE_SHA256)), vocab_free)
+    shape = ShardShape(layer_start=start, layer_stop=stop, total_layers=total, n_embd=n_embd, n_vocab=n_vocab)
+    return ShardInfo(path, arch, shape, str(value(KEY_SOURCE_SHA256)), vocab_free)

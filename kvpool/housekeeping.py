@@ -1,5 +1,5 @@
-"""Housekeeping, run periodically by the supervisor: idle sessions past the TTL expire, free workers that
-died are replaced, and workers whose measured memory drifted above their charge are recycled when idle."""
+"""Housekeeping, run periodically by the supervisor: idle sessions past the TTL expire (in any tier), hot
+sessions idle past --park-after are parked, free workers that died are replaced, and workers whose measured memory drifted above their charge are recycled when idle."""
 
 from __future__ import annotations
 
@@ -8,14 +8,16 @@ import time
 from kvpool.books import Books
 from kvpool.config import ServeConfig
 from kvpool.metrics import Metrics
+from kvpool.parking import Parking
 from kvpool.pool import WorkerPool
 from kvpool.protocol import MissReason
 from kvpool.worker_lifecycle import WorkerLifecycle
 
 
 class Housekeeper:
-    def __init__(self, config: ServeConfig, books: Books, pool: WorkerPool, lifecycle: WorkerLifecycle, metrics: Metrics) -> None:
+    def __init__(self, config: ServeConfig, books: Books, pool: WorkerPool, lifecycle: WorkerLifecycle, parking: Parking, metrics: Metrics) -> None:
         self.config = config
+        self.parking = parking
         self.books = books
         self.pool = pool
         self.lifecycle = lifecycle
@@ -26,6 +28,14 @@ class Housekeeper:
             if session.idle and not session.lock.locked() and self.books.table.get(session.session_id) is session:
                 self.metrics.count("expirations")
                 await self.lifecycle.drop(session, MissReason.EXPIRED)
+
+    async def park_idle(self) -> None:
+        """Park hot sessions idle for --park-after seconds (when set and the warm tier is on)."""
+        if not self.config.park_after_s or not self.books.spill.enabled:
+            return
+        for session in self.books.table.expired(time.monotonic(), self.config.park_after_s):
+            if session.hot and await self.parking.park(session):
+                self.metrics.count("parks")
 
     async def replace_dead_free_workers(self) -> None:
         await self.lifecycle.replace_dead_free()

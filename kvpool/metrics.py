@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import collections
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 COUNTERS = (
     "appends",
@@ -22,6 +22,12 @@ COUNTERS = (
     "bad_requests",
     "releases",
     "truncates",
+    "spills",
+    "spill_drops",
+    "restores",
+    "restore_failures",
+    "parks",
+    "forks",
 )
 
 
@@ -47,10 +53,25 @@ class Metrics:
             "kvpool_shared_memory_bytes", "the workers' shared-memory segments (outside the session budget)", registry=self.registry
         )
 
+        self.spill_bytes = Gauge("kvpool_spill_bytes", "saved session states held, by tier", ["tier"], registry=self.registry)
+        self.spill_limit_bytes = Gauge("kvpool_spill_limit_bytes", "the spill store's limits, by tier", ["tier"], registry=self.registry)
+        self._restore_seconds = Histogram(
+            "kvpool_restore_seconds", "time to make a parked session hot again (room, read, restore)",
+            buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0), registry=self.registry,
+        )
+
     def show_books(self, books) -> None:
         """Gauges from the books (kvpool.books.Books), after each change."""
         self.sessions.set(len(books.table))
         self.reserved_bytes.set(books.budget.reserved)
+        spill = books.spill
+        for tier, held, limit in (("ram", spill.ram_bytes, spill.ram_limit), ("disk", spill.disk_bytes, spill.disk_limit)):
+            self.spill_bytes.labels(tier=tier).set(held)
+            self.spill_limit_bytes.labels(tier=tier).set(limit)
+
+    def observe_restore(self, seconds: float) -> None:
+        self.count("restores")
+        self._restore_seconds.observe(seconds)
 
     def count(self, name: str, amount: int = 1) -> None:
         self._values[name] += amount

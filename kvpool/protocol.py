@@ -16,7 +16,10 @@ import struct
 
 import msgspec
 
-PROTOCOL_VERSION = 2  # 2: request_id on every request and reply
+from kvpool.shard_shape import ShardShape
+from workers.sampling import Sampling
+
+PROTOCOL_VERSION = 3  # 2: request_id on every request and reply; 3: ShardDescription.shape, Park, Fork, tiers, sampling
 FRAME_HEADER = struct.Struct(">I")
 DEFAULT_MAX_REQUEST_BYTES = 64 * 1024 * 1024
 MAX_REPLY_BYTES = 2 * 1024 * 1024 * 1024 - 1
@@ -58,6 +61,7 @@ class MissReason(enum.StrEnum):
     WORKER_LOST = "worker_lost"
     NEW_EPOCH = "new_epoch"
     RELEASED = "released"
+    RESTORE_FAILED = "restore_failed"
 
 
 class OutputRows(enum.StrEnum):
@@ -88,6 +92,7 @@ class Append(RequestMessage):
     output_rows: OutputRows = OutputRows.LAST
     n_ctx: int = 0
     admit_timeout_s: float = 0.0
+    sample: Sampling | None = None  # last shard only: pick the next token here instead of returning logits
 
 
 class Truncate(RequestMessage):
@@ -110,6 +115,25 @@ class Cancel(RequestMessage):
     epoch: int
 
 
+class Park(RequestMessage):
+    """Save an idle hot session's state to the spill store now and free its context (it is restored,
+    exactly, by its next append)."""
+
+    session_id: str
+    epoch: int
+
+
+class Fork(RequestMessage):
+    """A new session (new_session_id, new_epoch) holding the source's first `length` positions, parked;
+    independent of the source afterwards."""
+
+    session_id: str
+    epoch: int
+    new_session_id: str
+    new_epoch: int
+    length: int
+
+
 class Stats(RequestMessage):
     pass
 
@@ -118,28 +142,16 @@ class Shutdown(RequestMessage):
     pass
 
 
-Request = Hello | Append | Truncate | Release | Cancel | Stats | Shutdown
+Request = Hello | Append | Truncate | Release | Cancel | Park | Fork | Stats | Shutdown
 
 
 # ---- replies --------------------------------------------------------------------------------------
 
 
 class ShardDescription(Message):
-    layer_start: int
-    layer_stop: int
-    total_layers: int
-    n_embd: int
-    n_vocab: int
+    shape: ShardShape
     model_path: str
     source_sha256: str = ""
-
-    @property
-    def is_first(self) -> bool:
-        return self.layer_start == 0
-
-    @property
-    def is_last(self) -> bool:
-        return self.layer_stop == self.total_layers
 
 
 class HelloReply(ReplyMessage):
@@ -160,6 +172,10 @@ class AppendReply(ReplyMessage):
     width: int
     data: bytes
     admitted: bool = False
+    restored: bool = False  # the session was parked and its saved state restored for this append
+    token: int = -1  # with Append.sample: the token picked (data then holds logits only if asked)
+    top_ids: list[int] = msgspec.field(default_factory=list)
+    top_logprobs: list[float] = msgspec.field(default_factory=list)
 
 
 class Done(ReplyMessage):
@@ -188,8 +204,9 @@ class SessionRow(Message):
     n_ctx: int
     charged_bytes: int
     idle_s: float
-    worker_pid: int
+    worker_pid: int  # 0 while parked
     in_flight: bool
+    tier: str = "hot"  # hot (a worker's context), ram or disk (parked in the spill store)
 
 
 class WorkerRow(Message):
@@ -207,6 +224,10 @@ class BudgetRow(Message):
     measured_uss_bytes: int
     measured_vram_bytes: int | None = None
     shared_memory_bytes: int = 0  # the workers' segments: fixed, outside the session budget
+    spill_limit_bytes: int = 0  # the spill store's memory tier (0: the warm tier is off)
+    spill_bytes: int = 0
+    spill_disk_limit_bytes: int = 0
+    spill_disk_bytes: int = 0
 
 
 class StatsReply(ReplyMessage):

@@ -19,7 +19,7 @@ import dataclasses
 import math
 from collections.abc import Iterable
 
-from kvpool.protocol import ShardDescription
+from kvpool.shard_shape import ShardShape
 from kvpool.sessions import Session
 
 RESIDENCY_ROUTE_STEPS = 8  # whole route steps a session is protected for after its last append
@@ -27,10 +27,9 @@ MIN_RESIDENCY_FLOOR_S = 0.25
 FALLBACK_STEP_S = 0.05  # when no step was measured (no calibration ran)
 
 
-def derived_min_residency_s(step_s: float | None, shard: ShardDescription) -> float:
+def derived_min_residency_s(step_s: float | None, shape: ShardShape) -> float:
     """A few route steps of this shard's measured decode step, at least MIN_RESIDENCY_FLOOR_S."""
-    local_layers = max(1, shard.layer_stop - shard.layer_start)
-    shards_in_route = max(1, math.ceil(shard.total_layers / local_layers))
+    shards_in_route = max(1, math.ceil(shape.total_layers / max(1, shape.n_layers)))
     step = FALLBACK_STEP_S if step_s is None else step_s
     return max(MIN_RESIDENCY_FLOOR_S, RESIDENCY_ROUTE_STEPS * shards_in_route * step)
 

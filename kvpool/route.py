@@ -8,10 +8,11 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvpool.client import Client, ConnectionLost, KvpoolError
+from kvpool.client import AppendResult, Client, ConnectionLost, KvpoolError
 from kvpool.gguf_header import ShardInfo
 from kvpool.protocol import ShardDescription
 from kvpool.shard_error import ShardError
+from workers.sampling import Sampling
 
 Shard = ShardInfo | ShardDescription  # a shard file read here, or the shard a daemon says it serves
 
@@ -24,17 +25,18 @@ def check_route(shards: Sequence[Shard]) -> None:
     """Raise ShardError unless the shards cover [0, total) exactly, in order, from one source model."""
     if not shards:
         raise ShardError("a route needs at least one shard")
-    total = shards[0].total_layers
+    total = shards[0].shape.total_layers
     expected_start = 0
     for shard in shards:
-        if shard.total_layers != total or shard.source_sha256 != shards[0].source_sha256:
+        shape = shard.shape
+        if shape.total_layers != total or shard.source_sha256 != shards[0].source_sha256:
             raise ShardError(f"{_name(shard)} comes from a different model than {_name(shards[0])}")
-        if shard.layer_start != expected_start:
+        if shape.layer_start != expected_start:
             raise ShardError(
                 f"route has a gap or overlap: expected a shard starting at layer {expected_start}, "
-                f"got {_name(shard)} [{shard.layer_start}, {shard.layer_stop})"
+                f"got {_name(shard)} [{shape.layer_start}, {shape.layer_stop})"
             )
-        expected_start = shard.layer_stop
+        expected_start = shape.layer_stop
     if expected_start != total:
         raise ShardError(f"route ends at layer {expected_start}, the model has {total}")
 
@@ -62,15 +64,17 @@ class Route:
 
     def append_at(
         self, stage: int, session_id: str, epoch: int, start_pos: int, rows: Sequence[int] | np.ndarray, *,
-        output_rows: str = "last", n_ctx: int = 0, admit_timeout_s: float = 0.0,
-    ) -> np.ndarray:
-        """One daemon's part of an append: token ids into the first, the previous daemon's rows elsewhere."""
+        output_rows: str = "last", n_ctx: int = 0, admit_timeout_s: float = 0.0, sample: Sampling | None = None,
+    ) -> AppendResult:
+        """One daemon's part of an append: token ids into the first, the previous daemon's rows elsewhere;
+        `sample` goes to the last daemon only (it picks the next token there)."""
         client = self.clients[stage]
         inputs = {"tokens": list(rows)} if stage == 0 else {"hidden": rows}
         try:
             return client.append(
-                session_id, epoch, start_pos, **inputs, output_rows=output_rows, n_ctx=n_ctx, admit_timeout_s=admit_timeout_s
-            ).rows
+                session_id, epoch, start_pos, **inputs, output_rows=output_rows, n_ctx=n_ctx, admit_timeout_s=admit_timeout_s,
+                sample=sample if stage == len(self.clients) - 1 else None,
+            )
         except KvpoolError as error:
             raise StageFailed(stage, error) from None
 
@@ -80,7 +84,7 @@ class Route:
         """The whole walk: token ids in, the last daemon's rows (logits) out."""
         rows: Sequence[int] | np.ndarray = tokens
         for stage in range(len(self)):
-            rows = self.append_at(stage, session_id, epoch, start_pos, rows, output_rows=output_rows, n_ctx=n_ctx)
+            rows = self.append_at(stage, session_id, epoch, start_pos, rows, output_rows=output_rows, n_ctx=n_ctx).rows
         assert isinstance(rows, np.ndarray)
         return rows
 

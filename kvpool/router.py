@@ -28,11 +28,12 @@ from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
-from kvpool.client import Client, ConnectionLost, KvpoolError
+from kvpool.client import AppendResult, Client, ConnectionLost, KvpoolError
 from kvpool.generate import greedy_tokens
 from kvpool.protocol import ErrorCode
 from kvpool.recovery import RecoveryCounts, RecoveryPolicy
 from kvpool.route import Route, StageFailed
+from workers.sampling import Sampling
 
 
 class Cancelled(Exception):
@@ -126,11 +127,38 @@ class RoutedSession:
         tokens = [int(token) for token in tokens]
         if not tokens:
             raise ValueError("an append needs at least one token")
+        return self._guarded_append(tokens, output_rows, None).rows
+
+    def sample(self, tokens: Sequence[int], sampling: Sampling) -> AppendResult:
+        """Append token ids; the last daemon picks the next token (`.token`; `.top_ids`/`.top_logprobs`
+        with sampling.logprobs; logits in `.rows` only with sampling.logits). The picked token is not
+        appended: pass it to the next call."""
+        tokens = [int(token) for token in tokens]
+        if not tokens:
+            raise ValueError("an append needs at least one token")
+        return self._guarded_append(tokens, "last", sampling)
+
+    def generate(
+        self, prompt: Sequence[int], max_new_tokens: int, sampling: Sampling | None = None, *, is_end: Callable[[int], bool] = lambda token: False
+    ) -> Iterator[int]:
+        """Append the prompt, then yield up to max_new_tokens tokens picked on the last shard (greedy by
+        default): a few bytes per token cross the route's last hop instead of n_vocab floats."""
+        sampling = sampling or Sampling()
+        pending = [int(token) for token in prompt]
+        for _ in range(max_new_tokens):
+            token = self.sample(pending, sampling).token
+            assert token is not None
+            yield token
+            if is_end(token):
+                return
+            pending = [token]
+
+    def _guarded_append(self, tokens: list[int], output_rows: str, sampling: Sampling | None) -> AppendResult:
         with self._lock:
             self._cancel.clear()
             self._appending = True
         try:
-            return self._append(tokens, output_rows)
+            return self._append(tokens, output_rows, sampling)
         finally:
             with self._lock:
                 self._appending, self._stage = False, -1
@@ -152,14 +180,14 @@ class RoutedSession:
 
         return greedy_tokens(append, prompt, max_new_tokens, is_end=is_end, prefill_chunk=prefill_chunk)
 
-    def _append(self, tokens: list[int], output_rows: str) -> np.ndarray:
+    def _append(self, tokens: list[int], output_rows: str, sampling: Sampling | None) -> AppendResult:
         start = self.length
         failures = 0
         while True:
             try:
                 if self._needs_replay:
                     self._replay()
-                rows = self._walk(start, tokens, output_rows)
+                result = self._walk(start, tokens, output_rows, sampling)
             except (StageFailed, ConnectionLost) as failure:
                 counter = _replay_counter(failure)
                 if counter is None:
@@ -181,19 +209,21 @@ class RoutedSession:
                 raise
             self._tokens.extend(tokens)
             self._appends.append(len(tokens))
-            return rows
+            return result
 
-    def _walk(self, start: int, tokens: list[int], output_rows: str) -> np.ndarray:
+    def _walk(self, start: int, tokens: list[int], output_rows: str, sampling: Sampling | None = None) -> AppendResult:
         rows: list[int] | np.ndarray = tokens
+        result: AppendResult | None = None
         for stage in range(len(self.route)):
             self._stage = stage
             if self._cancel.is_set():
                 raise Cancelled(stage)
-            rows = self._append_at_stage(stage, start, rows, output_rows)
-        assert isinstance(rows, np.ndarray)
-        return rows
+            result = self._append_at_stage(stage, start, rows, output_rows, sampling)
+            rows = result.rows
+        assert result is not None
+        return result
 
-    def _append_at_stage(self, stage: int, start: int, rows: list[int] | np.ndarray, output_rows: str) -> np.ndarray:
+    def _append_at_stage(self, stage: int, start: int, rows: list[int] | np.ndarray, output_rows: str, sampling: Sampling | None) -> AppendResult:
         """One daemon's part; over_budget is answered here by backing off and asking that daemon again."""
         give_up_at = time.monotonic() + self.policy.over_budget_give_up_s
         attempt = 0
@@ -201,7 +231,7 @@ class RoutedSession:
             try:
                 return self.route.append_at(
                     stage, self.session_id, self.epoch, start, rows, output_rows=output_rows, n_ctx=self.n_ctx,
-                    admit_timeout_s=self.admit_timeout_s,
+                    admit_timeout_s=self.admit_timeout_s, sample=sampling,
                 )
             except StageFailed as failure:
                 if failure.code == ErrorCode.CANCELLED:

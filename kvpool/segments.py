@@ -14,6 +14,7 @@ import os
 from dataclasses import dataclass
 
 from kvpool.config import format_bytes
+from kvpool.shard_shape import ShardShape
 from workers.commands import CONTROL_BYTES
 
 SHARED_MEMORY_DIR = "/dev/shm"
@@ -44,18 +45,17 @@ class SegmentLayout:
         return CONTROL_BYTES + self.input_bytes
 
     @classmethod
-    def for_shard(cls, *, is_first: bool, is_last: bool, n_embd: int, n_vocab: int, n_ctx: int, max_request_bytes: int) -> SegmentLayout:
+    def for_shard(cls, shape: ShardShape, *, n_ctx: int, max_request_bytes: int) -> SegmentLayout:
         """Sized for the largest append: n_ctx rows, and no more hidden rows than one request frame holds."""
-        if is_first:
+        if shape.is_first:
             max_rows = n_ctx
             input_bytes = max_rows * TOKEN_BYTES
         else:
-            hidden_row_bytes = n_embd * FLOAT_BYTES
+            hidden_row_bytes = shape.n_embd * FLOAT_BYTES
             max_rows = max(1, min(n_ctx, max_request_bytes // hidden_row_bytes))
             input_bytes = max_rows * hidden_row_bytes
-        output_rows = LOGIT_ROWS_IN_SEGMENT if is_last else max_rows
-        output_width = n_vocab if is_last else n_embd
-        return cls(input_bytes=input_bytes, output_bytes=output_rows * output_width * FLOAT_BYTES)
+        output_rows = LOGIT_ROWS_IN_SEGMENT if shape.is_last else max_rows
+        return cls(input_bytes=input_bytes, output_bytes=output_rows * shape.output_width * FLOAT_BYTES)
 
 
 def free_shared_memory_bytes(directory: str = SHARED_MEMORY_DIR) -> int:

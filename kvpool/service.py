@@ -21,11 +21,14 @@ from kvpool.gpu import VramMeter
 from kvpool.housekeeping import Housekeeper
 from kvpool.integrity import require
 from kvpool.metrics import Metrics
+from kvpool.parking import Parking
 from kvpool.pool import WorkerPool
-from kvpool.protocol import Append, AppendReply, Cancel, Done, ErrorCode, MissReason, Release, ShardDescription, StatsReply, Truncate
+from kvpool.protocol import Append, AppendReply, Cancel, Done, ErrorCode, Fork, MissReason, Park, Release, ShardDescription, StatsReply, Truncate
 from kvpool.sessions import EpochCheck, Session
+from kvpool.spill import SpillStore
 from kvpool.status import build_stats, integrity_of
 from kvpool.worker_handle import WorkerFailed, WorkerLost
+from kvpool.warm_requests import WarmRequests
 from kvpool.worker_lifecycle import WorkerLifecycle
 
 MAX_SESSION_ID_BYTES = 256
@@ -37,26 +40,30 @@ class KvService:
         self.pool = pool
         self.shard = shard
         self.metrics = Metrics()
-        self.books = Books(config.budget_bytes, pool.names(), on_change=self.metrics.show_books)
+        spill = SpillStore(config.spill_limit_bytes, disk_dir=config.spill_dir, disk_limit_bytes=config.spill_disk_budget_bytes)
+        self.books = Books(config.budget_bytes, pool.names(), spill=spill, on_change=self.metrics.show_books)
+        self.metrics.show_books(self.books)
         self.metrics.limit_bytes.set(config.budget_bytes)
         self.vram = VramMeter()
         self.started = time.monotonic()
         self.compute = ComputeSlots(config.concurrent_workers)
         self.lifecycle = WorkerLifecycle(self.books, pool, self.metrics, threads=2 * config.max_sessions + 4)
         self.calibrator = Calibrator(self.books, pool, self.lifecycle, self.compute, shard, kv_bytes_per_position)
-        self.admission = Admission(config, self.books, pool, self.lifecycle, self.calibrator, self.metrics)
-        self.housekeeper = Housekeeper(config, self.books, pool, self.lifecycle, self.metrics)
+        self.parking = Parking(self.books, pool, self.lifecycle, self.metrics)
+        self.admission = Admission(config, self.books, pool, self.lifecycle, self.calibrator, self.parking, self.metrics)
+        self.warm = WarmRequests(self)
+        self.housekeeper = Housekeeper(config, self.books, pool, self.lifecycle, self.parking, self.metrics)
 
     def check_integrity(self) -> None:
         self.books.check_integrity()
         self.pool.check_integrity()
         require(self.books.workers() == set(self.pool.names()), "the books' workers != the pool's workers")
 
-    def _length_of(self, session_id: str, epoch: int) -> int:
+    def length_of(self, session_id: str, epoch: int) -> int:
         session = self.books.table.get(session_id)
         return session.length if session is not None and session.epoch == epoch else 0
 
-    def _miss(self, session_id: str, epoch: int, message: str) -> RequestFailed:
+    def miss(self, session_id: str, epoch: int, message: str) -> RequestFailed:
         reason = self.books.table.miss_reason(session_id, epoch)
         self.metrics.count_miss(reason)
         return RequestFailed(ErrorCode.CACHE_MISS, message, reason=reason)
@@ -64,7 +71,7 @@ class KvService:
     # ---- validation and fencing ------------------------------------------------------------------
 
     @staticmethod
-    def _validate_session_fields(session_id: str, epoch: int, length: int) -> None:
+    def validate_session_fields(session_id: str, epoch: int, length: int) -> None:
         if not session_id or len(session_id.encode()) > MAX_SESSION_ID_BYTES:
             raise RequestFailed(ErrorCode.BAD_REQUEST, f"session_id must be 1..{MAX_SESSION_ID_BYTES} bytes", length=length)
         if epoch < 0 or epoch >= 2**63:
@@ -72,37 +79,45 @@ class KvService:
 
     def _validate_append(self, request: Append) -> np.ndarray:
         """The request's rows as the worker takes them: int32 token ids (first shard) or float32 hidden states."""
-        length = self._length_of(request.session_id, request.epoch)
+        length = self.length_of(request.session_id, request.epoch)
 
         def bad(message: str) -> RequestFailed:
             return RequestFailed(ErrorCode.BAD_REQUEST, message, length=length)
 
-        self._validate_session_fields(request.session_id, request.epoch, length)
+        self.validate_session_fields(request.session_id, request.epoch, length)
         if request.start_pos < 0:
             raise bad("start_pos must be >= 0")
         if not 0 <= request.n_ctx <= self.config.n_ctx:
             raise bad(f"n_ctx must be in [0, {self.config.n_ctx}] (0: the default {self.config.n_ctx})")
-        if self.shard.is_first:
+        if self.shard.shape.is_first:
             if request.tokens is None or request.hidden is not None:
                 raise bad("the first shard takes token ids (tokens), not hidden states")
             rows = np.asarray(request.tokens, dtype=np.int64)
-            if rows.size and (rows.min() < 0 or rows.max() >= self.shard.n_vocab):
-                raise bad(f"token ids must be in [0, {self.shard.n_vocab})")
+            if rows.size and (rows.min() < 0 or rows.max() >= self.shard.shape.n_vocab):
+                raise bad(f"token ids must be in [0, {self.shard.shape.n_vocab})")
             rows = rows.astype(np.int32)
         else:
             if request.hidden is None or request.tokens is not None:
                 raise bad("this shard takes hidden states (hidden), not token ids")
-            row_bytes = self.shard.n_embd * 4
+            row_bytes = self.shard.shape.n_embd * 4
             if len(request.hidden) % row_bytes:
-                raise bad(f"hidden must be float32 rows of {self.shard.n_embd} values ({len(request.hidden)} bytes given)")
-            rows = np.frombuffer(request.hidden, dtype="<f4").reshape(-1, self.shard.n_embd)
+                raise bad(f"hidden must be float32 rows of {self.shard.shape.n_embd} values ({len(request.hidden)} bytes given)")
+            rows = np.frombuffer(request.hidden, dtype="<f4").reshape(-1, self.shard.shape.n_embd)
         if rows.shape[0] == 0:
             raise bad("an append needs at least one row")
+        if request.sample is not None:
+            if not self.shard.shape.is_last:
+                raise bad("only the last shard samples (sample is set on a shard without the output head)")
+            if request.output_rows != "last":
+                raise bad("sample picks from the last row: output_rows must be 'last'")
+            problems = request.sample.problems(self.shard.shape.n_vocab)
+            if problems:
+                raise bad("; ".join(problems))
         if rows.shape[0] > self.config.n_ctx:
             raise bad(f"{rows.shape[0]} rows exceed the daemon's largest context {self.config.n_ctx}")
         return rows
 
-    async def _fence(self, session_id: str, epoch: int) -> None:
+    async def fence(self, session_id: str, epoch: int) -> None:
         """Epoch fencing shared by every session request: reject stale, release older state on newer."""
         table = self.books.table
         check = table.check_epoch(session_id, epoch)
@@ -120,12 +135,12 @@ class KvService:
         else:
             table.see_epoch(session_id, epoch)
 
-    async def _enter(self, session: Session) -> None:
-        """Count a request in flight on the session and take its lock (released by _leave)."""
+    async def enter(self, session: Session) -> None:
+        """Count a request in flight on the session and take its lock (released by leave)."""
         session.in_flight += 1
         await session.lock.acquire()
 
-    async def _leave(self, session: Session) -> None:
+    async def leave(self, session: Session) -> None:
         session.lock.release()
         session.in_flight -= 1
         session.last_used = time.monotonic()
@@ -136,27 +151,30 @@ class KvService:
 
     async def append(self, request: Append) -> AppendReply:
         rows = self._validate_append(request)
-        await self._fence(request.session_id, request.epoch)
+        await self.fence(request.session_id, request.epoch)
         session = self.books.table.get(request.session_id)
         admitted = session is None
         if session is None:
             if request.start_pos > 0:
-                raise self._miss(request.session_id, request.epoch, f"no state for this session at position {request.start_pos}")
+                raise self.miss(request.session_id, request.epoch, f"no state for this session at position {request.start_pos}")
             session = await self.admission.admit(request)  # returned entered: lock held, in flight
         else:
             self.metrics.count("hits")
-            await self._enter(session)
+            await self.enter(session)
         try:
             if self.books.table.get(session.session_id) is not session:
-                raise self._miss(session.session_id, session.epoch, "the session ended while this request waited")
-            return await self._append_entered(session, request, rows, admitted)
+                raise self.miss(session.session_id, session.epoch, "the session ended while this request waited")
+            if request.start_pos != session.length:
+                raise RequestFailed(ErrorCode.POSITION_MISMATCH, f"start_pos {request.start_pos} != session length {session.length}", length=session.length)
+            restored = not session.hot
+            if restored:
+                await self.admission.restore(session, self.admission.deadline_of(request.admit_timeout_s))
+            return await self._append_entered(session, request, rows, admitted, restored)
         finally:
-            await self._leave(session)
+            await self.leave(session)
 
-    async def _append_entered(self, session: Session, request: Append, rows: np.ndarray, admitted: bool) -> AppendReply:
+    async def _append_entered(self, session: Session, request: Append, rows: np.ndarray, admitted: bool, restored: bool) -> AppendReply:
         n_rows = rows.shape[0]
-        if request.start_pos != session.length:
-            raise RequestFailed(ErrorCode.POSITION_MISMATCH, f"start_pos {request.start_pos} != session length {session.length}", length=session.length)
         if session.length + n_rows > session.n_ctx:
             raise RequestFailed(ErrorCode.CONTEXT_FULL, f"{session.length} + {n_rows} rows exceed the session's n_ctx {session.n_ctx}", length=session.length)
         worker = self.pool.get(session.worker_name)
@@ -164,7 +182,7 @@ class KvService:
         session.appending = True
         try:
             async with self.compute.slot():
-                output = await worker.append(request.start_pos, rows, str(request.output_rows))
+                output = await worker.append(request.start_pos, rows, str(request.output_rows), request.sample)
         except WorkerLost as lost:
             self.lifecycle.lost(session)
             raise RequestFailed(ErrorCode.WORKER_LOST, f"the worker serving this session was lost: {lost}") from None
@@ -182,25 +200,30 @@ class KvService:
         self.metrics.count("append_rows", n_rows)
         return AppendReply(
             session_id=session.session_id, epoch=session.epoch, length=session.length,
-            rows=output.rows, width=output.width, data=output.data, admitted=admitted,
+            rows=output.rows, width=output.width, data=output.data, admitted=admitted, restored=restored,
+            token=output.token, top_ids=output.top_ids, top_logprobs=output.top_logprobs,
         )
 
     async def truncate(self, request: Truncate) -> Done:
-        self._validate_session_fields(request.session_id, request.epoch, self._length_of(request.session_id, request.epoch))
+        self.validate_session_fields(request.session_id, request.epoch, self.length_of(request.session_id, request.epoch))
         if request.length < 0:
-            raise RequestFailed(ErrorCode.BAD_REQUEST, "length must be >= 0", length=self._length_of(request.session_id, request.epoch))
-        await self._fence(request.session_id, request.epoch)
+            raise RequestFailed(ErrorCode.BAD_REQUEST, "length must be >= 0", length=self.length_of(request.session_id, request.epoch))
+        await self.fence(request.session_id, request.epoch)
         session = self.books.table.get(request.session_id)
         if session is None:
             if request.length == 0:
                 return Done(length=0, session_id=request.session_id, epoch=request.epoch, detail="no state")
-            raise self._miss(request.session_id, request.epoch, "no state for this session")
-        await self._enter(session)
+            raise self.miss(request.session_id, request.epoch, "no state for this session")
+        await self.enter(session)
         try:
             if self.books.table.get(session.session_id) is not session:
-                raise self._miss(session.session_id, session.epoch, "the session ended while this request waited")
+                raise self.miss(session.session_id, session.epoch, "the session ended while this request waited")
             if request.length > session.length:
                 raise RequestFailed(ErrorCode.POSITION_MISMATCH, f"cannot truncate to {request.length}: length is {session.length}", length=session.length)
+            if not session.hot:
+                session.length = request.length  # the saved state is cut to this length when restored
+                self.metrics.count("truncates")
+                return Done(length=session.length, session_id=session.session_id, epoch=session.epoch, detail="parked")
             try:
                 session.length = await self.pool.get(session.worker_name).truncate(request.length)
             except WorkerLost as lost:
@@ -211,11 +234,11 @@ class KvService:
             self.metrics.count("truncates")
             return Done(length=session.length, session_id=session.session_id, epoch=session.epoch)
         finally:
-            await self._leave(session)
+            await self.leave(session)
 
     async def release(self, request: Release) -> Done:
-        self._validate_session_fields(request.session_id, request.epoch, 0)
-        await self._fence(request.session_id, request.epoch)
+        self.validate_session_fields(request.session_id, request.epoch, 0)
+        await self.fence(request.session_id, request.epoch)
         session = self.books.table.get(request.session_id)
         if session is None:
             return Done(length=0, session_id=request.session_id, epoch=request.epoch, detail="no state")
@@ -230,7 +253,7 @@ class KvService:
         return Done(length=0, session_id=request.session_id, epoch=request.epoch, detail="released")
 
     async def cancel(self, request: Cancel) -> Done:
-        self._validate_session_fields(request.session_id, request.epoch, self._length_of(request.session_id, request.epoch))
+        self.validate_session_fields(request.session_id, request.epoch, self.length_of(request.session_id, request.epoch))
         if self.books.table.check_epoch(request.session_id, request.epoch) is EpochCheck.STALE:
             self.metrics.count("stale_epoch_rejects")
             raise RequestFailed(ErrorCode.STALE_EPOCH, "stale epoch")
@@ -251,6 +274,13 @@ class KvService:
             counters=self.metrics.snapshot() | {"peak_concurrent_compute_threads": self.compute.peak * self.config.threads_per_worker},
         )
 
+    async def park(self, request: Park) -> Done:
+        return await self.warm.park(request)
+
+    async def fork(self, request: Fork) -> Done:
+        return await self.warm.fork(request)
+
     def close(self) -> None:
         self.lifecycle.close()
+        self.books.spill.close()
         self.vram.close()

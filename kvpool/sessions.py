@@ -19,8 +19,8 @@ class Session:
     session_id: str
     epoch: int
     n_ctx: int
-    charged_bytes: int
-    worker_name: str
+    charged_bytes: int  # the hot budget's charge while hot; what a restore reserves again
+    worker_name: str  # "" while parked (its state in the spill store)
     length: int = 0
     last_used: float = 0.0
     in_flight: int = 0
@@ -34,6 +34,10 @@ class Session:
     @property
     def idle(self) -> bool:
         return self.in_flight == 0
+
+    @property
+    def hot(self) -> bool:
+        return bool(self.worker_name)
 
 
 class EpochCheck(enum.Enum):
@@ -110,7 +114,8 @@ class SessionTable:
         self._remember_gone((session_id, epoch), MissReason.NEW_EPOCH)
 
     def least_recently_used_idle(self) -> list[Session]:
-        return sorted((s for s in self._live.values() if s.idle), key=lambda s: s.last_used)
+        """Idle hot sessions, least recently used first: the candidates to evict or park."""
+        return sorted((s for s in self._live.values() if s.idle and s.hot), key=lambda s: s.last_used)
 
     def expired(self, now: float, ttl_s: float) -> list[Session]:
         return [s for s in self._live.values() if s.idle and now - s.last_used >= ttl_s]

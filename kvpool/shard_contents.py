@@ -31,6 +31,7 @@ from kvpool.gguf_header import (
 )
 from kvpool.layer_ranges import LayerRange
 from kvpool.shard_error import ShardError
+from kvpool.shard_shape import ShardShape
 
 VOCAB_FREE_SIZE = 32
 
@@ -42,9 +43,11 @@ _BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(.+)")
 def shard_info(model: ShardInfo, layers: LayerRange, path: pathlib.Path, source_sha256: str) -> ShardInfo:
     """The ShardInfo of the shard of `model` holding `layers`, as read_shard_info will read it back."""
     vocab_free = model.vocab_free or _is_middle(model, layers)
-    n_vocab = VOCAB_FREE_SIZE if _is_middle(model, layers) else model.n_vocab
-    return ShardInfo(
-        path, model.arch, layers.start, layers.stop, model.total_layers, model.n_embd, n_vocab, source_sha256, vocab_free
+    n_vocab = VOCAB_FREE_SIZE if _is_middle(model, layers) else model.shape.n_vocab
+    shape = ShardShape(
+        layer_start=layers.start, layer_stop=layers.stop, total_layers=model.shape.total_layers, n_embd=model.shape.n_embd, n_vocab=n_vocab
+    )
+    return ShardInfo(path, model.arch, shape, source_sha256, vocab_free
     )
 
 
@@ -64,7 +67,7 @@ def write_shard_file(
 
 
 def _is_middle(model: ShardInfo, layers: LayerRange) -> bool:
-    return layers.start > 0 and layers.stop < model.total_layers
+    return layers.start > 0 and layers.stop < model.shape.total_layers
 
 
 def _add_metadata(
@@ -83,7 +86,7 @@ def _add_metadata(
         value, value_type, sub_type = _field_value(key, field)
         if key == f"{arch}.block_count":
             value = layers.n_layers
-        elif _is_per_layer_array(key, arch, value_type, sub_type, value, model.total_layers):
+        elif _is_per_layer_array(key, arch, value_type, sub_type, value, model.shape.total_layers):
             value = value[layers.start : layers.stop]
         if value_type == gguf.GGUFValueType.ARRAY and not value:
             continue  # gguf-py cannot write an empty array; llama.cpp treats it like an absent key
@@ -93,7 +96,7 @@ def _add_metadata(
     writer.add_uint32(KEY_FORMAT, SHARD_FORMAT)
     writer.add_uint32(KEY_LAYER_START, layers.start)
     writer.add_uint32(KEY_LAYER_STOP, layers.stop)
-    writer.add_uint32(KEY_TOTAL_LAYERS, model.total_layers)
+    writer.add_uint32(KEY_TOTAL_LAYERS, model.shape.total_layers)
     writer.add_string(KEY_SOURCE_SHA256, source_sha256)
 
 
@@ -165,7 +168,7 @@ def _add_tensors(writer: gguf.GGUFWriter, reader: gguf.GGUFReader, model: ShardI
             if layers.start <= layer < layers.stop:
                 _copy_tensor(writer, tensor, f"blk.{layer - layers.start}.{match.group(2)}")
         elif vocab_free and tensor.name == "token_embd.weight":
-            writer.add_tensor(tensor.name, np.zeros((VOCAB_FREE_SIZE, model.n_embd), dtype=np.float32))
+            writer.add_tensor(tensor.name, np.zeros((VOCAB_FREE_SIZE, model.shape.n_embd), dtype=np.float32))
         elif vocab_free and tensor.name.startswith("output."):
             continue
         else:

@@ -37,7 +37,7 @@ def write_shard(
     source, out = pathlib.Path(source), pathlib.Path(out)
     report = progress or _silent
     model = read_whole_model_info(source)
-    validate_range(layers, model.total_layers)
+    validate_range(layers, model.shape.total_layers)
     if out.is_dir():
         out = out / shard_file_name(source, layers)
     _refuse_overwriting_source(source, out)
@@ -71,7 +71,7 @@ def write_shards(
         raise ShardError(f"a layer range is given twice: {','.join(map(str, ranges))}")
     model = read_whole_model_info(source)
     for layers in ranges:
-        validate_range(layers, model.total_layers)
+        validate_range(layers, model.shape.total_layers)
     if out_dir.exists() and not out_dir.is_dir():
         raise ShardError(f"output {out_dir} exists and is not a directory")
     targets = [(layers, out_dir / shard_file_name(source, layers)) for layers in ranges]

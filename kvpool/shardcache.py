@@ -35,13 +35,13 @@ def shards_in_parts(
     """`source` cut into `parts` even shards (cached as above); one part is the source file itself."""
     if parts == 1:
         return [read_shard_info(source)]  # the whole model needs no shard file
-    return cached_shards(source, even_splits(read_shard_info(source).total_layers, parts), progress=progress)
+    return cached_shards(source, even_splits(read_shard_info(source).shape.total_layers, parts), progress=progress)
 
 
 def shards_in_directory(directory: pathlib.Path) -> list[ShardInfo]:
     """The shard files of one model in `directory`, ordered by layer range."""
     infos = sorted(
         (read_shard_info(path) for path in directory.glob("*.gguf") if not path.name.startswith(".")),
-        key=lambda info: info.layer_start,
+        key=lambda info: info.shape.layer_start,
     )
     return infos

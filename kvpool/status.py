@@ -37,8 +37,9 @@ def build_stats(
         sessions=[
             SessionRow(
                 session_id=s.session_id, epoch=s.epoch, length=s.length, n_ctx=s.n_ctx,
-                charged_bytes=s.charged_bytes, idle_s=round(now - s.last_used, 3),
-                worker_pid=pool.get(s.worker_name).pid, in_flight=s.in_flight > 0,
+                charged_bytes=s.charged_bytes if s.hot else 0, idle_s=round(now - s.last_used, 3),
+                worker_pid=pool.get(s.worker_name).pid if s.hot else 0, in_flight=s.in_flight > 0,
+                tier="hot" if s.hot else books.spill.tier_of(s.key),
             )
             for s in sessions
         ],
@@ -53,6 +54,8 @@ def build_stats(
             limit_bytes=books.budget.limit, reserved_bytes=books.budget.reserved,
             measured_uss_bytes=measured, measured_vram_bytes=vram.used_by({w.pid for w in workers}),
             shared_memory_bytes=pool.segment_bytes,
+            spill_limit_bytes=books.spill.ram_limit, spill_bytes=books.spill.ram_bytes,
+            spill_disk_limit_bytes=books.spill.disk_limit, spill_disk_bytes=books.spill.disk_bytes,
         ),
         counters=counters,
         uptime_s=round(now - started, 3),

@@ -25,9 +25,11 @@ from kvpool.protocol import (
     Done,
     ErrorCode,
     ErrorReply,
+    Fork,
     Hello,
     HelloReply,
     Message,
+    Park,
     Release,
     Request,
     ShardDescription,
@@ -47,10 +49,7 @@ log = logging.getLogger("kvpool.serve")
 
 def build_pool(config: ServeConfig, info: ShardInfo) -> WorkerPool:
     """The daemon's worker pool (not started): one worker per session place, segments sized for the shard."""
-    segment = SegmentLayout.for_shard(
-        is_first=info.is_first, is_last=info.is_last, n_embd=info.n_embd, n_vocab=info.n_vocab,
-        n_ctx=config.n_ctx, max_request_bytes=config.max_request_bytes,
-    )
+    segment = SegmentLayout.for_shard(info.shape, n_ctx=config.n_ctx, max_request_bytes=config.max_request_bytes)
     return WorkerPool(
         PoolSpec(
             shard_path=str(config.model),
@@ -95,11 +94,7 @@ class Supervisor:
             ready = await asyncio.to_thread(pool.start)
             if self._stop.is_set():
                 return
-            shard = ShardDescription(
-                layer_start=ready.layer_start, layer_stop=ready.layer_stop, total_layers=ready.total_layers,
-                n_embd=ready.n_embd, n_vocab=ready.n_vocab, model_path=str(config.model),
-                source_sha256=info.source_sha256 or "",
-            )
+            shard = ShardDescription(shape=ready.shape, model_path=str(config.model), source_sha256=info.source_sha256 or "")
             self.service = service = KvService(config, pool, shard, ready.kv_bytes_per_position)
             charge = await service.calibrator.charge_for(config.n_ctx)
             if self._stop.is_set():
@@ -124,7 +119,7 @@ class Supervisor:
                 self._announce(f"Prometheus metrics on http://127.0.0.1:{port}/metrics")
             housekeeping = asyncio.create_task(self._housekeeping(service))
             self._announce(
-                f"ready on {config.socket}: layers [{shard.layer_start}, {shard.layer_stop}) of {shard.total_layers}, "
+                f"ready on {config.socket}: {shard.shape}, "
                 f"{config.max_sessions} workers, budget {format_bytes(config.budget_bytes)}, ttl {config.ttl_s:g} s, "
                 f"{config.threads} compute thread(s)"
             )
@@ -153,6 +148,7 @@ class Supervisor:
             tick += 1
             try:
                 await service.housekeeper.expire_idle()
+                await service.housekeeper.park_idle()
                 await service.housekeeper.replace_dead_free_workers()
                 if tick % MEMORY_CHECK_EVERY == 0:
                     await service.housekeeper.recycle_drifted()
@@ -172,6 +168,10 @@ class Supervisor:
                     return await service.release(request)
                 case Cancel():
                     return await service.cancel(request)
+                case Park():
+                    return await service.park(request)
+                case Fork():
+                    return await service.fork(request)
                 case Stats():
                     return await service.stats()
                 case Shutdown():

@@ -11,6 +11,7 @@ import ctypes
 import multiprocessing
 import multiprocessing.connection
 import os
+import dataclasses
 from dataclasses import dataclass
 from multiprocessing import shared_memory
 from multiprocessing.connection import Connection
@@ -32,11 +33,16 @@ from workers.commands import (
     Opened,
     OpenContext,
     Ready,
+    Restored,
+    RestoreState,
     RunAppend,
+    Saved,
+    SaveState,
     Truncated,
     TruncateContext,
 )
 from workers.process import WorkerSpec, worker_main
+from workers.sampling import Sampling
 
 
 class WorkerLost(Exception):
@@ -63,6 +69,9 @@ class WorkerOutput:
     rows: int
     width: int
     data: bytes  # float32 little-endian [rows, width]
+    token: int = -1  # with sampling: the token picked on the last shard
+    top_ids: list[int] = dataclasses.field(default_factory=list)
+    top_logprobs: list[float] = dataclasses.field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,17 +203,30 @@ class WorkerHandle:
         """A fresh context of n_ctx positions (the previous one, if any, is freed first)."""
         await self._expect(OpenContext(n_ctx=n_ctx), Opened)
 
-    async def append(self, start_pos: int, rows: np.ndarray, output_rows: str = "last") -> WorkerOutput:
-        """Append rows (int32 token ids on a first shard, float32 [n, n_embd] hidden states elsewhere)."""
+    async def append(self, start_pos: int, rows: np.ndarray, output_rows: str = "last", sample: Sampling | None = None) -> WorkerOutput:
+        """Append rows (int32 token ids on a first shard, float32 [n, n_embd] hidden states elsewhere);
+        with `sample` (last shard) the worker picks the next token."""
         self.write_input(rows)
-        appended = await self._expect(RunAppend(start_pos=start_pos, n_rows=len(rows), output_rows=output_rows), Appended)
-        return WorkerOutput(length=appended.length, rows=appended.rows, width=appended.width, data=self.read_output(appended))
+        command = RunAppend(start_pos=start_pos, n_rows=len(rows), output_rows=output_rows, sample=sample)
+        appended = await self._expect(command, Appended)
+        return WorkerOutput(
+            length=appended.length, rows=appended.rows, width=appended.width, data=self.read_output(appended),
+            token=appended.token, top_ids=appended.top_ids, top_logprobs=appended.top_logprobs,
+        )
 
     async def truncate(self, length: int) -> int:
         return (await self._expect(TruncateContext(length=length), Truncated)).length
 
     async def close_context(self) -> None:
         await self._expect(CloseContext(), Closed)
+
+    async def save_state(self) -> bytes:
+        """The open context's sequence state (positions [0, length))."""
+        return (await self._expect(SaveState(), Saved)).blob
+
+    async def restore_state(self, n_ctx: int, blob: bytes, length: int) -> int:
+        """A fresh context loaded with `blob`, cut to `length`; WorkerFailed code restore_failed if refused."""
+        return (await self._expect(RestoreState(n_ctx=n_ctx, blob=blob, length=length), Restored)).length
 
     def set_abort(self, value: bool) -> None:
         if self.segment is None:

@@ -83,8 +83,12 @@ class WorkerLifecycle:
         await self.notify_capacity()
 
     async def drop(self, session: Session, reason: MissReason) -> None:
-        """End a live session now: the books at once, then its worker's context."""
-        await self.free(self.books.forget(session, reason))
+        """End a live session now: the books at once (a parked one's blob too), then its worker's context."""
+        worker = self.books.forget(session, reason)
+        if worker is not None:
+            await self.free(worker)
+        else:
+            await self.notify_capacity()
 
     def lost(self, session: Session) -> None:
         """The session's worker died or stalled: the session ends (worker_lost) and the worker is replaced."""

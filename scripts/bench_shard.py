@@ -13,7 +13,6 @@ Usage: python scripts/bench_shard.py [--rounds 7] [--decode-steps 64] [--prefill
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import pathlib
 import platform
@@ -126,7 +125,6 @@ def main() -> int:
 
     source = args.model or bundled_model_path()
     shards = shards_in_parts(source, args.parts, progress=lambda m: print(f"# {m}", file=sys.stderr))
-    total = shards[0].total_layers
     first, middle = shards[0], shards[len(shards) // 2]
     needed = max(args.prefill, args.history + args.decode_steps)
     n_ctx = max(512, needed)
@@ -163,7 +161,7 @@ def main() -> int:
     medians = {name: {kind: statistics.median(values) for kind, values in kinds.items()} for name, kinds in results.items()}
     decode_ratio = medians["kvpool"]["decode"] / medians["baseline"]["decode"]
     prefill_ratio = medians["kvpool"]["prefill"] / medians["baseline"]["prefill"]
-    print(f"middle shard [{middle.layer_start}, {middle.layer_stop}) of {total} layers: {middle.path.name}")
+    print(f"middle shard {middle.shape}: {middle.path.name}")
     print(f"llama-cpp-python {llama_cpp.__version__}, {args.threads} thread(s), {args.rounds} interleaved rounds")
     all_rows_ratio = medians["all-rows"]["prefill"] / medians["baseline"]["prefill"]
     print()

@@ -15,8 +15,9 @@ from kvpool.admission_queue import AdmissionQueue
 from kvpool.books import Books
 from kvpool.errors import RequestFailed
 from kvpool.metrics import Metrics
-from kvpool.protocol import ErrorCode, ErrorReply, ShardDescription, decode_reply, encode
+from kvpool.protocol import ErrorCode, ErrorReply, decode_reply, encode
 from kvpool.residency import MIN_RESIDENCY_FLOOR_S, RESIDENCY_ROUTE_STEPS, Residency, derived_min_residency_s
+from kvpool.shard_shape import ShardShape
 from kvpool.worker_lifecycle import WorkerLifecycle
 
 CHARGE = 100
@@ -34,7 +35,7 @@ class Daemon:
         self.admitted: list[str] = []
 
     async def admit(self, session_id: str, timeout_s: float, *, busy: bool = True):
-        async with self.queue.turn(timeout_s) as ticket:
+        async with self.queue.turn(time.monotonic() + timeout_s) as ticket:
             plan = await self.queue.plan(ticket, CHARGE, lambda: None)
             session, released = self.books.admit(plan, session_id=session_id, epoch=1, n_ctx=64, charge=CHARGE, now=time.monotonic())
         for worker in released:
@@ -132,10 +133,10 @@ def test_a_recently_used_idle_session_is_waited_for_not_evicted_and_an_older_one
 
 
 def test_the_default_residency_is_a_few_route_steps_of_the_measured_step_with_a_floor():
-    middle = ShardDescription(layer_start=10, layer_stop=20, total_layers=30, n_embd=576, n_vocab=32, model_path="m")
+    middle = ShardShape(layer_start=10, layer_stop=20, total_layers=30, n_embd=576, n_vocab=32)
     assert derived_min_residency_s(0.001, middle) == MIN_RESIDENCY_FLOOR_S  # a fast step: the floor
     assert derived_min_residency_s(0.1, middle) == pytest.approx(RESIDENCY_ROUTE_STEPS * 3 * 0.1)
-    half = ShardDescription(layer_start=0, layer_stop=15, total_layers=30, n_embd=576, n_vocab=32, model_path="m")
+    half = ShardShape(layer_start=0, layer_stop=15, total_layers=30, n_embd=576, n_vocab=32)
     assert derived_min_residency_s(0.1, half) == pytest.approx(RESIDENCY_ROUTE_STEPS * 2 * 0.1)
 
 

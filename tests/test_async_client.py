@@ -17,6 +17,7 @@ from kvpool import AsyncClient
 from kvpool.client import ConnectionLost, KvpoolError
 from kvpool.protocol import PROTOCOL_VERSION, Append, Done, ErrorReply, Hello, HelloReply, ShardDescription, decode_request, encode
 from kvpool.server import MAX_IN_FLIGHT_PER_CONNECTION
+from kvpool.shard_shape import ShardShape
 from tests.conftest import EVEN_SPLIT
 from tests.daemons import HANG_GUARD_S, DaemonProcess, exited, private_socket_dir, stopped, wait_until
 from tests.test_fuzz import RawConnection
@@ -224,7 +225,7 @@ async def _all_in_flight(client: AsyncClient) -> bool:
 
 def test_a_reply_to_an_id_nobody_waits_for_fails_the_connection_and_the_next_call_reconnects(socket_dir):
     path = socket_dir / "liar.sock"
-    shard = ShardDescription(layer_start=0, layer_stop=30, total_layers=30, n_embd=576, n_vocab=49152, model_path="x")
+    shard = ShardDescription(shape=ShardShape(layer_start=0, layer_stop=30, total_layers=30, n_embd=576, n_vocab=49152), model_path="x")
     connections = []
 
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

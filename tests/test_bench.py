@@ -51,10 +51,10 @@ def test_quick_bench_prints_every_section_and_writes_json_and_png(tmp_path: path
     assert sections == set(SECTIONS)
     for expected in ("daemon vs the same shard in-process", "3 shard daemons vs the whole model", "four sessions: kvpool whole model",
                      "prefill 512 rows", "admit n_ctx 8192", "release -> bytes available", "LRU eviction + admission",
-                     "one session n_ctx 2048: charged", "whole-model daemon USS", "overload, decode throughput: 8 sessions at once"):
+                     "one session n_ctx 2048: charged", "whole-model daemon USS", "overload, warm tier on", "overload, warm tier off"):
         assert any(expected in line for line in table), expected
     assert "greedy tokens identical in all four paths | yes" in completed.stdout
-    assert "greedy tokens identical, all at once and 2 at a time | yes" in completed.stdout  # overload: replays and waits change no bit
+    assert "greedy tokens identical, all at once and 2 at a time, tier on and off | yes" in completed.stdout  # waits, parks, replays change no bit
 
     results = json.loads((out / "bench-quick.json").read_text())
     assert results["table"].strip() == "\n".join(table).strip()
@@ -70,7 +70,8 @@ def test_quick_bench_prints_every_section_and_writes_json_and_png(tmp_path: path
     assert all(number > 0 for number in _numbers(results["parallel"]["tokens_per_s"]))
     assert summary["s5_evictions_counted"] == results["options"]["repeats"]
     assert summary["s7_ratio"] > 0 and summary["s7_tokens_identical"]
-    assert all(rate > 0 for rates in results["overload"]["tokens_per_s"].values() for rate in rates)
+    assert summary["s7_ratio_tier_off"] > 0 and summary["s7_warm_tier"] and not summary["s7_warm_tier_tier_off"]
+    assert all(rate > 0 for chain in results["overload"]["chains"].values() for rates in chain["tokens_per_s"].values() for rate in rates)
     memory = results["memory"]["per_session"]
     for n_ctx in ("512", "2048", "8192"):
         assert memory[n_ctx]["charged_bytes"] >= memory[n_ctx]["theoretical_kv_bytes"] > 0  # charge never below theory

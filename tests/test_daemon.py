@@ -235,7 +235,7 @@ def test_stale_epoch_is_rejected_untouched_and_newer_epoch_releases_old_state(ro
     route.append("epoch", 5, 0, prompt[:6])
     reserved = [_reserved(daemon) for daemon in chain_daemons]
     for call in (
-        lambda c: c.append("epoch", 4, 6, tokens=[1]) if c.shard.is_first else c.append("epoch", 4, 6, hidden=np.zeros((1, 576), np.float32)),
+        lambda c: c.append("epoch", 4, 6, tokens=[1]) if c.shard.shape.is_first else c.append("epoch", 4, 6, hidden=np.zeros((1, 576), np.float32)),
         lambda c: c.truncate("epoch", 4, 0),
         lambda c: c.release("epoch", 4),
         lambda c: c.cancel("epoch", 4),
@@ -355,7 +355,7 @@ def test_cancel_aborts_an_inflight_prefill_and_rolls_back(model_path, socket_dir
 
 def test_lru_eviction_on_admission_spares_recent_and_returns_bytes(shards, socket_dir, local_chain, prompt_ids):
     first = shards[0]
-    daemon = DaemonProcess(first.path, socket_dir / "lru.sock", "--threads", "1", "--n-ctx", str(N_CTX), "--max-sessions", "2")
+    daemon = DaemonProcess(first.path, socket_dir / "lru.sock", "--threads", "1", "--n-ctx", str(N_CTX), "--max-sessions", "2", "--spill-budget", "0")
     try:
         with daemon.client() as client:
             a = client.append("lru-a", 1, 0, tokens=prompt_ids[0][:8]).rows
@@ -391,7 +391,7 @@ def test_budget_admission_over_budget_and_waiting(shards, socket_dir, prompt_ids
             charge = client.stats().sessions[0].charged_bytes
     finally:
         probe.stop()
-    daemon = DaemonProcess(first.path, socket_dir / "budget.sock", "--threads", "1", "--n-ctx", "64", "--max-sessions", "3", "--budget", str(charge + charge // 2))
+    daemon = DaemonProcess(first.path, socket_dir / "budget.sock", "--threads", "1", "--n-ctx", "64", "--max-sessions", "3", "--budget", str(charge + charge // 2), "--spill-budget", "0")
     try:
         with daemon.client() as client, daemon.client() as other:
             client.append("busy", 1, 0, tokens=prompt_ids[0][:4])
@@ -444,7 +444,7 @@ def test_budget_admission_over_budget_and_waiting(shards, socket_dir, prompt_ids
 
 def test_over_budget_while_the_only_session_is_busy_then_waiting_admission_wakes(shards, socket_dir, prompt_ids):
     first = shards[0]
-    daemon = DaemonProcess(first.path, socket_dir / "wait.sock", "--threads", "1", "--n-ctx", "64", "--max-sessions", "1")
+    daemon = DaemonProcess(first.path, socket_dir / "wait.sock", "--threads", "1", "--n-ctx", "64", "--max-sessions", "1", "--spill-budget", "0")
     try:
         holder_tokens = prompt_ids[1]
         with daemon.client() as client, daemon.client() as other:

@@ -45,6 +45,7 @@ from kvpool.protocol import (
 )
 from kvpool.segments import LOGIT_ROWS_IN_SEGMENT, SegmentLayout, free_shared_memory_bytes
 from kvpool.service import KvService
+from kvpool.shard_shape import ShardShape
 from kvpool.gguf_header import read_shard_info
 from kvpool.supervisor import build_pool
 from kvpool.worker_handle import PoolSpec
@@ -161,7 +162,7 @@ class _LyingDaemon:
         self.thread.start()
 
     def _serve(self) -> None:
-        shard = ShardDescription(layer_start=0, layer_stop=30, total_layers=30, n_embd=576, n_vocab=49152, model_path="x")
+        shard = ShardDescription(shape=ShardShape(layer_start=0, layer_stop=30, total_layers=30, n_embd=576, n_vocab=49152), model_path="x")
         while True:
             try:
                 connection, _ = self.listener.accept()
@@ -297,10 +298,7 @@ def test_an_abort_flag_left_by_a_late_cancel_does_not_abort_the_next_compute(sha
 
     async def scenario() -> None:
         ready = await asyncio.to_thread(pool.start)
-        shard = ShardDescription(
-            layer_start=ready.layer_start, layer_stop=ready.layer_stop, total_layers=ready.total_layers,
-            n_embd=ready.n_embd, n_vocab=ready.n_vocab, model_path=str(shards[0].path),
-        )
+        shard = ShardDescription(shape=ready.shape, model_path=str(shards[0].path))
         service = KvService(config, pool, shard, ready.kv_bytes_per_position)
         try:
             [worker] = pool.workers()
@@ -320,7 +318,7 @@ def test_an_abort_flag_left_by_a_late_cancel_does_not_abort_the_next_compute(sha
 
 
 def test_an_admission_that_must_evict_works_while_a_dead_free_worker_awaits_housekeeping(shards, socket_dir):
-    daemon = DaemonProcess(shards[0].path, socket_dir / "deadfree.sock", *SMALL, "--housekeeping-interval", "3600")
+    daemon = DaemonProcess(shards[0].path, socket_dir / "deadfree.sock", *SMALL, "--housekeeping-interval", "3600", "--spill-budget", "0")
     try:
         with daemon.client() as client:
             client.append("old", 1, 0, tokens=[1, 2, 3])
@@ -347,7 +345,9 @@ def test_segments_are_sized_for_what_crosses_them_and_counted_in_the_books(shard
     last = shards[-1]
     daemon = DaemonProcess(last.path, socket_dir / "segments.sock", "--threads", "1", "--n-ctx", "2048", "--max-sessions", "2")
     try:
-        layout = SegmentLayout.for_shard(is_first=False, is_last=True, n_embd=576, n_vocab=49152, n_ctx=2048, max_request_bytes=64 * 1024**2)
+        layout = SegmentLayout.for_shard(
+            ShardShape(layer_start=20, layer_stop=30, total_layers=30, n_embd=576, n_vocab=49152), n_ctx=2048, max_request_bytes=64 * 1024**2
+        )
         assert layout.output_bytes == LOGIT_ROWS_IN_SEGMENT * 49152 * 4  # not n_ctx rows of logits (384 MiB)
         with daemon.client() as client:
             stats = client.stats()

@@ -168,7 +168,7 @@ def test_a_restarted_daemon_is_reconnected_to_and_the_session_replayed_exactly(d
 def test_over_budget_is_retried_with_back_off_until_room_frees_up(daemons, shards, socket_dir, local_chain, prompt_ids):
     """The middle daemon has room for one session, busy (its worker stopped) until the router has been
     refused at least once; then it goes idle, and the router's next try evicts it."""
-    middle = DaemonProcess(shards[1].path, socket_dir / "one.sock", "--threads", "1", "--n-ctx", str(N_CTX), "--max-sessions", "1")
+    middle = DaemonProcess(shards[1].path, socket_dir / "one.sock", "--threads", "1", "--n-ctx", str(N_CTX), "--max-sessions", "1", "--spill-budget", "0")
     clients = [daemons[0].client(), middle.client(), daemons[2].client()]
     try:
         router = Router(clients, policy=QUICK)
@@ -253,8 +253,7 @@ def test_back_off_doubles_with_jitter_is_bounded_and_the_daemons_hint_wins():
 def test_one_route_check_for_shard_files_and_for_what_daemons_serve(shards):
     check_route(shards)
     served = [
-        ShardDescription(layer_start=s.layer_start, layer_stop=s.layer_stop, total_layers=s.total_layers, n_embd=s.n_embd,
-                         n_vocab=s.n_vocab, model_path=str(s.path), source_sha256=s.source_sha256 or "")
+        ShardDescription(shape=s.shape, model_path=str(s.path), source_sha256=s.source_sha256 or "")
         for s in shards
     ]
     check_route(served)

@@ -121,8 +121,8 @@ def test_truncate_then_continue_equals_fresh_run_of_shorter_prefix(chain, prompt
 def test_position_and_input_errors_leave_the_session_untouched(model_path, shard_sets, prompt_ids):
     prompt = prompt_ids[0]
     first_path, middle_path = (shard.path for shard in shard_sets[EVEN_SPLIT][:2])
-    with ShardModel(first_path) as first, ShardModel(middle_path) as middle, ShardModel(model_path) as whole:
-        with first.new_context(32) as context, whole.new_context(32) as reference:
+    with ShardModel(first_path) as first, ShardModel(middle_path) as middle:
+        with first.new_context(32) as context:
             hidden = context.append(0, tokens=prompt[:10])
             with pytest.raises(PositionMismatch) as gap:
                 context.append(11, tokens=prompt[10:12])

@@ -29,6 +29,7 @@ from kvpool.gguf_header import (
 )
 from kvpool.layer_ranges import LayerRange
 from kvpool.shard_error import ShardError
+from kvpool.shard_shape import ShardShape
 from kvpool.shard_writer import write_shard, write_shards
 
 TOTAL_LAYERS = 30
@@ -149,15 +150,17 @@ def test_shard_metadata_round_trip(
     assert info == ShardInfo(
         path=path,
         arch="llama",
-        layer_start=layers.start,
-        layer_stop=layers.stop,
-        total_layers=TOTAL_LAYERS,
-        n_embd=N_EMBD,
-        n_vocab=32 if kind == "middle" else N_VOCAB,
+        shape=ShardShape(
+            layer_start=layers.start,
+            layer_stop=layers.stop,
+            total_layers=TOTAL_LAYERS,
+            n_embd=N_EMBD,
+            n_vocab=32 if kind == "middle" else N_VOCAB,
+        ),
         source_sha256=source_sha256,
         vocab_free=kind == "middle",
     )
-    assert (info.is_first, info.is_last, info.n_layers) == (kind == "first", kind == "last", 10)
+    assert (info.shape.is_first, info.shape.is_last, info.shape.n_layers) == (kind == "first", kind == "last", 10)
     reader = shard_readers[kind]
     assert field_value(reader, "general.architecture") == "llama"
     assert field_value(reader, "llama.block_count") == 10
@@ -170,8 +173,10 @@ def test_shard_metadata_round_trip(
 
 def test_whole_model_info(source: pathlib.Path) -> None:
     info = read_shard_info(source)
-    assert info == ShardInfo(source, "llama", 0, 30, 30, N_EMBD, N_VOCAB, None, False)
-    assert info.is_first and info.is_last
+    assert info == ShardInfo(
+        source, "llama", ShardShape(layer_start=0, layer_stop=30, total_layers=30, n_embd=N_EMBD, n_vocab=N_VOCAB), None, False
+    )
+    assert info.shape.is_first and info.shape.is_last and str(info.layers) == "0:30"
 
 
 @pytest.mark.parametrize("kind", ["first", "last"])
@@ -284,7 +289,7 @@ def test_full_range_shard_reproduces_the_source_logits(tmp_path: pathlib.Path, s
     info = write_shard(source, LayerRange(0, 30), tmp_path)
     assert info.path == tmp_path / f"{source.stem}.layers-00-30.gguf"
     assert info == read_shard_info(info.path)
-    assert not info.vocab_free and info.is_first and info.is_last
+    assert not info.vocab_free and info.shape.is_first and info.shape.is_last
     tokens = [1, 504, 3458, 282, 4649, 314, 1345, 30, 378, 2]
     expected = last_token_logits(source, tokens)
     actual = last_token_logits(info.path, tokens)
@@ -301,7 +306,7 @@ def test_write_shard_reports_progress_and_writes_atomically(
     assert messages == [f"reading {source.name}", "writing mid.gguf"]  # a given hash is trusted, not recomputed
     assert tree(tmp_path) == {"nested", "nested/mid.gguf"}
     assert info == read_shard_info(out)
-    assert (info.n_layers, info.vocab_free, info.n_vocab) == (1, True, 32)
+    assert (info.shape.n_layers, info.vocab_free, info.shape.n_vocab) == (1, True, 32)
 
 
 def test_write_shards_rejects_empty_and_repeated_ranges(tmp_path: pathlib.Path, source: pathlib.Path) -> None:
@@ -359,7 +364,7 @@ def test_per_layer_arrays_and_custom_alignment_follow_the_range(tmp_path: pathli
 
     middle_info = write_shard(source, LayerRange(1, 3), tmp_path / "middle.gguf")
     middle = gguf.GGUFReader(middle_info.path)
-    assert (middle_info.n_vocab, middle_info.vocab_free) == (32, True)
+    assert (middle_info.shape.n_vocab, middle_info.vocab_free) == (32, True)
     assert field_value(middle, "llama.feed_forward_length") == [32, 48]
     assert field_value(middle, "tokenizer.ggml.scores") == [0.0] * 32
     assert "tokenizer.ggml.merges" not in middle.fields
@@ -461,7 +466,7 @@ def test_cli_rejects_bad_sources(tmp_path: pathlib.Path, kind: str, message: str
 
 def test_cli_refuses_to_reshard_a_shard(tmp_path: pathlib.Path, shard_paths: dict[str, pathlib.Path]) -> None:
     result = run_cli(shard_paths["middle"], "--layers", "0:5", "-o", tmp_path / "x.gguf")
-    assert_clean_failure(result, "is already a kvpool shard (layers 10:20 of 30); shard the original model instead")
+    assert_clean_failure(result, "is already a kvpool shard (layers [10, 20) of 30); shard the original model instead")
     assert tree(tmp_path) == set()
 
 

@@ -130,6 +130,17 @@ def test_eight_sessions_on_two_places_every_one_finishes_exactly_waiting_in_line
 
 
 @pytest.mark.timeout(HANG_GUARD_S)
+def test_spill_four_sessions_on_two_places_park_and_restore_without_a_cache_miss(tmp_path):
+    report = _run(tmp_path, spill=True, ops=DRILL_OPS, seed=3)
+    _assert_common(report)
+    assert report.scenario == "spill" and _verdict(report, "warm_tier").passed
+    assert sum(sum(session.misses.values()) for session in report.sessions) == 0
+    assert sum(session.recoveries for session in report.sessions) == 0
+    assert all(daemon.counters["restores"] > 0 and daemon.counters["spills"] >= daemon.counters["restores"] for daemon in report.daemons)
+    assert not {code for code in report.errors_by_code if code.startswith("cache_miss/")} - {"cache_miss/new_epoch"}
+
+
+@pytest.mark.timeout(HANG_GUARD_S)
 def test_ttl_one_second_expires_idle_sessions(tmp_path):
     report = _run(tmp_path, ttl_s=1.0, seed=2)
     _assert_common(report)

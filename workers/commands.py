@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import msgspec
 
+from kvpool.shard_shape import ShardShape
+from workers.sampling import Sampling
+
 CONTROL_BYTES = 64
 ABORT_FLAG_OFFSET = 0
 
@@ -28,6 +31,7 @@ class RunAppend(Command):
     start_pos: int
     n_rows: int
     output_rows: str = "last"
+    sample: Sampling | None = None  # last shard: pick the next token (rows come back only with sample.logits)
 
 
 class TruncateContext(Command):
@@ -36,6 +40,19 @@ class TruncateContext(Command):
 
 class CloseContext(Command):
     pass
+
+
+class SaveState(Command):
+    """The open context's sequence state, as bytes in the reply (Saved)."""
+
+
+class RestoreState(Command):
+    """A fresh context of n_ctx positions loaded with `blob` (from SaveState) and cut to `length`.
+    On failure that context is freed (Failed, code restore_failed)."""
+
+    n_ctx: int
+    blob: bytes
+    length: int
 
 
 class Exit(Command):
@@ -48,11 +65,7 @@ class WorkerReply(msgspec.Struct, tag=True, forbid_unknown_fields=True, kw_only=
 
 class Ready(WorkerReply):
     pid: int
-    layer_start: int
-    layer_stop: int
-    total_layers: int
-    n_embd: int
-    n_vocab: int
+    shape: ShardShape
     kv_bytes_per_position: int
 
 
@@ -68,6 +81,9 @@ class Appended(WorkerReply):
     rows: int
     width: int
     inline: bytes = b""
+    token: int = -1
+    top_ids: list[int] = msgspec.field(default_factory=list)
+    top_logprobs: list[float] = msgspec.field(default_factory=list)
 
 
 class Truncated(WorkerReply):
@@ -78,11 +94,20 @@ class Closed(WorkerReply):
     pass
 
 
+class Saved(WorkerReply):
+    length: int
+    blob: bytes
+
+
+class Restored(WorkerReply):
+    length: int
+
+
 class Failed(WorkerReply):
     code: str
     message: str
     length: int = 0
 
 
-AnyCommand = OpenContext | RunAppend | TruncateContext | CloseContext | Exit
-AnyWorkerReply = Ready | Opened | Appended | Truncated | Closed | Failed
+AnyCommand = OpenContext | RunAppend | TruncateContext | CloseContext | SaveState | RestoreState | Exit
+AnyWorkerReply = Ready | Opened | Appended | Truncated | Closed | Saved | Restored | Failed

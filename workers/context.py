@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING, Literal
 import llama_cpp
 import numpy as np
 
-from workers.errors import BadInput, Cancelled, ContextFull, DecodeFailed, PositionMismatch
+from workers.errors import BadInput, Cancelled, ContextFull, DecodeFailed, PositionMismatch, RestoreFailed
+from workers.sequence_state import restore_sequence, save_sequence
 
 if TYPE_CHECKING:
     from workers.runtime import ShardModel
@@ -229,6 +230,26 @@ class ShardContext:
             )
         if n < self._length:
             self._roll_back(n)
+        return self._length
+
+    def save_state(self) -> bytes:
+        """The sequence's KV state, positions [0, length), as restore_state takes it."""
+        return save_sequence(self._handle(), SEQUENCE)
+
+    def restore_state(self, blob: bytes, length: int) -> int:
+        """Load a saved state into this empty context and keep its positions [0, length). Raises
+        RestoreFailed (the context must then be freed, never reused: its KV may be corrupt)."""
+        ctx = self._handle()
+        if self._length:
+            raise BadInput("restore needs an empty context", length=self._length)
+        if not restore_sequence(ctx, SEQUENCE, blob):
+            raise RestoreFailed("llama.cpp refused the saved state", length=0)
+        held = llama_cpp.llama_memory_seq_pos_max(self._memory, SEQUENCE) + 1
+        if held < length or length > self.n_ctx:
+            raise RestoreFailed(f"the saved state holds {held} positions, {length} expected", length=0)
+        self._length = held
+        if held > length:
+            self._roll_back(length)
         return self._length
 
     def close(self) -> None:

@@ -31,3 +31,7 @@ class Cancelled(ShardRuntimeError):
 
 class DecodeFailed(ShardRuntimeError):
     code = "decode_failed"
+
+
+class RestoreFailed(ShardRuntimeError):
+    code = "restore_failed"

@@ -1,36 +1,14 @@
-"""Where a shard sits in the whole model, read from the loaded GGUF by llama.cpp itself."""
+"""Where a loaded shard sits in the whole model (its ShardShape), read from the GGUF by llama.cpp itself."""
 
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass
 
 import llama_cpp
 
+from kvpool.shard_shape import ShardShape
+
 META_PREFIX = "kvpool.shard."
-
-
-@dataclass(frozen=True, slots=True)
-class ShardLayout:
-    """Where this shard sits in the whole model, read from the GGUF by llama.cpp itself."""
-
-    layer_start: int
-    layer_stop: int
-    total_layers: int
-    n_embd: int
-    n_vocab: int
-
-    @property
-    def n_layers(self) -> int:
-        return self.layer_stop - self.layer_start
-
-    @property
-    def is_first(self) -> bool:
-        return self.layer_start == 0
-
-    @property
-    def is_last(self) -> bool:
-        return self.layer_stop == self.total_layers
 
 
 def meta_value(model: llama_cpp.llama_model_p, key: str) -> str | None:
@@ -39,7 +17,7 @@ def meta_value(model: llama_cpp.llama_model_p, key: str) -> str | None:
     return buffer.value.decode() if written >= 0 else None
 
 
-def read_layout(model: llama_cpp.llama_model_p) -> ShardLayout:
+def read_layout(model: llama_cpp.llama_model_p) -> ShardShape:
     n_layer = llama_cpp.llama_model_n_layer(model)
     vocab = llama_cpp.llama_model_get_vocab(model)
     start = meta_value(model, META_PREFIX + "layer_start")
@@ -47,7 +25,7 @@ def read_layout(model: llama_cpp.llama_model_p) -> ShardLayout:
     total = meta_value(model, META_PREFIX + "total_layers")
     if start is None or stop is None or total is None:
         start, stop, total = "0", str(n_layer), str(n_layer)
-    layout = ShardLayout(
+    layout = ShardShape(
         layer_start=int(start),
         layer_stop=int(stop),
         total_layers=int(total),

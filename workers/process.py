@@ -32,13 +32,18 @@ from workers.commands import (
     Opened,
     OpenContext,
     Ready,
+    Restored,
+    RestoreState,
     RunAppend,
+    Saved,
+    SaveState,
     Truncated,
     TruncateContext,
 )
 from workers.errors import ShardRuntimeError
 from workers.context import ShardContext
 from workers.runtime import ShardModel
+from workers.sampling import sample
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,16 +99,11 @@ def worker_main(connection: Connection, spec: WorkerSpec) -> None:
         return
     server = WorkerServer(model, segment, spec)
     server.release_free_heap()  # so the supervisor's baseline reading is the settled one
-    layout = model.layout
     connection.send_bytes(
         encoder.encode(
             Ready(
                 pid=os.getpid(),
-                layer_start=layout.layer_start,
-                layer_stop=layout.layer_stop,
-                total_layers=layout.total_layers,
-                n_embd=layout.n_embd,
-                n_vocab=layout.n_vocab,
+                shape=model.layout,
                 kv_bytes_per_position=model.kv_bytes_per_position(),
             )
         )
@@ -156,6 +156,12 @@ class WorkerServer:
             case CloseContext():
                 self._close_context()
                 return Closed()
+            case SaveState():
+                if self.context is None:
+                    return Failed(code="no_context", message="no open context")
+                return Saved(length=self.context.length, blob=self.context.save_state())
+            case RestoreState():
+                return self._restore(command)
         return Failed(code="bad_command", message=f"unknown command {type(command).__name__}")
 
     def _open(self, n_ctx: int):
@@ -165,6 +171,16 @@ class WorkerServer:
         except (MemoryError, ValueError) as error:
             return Failed(code="open_failed", message=str(error))
         return Opened(n_ctx=n_ctx)
+
+    def _restore(self, command: RestoreState):
+        opened = self._open(command.n_ctx)
+        if isinstance(opened, Failed):
+            return opened
+        try:
+            return Restored(length=self.context.restore_state(command.blob, command.length))
+        except ShardRuntimeError as error:
+            self._close_context()  # a refused restore may leave corrupt KV: never reuse this context
+            return Failed(code="restore_failed", message=str(error), length=0)
 
     def _append(self, command: RunAppend):
         context = self.context
@@ -183,10 +199,8 @@ class WorkerServer:
                     return Failed(code="bad_request", message="too many rows", length=context.length)
                 rows = np.frombuffer(self._buffer, np.float32, n_rows * layout.n_embd, CONTROL_BYTES)
                 kwargs = {"hidden": rows.reshape(n_rows, layout.n_embd)}
-            if layout.is_last:
-                out_rows, width = (n_rows if command.output_rows == "all" else 1), layout.n_vocab
-            else:
-                out_rows, width = n_rows, layout.n_embd
+            out_rows = 1 if layout.is_last and command.output_rows != "all" else n_rows
+            width = layout.output_width
             inline = out_rows * width * 4 > self.spec.output_bytes
             if inline:
                 out = np.empty((out_rows, width), np.float32)
@@ -197,6 +211,13 @@ class WorkerServer:
             context.append(command.start_pos, output_rows=command.output_rows, out=out, **kwargs)
         except ShardRuntimeError as error:
             return Failed(code=error.code, message=str(error), length=error.length)
+        if command.sample is not None:
+            picked = sample(out[-1], command.sample, context.length)
+            returned = out_rows if command.sample.logits else 0
+            return Appended(
+                length=context.length, rows=returned, width=width, inline=out.tobytes() if inline and returned else b"",
+                token=picked.token, top_ids=picked.top_ids, top_logprobs=picked.top_logprobs,
+            )
         return Appended(length=context.length, rows=out_rows, width=width, inline=out.tobytes() if inline else b"")
 
     def _close_context(self) -> None:

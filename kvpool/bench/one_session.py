@@ -83,7 +83,7 @@ def measure_mid_shard(rig: Rig) -> dict:
             bench_say(f"middle shard: round {round_index + 1}/{options.rounds}")
     finally:
         close()
-    payload = payload_seconds(hidden[:1], rig.middle.n_embd, count=200)
+    payload = payload_seconds(hidden[:1], rig.middle.shape.n_embd, count=200)
     return {"decode_s": decode, "prefill_s": prefill, "round_trip_s": trips, "payload_s": payload}
 
 
@@ -162,7 +162,7 @@ def measure_route(rig: Rig, chain_clients: list[Client], whole_client: Client) -
             bench_say(f"whole route: round {round_index + 1}/{options.rounds}")
     finally:
         close()
-    shard_widths = [rig.shards[0].n_embd] * (len(rig.shards) - 1) + [rig.shards[-1].n_vocab]
+    shard_widths = [shard.shape.output_width for shard in rig.shards]
     inputs = [np.asarray(prompt[:1], dtype=np.int32)] + [rig.mid_hidden[:1]] * (len(rig.shards) - 1)
     payload = [payload_seconds(rows, width, count=200) for rows, width in zip(inputs, shard_widths)]
     reference = tokens["llama.cpp whole"]

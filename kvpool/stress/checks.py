@@ -14,7 +14,7 @@ from kvpool.protocol import StatsReply
 from kvpool.stress import drill_checks
 from kvpool.stress.daemons import Chain
 from kvpool.stress.driver import SessionDriver
-from kvpool.stress.options import IDLE_MARGIN_S, StressOptions
+from kvpool.stress.options import IDLE_MARGIN_S, SPILL_PLACES, StressOptions
 from kvpool.stress.report import DaemonSummary, Sample, SessionSummary, SlowReaderRecord, StallRecord, SupervisorKillRecord, Verdict, WorkerMemory
 
 SETTLE_TIMEOUT_S = 30.0
@@ -89,7 +89,7 @@ def daemon_summaries(chain: Chain, before: Sequence[Snapshot], after: Sequence[S
         since = {} if index in restarted else b.stats.counters  # a restarted daemon counts from its restart
         summaries.append(
             DaemonSummary(
-                socket=str(chain.sockets[index]), layers=f"[{shard.layer_start}, {shard.layer_stop})",
+                socket=str(chain.sockets[index]), layers=f"[{shard.shape.layer_start}, {shard.shape.layer_stop})",
                 limit_bytes=a.stats.budget.limit_bytes, session_charge_bytes=chain.charges[index] if chain.charges else 0,
                 peak_reserved_bytes=peak, reserved_before=b.stats.budget.reserved_bytes, reserved_after=a.stats.budget.reserved_bytes,
                 our_sessions_after=sum(row.session_id.startswith(prefix) for row in a.stats.sessions), integrity_after=a.stats.integrity,
@@ -160,6 +160,14 @@ def build_verdicts(options: StressOptions, chain: Chain, drivers: Sequence[Sessi
             warnings.append("no session was evicted: residency and the admission queue placed every one without an eviction (LRU eviction not exercised)")
         add("lru_eviction", passed, f"evictions per daemon {evictions}, {evicted_misses} cache_miss/evicted seen and replayed from 0, all exact; "
             f"peak reserved " + ", ".join(f"{format_bytes(d.peak_reserved_bytes)}/{format_bytes(d.limit_bytes)}" for d in daemons))
+    if options.spill:
+        misses = sum(sum(s.misses.values()) for s in sessions)
+        restores = [d.counters.get("restores", 0) for d in daemons]
+        spills = [d.counters.get("spills", 0) for d in daemons]
+        passed = misses == 0 and all(restores) and exact
+        add("warm_tier", passed, f"{options.sessions} sessions on {SPILL_PLACES} places per daemon: "
+            f"spills per daemon {spills}, restores {restores}, {misses} cache misses that lost a session's state (planned epoch probes aside), all exact")
+    if options.budget_for is not None or options.spill:  # more sessions than places
         verdicts.append(drill_checks.progress_verdict(options, sessions, daemons, exact))
     if options.ttl_s is not None:
         results = [result for driver in drivers for result in driver.idle_results]

@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 from kvpool.config import format_bytes
 from kvpool.launcher import Daemon, start_daemons
 from kvpool.route import Route
-from kvpool.stress.options import UNLIMITED_BUDGET, FaultKind, StressOptions
+from kvpool.stress.options import SPILL_PLACES, UNLIMITED_BUDGET, FaultKind, StressOptions
 from kvpool.stress.plans import SessionPlan, fault_stage
 
 Say = Callable[[str], None]
@@ -39,6 +39,8 @@ def serve_options(options: StressOptions, *, max_sessions: int, budget: str, ttl
         "--threads", "1", "--n-ctx", str(options.n_ctx), "--max-sessions", str(max_sessions),
         "--budget", budget, "--ttl", f"{ttl_s:g}",
     ]
+    if not options.spill:
+        flags += ["--spill-budget", "0"]  # every other scenario exercises eviction as it was: a cache miss
     if request_timeout_s is not None:
         flags += ["--request-timeout", f"{request_timeout_s:g}"]
     if options.min_residency_s is not None:
@@ -78,6 +80,8 @@ def open_chain(options: StressOptions, socket_dir: pathlib.Path, prompt: Sequenc
     else:
         budgets = [UNLIMITED_BUDGET] * len(shard_paths)
         max_sessions = options.sessions + 1  # a spare warm worker: a replaced or recycling worker evicts nobody
+    if options.spill:
+        max_sessions = SPILL_PLACES
     if options.slow_reader:
         max_sessions += 1  # the slow reader's own session
     stalled = fault_stage(list(plans), FaultKind.STALL_WORKER)

@@ -8,6 +8,7 @@ import pathlib
 
 MiB = 1024**2
 UNLIMITED_BUDGET = "64GiB"  # scenarios without --budget-for: the budget is no constraint
+SPILL_PLACES = 2  # --spill: contexts per daemon (--max-sessions), fewer than the sessions
 IDLE_MARGIN_S = 1.5  # past the TTL: two housekeeping ticks (0.5 s each) and slack
 
 
@@ -51,6 +52,7 @@ class StressOptions:
     kill_supervisor: bool = False  # SIGKILL one daemon's supervisor mid-run; restart it on its socket
     stall_worker: bool = False  # SIGSTOP one session's worker mid-append, past the daemon's request timeout
     slow_reader: bool = False  # a connection that sends appends to the last daemon and never reads replies
+    spill: bool = False  # the warm tier on, SPILL_PLACES contexts per daemon: evictions park and restore
     # --request-timeout of the daemon whose worker is stalled. It bounds every worker call of that daemon,
     # the start-up calibration (one n_ctx-row batch: ~1.1 s for 512 rows on one 10-layer shard on a 2-core
     # Xeon, more with three daemons starting at once beside CPU burners) and the 192-row cancelled
@@ -118,6 +120,8 @@ class StressOptions:
             parts.append("stall-worker")
         if self.slow_reader:
             parts.append("slow-reader")
+        if self.spill:
+            parts.append("spill")
         return "+".join(parts) or "default"
 
     @property

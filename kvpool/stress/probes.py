@@ -43,7 +43,7 @@ def stale_request(d: SessionDriver) -> None:
         if kind == "append" and stage == 0:
             client.append(d.session_id, stale, d.length, tokens=[d.tokens[0]])
         elif kind == "append":
-            client.append(d.session_id, stale, d.length, hidden=np.zeros((1, client.shard.n_embd), np.float32))
+            client.append(d.session_id, stale, d.length, hidden=np.zeros((1, client.shard.shape.n_embd), np.float32))
         elif kind == "truncate":
             client.truncate(d.session_id, stale, 0)
         elif kind == "release":

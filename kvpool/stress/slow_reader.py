@@ -83,15 +83,15 @@ class SlowReader:
         for number in range(ROUNDS * self._per_round):
             epoch, index = 1 + number // self._per_round, number % self._per_round
             common = dict(session_id=self.session_id, epoch=epoch, start_pos=index * ROWS_PER_APPEND, output_rows=OutputRows.ALL)
-            if shard.is_first:
-                message = Append(tokens=[int(t) for t in rng.integers(0, shard.n_vocab, ROWS_PER_APPEND)], **common)
+            if shard.shape.is_first:
+                message = Append(tokens=[int(t) for t in rng.integers(0, shard.shape.n_vocab, ROWS_PER_APPEND)], **common)
             else:
-                rows = (rng.standard_normal((ROWS_PER_APPEND, shard.n_embd)) * 0.1).astype("<f4")
+                rows = (rng.standard_normal((ROWS_PER_APPEND, shard.shape.n_embd)) * 0.1).astype("<f4")
                 message = Append(hidden=rows.tobytes(), **common)
             self._frames.append(encode(message))
         record = self.record
         record.supervisor_pid = pid
-        record.reply_bytes_each = ROWS_PER_APPEND * (shard.n_vocab if shard.is_last else shard.n_embd) * 4
+        record.reply_bytes_each = ROWS_PER_APPEND * (shard.shape.output_width) * 4
         record.appends_planned = len(self._frames)
         record.rss_before_bytes = record.rss_max_bytes = self._rss()
         sock.setblocking(False)

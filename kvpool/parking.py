@@ -1,0 +1,54 @@
+"""Parking: an idle hot session's state is saved by its worker into the spill store, then the context is
+freed and its charge goes back to the hot budget. Used for eviction (the warm tier on), for sessions idle
+past --park-after, and for the Park request."""
+
+from __future__ import annotations
+
+from kvpool.books import Books
+from kvpool.metrics import Metrics
+from kvpool.pool import WorkerPool
+from kvpool.protocol import MissReason
+from kvpool.sessions import Session
+from kvpool.worker_handle import WorkerFailed, WorkerLost
+from kvpool.worker_lifecycle import WorkerLifecycle
+
+
+class Parking:
+    def __init__(self, books: Books, pool: WorkerPool, lifecycle: WorkerLifecycle, metrics: Metrics) -> None:
+        self.books = books
+        self.pool = pool
+        self.lifecycle = lifecycle
+        self.metrics = metrics
+
+    async def park(self, session: Session, *, entered: bool = False) -> bool:
+        """Park `session` if it is (still) a live, idle hot session; True if its place was freed (parked,
+        or lost on the way). With `entered` the caller holds the session's lock and counts its request."""
+        if not entered:
+            if not session.idle or session.lock.locked() or not self._live_hot(session):
+                return False
+            session.in_flight += 1
+            await session.lock.acquire()
+        try:
+            if not self._live_hot(session):
+                return False
+            try:
+                blob = await self.pool.get(session.worker_name).save_state()
+            except WorkerLost:
+                self.lifecycle.lost(session)
+                return True
+            except WorkerFailed:
+                await self.lifecycle.drop(session, MissReason.EVICTED)
+                self.metrics.count("evictions")
+                return True
+            worker, dropped = self.books.park(session, blob)
+            self.metrics.count("spills")
+            self.metrics.count("spill_drops", len(dropped))
+            await self.lifecycle.free(worker)
+            return True
+        finally:
+            if not entered:
+                session.lock.release()
+                session.in_flight -= 1
+
+    def _live_hot(self, session: Session) -> bool:
+        return session.hot and self.books.table.get(session.session_id) is session

@@ -1,0 +1,108 @@
+"""Park and Fork: the requests that move a session's state into the spill store (see kvpool.parking) or
+copy it into a new session. Same fencing and typed errors as every other session request."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from kvpool.errors import RequestFailed
+from kvpool.protocol import Done, ErrorCode, Fork, MissReason, Park
+from kvpool.sessions import Session
+from kvpool.spill import CorruptBlob
+from kvpool.worker_handle import WorkerFailed, WorkerLost
+
+if TYPE_CHECKING:
+    from kvpool.service import KvService
+
+
+class WarmRequests:
+    def __init__(self, service: KvService) -> None:
+        self.service = service
+        self.books = service.books
+
+    def _require_tier(self, what: str) -> None:
+        if not self.books.spill.enabled:
+            raise RequestFailed(ErrorCode.OVER_BUDGET, f"{what} needs the warm tier, which is off on this daemon (--spill-budget 0)")
+
+    async def park(self, request: Park) -> Done:
+        service = self.service
+        service.validate_session_fields(request.session_id, request.epoch, service.length_of(request.session_id, request.epoch))
+        self._require_tier("park")
+        await service.fence(request.session_id, request.epoch)
+        session = self.books.table.get(request.session_id)
+        if session is None:
+            raise service.miss(request.session_id, request.epoch, "no state for this session")
+        await service.enter(session)
+        try:
+            if self.books.table.get(session.session_id) is not session:
+                raise service.miss(session.session_id, session.epoch, "the session ended while this request waited")
+            if not session.hot:
+                return Done(length=session.length, session_id=session.session_id, epoch=session.epoch, detail="already parked")
+            await service.parking.park(session, entered=True)
+            if self.books.table.get(session.session_id) is not session:
+                raise service.miss(session.session_id, session.epoch, "the session's state could not be kept")
+            service.metrics.count("parks")
+            return Done(length=session.length, session_id=session.session_id, epoch=session.epoch, detail="parked")
+        finally:
+            await service.leave(session)
+
+    async def fork(self, request: Fork) -> Done:
+        service = self.service
+        service.validate_session_fields(request.session_id, request.epoch, service.length_of(request.session_id, request.epoch))
+        service.validate_session_fields(request.new_session_id, request.new_epoch, 0)
+        if request.new_session_id == request.session_id:
+            raise RequestFailed(ErrorCode.BAD_REQUEST, "a fork needs a new session id")
+        if request.length < 0:
+            raise RequestFailed(ErrorCode.BAD_REQUEST, "length must be >= 0")
+        self._require_tier("fork")
+        await service.fence(request.session_id, request.epoch)
+        await service.fence(request.new_session_id, request.new_epoch)
+        source = self.books.table.get(request.session_id)
+        if source is None:
+            raise service.miss(request.session_id, request.epoch, "no state for the source session")
+        self._refuse_existing(request)
+        blob = await self._state_of(source, request.length)
+        self._refuse_existing(request)
+        if not self.books.spill.fits(len(blob)):
+            raise RequestFailed(ErrorCode.OVER_BUDGET, f"the source's state ({len(blob)} bytes) does not fit in the spill store")
+        fork = Session(
+            session_id=request.new_session_id, epoch=request.new_epoch, n_ctx=source.n_ctx, charged_bytes=source.charged_bytes,
+            worker_name="", length=request.length, last_used=time.monotonic(),
+        )
+        dropped = self.books.add_parked(fork, blob)
+        service.metrics.count("forks")
+        service.metrics.count("spill_drops", len(dropped))
+        if fork in dropped:
+            raise service.miss(fork.session_id, fork.epoch, "the fork's state could not be kept")
+        return Done(length=fork.length, session_id=fork.session_id, epoch=fork.epoch, detail="forked")
+
+    def _refuse_existing(self, request: Fork) -> None:
+        if self.books.table.get(request.new_session_id) is not None:
+            raise RequestFailed(ErrorCode.BAD_REQUEST, f"session {request.new_session_id!r} already holds state at epoch {request.new_epoch}: release it first")
+
+    async def _state_of(self, source: Session, length: int) -> bytes:
+        """The source's saved state (positions [0, its length), cut to `length` when restored)."""
+        service = self.service
+        await service.enter(source)
+        try:
+            if self.books.table.get(source.session_id) is not source:
+                raise service.miss(source.session_id, source.epoch, "the source session ended while this request waited")
+            if length > source.length:
+                raise RequestFailed(ErrorCode.POSITION_MISMATCH, f"cannot fork {length} positions: the source holds {source.length}", length=source.length)
+            if not source.hot:
+                try:
+                    return self.books.spill.read(source.key)
+                except CorruptBlob as error:
+                    await service.lifecycle.drop(source, MissReason.RESTORE_FAILED)
+                    service.metrics.count_miss(MissReason.RESTORE_FAILED)
+                    raise RequestFailed(ErrorCode.CACHE_MISS, f"the source's saved state is damaged: {error}", reason=MissReason.RESTORE_FAILED) from None
+            try:
+                return await service.pool.get(source.worker_name).save_state()
+            except WorkerLost as lost:
+                service.lifecycle.lost(source)
+                raise RequestFailed(ErrorCode.WORKER_LOST, f"the worker serving the source session was lost: {lost}") from None
+            except WorkerFailed as failure:
+                raise RequestFailed(ErrorCode.INTERNAL, f"saving the source's state failed: {failure}", length=source.length) from None
+        finally:
+            await service.leave(source)

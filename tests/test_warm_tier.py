@@ -1,0 +1,253 @@
+"""The warm tier, end to end on real daemons: parked sessions come back exactly, without a cache miss."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+import numpy as np
+import pytest
+
+from kvpool.client import KvpoolError
+from tests.daemons import DaemonProcess, private_socket_dir, wait_until
+from workers.runtime import ShardModel
+
+N_CTX = 256
+pytestmark = pytest.mark.timeout(3600)
+
+
+@pytest.fixture(scope="module")
+def socket_dir(tmp_path_factory):
+    return private_socket_dir(tmp_path_factory.mktemp("warm"))
+
+
+@pytest.fixture(scope="module")
+def whole(model_path):
+    with ShardModel(model_path) as model:
+        yield model
+
+
+class Reference:
+    """The same appends, in one never-evicted context of the whole model in this process."""
+
+    def __init__(self, model: ShardModel) -> None:
+        self.context = model.new_context(N_CTX)
+
+    def append(self, start: int, tokens) -> np.ndarray:
+        return self.context.append(start, tokens=np.asarray(tokens, np.int32))
+
+    def truncate(self, length: int) -> None:
+        self.context.truncate(length)
+
+    def close(self) -> None:
+        self.context.close()
+
+
+def _serve(model_path, socket_dir, name, *options):
+    return DaemonProcess(model_path, socket_dir / f"{name}.sock", "--threads", "1", "--n-ctx", str(N_CTX), *options)
+
+
+def _miss(call) -> KvpoolError:
+    with pytest.raises(KvpoolError) as raised:
+        call()
+    return raised.value
+
+
+def _checked(client):
+    stats = client.stats()
+    assert stats.integrity == "ok", stats.integrity
+    return stats
+
+
+def test_four_sessions_on_two_places_park_and_restore_bit_identically(model_path, socket_dir, whole, prompt_ids):
+    daemon = _serve(model_path, socket_dir, "four-on-two", "--max-sessions", "2")
+    sessions = {f"s{index}": prompt_ids[index % len(prompt_ids)][: 6 + index] for index in range(4)}
+    references = {name: Reference(whole) for name in sessions}
+    try:
+        with daemon.client() as client:
+            lengths = {}
+            for name, prompt in sessions.items():
+                got = client.append(name, 1, 0, tokens=prompt)
+                assert np.array_equal(got.rows, references[name].append(0, prompt))
+                lengths[name] = got.length
+            restored = 0
+            for step in range(3):  # round robin: every append finds its session parked by the others
+                for name in sessions:
+                    token = 100 + step
+                    got = client.append(name, 1, lengths[name], tokens=[token])
+                    assert np.array_equal(got.rows, references[name].append(lengths[name], [token])), (name, step)
+                    restored += got.restored
+                    lengths[name] = got.length
+                    _checked(client)
+            stats = _checked(client)
+            assert restored == 12 and stats.counters["misses"] == 0
+            assert stats.counters["spills"] >= 12 and stats.counters["restores"] == 12
+            tiers = sorted(row.tier for row in stats.sessions)
+            assert tiers == ["hot", "hot", "ram", "ram"]
+            assert stats.budget.spill_bytes > 0 and stats.budget.reserved_bytes == sum(row.charged_bytes for row in stats.sessions)
+            for name in sessions:
+                client.release(name, 1)
+            stats = _checked(client)
+            assert stats.sessions == [] and stats.budget.spill_bytes == 0 and stats.budget.reserved_bytes == 0
+    finally:
+        for reference in references.values():
+            reference.close()
+        daemon.stop()
+
+
+def test_budget_pressure_parks_instead_of_refusing(model_path, socket_dir, whole, prompt_ids):
+    probe = _serve(model_path, socket_dir, "charge-probe", "--max-sessions", "1")
+    try:
+        with probe.client() as client:
+            client.append("probe", 1, 0, tokens=prompt_ids[0][:4])
+            charge = client.stats().sessions[0].charged_bytes
+    finally:
+        probe.stop()
+    daemon = _serve(model_path, socket_dir, "budget-two", "--max-sessions", "4", "--budget", str(int(charge * 2.5)))
+    names = ["b0", "b1", "b2"]
+    references = {name: Reference(whole) for name in names}
+    try:
+        with daemon.client() as client:
+            for step in range(2):
+                for index, name in enumerate(names):
+                    tokens = prompt_ids[index % len(prompt_ids)][index : index + 5] if step == 0 else [9]
+                    start = 0 if step == 0 else 5
+                    got = client.append(name, 1, start, tokens=tokens)
+                    assert np.array_equal(got.rows, references[name].append(start, tokens))
+                    stats = _checked(client)
+                    assert stats.budget.reserved_bytes <= stats.budget.limit_bytes
+                    assert sum(row.tier == "hot" for row in stats.sessions) <= 2
+            stats = _checked(client)
+            assert stats.counters["misses"] == 0 and stats.counters["restores"] == 3 and stats.counters["evictions"] == 0
+    finally:
+        for reference in references.values():
+            reference.close()
+        daemon.stop()
+
+
+def test_a_full_spill_store_drops_the_oldest_blob_only(model_path, socket_dir, whole, prompt_ids):
+    prompt = prompt_ids[0][:12]
+    with whole.new_context(N_CTX) as probe:
+        probe.append(0, tokens=np.asarray(prompt, np.int32))
+        blob_bytes = len(probe.save_state())
+    daemon = _serve(model_path, socket_dir, "full-store", "--max-sessions", "1", "--spill-budget", str(int(blob_bytes * 1.5)))
+    reference = Reference(whole)
+    try:
+        with daemon.client() as client:
+            client.append("oldest", 1, 0, tokens=prompt)
+            client.append("middle", 1, 0, tokens=prompt)  # parks "oldest"
+            reference.append(0, prompt)
+            client.append("newest", 1, 0, tokens=prompt)  # parks "middle": the store holds one blob
+            stats = _checked(client)
+            assert {row.session_id for row in stats.sessions} == {"middle", "newest"} and stats.counters["spill_drops"] == 1
+            miss = _miss(lambda: client.append("oldest", 1, 12, tokens=[5]))
+            assert (miss.code, miss.reason) == ("cache_miss", "evicted")
+            got = client.append("middle", 1, 12, tokens=[5])
+            assert got.restored and np.array_equal(got.rows, reference.append(12, [5]))
+            _checked(client)
+    finally:
+        reference.close()
+        daemon.stop()
+
+
+def test_park_truncate_fork_fencing_and_release_of_parked_sessions(model_path, socket_dir, whole, prompt_ids):
+    prompt = prompt_ids[1][:16]
+    daemon = _serve(model_path, socket_dir, "park-fork", "--max-sessions", "2")
+    source_reference, fork_reference = Reference(whole), Reference(whole)
+    try:
+        with daemon.client() as client:
+            client.append("source", 3, 0, tokens=prompt)
+            source_reference.append(0, prompt)
+            fork_reference.append(0, prompt)
+            assert client.park("source", 3).detail == "parked"
+            stats = _checked(client)
+            assert [row.tier for row in stats.sessions] == ["ram"] and stats.budget.reserved_bytes == 0
+            assert client.park("source", 3).detail == "already parked"
+            # truncate a parked session: the restore cuts the saved state
+            assert client.truncate("source", 3, 12) == 12
+            source_reference.truncate(12)
+            # fork the first 10 positions: a new parked session, independent of the source
+            done = client.fork("source", 3, "fork", 1, 10)
+            assert (done.length, done.detail) == (10, "forked")
+            fork_reference.truncate(10)
+            for step in range(3):
+                got = client.append("fork", 1, 10 + step, tokens=[40 + step])
+                assert np.array_equal(got.rows, fork_reference.append(10 + step, [40 + step]))
+                assert got.restored == (step == 0)
+            got = client.append("source", 3, 12, tokens=[7])  # the fork's appends changed nothing here
+            assert got.restored and np.array_equal(got.rows, source_reference.append(12, [7]))
+            # a fork of a hot source, past its length, and onto a live id are refused
+            assert _miss(lambda: client.fork("source", 3, "fork2", 1, 14)).code == "position_mismatch"
+            assert _miss(lambda: client.fork("source", 3, "fork", 1, 5)).code == "bad_request"
+            # fencing of a parked session: a stale epoch is refused, a newer one drops the saved state
+            client.park("fork", 1)
+            assert _miss(lambda: client.append("fork", 0, 13, tokens=[1])).code == "stale_epoch"
+            got = client.append("fork", 2, 0, tokens=prompt[:4])
+            assert got.admitted and got.length == 4
+            assert _miss(lambda: client.append("fork", 1, 13, tokens=[1])).code == "stale_epoch"
+            client.park("fork", 2)
+            spill_before = _checked(client).budget.spill_bytes
+            client.release("fork", 2)
+            stats = _checked(client)
+            assert stats.budget.spill_bytes < spill_before and {row.session_id for row in stats.sessions} == {"source"}
+            assert (_miss(lambda: client.append("fork", 2, 4, tokens=[1])).reason) == "released"
+    finally:
+        source_reference.close()
+        fork_reference.close()
+        daemon.stop()
+
+
+def test_parked_sessions_expire_after_the_ttl_and_park_after_parks_idle_ones(model_path, socket_dir, prompt_ids):
+    daemon = _serve(model_path, socket_dir, "ttl-park", "--max-sessions", "1", "--park-after", "0.2", "--ttl", "3")
+    try:
+        with daemon.client() as client:
+            client.append("idle", 1, 0, tokens=prompt_ids[0][:4])
+            stats = wait_until(lambda: (s := _checked(client)).sessions and s.sessions[0].tier == "ram" and s, "the idle session to be parked")
+            assert stats.budget.reserved_bytes == 0 and stats.counters["parks"] >= 1
+            stats = wait_until(lambda: (s := _checked(client)).counters["expirations"] and s, "the parked session to expire")
+            assert stats.sessions == [] and stats.budget.spill_bytes == 0
+            assert _miss(lambda: client.append("idle", 1, 4, tokens=[1])).reason == "expired"
+    finally:
+        daemon.stop()
+
+
+def test_the_disk_tier_checks_every_blob_and_leaves_nothing_behind(model_path, socket_dir, tmp_path, whole, prompt_ids):
+    spill_dir = tmp_path / "spill"
+    spill_dir.mkdir(mode=0o700)
+    (spill_dir / "00000001.kvstate").write_bytes(b"left by an earlier run")
+    prompt = prompt_ids[0][:10]
+    daemon = _serve(
+        model_path, socket_dir, "disk", "--max-sessions", "1", "--spill-budget", "1000", "--spill-dir", str(spill_dir),
+        "--spill-disk-budget", "64MiB",
+    )
+    reference = Reference(whole)
+    try:
+        assert not (spill_dir / "00000001.kvstate").exists() or (spill_dir / "00000001.kvstate").read_bytes() != b"left by an earlier run"
+        with daemon.client() as client:
+            for name in ("corrupt", "truncated", "intact", "hot"):
+                client.append(name, 1, 0, tokens=prompt)
+            reference.append(0, prompt)
+            stats = _checked(client)
+            assert sorted(row.tier for row in stats.sessions) == ["disk", "disk", "disk", "hot"]
+            assert stats.budget.spill_bytes == 0 and stats.budget.spill_disk_bytes > 0
+            files = sorted(spill_dir.iterdir())
+            assert len(files) == 3 and stat.S_IMODE(spill_dir.stat().st_mode) == 0o700
+            assert all(stat.S_IMODE(path.stat().st_mode) == 0o600 for path in files)
+            corrupt, truncated, _intact = files  # written in the order the sessions were parked
+            data = bytearray(corrupt.read_bytes())
+            data[len(data) // 2] ^= 0xFF
+            corrupt.write_bytes(bytes(data))
+            with open(truncated, "r+b") as stream:
+                stream.truncate(os.path.getsize(truncated) // 2)
+            for name in ("corrupt", "truncated"):
+                miss = _miss(lambda: client.append(name, 1, 10, tokens=[3]))
+                assert (miss.code, miss.reason) == ("cache_miss", "restore_failed")
+            got = client.append("intact", 1, 10, tokens=[3])
+            assert got.restored and np.array_equal(got.rows, reference.append(10, [3]))
+            stats = _checked(client)
+            assert stats.counters["restore_failures"] == 2
+            assert {row.session_id for row in stats.sessions} == {"intact", "hot"}
+    finally:
+        reference.close()
+        daemon.stop()
+    assert list(spill_dir.iterdir()) == []  # removed at shutdown
