@@ -104,15 +104,22 @@ class AdmissionQueue:
             await self.lifecycle.wait_for_capacity(min(wake_at - now, RECHECK_S))
 
     def _try(self, ticket: Ticket, charge: int, now: float) -> tuple[AdmissionPlan | None, float | None]:
-        """The plan if room can be made now; else when a protection lapses, if evicting a protected
-        session would have made room (None: waiting for residency would not help)."""
+        """The plan if room can be made now; else until when to wait for a better one (None: waiting
+        would not help): a protection that lapses, if evicting a protected session would have made room;
+        a worker on its way back (its context being freed) when the bytes are there and only a worker is
+        missing, rather than evicting for it (for at most the residency, from when the ticket came first)."""
         if ticket.first_since is None:
             ticket.first_since = now
         residency = self.residency()
         plan = self.books.plan_admission(charge, self.usable, protected_after=residency.protected_after(now))
+        if plan is not None and plan.victims and now < ticket.first_since + residency.min_s and self._worker_on_its_way(charge):
+            return None, ticket.first_since + residency.min_s  # the worker's return wakes the line (capacity)
         if plan is not None or self.books.plan_admission(charge, self.usable) is None:
             return plan, None
         return None, residency.next_lapse(self.books.table.least_recently_used_idle(), now)
+
+    def _worker_on_its_way(self, charge: int) -> bool:
+        return self.books.budget.available >= charge and any(self.books.state_of(worker) == "in transit" for worker in self.books.workers())
 
     def _placed(self, ticket: Ticket, now: float) -> None:
         if not ticket.waited or ticket.placed:

@@ -15,7 +15,7 @@ from kvpool.admission_queue import AdmissionQueue
 from kvpool.books import Books
 from kvpool.errors import RequestFailed
 from kvpool.metrics import Metrics
-from kvpool.protocol import ErrorCode, ErrorReply, decode_reply, encode
+from kvpool.protocol import ErrorCode, ErrorReply, MissReason, decode_reply, encode
 from kvpool.residency import MIN_RESIDENCY_FLOOR_S, RESIDENCY_ROUTE_STEPS, Residency, derived_min_residency_s
 from kvpool.shard_shape import ShardShape
 from kvpool.worker_lifecycle import WorkerLifecycle
@@ -128,6 +128,34 @@ def test_a_recently_used_idle_session_is_waited_for_not_evicted_and_an_older_one
         await daemon.go_idle("fresh")
         await daemon.admit("third", 0)
         assert {s.session_id for s in books.table.sessions()} == {"fresh", "third"}
+
+    run(scenario())
+
+
+def test_a_worker_on_its_way_back_is_waited_for_rather_than_evicting_an_idle_session_for_one():
+    async def scenario():
+        daemon = Daemon(min_residency_s=5.0)
+        daemon.books = books = Books(3 * CHARGE, ["w0", "w1"])
+        daemon.queue.books = books
+        old = await daemon.admit("old", 0, busy=False)
+        old.last_used = time.monotonic() - 60  # long idle: evictable
+        released = await daemon.admit("released", 0, busy=False)
+        in_transit = books.forget(released, MissReason.RELEASED)  # its context being freed: bytes back at once
+        newcomer = asyncio.create_task(daemon.admit("newcomer", 0))
+        await asyncio.sleep(0.05)
+        assert not newcomer.done()  # it waits for the worker, it does not evict "old" for one
+        books.give_back(in_transit)
+        await daemon.lifecycle.notify_capacity()
+        session = await newcomer
+        assert session.worker_name == in_transit and books.table.get("old") is old
+        # a worker that does not come back within the residency: then an idle session is evicted for one
+        forgotten = books.forget(books.table.get("newcomer"), MissReason.RELEASED)
+        daemon.queue.residency = lambda: Residency(0.1)
+        started = time.monotonic()
+        await daemon.admit("later", 0)
+        assert time.monotonic() - started >= 0.1 - 0.01 and books.table.get("old") is None
+        books.give_back(forgotten)
+        books.check_integrity()
 
     run(scenario())
 
