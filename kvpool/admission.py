@@ -13,6 +13,7 @@ import time
 from kvpool.admission_queue import AdmissionQueue
 from kvpool.books import AdmissionPlan, Books
 from kvpool.calibration import Calibrator
+from kvpool.channels import Channels
 from kvpool.config import ServeConfig
 from kvpool.errors import RequestFailed
 from kvpool.metrics import Metrics
@@ -32,8 +33,9 @@ PARK_RETRY_S = 0.01
 class Admission:
     def __init__(
         self, config: ServeConfig, books: Books, pool: WorkerPool, lifecycle: WorkerLifecycle, calibrator: Calibrator,
-        parking: Parking, metrics: Metrics,
+        parking: Parking, channels: Channels, metrics: Metrics,
     ) -> None:
+        self.channels = channels
         self.config = config
         self.books = books
         self.pool = pool
@@ -77,6 +79,7 @@ class Admission:
             still_wanted()
             if any(not self.pool.usable(worker) for worker in self.books.free_workers()):
                 self.lifecycle.spawn(self.lifecycle.replace_dead_free())
+            self.channels.refresh()  # direct appends count as uses: the least recently used is chosen right, residency too
 
         async with self.queue.turn(deadline) as ticket:
             while True:

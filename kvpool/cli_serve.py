@@ -50,6 +50,7 @@ def add_parser(subcommands: argparse._SubParsersAction) -> None:
     parser.add_argument("--park-after", type=float, help=f"park a session idle this many seconds even when nobody needs its place; 0: only when its place is needed (default {DEFAULTS['park_after_s']:g})")
     parser.add_argument("--spill-dir", type=pathlib.Path, help="the disk tier: a private directory (created 0700) for saved states pushed out of memory; files of an earlier run are deleted at start (needs --spill-disk-budget)")
     parser.add_argument("--spill-disk-budget", help="bytes of saved states kept in --spill-dir")
+    parser.add_argument("--no-direct", dest="direct", action="store_false", default=None, help="no direct channels: every append goes through the supervisor (by default a client that asks gets its session's worker's channel, and its appends skip the supervisor)")
     parser.add_argument("--memory-margin", help=f"recycle an idle worker whose measured memory exceeds its charge by this (default {format_bytes(DEFAULTS['memory_margin_bytes'])})")
     parser.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on 127.0.0.1:PORT")
     parser.add_argument("--flash-attn", action="store_true", default=None, help="use flash attention (all shards of a route must agree)")
@@ -80,6 +81,7 @@ OPTIONS = {
     "flash_attn": ("flash_attn", bool),
     "n_gpu_layers": ("n_gpu_layers", int),
     "verbose": ("verbose", bool),
+    "direct": ("direct", bool),
 }
 
 

@@ -21,6 +21,7 @@ from typing import TypedDict, Unpack
 
 import numpy as np
 
+from kvpool.client_channels import DirectChannels
 from kvpool.protocol import (
     FRAME_HEADER,
     MAX_REPLY_BYTES,
@@ -102,13 +103,13 @@ class AppendOptions(TypedDict, total=False):
 
 def append_request(
     session_id: str, epoch: int, start_pos: int, *, tokens: list[int] | np.ndarray | None = None, hidden: np.ndarray | None = None,
-    output_rows: str = "last", n_ctx: int = 0, admit_timeout_s: float = 0.0, sample: Sampling | None = None,
+    output_rows: str = "last", n_ctx: int = 0, admit_timeout_s: float = 0.0, sample: Sampling | None = None, direct: bool = False,
 ) -> Append:
     return Append(
         session_id=session_id, epoch=epoch, start_pos=start_pos,
         tokens=None if tokens is None else [int(token) for token in tokens],
         hidden=None if hidden is None else np.ascontiguousarray(hidden, dtype="<f4").tobytes(),
-        output_rows=OutputRows(output_rows), n_ctx=n_ctx, admit_timeout_s=admit_timeout_s, sample=sample,
+        output_rows=OutputRows(output_rows), n_ctx=n_ctx, admit_timeout_s=admit_timeout_s, sample=sample, direct=direct,
     )
 
 
@@ -136,7 +137,7 @@ def _receive_exactly(sock: socket.socket, size: int) -> bytes:
 class _Connection:
     """One socket to the daemon, after the Hello handshake. Closed for good by any failed request."""
 
-    def __init__(self, path: str, timeout_s: float | None, name: str) -> None:
+    def __init__(self, path: str, timeout_s: float | None, name: str, *, handshake: bool = True) -> None:
         self.sock: socket.socket | None = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.settimeout(timeout_s)
         self.lock = threading.Lock()
@@ -145,7 +146,10 @@ class _Connection:
             self.sock.connect(path)
         except OSError as error:
             self.close()
-            raise ConnectionLost(f"cannot connect to {path}: {error.strerror or error}") from error
+            raise ConnectionLost(f"cannot connect to {path!r}: {error.strerror or error}") from error
+        self.hello: HelloReply | None = None
+        if not handshake:
+            return  # a worker's direct channel: no handshake (the daemon's Hello vouched for the protocol)
         reply = self.request(Hello(version=PROTOCOL_VERSION, client=name))
         if isinstance(reply, ErrorReply):
             self.close()
@@ -159,13 +163,14 @@ class _Connection:
     def closed(self) -> bool:
         return self.sock is None
 
-    def request(self, message: RequestMessage) -> Reply:
-        """Send one request and return its reply; the connection is closed if anything goes wrong."""
+    def request(self, message: RequestMessage, request_id: int = 0) -> Reply:
+        """Send one request (under `request_id`, or the connection's next) and return its reply; the
+        connection is closed if anything goes wrong."""
         with self.lock:
             sock = self.sock
             if sock is None:
                 raise ConnectionLost("the connection was closed by an earlier failure")
-            request_id = next(self._request_ids)
+            request_id = request_id or next(self._request_ids)
             message.request_id = request_id
             try:
                 sock.sendall(encode(message))
@@ -191,10 +196,15 @@ class _Connection:
 
 
 class Client:
-    def __init__(self, socket_path: str | os.PathLike[str], *, timeout_s: float | None = 300.0, name: str = "") -> None:
+    """A client of one daemon. With `direct` (the default) it asks for its sessions' direct channels and
+    sends their appends straight to the worker, falling back to the daemon whenever a channel is gone."""
+
+    def __init__(self, socket_path: str | os.PathLike[str], *, timeout_s: float | None = 300.0, name: str = "", direct: bool = True) -> None:
         self.socket_path = os.fspath(socket_path)
         self._timeout_s = timeout_s
         self._name = name
+        self.direct = direct
+        self._channels = DirectChannels(lambda address: _Connection(address, self._timeout_s, self._name, handshake=False), ConnectionLost)
         self._connect_lock = threading.Lock()
         self._main: _Connection | None = None
         self._cancel_connection: _Connection | None = None
@@ -234,21 +244,32 @@ class Client:
             for connection in (self._main, self._cancel_connection):
                 if connection is not None and connection.sock is not None:
                     connection.sock.settimeout(value)
+        self._channels.set_timeout(value)
 
     def _call(self, message: RequestMessage, expected: type) -> Reply:
         return checked_reply(message, self._connection("main").request(message), expected)
 
     def append(self, session_id: str, epoch: int, start_pos: int, **options: Unpack[AppendOptions]) -> AppendResult:
-        return AppendResult.of(self._call(append_request(session_id, epoch, start_pos, **options), AppendReply))
+        request = append_request(session_id, epoch, start_pos, direct=self.direct, **options)
+        if self.direct:
+            reply = self._channels.request(request)
+            if reply is not None:
+                return AppendResult.of(checked_reply(request, reply, AppendReply))
+        reply = self._call(request, AppendReply)
+        self._channels.remember(session_id, epoch, reply.channel)
+        return AppendResult.of(reply)
 
     def truncate(self, session_id: str, epoch: int, length: int) -> int:
+        self._channels.forget(session_id, epoch)
         return self._call(Truncate(session_id=session_id, epoch=epoch, length=length), Done).length
 
     def release(self, session_id: str, epoch: int) -> Done:
+        self._channels.forget(session_id, epoch)
         return self._call(Release(session_id=session_id, epoch=epoch), Done)
 
     def park(self, session_id: str, epoch: int) -> Done:
         """Save the idle session's state to the daemon's spill store and free its context now."""
+        self._channels.forget(session_id, epoch)
         return self._call(Park(session_id=session_id, epoch=epoch), Done)
 
     def fork(self, session_id: str, epoch: int, new_session_id: str, new_epoch: int, length: int) -> Done:
@@ -257,7 +278,7 @@ class Client:
 
     def cancel(self, session_id: str, epoch: int) -> Done:
         """Abort the session's in-flight append (sent on a side connection; safe from another thread)."""
-        request = Cancel(session_id=session_id, epoch=epoch)
+        request = Cancel(session_id=session_id, epoch=epoch, direct_request_id=self._channels.in_flight(session_id, epoch))
         return checked_reply(request, self._connection("cancel").request(request), Done)
 
     def stats(self) -> StatsReply:
@@ -267,6 +288,7 @@ class Client:
         self._call(Shutdown(), Done)
 
     def close(self) -> None:
+        self._channels.close()
         with self._connect_lock:
             self._closed = True
             for connection in (self._main, self._cancel_connection):

@@ -83,6 +83,7 @@ class ServeConfig:
     park_after_s: float = 0.0  # park hot sessions idle this long (0: only when their place is needed)
     spill_dir: pathlib.Path | None = None  # the disk tier (opt-in, with spill_disk_budget_bytes)
     spill_disk_budget_bytes: int = 0
+    direct: bool = True  # each worker offers a direct channel to clients that ask for it
 
     def __post_init__(self) -> None:
         problems = []

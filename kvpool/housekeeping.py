@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 
 from kvpool.books import Books
+from kvpool.channels import Channels
 from kvpool.config import ServeConfig
 from kvpool.metrics import Metrics
 from kvpool.parking import Parking
@@ -15,8 +16,11 @@ from kvpool.worker_lifecycle import WorkerLifecycle
 
 
 class Housekeeper:
-    def __init__(self, config: ServeConfig, books: Books, pool: WorkerPool, lifecycle: WorkerLifecycle, parking: Parking, metrics: Metrics) -> None:
+    def __init__(
+        self, config: ServeConfig, books: Books, pool: WorkerPool, lifecycle: WorkerLifecycle, parking: Parking, channels: Channels, metrics: Metrics
+    ) -> None:
         self.config = config
+        self.channels = channels
         self.parking = parking
         self.books = books
         self.pool = pool
@@ -24,6 +28,7 @@ class Housekeeper:
         self.metrics = metrics
 
     async def expire_idle(self) -> None:
+        self.channels.refresh()  # direct appends count as uses
         for session in self.books.table.expired(time.monotonic(), self.config.ttl_s):
             if session.idle and not session.lock.locked() and self.books.table.get(session.session_id) is session:
                 self.metrics.count("expirations")
@@ -33,6 +38,7 @@ class Housekeeper:
         """Park hot sessions idle for --park-after seconds (when set and the warm tier is on)."""
         if not self.config.park_after_s or not self.books.spill.enabled:
             return
+        self.channels.refresh()
         for session in self.books.table.expired(time.monotonic(), self.config.park_after_s):
             if session.hot and await self.parking.park(session):
                 self.metrics.count("parks")

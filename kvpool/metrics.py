@@ -28,6 +28,7 @@ COUNTERS = (
     "restore_failures",
     "parks",
     "forks",
+    "direct_cancels_forwarded",
 )
 
 

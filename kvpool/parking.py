@@ -5,6 +5,8 @@ past --park-after, and for the Park request."""
 from __future__ import annotations
 
 from kvpool.books import Books
+from kvpool.channels import Channels
+from kvpool.errors import RequestFailed
 from kvpool.metrics import Metrics
 from kvpool.pool import WorkerPool
 from kvpool.protocol import MissReason
@@ -14,8 +16,9 @@ from kvpool.worker_lifecycle import WorkerLifecycle
 
 
 class Parking:
-    def __init__(self, books: Books, pool: WorkerPool, lifecycle: WorkerLifecycle, metrics: Metrics) -> None:
+    def __init__(self, books: Books, pool: WorkerPool, lifecycle: WorkerLifecycle, channels: Channels, metrics: Metrics) -> None:
         self.books = books
+        self.channels = channels
         self.pool = pool
         self.lifecycle = lifecycle
         self.metrics = metrics
@@ -31,6 +34,10 @@ class Parking:
         try:
             if not self._live_hot(session):
                 return False
+            try:
+                await self.channels.revoke(session)
+            except RequestFailed:
+                return True  # its worker was lost on the way: the place is free
             try:
                 blob = await self.pool.get(session.worker_name).save_state()
             except WorkerLost:

@@ -36,14 +36,15 @@ class WorkerPool:
                 self._workers[handle.name] = handle
         return readies[0]
 
-    def _next_name(self) -> str:
+    def _next_number(self) -> int:
         """Unique for the pool's life, also when replacements start in several threads at once."""
         with self._lock:
             self._counter += 1
-            return f"kvpool-worker-{self._counter}"
+            return self._counter
 
     def _spawn(self) -> WorkerHandle:
-        return WorkerHandle(self._next_name(), self.spec)
+        number = self._next_number()
+        return WorkerHandle(f"kvpool-worker-{number}", self.spec, number)
 
     def names(self) -> list[str]:
         with self._lock:

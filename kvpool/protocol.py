@@ -50,6 +50,7 @@ class ErrorCode(enum.StrEnum):
     CANCELLED = "cancelled"
     WORKER_LOST = "worker_lost"
     BAD_REQUEST = "bad_request"
+    CHANNEL_REVOKED = "channel_revoked"  # a worker's direct channel only: ask the daemon (the client does)
     SHUTTING_DOWN = "shutting_down"
     INTERNAL = "internal"
 
@@ -93,6 +94,7 @@ class Append(RequestMessage):
     n_ctx: int = 0
     admit_timeout_s: float = 0.0
     sample: Sampling | None = None  # last shard only: pick the next token here instead of returning logits
+    direct: bool = False  # bind the session to its worker's direct channel (the reply names it)
 
 
 class Truncate(RequestMessage):
@@ -113,6 +115,7 @@ class Cancel(RequestMessage):
 
     session_id: str
     epoch: int
+    direct_request_id: int = 0  # the request id of the append in flight on the session's direct channel, if any
 
 
 class Park(RequestMessage):
@@ -176,6 +179,7 @@ class AppendReply(ReplyMessage):
     token: int = -1  # with Append.sample: the token picked (data then holds logits only if asked)
     top_ids: list[int] = msgspec.field(default_factory=list)
     top_logprobs: list[float] = msgspec.field(default_factory=list)
+    channel: str = ""  # with Append.direct: the worker's direct channel (an abstract Unix socket name)
 
 
 class Done(ReplyMessage):

@@ -12,8 +12,10 @@ import time
 import numpy as np
 
 from kvpool.admission import Admission
+from kvpool.append_checks import append_rows, check_position
 from kvpool.books import Books
 from kvpool.calibration import Calibrator
+from kvpool.channels import Channels
 from kvpool.compute import ComputeSlots
 from kvpool.config import ServeConfig
 from kvpool.errors import RequestFailed
@@ -49,10 +51,11 @@ class KvService:
         self.compute = ComputeSlots(config.concurrent_workers)
         self.lifecycle = WorkerLifecycle(self.books, pool, self.metrics, threads=2 * config.max_sessions + 4)
         self.calibrator = Calibrator(self.books, pool, self.lifecycle, self.compute, shard, kv_bytes_per_position)
-        self.parking = Parking(self.books, pool, self.lifecycle, self.metrics)
-        self.admission = Admission(config, self.books, pool, self.lifecycle, self.calibrator, self.parking, self.metrics)
+        self.channels = Channels(self.books, pool, self.lifecycle, enabled=config.direct)
+        self.parking = Parking(self.books, pool, self.lifecycle, self.channels, self.metrics)
+        self.admission = Admission(config, self.books, pool, self.lifecycle, self.calibrator, self.parking, self.channels, self.metrics)
         self.warm = WarmRequests(self)
-        self.housekeeper = Housekeeper(config, self.books, pool, self.lifecycle, self.parking, self.metrics)
+        self.housekeeper = Housekeeper(config, self.books, pool, self.lifecycle, self.parking, self.channels, self.metrics)
 
     def check_integrity(self) -> None:
         self.books.check_integrity()
@@ -80,42 +83,10 @@ class KvService:
     def _validate_append(self, request: Append) -> np.ndarray:
         """The request's rows as the worker takes them: int32 token ids (first shard) or float32 hidden states."""
         length = self.length_of(request.session_id, request.epoch)
-
-        def bad(message: str) -> RequestFailed:
-            return RequestFailed(ErrorCode.BAD_REQUEST, message, length=length)
-
         self.validate_session_fields(request.session_id, request.epoch, length)
-        if request.start_pos < 0:
-            raise bad("start_pos must be >= 0")
         if not 0 <= request.n_ctx <= self.config.n_ctx:
-            raise bad(f"n_ctx must be in [0, {self.config.n_ctx}] (0: the default {self.config.n_ctx})")
-        if self.shard.shape.is_first:
-            if request.tokens is None or request.hidden is not None:
-                raise bad("the first shard takes token ids (tokens), not hidden states")
-            rows = np.asarray(request.tokens, dtype=np.int64)
-            if rows.size and (rows.min() < 0 or rows.max() >= self.shard.shape.n_vocab):
-                raise bad(f"token ids must be in [0, {self.shard.shape.n_vocab})")
-            rows = rows.astype(np.int32)
-        else:
-            if request.hidden is None or request.tokens is not None:
-                raise bad("this shard takes hidden states (hidden), not token ids")
-            row_bytes = self.shard.shape.n_embd * 4
-            if len(request.hidden) % row_bytes:
-                raise bad(f"hidden must be float32 rows of {self.shard.shape.n_embd} values ({len(request.hidden)} bytes given)")
-            rows = np.frombuffer(request.hidden, dtype="<f4").reshape(-1, self.shard.shape.n_embd)
-        if rows.shape[0] == 0:
-            raise bad("an append needs at least one row")
-        if request.sample is not None:
-            if not self.shard.shape.is_last:
-                raise bad("only the last shard samples (sample is set on a shard without the output head)")
-            if request.output_rows != "last":
-                raise bad("sample picks from the last row: output_rows must be 'last'")
-            problems = request.sample.problems(self.shard.shape.n_vocab)
-            if problems:
-                raise bad("; ".join(problems))
-        if rows.shape[0] > self.config.n_ctx:
-            raise bad(f"{rows.shape[0]} rows exceed the daemon's largest context {self.config.n_ctx}")
-        return rows
+            raise RequestFailed(ErrorCode.BAD_REQUEST, f"n_ctx must be in [0, {self.config.n_ctx}] (0: the default {self.config.n_ctx})", length=length)
+        return append_rows(request, self.shard.shape, max_rows=self.config.n_ctx, length=length)
 
     async def fence(self, session_id: str, epoch: int) -> None:
         """Epoch fencing shared by every session request: reject stale, release older state on newer."""
@@ -136,9 +107,16 @@ class KvService:
             table.see_epoch(session_id, epoch)
 
     async def enter(self, session: Session) -> None:
-        """Count a request in flight on the session and take its lock (released by leave)."""
+        """Count a request in flight on the session, take its lock (released by leave) and revoke its
+        direct channel: from here the supervisor alone changes the session."""
         session.in_flight += 1
         await session.lock.acquire()
+        try:
+            await self.channels.revoke(session)
+        except BaseException:
+            session.lock.release()
+            session.in_flight -= 1
+            raise
 
     async def leave(self, session: Session) -> None:
         session.lock.release()
@@ -164,8 +142,7 @@ class KvService:
         try:
             if self.books.table.get(session.session_id) is not session:
                 raise self.miss(session.session_id, session.epoch, "the session ended while this request waited")
-            if request.start_pos != session.length:
-                raise RequestFailed(ErrorCode.POSITION_MISMATCH, f"start_pos {request.start_pos} != session length {session.length}", length=session.length)
+            check_position(request.start_pos, session.length, 0, session.n_ctx)
             restored = not session.hot
             if restored:
                 await self.admission.restore(session, self.admission.deadline_of(request.admit_timeout_s))
@@ -175,8 +152,7 @@ class KvService:
 
     async def _append_entered(self, session: Session, request: Append, rows: np.ndarray, admitted: bool, restored: bool) -> AppendReply:
         n_rows = rows.shape[0]
-        if session.length + n_rows > session.n_ctx:
-            raise RequestFailed(ErrorCode.CONTEXT_FULL, f"{session.length} + {n_rows} rows exceed the session's n_ctx {session.n_ctx}", length=session.length)
+        check_position(request.start_pos, session.length, n_rows, session.n_ctx)
         worker = self.pool.get(session.worker_name)
         worker.set_abort(False)
         session.appending = True
@@ -198,10 +174,11 @@ class KvService:
         session.length = output.length
         self.metrics.count("appends")
         self.metrics.count("append_rows", n_rows)
+        channel = await self.channels.bind(session) if request.direct else ""
         return AppendReply(
             session_id=session.session_id, epoch=session.epoch, length=session.length,
             rows=output.rows, width=output.width, data=output.data, admitted=admitted, restored=restored,
-            token=output.token, top_ids=output.top_ids, top_logprobs=output.top_logprobs,
+            token=output.token, top_ids=output.top_ids, top_logprobs=output.top_logprobs, channel=channel,
         )
 
     async def truncate(self, request: Truncate) -> Done:
@@ -260,18 +237,23 @@ class KvService:
         session = self.books.table.get(request.session_id)
         if session is None or session.epoch != request.epoch:
             return Done(length=0, session_id=request.session_id, epoch=request.epoch, detail="no state")
+        if not session.appending and request.direct_request_id and session.channel and session.hot:
+            self.metrics.count("direct_cancels_forwarded")
+            detail = await self.pool.get(session.worker_name).cancel_direct(session.session_id, session.epoch, request.direct_request_id)
+            return Done(length=session.length, session_id=session.session_id, epoch=session.epoch, detail=detail)
         if not session.appending:
             return Done(length=session.length, session_id=session.session_id, epoch=session.epoch, detail="nothing in flight")
         self.pool.get(session.worker_name).set_abort(True)
         return Done(length=session.length, session_id=session.session_id, epoch=session.epoch, detail="cancel requested")
 
     async def stats(self) -> StatsReply:
+        self.channels.refresh()
         workers = self.pool.workers()
         usses = await self.lifecycle.in_thread(lambda: [worker.measure_uss() for worker in workers])
         return build_stats(
             shard=self.shard, books=self.books, pool=self.pool, metrics=self.metrics, vram=self.vram, workers=workers, usses=usses,
-            integrity=integrity_of(self.check_integrity), started=self.started,
-            counters=self.metrics.snapshot() | {"peak_concurrent_compute_threads": self.compute.peak * self.config.threads_per_worker},
+            integrity=integrity_of(self.check_integrity), started=self.started, busy=self.channels.busy,
+            counters=self.metrics.snapshot() | self.channels.counts() | {"peak_concurrent_compute_threads": self.compute.peak * self.config.threads_per_worker},
         )
 
     async def park(self, request: Park) -> Done:

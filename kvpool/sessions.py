@@ -25,6 +25,7 @@ class Session:
     last_used: float = 0.0
     in_flight: int = 0
     appending: bool = False
+    channel: bool = False  # bound to its worker's direct channel (kvpool.channels)
     lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
 
     @property

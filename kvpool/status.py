@@ -24,6 +24,7 @@ def integrity_of(check) -> str:
 def build_stats(
     *, shard: ShardDescription, books: Books, pool: WorkerPool, metrics: Metrics, vram: VramMeter,
     workers: list[WorkerHandle], usses: list[int], integrity: str, counters: dict[str, int], started: float,
+    busy=lambda session: False,
 ) -> StatsReply:
     """`usses` are the measured USS of `workers`, in that order."""
     now = time.monotonic()
@@ -38,7 +39,7 @@ def build_stats(
             SessionRow(
                 session_id=s.session_id, epoch=s.epoch, length=s.length, n_ctx=s.n_ctx,
                 charged_bytes=s.charged_bytes if s.hot else 0, idle_s=round(now - s.last_used, 3),
-                worker_pid=pool.get(s.worker_name).pid if s.hot else 0, in_flight=s.in_flight > 0,
+                worker_pid=pool.get(s.worker_name).pid if s.hot else 0, in_flight=s.in_flight > 0 or busy(s),
                 tier="hot" if s.hot else books.spill.tier_of(s.key),
             )
             for s in sessions

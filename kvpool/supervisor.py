@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import pathlib
 import signal
 import sys
 import traceback
@@ -61,8 +63,27 @@ def build_pool(config: ServeConfig, info: ShardInfo) -> WorkerPool:
             request_timeout_s=config.request_timeout_s,
             n_gpu_layers=config.n_gpu_layers,
             verbose=config.verbose,
+            direct=config.direct,
+            max_n_ctx=config.n_ctx,
+            compute_lock_path=str(compute_lock_path(config)),
+            compute_slots=config.concurrent_workers,
         )
     )
+
+
+def compute_lock_path(config: ServeConfig) -> pathlib.Path:
+    """The file whose byte-range locks bound the workers computing at once (beside the socket, private)."""
+    return config.socket.with_name(f".{config.socket.name}.compute")
+
+
+def create_compute_lock_file(config: ServeConfig) -> pathlib.Path:
+    path = compute_lock_path(config)
+    descriptor = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.ftruncate(descriptor, config.concurrent_workers)
+    finally:
+        os.close(descriptor)
+    return path
 
 
 class Supervisor:
@@ -90,6 +111,7 @@ class Supervisor:
             loop.add_signal_handler(signum, self.request_stop)
         server: FrameServer | None = None
         housekeeping: asyncio.Task | None = None
+        lock_file = create_compute_lock_file(config)
         try:
             ready = await asyncio.to_thread(pool.start)
             if self._stop.is_set():
@@ -137,6 +159,7 @@ class Supervisor:
             for worker in pool.workers():
                 worker.set_abort(True)  # interrupt in-flight appends so workers can exit promptly
             await asyncio.to_thread(pool.close)
+            lock_file.unlink(missing_ok=True)
             if self.service is not None:
                 self.service.close()
             self._announce("stopped")

@@ -11,6 +11,7 @@ import ctypes
 import multiprocessing
 import multiprocessing.connection
 import os
+import secrets
 import dataclasses
 from dataclasses import dataclass
 from multiprocessing import shared_memory
@@ -23,9 +24,18 @@ import psutil
 from kvpool.segments import SegmentLayout
 from workers.commands import (
     ABORT_FLAG_OFFSET,
+    DIRECT_APPENDS_OFFSET,
+    DIRECT_BUSY_OFFSET,
+    DIRECT_LAST_USED_OFFSET,
+    DIRECT_LENGTH_OFFSET,
+    DIRECT_ROWS_OFFSET,
     AnyCommand,
     AnyWorkerReply,
     Appended,
+    BindChannel,
+    CancelDirect,
+    CancelState,
+    ChannelState,
     CloseContext,
     Closed,
     Exit,
@@ -35,6 +45,7 @@ from workers.commands import (
     Ready,
     Restored,
     RestoreState,
+    RevokeChannel,
     RunAppend,
     Saved,
     SaveState,
@@ -85,6 +96,10 @@ class PoolSpec:
     request_timeout_s: float  # a call not answered by then: the worker is killed and counts as lost
     n_gpu_layers: int = 0
     verbose: bool = False
+    direct: bool = True  # each worker also listens on its direct channel
+    max_n_ctx: int = 0
+    compute_lock_path: str = ""  # at most compute_slots workers compute at once (across processes)
+    compute_slots: int = 1
 
 
 class WorkerHandle:
@@ -92,8 +107,9 @@ class WorkerHandle:
     values or raise WorkerFailed (the worker refused: code, length) or WorkerLost; nothing else of the
     pipe protocol leaves this class."""
 
-    def __init__(self, name: str, spec: PoolSpec) -> None:
+    def __init__(self, name: str, spec: PoolSpec, index: int = 0) -> None:
         self.name = name
+        self.direct_address = f"kvpool-{os.getpid()}-{name}-{secrets.token_hex(6)}" if spec.direct else ""
         self.request_timeout_s = spec.request_timeout_s
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(AnyWorkerReply)
@@ -104,9 +120,17 @@ class WorkerHandle:
         self.input_offset = layout.input_offset
         self.output_offset = layout.output_offset
         self._abort_flag = ctypes.c_int32.from_buffer(self.segment.buf, ABORT_FLAG_OFFSET)
+        self._direct_busy = ctypes.c_int32.from_buffer(self.segment.buf, DIRECT_BUSY_OFFSET)
+        self._direct_length = ctypes.c_int64.from_buffer(self.segment.buf, DIRECT_LENGTH_OFFSET)
+        self._direct_last_used = ctypes.c_double.from_buffer(self.segment.buf, DIRECT_LAST_USED_OFFSET)
+        self._direct_appends = ctypes.c_int64.from_buffer(self.segment.buf, DIRECT_APPENDS_OFFSET)
+        self._direct_rows = ctypes.c_int64.from_buffer(self.segment.buf, DIRECT_ROWS_OFFSET)
         context = multiprocessing.get_context("spawn")
         parent_end, child_end = context.Pipe(duplex=True)
         self._connection: Connection = parent_end
+        cancel_end, child_cancel_end = context.Pipe(duplex=True)
+        self._cancel_connection: Connection = cancel_end
+        self._cancel_lock = asyncio.Lock()
         worker_spec = WorkerSpec(
             shard_path=spec.shard_path,
             shm_name=self.segment.name,
@@ -117,10 +141,16 @@ class WorkerHandle:
             parent_pid=os.getpid(),
             n_gpu_layers=spec.n_gpu_layers,
             verbose=spec.verbose,
+            direct_address=self.direct_address,
+            max_n_ctx=spec.max_n_ctx,
+            compute_lock_path=spec.compute_lock_path,
+            compute_slots=spec.compute_slots,
+            worker_index=index,
         )
-        self.process = context.Process(target=worker_main, args=(child_end, worker_spec), name=name, daemon=True)
+        self.process = context.Process(target=worker_main, args=(child_end, worker_spec, child_cancel_end), name=name, daemon=True)
         self.process.start()
         child_end.close()  # so a dead worker reads as EOF on our end
+        child_cancel_end.close()
         self.ready: Ready | None = None
         self.baseline_uss = 0
         self.lost = False
@@ -228,6 +258,45 @@ class WorkerHandle:
         """A fresh context loaded with `blob`, cut to `length`; WorkerFailed code restore_failed if refused."""
         return (await self._expect(RestoreState(n_ctx=n_ctx, blob=blob, length=length), Restored)).length
 
+    async def bind_channel(self, session_id: str, epoch: int) -> int:
+        """The direct channel serves (session_id, epoch) until the next command; returns the length."""
+        return (await self._expect(BindChannel(session_id=session_id, epoch=epoch), ChannelState)).length
+
+    async def revoke_channel(self) -> int:
+        """No more direct appends (one in flight completes first); returns the context's length."""
+        return (await self._expect(RevokeChannel(), ChannelState)).length
+
+    async def cancel_direct(self, session_id: str, epoch: int, request_id: int) -> str:
+        """Forward a cancel of the direct append `request_id` to the worker's cancel thread; its detail."""
+        async with self._cancel_lock:
+            if self.lost or self.segment is None:
+                return "nothing in flight"
+            loop = asyncio.get_running_loop()
+            descriptor = self._cancel_connection.fileno()
+            readable = loop.create_future()
+            try:
+                self._cancel_connection.send_bytes(self._encoder.encode(CancelDirect(session_id=session_id, epoch=epoch, request_id=request_id)))
+                loop.add_reader(descriptor, lambda: readable.done() or readable.set_result(None))
+                try:
+                    await asyncio.wait_for(readable, self.request_timeout_s)
+                finally:
+                    loop.remove_reader(descriptor)
+                return msgspec.msgpack.decode(self._cancel_connection.recv_bytes(), type=CancelState).detail
+            except (TimeoutError, EOFError, OSError):
+                return "nothing in flight"  # the worker is gone or stalled: the request timeout deals with it
+
+    def direct_activity(self) -> tuple[bool, int, float]:
+        """(an append from the direct channel computes now, the length after the last one, when it ended)."""
+        if self.segment is None:
+            return False, 0, 0.0
+        return bool(self._direct_busy.value), self._direct_length.value, self._direct_last_used.value
+
+    def direct_counts(self) -> tuple[int, int]:
+        """Appends and rows served from the direct channel over this worker's life."""
+        if self.segment is None:
+            return 0, 0
+        return self._direct_appends.value, self._direct_rows.value
+
     def set_abort(self, value: bool) -> None:
         if self.segment is None:
             return  # stopped: nothing left to abort
@@ -265,12 +334,13 @@ class WorkerHandle:
             self.process.join(timeout_s)
         self.lost = True
         self._connection.close()
+        self._cancel_connection.close()
         self._release_segment()
 
     def _release_segment(self) -> None:
         if self.segment is None:
             return
-        del self._abort_flag
+        del self._abort_flag, self._direct_busy, self._direct_length, self._direct_last_used, self._direct_appends, self._direct_rows
         try:
             self.segment.close()
         except BufferError:

@@ -75,11 +75,14 @@ def local_chain(shards):
         yield chain
 
 
-@pytest.fixture
-def route(chain_daemons):
-    """One walk per call, no recovery: the contract's errors reach the test."""
-    clients = [daemon.client() for daemon in chain_daemons]
-    yield Route(clients)
+@pytest.fixture(params=["direct", "supervisor"])
+def route(request, chain_daemons):
+    """One walk per call, no recovery: the contract's errors reach the test. Run twice: appends of bound
+    sessions over the workers' direct channels (the client's default), and every request through the daemon."""
+    clients = [daemon.client(direct=request.param == "direct") for daemon in chain_daemons]
+    walk = Route(clients)
+    walk.name = request.param  # session ids differ between the two runs: the daemons remember epochs
+    yield walk
     for client in clients:
         client.close()
 
@@ -232,13 +235,14 @@ def test_unknown_session_is_a_cache_miss_and_position_zero_admits(chain_daemons,
 
 def test_stale_epoch_is_rejected_untouched_and_newer_epoch_releases_old_state(route, local_chain, chain_daemons, prompt_ids):
     prompt = prompt_ids[0]
-    route.append("epoch", 5, 0, prompt[:6])
+    sid = f"epoch-{route.name}"
+    route.append(sid, 5, 0, prompt[:6])
     reserved = [_reserved(daemon) for daemon in chain_daemons]
     for call in (
-        lambda c: c.append("epoch", 4, 6, tokens=[1]) if c.shard.shape.is_first else c.append("epoch", 4, 6, hidden=np.zeros((1, 576), np.float32)),
-        lambda c: c.truncate("epoch", 4, 0),
-        lambda c: c.release("epoch", 4),
-        lambda c: c.cancel("epoch", 4),
+        lambda c: c.append(sid, 4, 6, tokens=[1]) if c.shard.shape.is_first else c.append(sid, 4, 6, hidden=np.zeros((1, 576), np.float32)),
+        lambda c: c.truncate(sid, 4, 0),
+        lambda c: c.release(sid, 4),
+        lambda c: c.cancel(sid, 4),
     ):
         for client in route.clients:
             with pytest.raises(KvpoolError) as stale:
@@ -246,19 +250,19 @@ def test_stale_epoch_is_rejected_untouched_and_newer_epoch_releases_old_state(ro
             assert stale.value.code == "stale_epoch"
     assert [_reserved(daemon) for daemon in chain_daemons] == reserved
     # untouched: epoch 5 continues exactly
-    logits = route.append("epoch", 5, 6, prompt[6:])
+    logits = route.append(sid, 5, 6, prompt[6:])
     with local_chain.new_session(N_CTX) as fresh:
         assert np.abs(logits - fresh.append(0, prompt)).max() == 0.0
     # a newer epoch releases the old state first; without state, position > 0 is a miss (new_epoch)
     with pytest.raises(KvpoolError) as newer:
-        route.append("epoch", 6, len(prompt), [7])
+        route.append(sid, 6, len(prompt), [7])
     assert newer.value.code == "cache_miss" and newer.value.reason == "new_epoch"
     assert _reserved(chain_daemons[0]) == 0
-    logits = route.append("epoch", 6, 0, prompt)
+    logits = route.append(sid, 6, 0, prompt)
     with local_chain.new_session(N_CTX) as fresh:
         assert np.abs(logits - fresh.append(0, prompt)).max() == 0.0
     with pytest.raises(KvpoolError) as old:
-        route.append("epoch", 5, len(prompt), [7])
+        route.append(sid, 5, len(prompt), [7])
     assert old.value.code == "stale_epoch"
     _all_released(chain_daemons)
 
@@ -321,7 +325,8 @@ def test_cancel_aborts_an_inflight_prefill_and_rolls_back(model_path, socket_dir
     try:
         text = " ".join(f"word{i}" for i in range(900))
         long_prompt = tokenizer.encode(text)[:1900]
-        with daemon.client() as client, daemon.client() as reference:
+        # through the supervisor (tests/test_direct_channel.py cancels an append on the direct channel)
+        with daemon.client(direct=False) as client, daemon.client() as reference:
             client.append("cancel", 1, 0, tokens=long_prompt[:10])
             worker_pid = reference.stats().sessions[0].worker_pid
             # The worker is stopped before the long append is sent: it cannot finish before the cancel lands,

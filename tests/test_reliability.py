@@ -400,7 +400,7 @@ def test_worker_names_are_unique_when_replacements_start_in_many_threads(shards)
 
     def name_many() -> None:
         barrier.wait()
-        names.extend(pool._next_name() for _ in range(500))
+        names.extend(pool._next_number() for _ in range(500))
 
     previous = sys.getswitchinterval()
     sys.setswitchinterval(1e-6)

@@ -13,7 +13,12 @@ from kvpool.shard_shape import ShardShape
 from workers.sampling import Sampling
 
 CONTROL_BYTES = 64
-ABORT_FLAG_OFFSET = 0
+ABORT_FLAG_OFFSET = 0  # int32, set by the supervisor: abort the append in flight
+DIRECT_BUSY_OFFSET = 4  # int32, set by the worker while an append from its direct channel computes
+DIRECT_LENGTH_OFFSET = 8  # int64, by the worker: the context's length after the last direct append
+DIRECT_LAST_USED_OFFSET = 16  # float64, by the worker: time.monotonic() when that append ended
+DIRECT_APPENDS_OFFSET = 24  # int64, by the worker: appends served from the direct channel
+DIRECT_ROWS_OFFSET = 32  # int64, by the worker: their rows
 
 
 class Command(msgspec.Struct, tag=True, forbid_unknown_fields=True, kw_only=True):
@@ -55,8 +60,28 @@ class RestoreState(Command):
     length: int
 
 
+class BindChannel(Command):
+    """Serve (session_id, epoch)'s appends from the worker's direct channel too, until any other
+    command from the supervisor (every one of them revokes the channel first)."""
+
+    session_id: str
+    epoch: int
+
+
+class RevokeChannel(Command):
+    """End the direct channel's binding; the reply carries the context's length."""
+
+
 class Exit(Command):
     pass
+
+
+class CancelDirect(Command):
+    """On the cancel pipe: abort (session_id, epoch)'s direct append `request_id`, running or not started."""
+
+    session_id: str
+    epoch: int
+    request_id: int
 
 
 class WorkerReply(msgspec.Struct, tag=True, forbid_unknown_fields=True, kw_only=True):
@@ -103,11 +128,19 @@ class Restored(WorkerReply):
     length: int
 
 
+class ChannelState(WorkerReply):
+    length: int
+
+
+class CancelState(WorkerReply):
+    detail: str  # "cancel requested" or "nothing in flight"
+
+
 class Failed(WorkerReply):
     code: str
     message: str
     length: int = 0
 
 
-AnyCommand = OpenContext | RunAppend | TruncateContext | CloseContext | SaveState | RestoreState | Exit
-AnyWorkerReply = Ready | Opened | Appended | Truncated | Closed | Saved | Restored | Failed
+AnyCommand = OpenContext | RunAppend | TruncateContext | CloseContext | SaveState | RestoreState | BindChannel | RevokeChannel | Exit
+AnyWorkerReply = Ready | Opened | Appended | Truncated | Closed | Saved | Restored | ChannelState | Failed

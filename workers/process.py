@@ -8,8 +8,10 @@ watchdog thread, as soon as its parent process changes (the supervisor died, eve
 from __future__ import annotations
 
 import ctypes
+import contextlib
 import ctypes.util
 import os
+import selectors
 import signal
 import threading
 import time
@@ -25,6 +27,8 @@ from workers.commands import (
     CONTROL_BYTES,
     AnyCommand,
     Appended,
+    BindChannel,
+    ChannelState,
     CloseContext,
     Closed,
     Exit,
@@ -34,12 +38,15 @@ from workers.commands import (
     Ready,
     Restored,
     RestoreState,
+    RevokeChannel,
     RunAppend,
     Saved,
     SaveState,
     Truncated,
     TruncateContext,
 )
+from workers.compute_locks import ComputeLocks
+from workers.direct import DirectChannel
 from workers.errors import ShardRuntimeError
 from workers.context import ShardContext
 from workers.runtime import ShardModel
@@ -59,6 +66,11 @@ class WorkerSpec:
     parent_pid: int
     n_gpu_layers: int = 0
     verbose: bool = False
+    direct_address: str = ""  # the direct channel's abstract socket name ("" : no direct channel)
+    max_n_ctx: int = 0  # the daemon's largest context (the direct channel checks appends as the daemon does)
+    compute_lock_path: str = ""  # at most compute_slots workers of the daemon compute at once ("": no limit)
+    compute_slots: int = 1
+    worker_index: int = 0
 
 
 PARENT_CHECK_INTERVAL_S = 0.2
@@ -77,7 +89,7 @@ def _exit_with_parent(parent_pid: int) -> None:
     threading.Thread(target=watch, name="kvpool-parent-watch", daemon=True).start()
 
 
-def worker_main(connection: Connection, spec: WorkerSpec) -> None:
+def worker_main(connection: Connection, spec: WorkerSpec, cancel_connection: Connection | None = None) -> None:
     _exit_with_parent(spec.parent_pid)
     # The supervisor owns shutdown: a terminal's Ctrl-C reaches the whole process group.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -108,16 +120,32 @@ def worker_main(connection: Connection, spec: WorkerSpec) -> None:
             )
         )
     )
+    channel = DirectChannel(spec.direct_address, server, segment, cancel_connection) if spec.direct_address else None
+    selector = selectors.DefaultSelector()
+    selector.register(connection.fileno(), selectors.EVENT_READ, None)
+    if channel is not None:
+        selector.register(channel.listener, selectors.EVENT_READ, channel.listener)
     try:
         while True:
-            try:
-                command = decoder.decode(connection.recv_bytes())
-            except EOFError:
-                return  # the supervisor is gone
-            if isinstance(command, Exit):
-                return
-            connection.send_bytes(encoder.encode(server.handle(command)))
+            for key, _events in selector.select():
+                if key.data is None:
+                    try:
+                        command = decoder.decode(connection.recv_bytes())
+                    except EOFError:
+                        return  # the supervisor is gone
+                    if isinstance(command, Exit):
+                        return
+                    connection.send_bytes(encoder.encode(server.handle(command)))
+                elif key.data is channel.listener:
+                    accepted = channel.accept()
+                    if accepted is not None:
+                        selector.register(accepted, selectors.EVENT_READ, accepted)
+                elif not channel.serve(key.data):
+                    selector.unregister(key.data)
+                    key.data.close()
     finally:
+        if channel is not None:
+            channel.close()
         server.close()
         model.close()
 
@@ -133,6 +161,10 @@ class WorkerServer:
         self._abort_flag_address = ctypes.addressof(ctypes.c_char.from_buffer(segment.buf, ABORT_FLAG_OFFSET))
         libc_name = ctypes.util.find_library("c")
         self._malloc_trim = getattr(ctypes.CDLL(libc_name), "malloc_trim", None) if libc_name else None
+        self.bound: tuple[str, int] | None = None  # the session the direct channel serves
+        self.compute = (
+            ComputeLocks(spec.compute_lock_path, spec.compute_slots, spec.worker_index) if spec.compute_lock_path else contextlib.nullcontext()
+        )
 
     def release_free_heap(self) -> None:
         """Hand freed heap pages back to the OS (glibc keeps them otherwise): measured memory then
@@ -141,7 +173,16 @@ class WorkerServer:
             self._malloc_trim(0)
 
     def handle(self, command: AnyCommand):
+        if not isinstance(command, BindChannel):
+            self.bound = None  # every supervisor command revokes the direct channel first
         match command:
+            case BindChannel(session_id=session_id, epoch=epoch):
+                if self.context is None:
+                    return Failed(code="no_context", message="no open context")
+                self.bound = (session_id, epoch)
+                return ChannelState(length=self.context.length)
+            case RevokeChannel():
+                return ChannelState(length=self.context.length if self.context is not None else 0)
             case OpenContext(n_ctx=n_ctx):
                 return self._open(n_ctx)
             case RunAppend():
@@ -208,7 +249,8 @@ class WorkerServer:
                 out = np.frombuffer(
                     self._buffer, np.float32, out_rows * width, CONTROL_BYTES + self.spec.input_bytes
                 ).reshape(out_rows, width)
-            context.append(command.start_pos, output_rows=command.output_rows, out=out, **kwargs)
+            with self.compute:
+                context.append(command.start_pos, output_rows=command.output_rows, out=out, **kwargs)
         except ShardRuntimeError as error:
             return Failed(code=error.code, message=str(error), length=error.length)
         if command.sample is not None:
