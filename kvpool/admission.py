@@ -1,13 +1,16 @@
 """Admission: a session that becomes hot (a new one, or a parked one restored) gets its whole charge
 reserved and a worker before any compute. Room comes from free workers and budget, then from the least
 recently used idle hot sessions: parked (their state saved to the spill store) when the warm tier is on,
-evicted otherwise; or the request waits up to its admit_timeout_s for room to free up."""
+evicted otherwise; or the request waits up to its admit_timeout_s for room to free up, in line with the
+other admissions (kvpool.admission_queue). Recently used sessions are neither parked nor evicted
+(kvpool.residency)."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 
+from kvpool.admission_queue import AdmissionQueue
 from kvpool.books import AdmissionPlan, Books
 from kvpool.calibration import Calibrator
 from kvpool.channels import Channels
@@ -17,6 +20,7 @@ from kvpool.metrics import Metrics
 from kvpool.parking import Parking
 from kvpool.pool import WorkerPool
 from kvpool.protocol import Append, ErrorCode, MissReason
+from kvpool.residency import Residency, derived_min_residency_s
 from kvpool.sessions import Session
 from kvpool.spill import CorruptBlob
 from kvpool.worker_handle import WorkerFailed, WorkerLost
@@ -39,6 +43,20 @@ class Admission:
         self.calibrator = calibrator
         self.parking = parking
         self.metrics = metrics
+        self.queue = AdmissionQueue(books, pool.usable, lifecycle, metrics, limit=config.admit_queue_limit, residency=self.residency)
+        self._residency: Residency | None = None
+
+    def residency(self) -> Residency:
+        """--min-residency, or the default derived from the step measured at start-up (fixed once known)."""
+        if self._residency is None:
+            if self.config.min_residency_s is not None:
+                self._residency = Residency(self.config.min_residency_s)
+            elif self.calibrator.step_s is not None:
+                self._residency = Residency(derived_min_residency_s(self.calibrator.step_s, self.calibrator.shard.shape))
+            else:
+                return Residency(derived_min_residency_s(None, self.calibrator.shard.shape))  # before start-up calibration
+            self.metrics.note("min_residency_ms", round(self._residency.min_s * 1000))
+        return self._residency
 
     def charge_for(self, n_ctx: int) -> int:
         charge = self.calibrator.charge_for(n_ctx)  # fitted at start-up: an admission never measures
@@ -52,30 +70,25 @@ class Admission:
         return time.monotonic() + min(max(admit_timeout_s, 0.0), MAX_ADMIT_WAIT_S)
 
     async def make_room(self, charge: int, deadline: float, *, still_wanted=lambda: None) -> AdmissionPlan:
-        """A plan that places `charge` bytes on a worker. With the warm tier on, victims are parked one
-        at a time (each a save and a context freed) until a plan needs none. `still_wanted` raises when
-        the request no longer makes sense (it is checked after every wait)."""
-        while True:
+        """A plan that places `charge` bytes on a worker, taken in turn (kvpool.admission_queue: over_budget
+        with retry_after_s past the deadline). With the warm tier on, victims are parked one at a time (each
+        a save and a context freed) until a plan needs none, the turn kept meanwhile. `still_wanted` raises
+        when the request no longer makes sense (it is checked after every wait)."""
+
+        def before_each_try() -> None:
             still_wanted()
             if any(not self.pool.usable(worker) for worker in self.books.free_workers()):
                 self.lifecycle.spawn(self.lifecycle.replace_dead_free())
-            self.channels.refresh()  # direct appends count as uses: the least recently used is chosen right
-            plan = self.books.plan_admission(charge, self.pool.usable)
-            if plan is not None and plan.victims and self.books.spill.enabled:
-                if not await self.parking.park(plan.victims[0]):
-                    await asyncio.sleep(PARK_RETRY_S)  # the victim got busy (or is being dropped): plan again
-                continue
-            if plan is not None:
+            self.channels.refresh()  # direct appends count as uses: the least recently used is chosen right, residency too
+
+        async with self.queue.turn(deadline) as ticket:
+            while True:
+                plan = await self.queue.plan(ticket, charge, before_each_try)
+                if plan.victims and self.books.spill.enabled:
+                    if not await self.parking.park(plan.victims[0]):
+                        await asyncio.sleep(PARK_RETRY_S)  # the victim got busy (or is being dropped): plan again
+                    continue
                 return plan
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                self.metrics.count("over_budget_rejects")
-                raise RequestFailed(
-                    ErrorCode.OVER_BUDGET,
-                    f"needs {charge} bytes and a worker; {self.books.budget.available} bytes and "
-                    f"{sum(map(self.pool.usable, self.books.free_workers()))} workers free, no idle session to evict",
-                )
-            await self.lifecycle.wait_for_capacity(remaining)
 
     def carry_out(self, plan: AdmissionPlan, evicted_workers: list[str]) -> None:
         if plan.victims:

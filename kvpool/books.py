@@ -11,6 +11,7 @@ reserved bytes are exactly the hot sessions' charges; the stored blobs are exact
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -94,15 +95,18 @@ class Books:
 
     # ---- sessions --------------------------------------------------------------------------------
 
-    def plan_admission(self, charge: int, usable: Usable) -> AdmissionPlan | None:
+    def plan_admission(self, charge: int, usable: Usable, *, protected_after: float = math.inf) -> AdmissionPlan | None:
         """Least recently used idle sessions whose eviction makes room for `charge` bytes and a worker;
-        None when even evicting every idle session would not."""
+        None when even evicting every idle session would not. Sessions last used after `protected_after`
+        are never victims (residency, kvpool.residency)."""
         free = next((name for name in reversed(self._free) if usable(name)), None)
         available = self.budget.available
         victims: list[Session] = []
         for session in self.table.least_recently_used_idle():
             if available >= charge and (free is not None or victims):
                 break
+            if session.last_used > protected_after:
+                break  # least recently used first: every later one is protected too
             victims.append(session)
             available += session.charged_bytes
         if available >= charge and (free is not None or victims):

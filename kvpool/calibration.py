@@ -15,11 +15,16 @@ n, so the measured slope overstates b and the line falls under the true cost bet
 line through the ends gives 14.4 MiB at 512). The charge is the tightest such bound from a measured size at or
 above n (never below a measured smaller size), each measurement first raised by a margin for noise;
 rounded up, and never below the theoretical KV.
+
+The first measurement also times a few one-row appends at the end of its batch: the shard's decode step
+(`step_s`, the median), from which the default residency is derived (kvpool.residency).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import statistics
+import time
 
 import numpy as np
 
@@ -31,6 +36,7 @@ from kvpool.protocol import CalibrationRow, ShardDescription
 from kvpool.worker_lifecycle import WorkerLifecycle
 
 CALIBRATION_ROWS = 512
+STEP_SAMPLES = 3
 SMALL_N_CTX = 64  # the second size: 64 rows add ~12% to the start-up measurement of 512 rows
 LLAMA_CTX_PAD = 256  # llama.cpp (0.3.36) rounds n_ctx up to this; the bound holds with or without it
 MARGIN_BYTES = 1 << 20
@@ -96,6 +102,7 @@ class Calibrator:
         self.shard = shard
         self.kv_bytes_per_position = kv_bytes_per_position
         self.fit: ChargeFit | None = None
+        self.step_s: float | None = None  # one decode step of this shard, measured with the first size
 
     def theoretical_kv_bytes(self, n_ctx: int) -> int:
         return n_ctx * self.kv_bytes_per_position
@@ -151,4 +158,17 @@ class Calibrator:
             await worker.append(0, batch)
         after = await self.lifecycle.in_thread(worker.measure_anonymous)
         self.metrics.count("calibrations")
+        if self.step_s is None:
+            self.step_s = await self._time_steps(worker, rows, batch[:1])
         return max(after - before, 0)
+
+    async def _time_steps(self, worker, rows: int, row: np.ndarray) -> float:
+        """The median of STEP_SAMPLES one-row appends at the end of the calibration batch."""
+        samples = []
+        for _ in range(STEP_SAMPLES):
+            await worker.truncate(rows - 1)
+            async with self.compute.slot():
+                started = time.perf_counter()
+                await worker.append(rows - 1, row)
+                samples.append(time.perf_counter() - started)
+        return statistics.median(samples)

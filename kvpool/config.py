@@ -71,6 +71,11 @@ class ServeConfig:
     request_timeout_s: float = 600.0  # a worker call not answered by then: worker killed, request worker_lost
     memory_margin_bytes: int = 64 * 1024**2  # measured USS above charge + this -> recycle when idle
     housekeeping_interval_s: float = 0.5
+    # An idle session that appended less than this long ago is not evicted by an admission, which waits for
+    # the protection to lapse instead (kvpool.residency). None: derived from the step time measured at
+    # start-up, a few of this route's steps (kvpool.residency.derived_min_residency_s).
+    min_residency_s: float | None = None
+    admit_queue_limit: int = 64  # admissions waiting for room at once; one more is answered over_budget
     metrics_port: int | None = None
     n_gpu_layers: int = 0
     verbose: bool = False
@@ -94,6 +99,10 @@ class ServeConfig:
             problems.append("--request-timeout must be positive")
         if self.housekeeping_interval_s <= 0:
             problems.append("--housekeeping-interval must be positive")
+        if self.min_residency_s is not None and self.min_residency_s < 0:
+            problems.append("--min-residency must be >= 0")
+        if self.admit_queue_limit < 1:
+            problems.append("--admit-queue must be at least 1")
         if self.n_ctx < 16:
             problems.append("--n-ctx must be at least 16")
         if self.max_request_bytes < 1024:

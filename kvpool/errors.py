@@ -6,8 +6,11 @@ from kvpool.protocol import ErrorCode, MissReason
 
 
 class RequestFailed(Exception):
-    def __init__(self, code: ErrorCode, message: str, *, length: int = 0, reason: MissReason | None = None) -> None:
+    def __init__(
+        self, code: ErrorCode, message: str, *, length: int = 0, reason: MissReason | None = None, retry_after_s: float | None = None
+    ) -> None:
         super().__init__(message)
         self.code = code
         self.length = length
         self.reason = reason
+        self.retry_after_s = retry_after_s

@@ -10,6 +10,7 @@ COUNTERS = (
     "appends",
     "append_rows",
     "admissions",
+    "admissions_queued",
     "hits",
     "misses",
     "evictions",
@@ -77,6 +78,14 @@ class Metrics:
     def count(self, name: str, amount: int = 1) -> None:
         self._values[name] += amount
         self._counters[name].inc(amount)
+
+    def note(self, name: str, value: int) -> None:
+        """A value shown with the counters in stats (not a count: e.g. the minimum residency in ms)."""
+        self._values[name] = value
+
+    def note_max(self, name: str, value: int) -> None:
+        """The largest value seen, shown with the counters in stats (e.g. the longest admission wait in ms)."""
+        self._values[name] = max(self._values.get(name, 0), value)
 
     def count_miss(self, reason: str) -> None:
         self.count("misses")

@@ -198,6 +198,7 @@ class ErrorReply(ReplyMessage):
     reason: MissReason | None = None
     session_id: str = ""
     epoch: int = 0
+    retry_after_s: float | None = None  # over_budget: the daemon's estimate of when to ask again (None: none)
 
 
 class SessionRow(Message):

@@ -110,6 +110,16 @@ class RoutedSession:
     def length(self) -> int:
         return len(self._tokens)
 
+    @property
+    def partition(self) -> tuple[int, ...]:
+        """The row count of each append that built `tokens`, in order: what a replay repeats."""
+        return tuple(self._appends)
+
+    @property
+    def needs_replay(self) -> bool:
+        """The daemons may not hold `tokens` (a failed truncate or roll-back): the next append replays first."""
+        return self._needs_replay
+
     # ---- appends ---------------------------------------------------------------------------------
 
     def append(self, tokens: Sequence[int], *, output_rows: str = "last") -> np.ndarray:

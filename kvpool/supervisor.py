@@ -119,6 +119,11 @@ class Supervisor:
                     for n_ctx, size in reversed(fit.measured)
                 )
             )
+            step_s = service.calibrator.step_s
+            self._announce(
+                f"min residency {service.admission.residency().min_s * 1000:.0f} ms"
+                + (" (--min-residency)" if config.min_residency_s is not None else f" (derived from a decode step of {(step_s or 0) * 1000:.1f} ms)")
+            )
             hello = HelloReply(
                 version=PROTOCOL_VERSION, shard=shard, max_n_ctx=config.n_ctx, default_n_ctx=config.n_ctx,
                 max_request_bytes=config.max_request_bytes,
@@ -196,7 +201,7 @@ class Supervisor:
                 service.metrics.count("bad_requests")
             service.metrics.count_error(failure.code)
             return ErrorReply(
-                code=failure.code, message=str(failure), length=failure.length, reason=failure.reason,
+                code=failure.code, message=str(failure), length=failure.length, reason=failure.reason, retry_after_s=failure.retry_after_s,
                 session_id=getattr(request, "session_id", ""), epoch=getattr(request, "epoch", 0),
             )
         except Exception as error:  # noqa: BLE001 - a bug must cost one request, never the daemon

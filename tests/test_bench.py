@@ -15,7 +15,7 @@ import pytest
 from tests.daemons import run_to_completion
 
 REPOSITORY = pathlib.Path(__file__).resolve().parents[1]
-SECTIONS = ("1", "2", "3", "4", "5", "6", "7")
+SECTIONS = ("1", "2", "3", "4", "5", "6", "7", "8")
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
@@ -52,10 +52,12 @@ def test_quick_bench_prints_every_section_and_writes_json_and_png(tmp_path: path
     for expected in ("daemon vs the same shard in-process", "3 shard daemons vs the whole model", "four sessions: kvpool whole model",
                      "prefill 512 rows", "admit n_ctx 8192", "release -> bytes available", "LRU eviction + admission",
                      "one session n_ctx 2048: charged", "whole-model daemon USS", "128-token session, 3 daemons: Park on each",
-                     "512-token session, 3 daemons: Park on each", "sessions per GiB, 256 tokens at n_ctx 2048"):
+                     "512-token session, 3 daemons: Park on each", "sessions per GiB, 256 tokens at n_ctx 2048",
+                     "overload, warm tier on", "overload, warm tier off"):
         assert any(expected in line for line in table), expected
     assert "greedy tokens identical in all four paths | yes" in completed.stdout
     assert "bit-identical to the re-prefilled session's | yes" in completed.stdout  # every timed decode restored, none missed
+    assert "greedy tokens identical, all at once and 2 at a time, tier on and off | yes" in completed.stdout  # waits, parks, replays change no bit
 
     results = json.loads((out / "bench-quick.json").read_text())
     assert results["table"].strip() == "\n".join(table).strip()
@@ -70,6 +72,9 @@ def test_quick_bench_prints_every_section_and_writes_json_and_png(tmp_path: path
     assert all(number > 0 for number in _numbers(results["mid_shard"]["decode_s"]))
     assert all(number > 0 for number in _numbers(results["parallel"]["tokens_per_s"]))
     assert summary["s5_evictions_counted"] == results["options"]["repeats"]
+    assert summary["s7_ratio"] > 0 and summary["s7_tokens_identical"]
+    assert summary["s7_ratio_tier_off"] > 0 and summary["s7_warm_tier"] and not summary["s7_warm_tier_tier_off"]
+    assert all(rate > 0 for chain in results["overload"]["chains"].values() for rates in chain["tokens_per_s"].values() for rate in rates)
     memory = results["memory"]["per_session"]
     for n_ctx in ("512", "2048", "8192"):
         assert memory[n_ctx]["charged_bytes"] >= memory[n_ctx]["theoretical_kv_bytes"] > 0  # charge never below theory

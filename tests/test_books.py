@@ -320,9 +320,9 @@ def test_integrity_checks_hold_under_python_optimize() -> None:
 
 
 class BooksMachine(RuleBasedStateMachine):
-    """Admissions (with LRU eviction), releases, in-flight requests, calibrations, dead and replaced
-    workers, in any order, against a plain model: the books must balance after every step and every
-    live session must own its worker alone."""
+    """Admissions (with LRU eviction, sparing sessions used within a residency window), releases, in-flight
+    requests, calibrations, dead and replaced workers, in any order, against a plain model: the books must
+    balance after every step and every live session must own its worker alone."""
 
     LIMIT = 1000
     ids = st.sampled_from("abcdef")
@@ -338,18 +338,22 @@ class BooksMachine(RuleBasedStateMachine):
     def usable(self, worker: str) -> bool:
         return worker not in self.dead
 
-    @rule(session_id=ids, charge=st.integers(min_value=1, max_value=700))
-    def admit(self, session_id: str, charge: int) -> None:
+    @rule(session_id=ids, charge=st.integers(min_value=1, max_value=700), residency=st.sampled_from([0.0, 1.5, 4.5]))
+    def admit(self, session_id: str, charge: int, residency: float) -> None:
+        """`residency` in clock ticks: sessions used within it are never victims (kvpool.residency)."""
         if self.books.table.get(session_id) is not None:
             return
-        idle_before = {s.session_id: s for s in self.books.table.least_recently_used_idle()}
-        plan = self.books.plan_admission(charge, self.usable)
+        protected_after = self.clock - residency
+        idle = self.books.table.least_recently_used_idle()
+        evictable = {s.session_id: s for s in idle if s.last_used <= protected_after}
+        plan = self.books.plan_admission(charge, self.usable, protected_after=protected_after)
         if plan is None:
-            room = self.books.budget.available + sum(s.charged_bytes for s in idle_before.values())
-            has_worker = bool(idle_before) or any(map(self.usable, self.books.free_workers()))
+            room = self.books.budget.available + sum(s.charged_bytes for s in evictable.values())
+            has_worker = bool(evictable) or any(map(self.usable, self.books.free_workers()))
             assert room < charge or not has_worker, "a feasible admission was refused"
             return
-        assert [v.session_id for v in plan.victims] == list(idle_before)[: len(plan.victims)], "victims not LRU first"
+        assert [v.session_id for v in plan.victims] == list(evictable)[: len(plan.victims)], "victims not LRU first"
+        assert all(v.last_used <= protected_after for v in plan.victims), "a protected session was evicted"
         assert plan.worker is None or self.usable(plan.worker)
         self.clock += 1
         session, released = self.books.admit(plan, session_id=session_id, epoch=1, n_ctx=64, charge=charge, now=self.clock)

@@ -499,6 +499,7 @@ def test_over_budget_while_the_only_session_is_busy_then_waiting_admission_wakes
                 with pytest.raises(KvpoolError) as over:
                     client.append("waiter", 1, 0, tokens=[1, 2])
                 assert over.value.code == "over_budget"
+                assert over.value.reply.retry_after_s > 0  # the daemon's estimate of when to ask again
                 # an admission that may wait, read by the daemon while the holder is still busy: it waits
                 started = time.monotonic()
                 waiter = _sent_and_read(daemon.socket, Append(session_id="waiter", epoch=1, start_pos=0, tokens=[1, 2], admit_timeout_s=MAX_ADMIT_WAIT_S))

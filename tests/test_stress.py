@@ -45,6 +45,8 @@ from tests.conftest import EVEN_SPLIT
 SESSIONS = 4
 OPS = 40
 DRILL_OPS = 16
+OVERLOAD_SESSIONS = 8
+OVERLOAD_OPS = 12
 HANG_GUARD_S = 1200
 COMMON_VERDICTS = {"contract", "exact", "operations", "books_at_every_sample", "released", "worker_memory"}
 
@@ -65,7 +67,7 @@ def _verdict(report: StressReport, name: str):
 
 def _assert_common(report: StressReport) -> None:
     assert COMMON_VERDICTS <= {verdict.name for verdict in report.verdicts}
-    assert len(report.sessions) == SESSIONS
+    assert len(report.sessions) == report.options["sessions"]
     for session in report.sessions:
         assert session.checked_rows > 0 and session.greedy_checked > 0
         assert session.final_logits_max_abs_diff == 0.0 and not session.mismatches and not session.violations
@@ -98,7 +100,7 @@ def test_default_four_sessions_equal_each_alone(tmp_path):
 
 @pytest.mark.timeout(HANG_GUARD_S)
 def test_budget_for_two_of_four_evicts_lru_and_evicted_sessions_replay_exactly(tmp_path):
-    report = _run(tmp_path, budget_for=2, seed=1)
+    report = _run(tmp_path, budget_for=2, seed=1, min_residency_s=0)  # plain LRU: no residency spares anyone
     _assert_common(report)
     assert _verdict(report, "lru_eviction").passed
     assert report.errors_by_code.get("cache_miss/evicted", 0) > 0
@@ -107,6 +109,24 @@ def test_budget_for_two_of_four_evicts_lru_and_evicted_sessions_replay_exactly(t
         assert 2 * daemon.session_charge_bytes <= daemon.limit_bytes < 3 * daemon.session_charge_bytes
         assert daemon.peak_reserved_bytes <= daemon.limit_bytes
     assert sum(daemon.counters["evictions"] for daemon in report.daemons) > 0
+
+
+@pytest.mark.timeout(HANG_GUARD_S)
+def test_eight_sessions_on_two_places_every_one_finishes_exactly_waiting_in_line_not_spinning(tmp_path):
+    """Issue 13: a budget for 2 sessions on each daemon, 8 sessions active. With plain LRU a session was
+    evicted from one daemon while its token was still on the next, every session replayed again and again,
+    and the closing decodes made no progress (thousands of over_budget replies). Residency keeps a session
+    that just appended; admissions wait in each daemon's line, first come first served."""
+    report = _run(tmp_path, budget_for=2, sessions=OVERLOAD_SESSIONS, ops=OVERLOAD_OPS, seed=7)
+    _assert_common(report)
+    assert _verdict(report, "progress").passed and _verdict(report, "lru_eviction").passed
+    assert all(session.completed_s is not None and session.admissions >= 1 for session in report.sessions)
+    assert sum(daemon.counters["admissions_queued"] for daemon in report.daemons) > 0  # more sessions than places: some waited
+    assert max(session.max_admission_wait_s for session in report.sessions) > 0
+    assert all(daemon.counters["min_residency_ms"] > 0 for daemon in report.daemons)
+    assert report.errors_by_code.get("over_budget", 0) <= OVERLOAD_SESSIONS  # a wait in line, not a storm of refusals
+    for daemon in report.daemons:
+        assert daemon.peak_reserved_bytes <= daemon.limit_bytes < 3 * daemon.session_charge_bytes
 
 
 @pytest.mark.timeout(HANG_GUARD_S)

@@ -17,6 +17,9 @@ and noisy: compare the ratios, not the absolute times; every figure is a median)
                                    decode (what a cache miss costs), at 128, 512, 2048 tokens (quick: 128, 512);
                                    sessions per GiB parked (spill bytes) / hot (charged bytes), 256 tokens at
                                    n_ctx 2048
+  8 overload                       8 sessions at once through a 3-daemon chain with 2 places per daemon /
+                                   the same 8 sessions run 2 at a time by the router (`--overload-only`
+                                   runs this section alone); whether the daemons have the warm tier
 
 Threads: every single-session figure uses 1 llama thread per computing context (kvpool's default
 --threads-per-worker). Four sessions: llama.cpp batched uses 2 threads; the whole-model daemon runs
@@ -32,12 +35,13 @@ The JSON's "ratios" names the headline ratios, each with its target (null: none)
 # Modules, in import order: options (BenchOptions, shared constants), reference (llama.cpp contexts),
 # rig (daemons, models, timing helpers), one_session (sections 1, 2, 4), parallel (section 3),
 # admission (sections 5, 6), table (rows and cell formats), warm (section 7: measurement, summary, chart
-# panels), report (summary, table, chart), cli (run_bench, the command line).
+# panels), overload (section 8), report (summary, table, chart), cli (run_bench, the command line).
 
 from kvpool.bench.admission import measure_admission, measure_memory
 from kvpool.bench.cli import add_arguments, environment, main, options_from_args, run, run_bench
 from kvpool.bench.one_session import IDLE_CHAIN_S, IDLE_MID_S, MID_SESSION, measure_mid_shard, measure_route, mid_shard_variants, route_variants
 from kvpool.bench.options import EPOCH, PARALLEL_THREADS, ROUTE_N_CTX, SESSIONS, SINGLE_THREADS, WARM_N_CTX, BenchOptions
+from kvpool.bench.overload import OVERLOAD_TARGET, measure_overload, summarize_overload
 from kvpool.bench.parallel import CEILING, CeilingProcesses, measure_parallel
 from kvpool.bench.reference import BatchedContext, PlainContext
 from kvpool.bench.report import DAEMON_OVERHEAD_TARGET, PARALLEL_TARGET, summarize, write_chart
@@ -46,10 +50,11 @@ from kvpool.bench.table import Row, headline, render_table
 from kvpool.bench.warm import PARKED_TARGET, RESTORE_TARGET, measure_warm, summarize_warm
 
 __all__ = [
-    "CEILING", "DAEMON_OVERHEAD_TARGET", "EPOCH", "FILLER_TEXT", "IDLE_CHAIN_S", "IDLE_MID_S", "MID_SESSION", "PARALLEL_TARGET",
+    "CEILING", "DAEMON_OVERHEAD_TARGET", "EPOCH", "FILLER_TEXT", "IDLE_CHAIN_S", "IDLE_MID_S", "MID_SESSION", "OVERLOAD_TARGET", "PARALLEL_TARGET",
     "PARALLEL_THREADS", "PARKED_TARGET", "PROMPTS", "RESTORE_TARGET", "ROUTE_N_CTX", "SESSIONS", "SINGLE_THREADS", "WARM_N_CTX",
     "BatchedContext", "BenchOptions", "CeilingProcesses", "PlainContext", "Rig", "Row", "Variant",
     "add_arguments", "daemon_uss", "environment", "headline", "main", "measure_admission", "measure_memory", "measure_mid_shard",
-    "measure_parallel", "measure_route", "measure_warm", "mid_shard_variants", "options_from_args", "payload_seconds", "render_table",
-    "round_trips", "route_variants", "run", "run_bench", "start_daemons", "summarize", "summarize_warm", "write_chart",
+    "measure_overload", "measure_parallel", "measure_route", "measure_warm", "mid_shard_variants", "options_from_args", "payload_seconds",
+    "render_table", "round_trips", "route_variants", "run", "run_bench", "start_daemons", "summarize", "summarize_overload", "summarize_warm",
+    "write_chart",
 ]

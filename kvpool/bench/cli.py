@@ -9,7 +9,9 @@ import json
 import os
 import pathlib
 import platform
+import shutil
 import sys
+import tempfile
 import time
 
 import llama_cpp
@@ -19,6 +21,7 @@ import psutil
 from kvpool.bench.admission import measure_admission, measure_memory
 from kvpool.bench.one_session import measure_mid_shard, measure_route
 from kvpool.bench.options import BenchOptions, bench_say
+from kvpool.bench.overload import measure_overload, summarize_overload
 from kvpool.bench.parallel import measure_parallel
 from kvpool.bench.report import summarize, write_chart
 from kvpool.bench.rig import Rig
@@ -27,6 +30,8 @@ from kvpool.bench.warm import measure_warm
 from kvpool.bundled import bundled_model_path
 from kvpool.config import work_dir
 from kvpool.gguf_header import file_sha256
+from kvpool.shardcache import shards_in_parts
+from kvpool.tokenizer import Tokenizer
 
 
 def environment(source: pathlib.Path) -> dict:
@@ -91,6 +96,9 @@ def run_bench(options: BenchOptions) -> tuple[dict, str]:
         results["memory"] = measure_memory(rig)
         bench_say("section 7: warm tier, restore vs re-prefill and sessions per GiB")
         results["warm"] = measure_warm(rig)
+        bench_say("section 8: overload, 8 sessions on 2 places per daemon")
+        results["overload"] = measure_overload([shard.path for shard in rig.shards], rig.tokenizer, rig.socket_dir,
+                                               steps=options.overload_steps, rounds=options.overload_rounds, say=bench_say)
     finally:
         rig.close()
     results = _jsonable(results)
@@ -118,6 +126,28 @@ def run_bench(options: BenchOptions) -> tuple[dict, str]:
     return results, table
 
 
+def run_overload_only(options: BenchOptions) -> tuple[dict, str]:
+    """Section 8 alone (its own daemons); writes <out>/bench-overload.json."""
+    env = environment(options.model)
+    shards = shards_in_parts(options.model, 3, progress=bench_say)
+    socket_dir = pathlib.Path(tempfile.mkdtemp(prefix="kvpool-bench-"))
+    try:
+        with Tokenizer(shards[0].path) as tokenizer:
+            overload = measure_overload([shard.path for shard in shards], tokenizer, socket_dir,
+                                        steps=options.overload_steps, rounds=options.overload_rounds, say=bench_say)
+    finally:
+        shutil.rmtree(socket_dir, ignore_errors=True)
+    env["load_average_at_end"] = os.getloadavg()
+    summary, ratios, rows = summarize_overload(overload)
+    table = render_table(rows)
+    results = _jsonable({"environment": env, "options": dataclasses.asdict(options), "overload": overload, "summary": summary, "ratios": ratios, "table": table})
+    options.out_dir.mkdir(parents=True, exist_ok=True)
+    json_path = options.out_dir / "bench-overload.json"
+    json_path.write_text(json.dumps(results, indent=1, allow_nan=False) + "\n")
+    bench_say(f"wrote {json_path}")
+    return results, table
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="a short run (about a minute): few rounds and steps")
     parser.add_argument("--model", type=pathlib.Path, help="source GGUF (default: the bundled model)")
@@ -128,6 +158,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--parallel-steps", type=int, help="decode steps per session per round (default 64, quick 8)")
     parser.add_argument("--repeats", type=int, help="admissions/releases/evictions per size (default 11, quick 2)")
     parser.add_argument("--warm-repeats", type=int, help="rounds of restore against re-prefill per session length (default 3, quick 2)")
+    parser.add_argument("--overload-rounds", type=int, help="interleaved rounds of the overload section (default 3, quick 1)")
+    parser.add_argument("--overload-steps", type=int, help="decode steps per session in the overload section (default 32, quick 8)")
+    parser.add_argument("--overload-only", action="store_true", help="run only section 8 (overload) on its own daemons")
     parser.add_argument("--no-chart", action="store_true", help="skip the PNG chart")
 
 
@@ -139,7 +172,7 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
         field: value
         for field, value in (("rounds", args.rounds), ("decode_steps", args.decode_steps), ("parallel_rounds", args.parallel_rounds),
                              ("parallel_steps", args.parallel_steps), ("repeats", args.repeats),
-                             ("warm_repeats", args.warm_repeats))
+                             ("warm_repeats", args.warm_repeats), ("overload_rounds", args.overload_rounds), ("overload_steps", args.overload_steps))
         if value is not None
     }
     return dataclasses.replace(base, chart=not args.no_chart, **overrides)
@@ -147,7 +180,7 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
 
 def run(args: argparse.Namespace) -> int:
     options = options_from_args(args)
-    _, table = run_bench(options)
+    _, table = run_overload_only(options) if args.overload_only else run_bench(options)
     print(table)
     return 0
 

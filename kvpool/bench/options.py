@@ -47,11 +47,13 @@ class BenchOptions:
     admit_n_ctx: tuple[int, ...] = (512, 2048, 8192)
     warm_lengths: tuple[int, ...] = (128, 512, 2048)  # section 7: session lengths restored and re-prefilled
     warm_repeats: int = 3  # section 7: rounds per length (each re-prefills the length twice)
+    overload_rounds: int = 3  # interleaved rounds of section 7 (each variant once per round)
+    overload_steps: int = 32  # greedy decode steps per session in section 7
     chart: bool = True
 
     def __post_init__(self) -> None:
         if min(self.rounds, self.decode_steps, self.history, self.prefill_rows, self.parallel_rounds, self.parallel_steps, self.repeats,
-               self.warm_repeats, *self.warm_lengths) < 1:
+               self.warm_repeats, *self.warm_lengths, self.overload_rounds, self.overload_steps) < 1:
             raise ValueError("rounds, steps, history, prefill rows, repeats and warm lengths must be at least 1")
         if self.prefill_rows > ROUTE_N_CTX or self.history + self.decode_steps + 8 > ROUTE_N_CTX:
             raise ValueError(f"prefill rows and history + decode steps must fit in n_ctx {ROUTE_N_CTX}")
@@ -61,7 +63,7 @@ class BenchOptions:
     @classmethod
     def quick_run(cls, out_dir: pathlib.Path, model: pathlib.Path) -> BenchOptions:
         return cls(out_dir=out_dir, model=model, quick=True, rounds=2, decode_steps=8, history=16,
-                   parallel_rounds=1, parallel_steps=8, repeats=2, warm_lengths=(128, 512), warm_repeats=2)
+                   parallel_rounds=1, parallel_steps=8, repeats=2, warm_lengths=(128, 512), warm_repeats=2, overload_rounds=1, overload_steps=8)
 
     @property
     def max_n_ctx(self) -> int:

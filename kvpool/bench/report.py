@@ -8,6 +8,7 @@ import statistics
 
 from kvpool.bench.one_session import IDLE_CHAIN_S, IDLE_MID_S
 from kvpool.bench.options import PARALLEL_THREADS, SESSIONS, median_of, as_mib
+from kvpool.bench.overload import summarize_overload
 from kvpool.bench.parallel import CEILING
 from kvpool.bench.table import Row, headline, ms, verdict
 from kvpool.bench.warm import draw_warm, summarize_warm
@@ -212,6 +213,11 @@ def summarize(results: dict) -> tuple[dict, dict, list[Row]]:
         summary.update(warm_summary)
         ratios.update(warm_ratios)
         rows += warm_rows
+    if "overload" in results:
+        overload_summary, overload_ratios, overload_rows = summarize_overload(results["overload"])
+        summary.update(overload_summary)
+        ratios.update(overload_ratios)
+        rows += overload_rows
     return summary, ratios, rows
 
 

@@ -60,8 +60,9 @@ class Rig:
         plan = {
             "mid": (self.middle.path, [*route, "--threads", str(SINGLE_THREADS), "--max-sessions", "1"]),
             **{f"chain{index}": (shard.path, [*route, "--threads", "1", "--max-sessions", str(SESSIONS)]) for index, shard in enumerate(self.shards)},
+            # section 5 measures eviction itself: no warm tier, no residency wait for the sessions it has just admitted
             "whole": (source, [*common, "--threads", str(PARALLEL_THREADS), "--max-sessions", str(SESSIONS),
-                              "--n-ctx", str(options.max_n_ctx), "--budget", "2GiB", "--spill-budget", "0"]),  # section 5 measures eviction
+                              "--n-ctx", str(options.max_n_ctx), "--budget", "2GiB", "--spill-budget", "0", "--min-residency", "0"]),
         }
         self.daemon_options = {name: options_ for name, (_path, options_) in plan.items()}
         bench_say(f"starting {len(plan)} daemons ({sum(int(o[o.index('--max-sessions') + 1]) for _p, o in plan.values())} workers), sockets in {self.socket_dir}")

@@ -1,13 +1,14 @@
 """The cancel drills of one session, each aimed so that it does not depend on the machine's speed.
 
-- Mid-prefill on daemon k: a long prefill goes down the route; a canceller thread waits until the
-  driver's append is at daemon k and then sends `cancel` there again and again (a few ms apart) until
+- Mid-prefill on daemon k: a long prefill goes down the route (kvpool.router); a canceller thread waits
+  until the append is at daemon k and then sends `cancel` there again and again (a few ms apart) until
   the append leaves daemon k. The prefill of the filler takes far longer on any machine than a cancel's
   round trip, so the cancel lands; if the append still completes first (or a cancel answered "cancel
   requested" just as the compute finished), the prefill is rolled back and tried again, up to
   CANCEL_ATTEMPTS times, and only then reported as not exercised (a warning, never a failure).
   Checked: the cancelled reply comes from daemon k only, with the length before the append; every
-  cancel answer is one the contract allows at that moment.
+  cancel answer is one the contract allows at that moment. The router truncates the daemons before k
+  back to that length.
 - Late: the long prefill completes, then `cancel` goes to every daemon: each must answer "nothing in
   flight" with the length after the append. No timing is involved.
 """
@@ -24,9 +25,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvpool.client import ConnectionLost, KvpoolError
-from kvpool.protocol import ErrorCode
-from kvpool.stress.errors import ContractViolation, StageFailed
-from kvpool.stress.log import LoggedTruncate
+from kvpool.router import Cancelled
+from kvpool.stress.errors import ContractViolation
 from kvpool.stress.options import LATE_CANCEL
 
 if TYPE_CHECKING:
@@ -78,17 +78,22 @@ class CancelDrill:
             canceller = threading.Thread(target=self._cancel_while_at, args=(probe,), name=f"{d.session_id}-cancel", daemon=True)
             canceller.start()
 
-            def reached(at: int) -> None:
-                if at == stage:
+            def reached(at: int, start_pos: int, _rows: int) -> None:
+                if at == stage and start_pos == start:  # the long prefill itself, not a replay before it
                     probe.reached.set()
 
+            d.cancelled_reply = None
+            d.stage_hook = reached
             try:
-                last = d.route_append(start, filler, before_stage=reached)
-            except BaseException as error:
+                last = d.route_append(filler)
+            except Cancelled as cancelled:
                 self._end(probe, canceller)
-                if isinstance(error, StageFailed):
-                    return self._cancelled(probe, error)
+                return self._cancelled(probe, cancelled)
+            except BaseException:
+                self._end(probe, canceller)
                 raise
+            finally:
+                d.stage_hook = None
             self._end(probe, canceller)
             d.cancel_attempts_missed += 1
             d.recorder.event(f"cancel attempts completed first (daemon {stage}; retried)")
@@ -102,21 +107,17 @@ class CancelDrill:
         if probe.problems:
             raise ContractViolation(f"{self.driver.session_id}: " + "; ".join(probe.problems))
 
-    def _cancelled(self, probe: CancelProbe, failure: StageFailed) -> CancelResult:
+    def _cancelled(self, probe: CancelProbe, cancelled: Cancelled) -> CancelResult:
+        """The router raised Cancelled: a daemon answered cancelled, and the router truncated the daemons
+        before it back (or, if it could not, replays from 0 on the next append)."""
         d = self.driver
-        error = failure.error
-        if error.code != ErrorCode.CANCELLED:
-            d.handle_failure(failure)
-            return CancelResult.INTERRUPTED
-        if failure.stage != probe.stage:
-            raise ContractViolation(f"{d.session_id}: daemon {failure.stage} answered cancelled, but cancels went to daemon {probe.stage} only")
+        stage, length = d.cancelled_reply if d.cancelled_reply is not None else (cancelled.stage, -1)
+        if stage != probe.stage or cancelled.stage != probe.stage:
+            raise ContractViolation(f"{d.session_id}: daemon {stage} answered cancelled, but cancels went to daemon {probe.stage} only")
         if not probe.sent:
-            raise ContractViolation(f"{d.session_id}: daemon {failure.stage} answered cancelled before any cancel was sent")
-        if error.length != probe.start:
-            raise ContractViolation(f"{d.session_id}: cancelled append answered length {error.length}, expected {probe.start}")
-        # The daemons before the cancelled one took the rows: roll them back too.
-        if not d.truncate_all(probe.start, stages=range(failure.stage)):
-            return CancelResult.INTERRUPTED
+            raise ContractViolation(f"{d.session_id}: daemon {stage} answered cancelled before any cancel was sent")
+        if length != probe.start:
+            raise ContractViolation(f"{d.session_id}: cancelled append answered length {length}, expected {probe.start}")
         d.cancels_landed += 1
         d.cancels_landed_on[probe.stage] += 1
         d.recorder.event(f"cancel landed on daemon {probe.stage}")
@@ -157,12 +158,9 @@ class CancelDrill:
         d = self.driver
         start, filler = d.length, self._filler()
         try:
-            last = d.route_append(start, filler)
-        except StageFailed as failure:
-            if failure.error.code == ErrorCode.CANCELLED:
-                raise ContractViolation(f"{d.session_id}: daemon {failure.stage} answered cancelled though no cancel was sent") from None
-            d.handle_failure(failure)
-            return CancelResult.INTERRUPTED
+            last = d.route_append(filler)
+        except Cancelled as cancelled:
+            raise ContractViolation(f"{d.session_id}: daemon {cancelled.stage} answered cancelled though no cancel was sent") from None
         expected = start + len(filler)
         answers = []
         for stage, client in enumerate(d.clients):
@@ -183,14 +181,11 @@ class CancelDrill:
 
     def _roll_back(self, start: int, filler: Sequence[int], last: np.ndarray) -> bool:
         """The long prefill completed: log it, then truncate it away (positions [0, start) and their
-        logits are as before). False when the session's state was lost meanwhile."""
+        logits are as before). False when the daemons could not all be truncated (the router replays)."""
         d = self.driver
         d.cancels_completed += 1
         logits_before = d.logits
         d.took_effect(start, filler, last, greedy=False)
-        if not d.truncate_all(start):
-            return False
-        d.log.append(LoggedTruncate(start))
-        d.length = start
+        d.truncate_to(start)
         d.logits = logits_before
-        return True
+        return not d.session.needs_replay

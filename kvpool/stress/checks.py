@@ -18,6 +18,7 @@ from kvpool.stress.options import IDLE_MARGIN_S, SPILL_PLACES, StressOptions
 from kvpool.stress.report import DaemonSummary, Sample, SessionSummary, SlowReaderRecord, StallRecord, SupervisorKillRecord, Verdict, WorkerMemory
 
 SETTLE_TIMEOUT_S = 30.0
+NOT_COUNTS = ("peak_concurrent_compute_threads", "min_residency_ms", "admission_wait_max_ms")  # values, not counts: shown as they end
 
 
 # ---- checks after the run ------------------------------------------------------------------------------
@@ -92,8 +93,8 @@ def daemon_summaries(chain: Chain, before: Sequence[Snapshot], after: Sequence[S
                 limit_bytes=a.stats.budget.limit_bytes, session_charge_bytes=chain.charges[index] if chain.charges else 0,
                 peak_reserved_bytes=peak, reserved_before=b.stats.budget.reserved_bytes, reserved_after=a.stats.budget.reserved_bytes,
                 our_sessions_after=sum(row.session_id.startswith(prefix) for row in a.stats.sessions), integrity_after=a.stats.integrity,
-                counters={key: value - since.get(key, 0) for key, value in sorted(a.stats.counters.items()) if key != "peak_concurrent_compute_threads"}
-                | {"peak_concurrent_compute_threads": a.stats.counters.get("peak_concurrent_compute_threads", 0)},
+                counters={key: value - since.get(key, 0) for key, value in sorted(a.stats.counters.items()) if key not in NOT_COUNTS}
+                | {key: a.stats.counters.get(key, 0) for key in NOT_COUNTS},
                 workers=_worker_memory(b, a, tolerance), replaced_pids=sorted(set(b.uss_by_pid) - after_pids),
                 restarted=index in restarted,
             )
@@ -151,7 +152,12 @@ def build_verdicts(options: StressOptions, chain: Chain, drivers: Sequence[Sessi
         evictions = [d.counters.get("evictions", 0) for d in daemons]
         evicted_misses = sum(s.misses.get("evicted", 0) for s in sessions)
         peaks = all(d.peak_reserved_bytes <= d.limit_bytes for d in daemons)
-        passed = sum(evictions) > 0 and evicted_misses > 0 and peaks and exact
+        # With residency on, the admission queue may place every session without evicting one: not exercised
+        # (a warning), as long as the budget held and every session is exact.
+        spared = not sum(evictions) and options.min_residency_s != 0
+        passed = (sum(evictions) > 0 and evicted_misses > 0 or spared) and peaks and exact
+        if spared:
+            warnings.append("no session was evicted: residency and the admission queue placed every one without an eviction (LRU eviction not exercised)")
         add("lru_eviction", passed, f"evictions per daemon {evictions}, {evicted_misses} cache_miss/evicted seen and replayed from 0, all exact; "
             f"peak reserved " + ", ".join(f"{format_bytes(d.peak_reserved_bytes)}/{format_bytes(d.limit_bytes)}" for d in daemons))
     if options.spill:
@@ -161,6 +167,8 @@ def build_verdicts(options: StressOptions, chain: Chain, drivers: Sequence[Sessi
         passed = misses == 0 and all(restores) and exact
         add("warm_tier", passed, f"{options.sessions} sessions on {SPILL_PLACES} places per daemon: "
             f"spills per daemon {spills}, restores {restores}, {misses} cache misses that lost a session's state (planned epoch probes aside), all exact")
+    if options.budget_for is not None or options.spill:  # more sessions than places
+        verdicts.append(drill_checks.progress_verdict(options, sessions, daemons, exact))
     if options.ttl_s is not None:
         results = [result for driver in drivers for result in driver.idle_results]
         expirations = [d.counters.get("expirations", 0) for d in daemons]

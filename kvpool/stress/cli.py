@@ -37,6 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ops", type=int, default=40, help="operations per session before the closing decodes (default 40)")
     parser.add_argument("--seed", type=int, default=0, help="seed of every session's operations (default 0)")
     parser.add_argument("--budget-for", type=int, metavar="K", help="scenario: a budget for K sessions on each daemon (K + 0.5 times one session's measured charge), --sessions active: LRU evictions, cache_miss, replay; reserved bytes never above the limit")
+    parser.add_argument("--min-residency", type=float, metavar="SECONDS", help="the daemons' --min-residency: an idle session used within it is not evicted to admit another (default: the daemons' own, derived from their measured step; 0: plain LRU)")
     parser.add_argument("--spill", action="store_true", help="scenario: the warm tier: --sessions (default 8) through daemons holding 2 contexts each (--max-sessions 2) with a spill budget large enough: every eviction parks the session's state and its next append restores it: zero cache misses, every session exact")
     parser.add_argument("--ttl", type=float, metavar="SECONDS", help="scenario: daemons expire sessions idle this long; each session idles once and must get cache_miss/expired")
     parser.add_argument("--kill-worker", action="store_true", help="scenario: SIGKILL the worker of one session on one daemon mid-decode; it must report worker_lost and recover by replay, the others continue exactly")
@@ -59,7 +60,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def options_from(args: argparse.Namespace) -> StressOptions:
     sockets = tuple(pathlib.Path(part) for part in args.sockets.split(",") if part) if args.sockets else ()
     return StressOptions(
-        sessions=args.sessions if args.sessions is not None else (8 if args.spill else 4), spill=args.spill, ops=args.ops, seed=args.seed, budget_for=args.budget_for, ttl_s=args.ttl,
+        sessions=args.sessions if args.sessions is not None else (8 if args.spill else 4), spill=args.spill, ops=args.ops, seed=args.seed, budget_for=args.budget_for,
+        min_residency_s=args.min_residency, ttl_s=args.ttl,
         kill_worker=args.kill_worker, kill_supervisor=args.kill_supervisor, stall_worker=args.stall_worker, slow_reader=args.slow_reader,
         stall_timeout_s=args.stall_timeout, sockets=sockets, model=args.model, parts=args.parts, n_ctx=args.n_ctx,
         reference=args.reference, final_tokens=args.final_tokens, sample_interval_s=args.sample_interval,

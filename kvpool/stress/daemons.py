@@ -7,8 +7,8 @@ import pathlib
 from collections.abc import Callable, Sequence
 
 from kvpool.config import format_bytes
-from kvpool.daemon_route import DaemonRoute
 from kvpool.launcher import Daemon, start_daemons
+from kvpool.route import Route
 from kvpool.stress.options import SPILL_PLACES, UNLIMITED_BUDGET, FaultKind, StressOptions
 from kvpool.stress.plans import SessionPlan, fault_stage
 
@@ -43,6 +43,8 @@ def serve_options(options: StressOptions, *, max_sessions: int, budget: str, ttl
         flags += ["--spill-budget", "0"]  # every other scenario exercises eviction as it was: a cache miss
     if request_timeout_s is not None:
         flags += ["--request-timeout", f"{request_timeout_s:g}"]
+    if options.min_residency_s is not None:
+        flags += ["--min-residency", f"{options.min_residency_s:g}"]
     return flags
 
 
@@ -52,7 +54,7 @@ def probe_charges(shards: Sequence[pathlib.Path], socket_dir: pathlib.Path, opti
     try:
         clients = [daemon.client() for daemon in daemons]
         try:
-            route = DaemonRoute(clients)
+            route = Route(clients)
             route.append("stress-probe", 1, 0, prompt)
             charges = [next(row.charged_bytes for row in client.stats().sessions) for client in clients]
             route.release("stress-probe", 1)

@@ -123,3 +123,22 @@ def slow_reader_verdict(record: SlowReaderRecord | None, exact: bool) -> tuple[V
         f"closed: {record.closed}; session released: {record.released}; every other session exact: {exact}" + (f"; {record.detail}" if record.detail else "")
     )
     return Verdict("slow_reader", passed, detail), warnings
+
+
+def progress_verdict(options: StressOptions, sessions: Sequence[SessionSummary], daemons: Sequence[DaemonSummary], exact: bool) -> Verdict:
+    """Overload (more sessions than places): every session finished all its operations, exactly. The waits
+    are shown: each admission waited in its daemon's line behind at most the admissions that came before it
+    (kvpool.admission_queue), so no session waits on a later one."""
+    done = [s for s in sessions if s.completed_s is not None]
+    waits = sorted(sessions, key=lambda s: s.max_admission_wait_s)
+    longest = waits[-1] if waits else None
+    queued = [d.counters.get("admissions_queued", 0) for d in daemons]
+    rejects = [d.counters.get("over_budget_rejects", 0) for d in daemons]
+    line_max = [d.counters.get("admission_wait_max_ms", 0) for d in daemons]
+    passed = len(done) == len(sessions) and exact
+    finished = f"{len(done)}/{len(sessions)} sessions finished all {options.ops} operations and their closing decodes"
+    if done:
+        finished += f" (first at {min(s.completed_s for s in done):.1f} s, last at {max(s.completed_s for s in done):.1f} s)"
+    detail = (f"{finished}; longest admission wait {longest.max_admission_wait_s:.2f} s ({longest.session_id})" if longest else finished)
+    detail += f"; admissions that waited in line per daemon {queued} (longest {line_max} ms), over_budget replies per daemon {rejects}"
+    return Verdict("progress", passed, detail)

@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING
 
 import psutil
 
+from kvpool.client import KvpoolError
 from kvpool.protocol import SessionRow
-from kvpool.stress.errors import StageFailed
 from kvpool.stress.options import FaultKind
 from kvpool.stress.processes import stopped
 from kvpool.stress.report import KillRecord, StallRecord, SupervisorKillRecord
@@ -35,10 +35,9 @@ STALL_GRACE_S = 30.0
 DEAD_WAIT_S = 10.0
 
 
-def describe(failure: StageFailed | None) -> str:
-    if failure is None:
+def describe(error: KvpoolError | None) -> str:
+    if error is None:
         return "append succeeded"
-    error = failure.error
     return f"{error.code}/{error.reason}" if error.reason else str(error.code)
 
 
@@ -64,13 +63,14 @@ class FaultInjector:
         self.supervisor_kill: SupervisorKillRecord | None = None
         self._stalled_at = 0.0
         self._timer: threading.Timer | None = None
+        self._awaiting: int | None = None  # the daemon whose next reply answers the injected fault
 
-    def hook(self) -> Callable[[int], None] | None:
-        """The before-stage hook for this decode, if a fault is due."""
+    def hook(self) -> Callable[[int, int, int], None] | None:
+        """The hook run before each append of this decode reaches a daemon (kvpool.stress.tap), if a fault is due."""
         due = any(self.driver.op_index >= fault.from_op for fault in self.pending)
         return self._before_stage if due else None
 
-    def _before_stage(self, stage: int) -> None:
+    def _before_stage(self, stage: int, _start_pos: int, _rows: int) -> None:
         for fault in list(self.pending):
             if fault.stage != stage or self.driver.op_index < fault.from_op:
                 continue
@@ -83,6 +83,8 @@ class FaultInjector:
                     done = self._kill_supervisor(stage)
             if done:
                 self.pending.remove(fault)
+                if fault.kind is not FaultKind.KILL_SUPERVISOR:
+                    self._awaiting = stage
 
     def _session_row(self, stage: int) -> SessionRow | None:
         d = self.driver
@@ -108,7 +110,6 @@ class FaultInjector:
         self.stall = StallRecord(session_id=d.session_id, daemon=stage, pid=row.worker_pid, epoch=d.epoch, length=d.length, timeout_s=d.options.stall_timeout_s)
         os.kill(row.worker_pid, signal.SIGSTOP)
         self._stalled_at = time.monotonic()
-        d.first_error_at = 0.0
         self._timer = threading.Timer(d.options.stall_timeout_s + STALL_GRACE_S, self._continue_stalled)
         self._timer.daemon = True
         self._timer.start()
@@ -129,13 +130,17 @@ class FaultInjector:
         d.recorder.event("supervisors_killed")
         return True
 
-    def after_decode(self, failure: StageFailed | None) -> None:
+    def answered(self, stage: int, error: KvpoolError | None) -> None:
+        """Daemon `stage` answered a request: the first answer after a fault injected there is its reply."""
+        if self._awaiting != stage:
+            return
+        self._awaiting = None
+        answered_at = time.monotonic()
         if self.kill is not None and not self.kill.reply:
-            self.kill.reply = describe(failure)
+            self.kill.reply = describe(error)
         if self.stall is not None and not self.stall.reply:
             record = self.stall
-            answered_at = self.driver.first_error_at if failure is not None and self.driver.first_error_at else time.monotonic()
-            record.reply = describe(failure)
+            record.reply = describe(error)
             record.elapsed_s = round(answered_at - self._stalled_at, 3)
             if self._timer is not None:
                 self._timer.cancel()

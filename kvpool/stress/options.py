@@ -46,6 +46,7 @@ class StressOptions:
     ops: int = 40  # operations per session, before the closing prefill + final_tokens decodes
     seed: int = 0
     budget_for: int | None = None  # budget = (budget_for + 0.5) x one session's measured charge, per daemon
+    min_residency_s: float | None = None  # the daemons' --min-residency (None: their default, derived at start-up)
     ttl_s: float | None = None
     kill_worker: bool = False
     kill_supervisor: bool = False  # SIGKILL one daemon's supervisor mid-run; restart it on its socket
@@ -93,8 +94,10 @@ class StressOptions:
             problems.append("--sample-interval must be positive")
         if self.stall_timeout_s <= 0:
             problems.append("--stall-timeout must be positive")
-        if self.sockets and (self.budget_for is not None or self.ttl_s is not None):
-            problems.append("--budget-for and --ttl configure the daemons: they need started daemons, not --sockets")
+        if self.min_residency_s is not None and self.min_residency_s < 0:
+            problems.append("--min-residency must be >= 0")
+        if self.sockets and (self.budget_for is not None or self.ttl_s is not None or self.min_residency_s is not None):
+            problems.append("--budget-for, --ttl and --min-residency configure the daemons: they need started daemons, not --sockets")
         if self.sockets and (self.kill_supervisor or self.stall_worker):
             problems.append("--kill-supervisor and --stall-worker restart or configure the daemons: they need started daemons, not --sockets")
         if problems:
@@ -105,6 +108,8 @@ class StressOptions:
         parts = []
         if self.budget_for is not None:
             parts.append(f"budget-for-{self.budget_for}")
+        if self.min_residency_s is not None:
+            parts.append(f"min-residency-{self.min_residency_s:g}")
         if self.ttl_s is not None:
             parts.append(f"ttl-{self.ttl_s:g}")
         if self.kill_worker:

@@ -18,18 +18,19 @@ if TYPE_CHECKING:
 
 
 def bump_epoch(d: SessionDriver) -> None:
-    """A re-planned route: epoch + 1. Its first request at position > 0 must miss (new_epoch)."""
-    d.epoch += 1
+    """A re-planned route: epoch + 1. Its first request at position > 0 must miss (new_epoch); then the
+    session starts again from 0 under the new epoch (releasing it everywhere drops the old one's state)."""
+    epoch = d.epoch + 1
     if d.length > 0:
         try:
-            d.clients[0].append(d.session_id, d.epoch, d.length, tokens=[d.tokens[0]])
+            d.clients[0].append(d.session_id, epoch, d.length, tokens=[d.tokens[0]])
         except KvpoolError as error:
-            d.recorder.error(error)
             if error.code != ErrorCode.CACHE_MISS or error.reason != MissReason.NEW_EPOCH:
-                raise ContractViolation(f"{d.session_id}: epoch {d.epoch} at position {d.length} answered {error}, expected cache_miss/new_epoch") from None
+                raise ContractViolation(f"{d.session_id}: epoch {epoch} at position {d.length} answered {error}, expected cache_miss/new_epoch") from None
         else:
-            raise ContractViolation(f"{d.session_id}: epoch {d.epoch} at position {d.length} was accepted without state")
-    d.reset()
+            raise ContractViolation(f"{d.session_id}: epoch {epoch} at position {d.length} was accepted without state")
+    d.epoch = epoch
+    d.start_over()
 
 
 def stale_request(d: SessionDriver) -> None:
@@ -50,7 +51,6 @@ def stale_request(d: SessionDriver) -> None:
         else:
             client.cancel(d.session_id, stale)
     except KvpoolError as error:
-        d.recorder.error(error)
         if error.code != ErrorCode.STALE_EPOCH:
             raise ContractViolation(f"{d.session_id}: stale {kind} (epoch {stale} < {d.epoch}) answered {error}") from None
     else:
@@ -63,7 +63,8 @@ def stale_request(d: SessionDriver) -> None:
 
 
 def idle_until_expired(d: SessionDriver) -> None:
-    """Stay idle past the TTL; the next request must get cache_miss/expired, then replay."""
+    """Stay idle past the TTL; the next request must get cache_miss/expired (the router's next append
+    then replays)."""
     assert d.options.ttl_s is not None
     time.sleep(d.options.ttl_s + IDLE_MARGIN_S)
     if d.length < len(d.tokens):
@@ -74,11 +75,8 @@ def idle_until_expired(d: SessionDriver) -> None:
     try:
         d.clients[0].append(d.session_id, d.epoch, d.length, tokens=tokens)
     except KvpoolError as error:
-        d.recorder.error(error)
         d.idle_results.append(f"{error.code}/{error.reason}" if error.reason else str(error.code))
         if error.code == ErrorCode.CACHE_MISS and error.reason == MissReason.EXPIRED:
-            d.misses["expired"] += 1
-            d.recover(new_epoch=False, reason="cache_miss/expired")
             return
         raise ContractViolation(f"{d.session_id}: after {d.options.ttl_s + IDLE_MARGIN_S:g} s idle the daemon answered {error}") from None
     d.idle_results.append("not expired")

@@ -59,6 +59,9 @@ class SessionSummary(msgspec.Struct):
     cancel_targets_missed: list[str] = msgspec.field(default_factory=list)  # planned cancels never exercised (warnings)
     connection_losses: int = 0  # ConnectionLost seen because a supervisor was killed (then recovered)
     failed_op: str = ""  # the operation during which the session broke the contract, if any
+    completed_s: float | None = None  # from the start of the sessions to this one's last operation (None: did not finish)
+    admissions: int = 0  # appends that admitted the session on a daemon (first appends and replays)
+    max_admission_wait_s: float = 0.0  # the longest of them: the daemon's line and the router's back-off included
 
 
 class WorkerMemory(msgspec.Struct):
@@ -189,12 +192,13 @@ def render(report: StressReport) -> str:
     lines += ["", f"error replies (expected ones included): {errors}"]
     if report.events:
         lines.append("events: " + ", ".join(f"{key} {count}" for key, count in report.events.items()))
-    lines += ["", f"{'SESSION':<22} {'OPS':>4} {'APPENDS':>7} {'RESETS':>6} {'RECOV':>5} {'EPOCH':>5} {'LEN':>4} {'ROWS=':>5} {'GREEDY=':>7}  RESULT"]
+    lines += ["", f"{'SESSION':<22} {'OPS':>4} {'APPENDS':>7} {'RESETS':>6} {'RECOV':>5} {'EPOCH':>5} {'LEN':>4} {'ROWS=':>5} {'GREEDY=':>7} {'DONE s':>7} {'MAXWAIT s':>9}  RESULT"]
     for s in report.sessions:
         result = "exact" if not s.mismatches and not s.violations and s.final_logits_max_abs_diff == 0.0 else "FAIL"
+        done = f"{s.completed_s:.1f}" if s.completed_s is not None else "-"
         lines.append(
             f"{s.session_id[-22:]:<22} {sum(s.ops.values()):>4} {s.appends:>7} {s.resets:>6} {s.recoveries:>5} {s.final_epoch:>5} "
-            f"{s.final_length:>4} {s.checked_rows:>5} {s.greedy_checked:>7}  {result}"
+            f"{s.final_length:>4} {s.checked_rows:>5} {s.greedy_checked:>7} {done:>7} {s.max_admission_wait_s:>9.2f}  {result}"
         )
     lines += ["", f"{'DAEMON':<7} {'LAYERS':<9} {'LIMIT':>10} {'PEAK RES':>10} {'RES AFTER':>10} {'EVICT':>5} {'EXPIRE':>6} {'RESTART':>7} {'CANCEL':>6}  WORKER USS max |delta|"]
     for index, d in enumerate(report.daemons):

@@ -13,11 +13,16 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
+from kvpool.client import Client
 from kvpool.launcher import Daemon, DaemonStartFailed
 from kvpool.stress.daemons import Chain
 from kvpool.stress.processes import ORPHAN_DEADLINE_S, existing, kill_all, mapped_segments, process_tree, unlink_all, wait_gone
 from kvpool.stress.report import SupervisorKillRecord
+
+if TYPE_CHECKING:
+    from kvpool.stress.tap import TappedClient
 
 ORPHAN_WATCH_S = 30.0  # watched past the deadline only to report how late a straggler was (then killed)
 
@@ -39,6 +44,17 @@ class ChainControl:
         """Daemons whose supervisor was killed since a session recorded `seen`."""
         with self._lock:
             return [stage for stage, generation in enumerate(self._generations) if generation > seen[stage]]
+
+    def reconnect(self, seen: list[int], taps: Sequence[TappedClient], name: str) -> bool:
+        """After a lost connection: wait until every daemon restarted since `seen` serves again (updating
+        `seen`) and give its tap a new client. False when none was restarted (nothing explains the loss)."""
+        lost = self.stages_lost_since(seen)
+        for stage in lost:
+            seen[stage] = self.wait_serving(stage, name)
+            tap = taps[stage]
+            tap.client.close()
+            tap.client = Client(tap.socket_path, name=name)
+        return bool(lost)
 
     def restarted(self, stage: int) -> bool:
         with self._lock:

@@ -85,7 +85,8 @@ def _progress_loop(stop: threading.Event, recorder: Recorder, sampler: Sampler, 
         say(f"{time.monotonic() - started:6.1f} s  ops {recorder.ops_done}/{total_ops}  reserved {reserved}  replies with errors: {errors}")
 
 
-def _run_sessions(options: StressOptions, chain: Chain, setups: Sequence[SessionSetup], recorder: Recorder, sampler: Sampler, say: Say, control: ChainControl | None) -> list[SessionDriver]:
+def _run_sessions(options: StressOptions, chain: Chain, setups: Sequence[SessionSetup], recorder: Recorder, sampler: Sampler, say: Say, control: ChainControl | None) -> tuple[list[SessionDriver], float]:
+    """The drivers once every session is done, and when they started (monotonic)."""
     drivers: list[SessionDriver] = []
     try:
         for setup in setups:
@@ -104,6 +105,7 @@ def _run_sessions(options: StressOptions, chain: Chain, setups: Sequence[Session
             target=_progress_loop, args=(stop, recorder, sampler, options.sessions * options.ops, time.monotonic(), say), daemon=True
         )
         progress.start()
+        started = time.monotonic()
         for thread in threads:
             thread.start()
         for thread in threads:
@@ -114,7 +116,7 @@ def _run_sessions(options: StressOptions, chain: Chain, setups: Sequence[Session
         for driver in drivers:  # a session replaces its client of a restarted daemon
             for client in driver.clients:
                 client.close()
-    return drivers
+    return drivers, started
 
 
 def _replay_all(options: StressOptions, chain: Chain, drivers: Sequence[SessionDriver], socket_dir: pathlib.Path, say: Say) -> list[ReplayOutcome]:
@@ -140,7 +142,7 @@ def _replay_all(options: StressOptions, chain: Chain, drivers: Sequence[SessionD
         stop_all(daemons)
 
 
-def _session_summary(driver: SessionDriver, replay: ReplayOutcome) -> SessionSummary:
+def _session_summary(driver: SessionDriver, replay: ReplayOutcome, started: float) -> SessionSummary:
     diff: float | None = None
     mismatches = list(replay.mismatches)
     if driver.logits is not None and replay.final_row is not None and not driver.violations:
@@ -151,11 +153,13 @@ def _session_summary(driver: SessionDriver, replay: ReplayOutcome) -> SessionSum
         session_id=driver.session_id, prompt_tokens=len(driver.setup.prompt), ops=dict(sorted(driver.ops.items())),
         appends=driver.appends, resets=driver.resets, recoveries=driver.recoveries, misses=dict(driver.misses),
         cancels_landed=driver.cancels_landed, cancels_completed=driver.cancels_completed,
-        final_epoch=driver.epoch, final_length=driver.length, generated=driver.tokens[len(driver.setup.prompt) :],
+        final_epoch=driver.epoch, final_length=driver.final_length, generated=driver.tokens[len(driver.setup.prompt) :],
         checked_rows=replay.checked_rows, greedy_checked=replay.greedy_checked, final_logits_max_abs_diff=diff,
         mismatches=mismatches, violations=driver.violations, unexercised=driver.unexercised(),
         late_cancels=driver.late_cancels, cancels_landed_on=dict(sorted(driver.cancels_landed_on.items())),
         cancel_attempts_missed=driver.cancel_attempts_missed, cancel_targets_missed=driver.schedule.cancel_targets_missed, connection_losses=driver.connection_losses, failed_op=driver.failed_op,
+        completed_s=round(driver.finished_at - started, 3) if driver.finished_at is not None else None,
+        admissions=len(driver.admission_waits), max_admission_wait_s=round(max(driver.admission_waits, default=0.0), 3),
     )
 
 
@@ -192,7 +196,7 @@ def run_stress(options: StressOptions, *, say: Say = say_on_stderr) -> StressRep
                 if slow is not None:
                     slow.start()
                     say(f"slow reader: {slow.record.appends_planned} appends to daemon {slow.record.daemon} on a connection that never reads")
-                drivers = _run_sessions(options, chain, setups, recorder, sampler, say, control)
+                drivers, sessions_started = _run_sessions(options, chain, setups, recorder, sampler, say, control)
                 if slow is not None:
                     drills.slow_reader = slow.finish()
             finally:
@@ -214,7 +218,7 @@ def run_stress(options: StressOptions, *, say: Say = say_on_stderr) -> StressRep
         if chain.daemons:
             drills.leftover_pids, drills.leftover_segments = footprint.leftovers()
         replays = _replay_all(options, chain, drivers, socket_dir, say)
-        sessions = [_session_summary(driver, replay) for driver, replay in zip(drivers, replays)]
+        sessions = [_session_summary(driver, replay, sessions_started) for driver, replay in zip(drivers, replays)]
         restarted = frozenset(kill.daemon for kill in drills.supervisor_kills)
         daemons = daemon_summaries(chain, before, after, sampler.samples, options.uss_tolerance_bytes, run_prefix, restarted)
         verdicts, warnings = build_verdicts(options, chain, drivers, sessions, daemons, sampler.samples, sampler.failures, drills)
