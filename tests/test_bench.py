@@ -55,7 +55,7 @@ def test_quick_bench_prints_every_section_and_writes_json_and_png(tmp_path: path
                      "512-token session, 3 daemons: Park on each", "sessions per GiB, 256 tokens at n_ctx 2048",
                      "overload, warm tier on", "overload, warm tier off"):
         assert any(expected in line for line in table), expected
-    assert "greedy tokens identical in all four paths | yes" in completed.stdout
+    assert "greedy tokens identical in all five paths | yes" in completed.stdout
     assert "bit-identical to the re-prefilled session's | yes" in completed.stdout  # every timed decode restored, none missed
     assert "greedy tokens identical, all at once and 2 at a time, tier on and off | yes" in completed.stdout  # waits, parks, replays change no bit
 

@@ -13,6 +13,7 @@ from kvpool.bench.reference import PlainContext
 from kvpool.bench.rig import Rig, Variant, run_interleaved, time_call, payload_seconds, round_trips
 from kvpool.client import Client
 from kvpool.router import Router
+from workers.sampling import Sampling
 
 MID_SESSION = "bench-mid"
 IDLE_MID_S = 0.002  # a middle-shard decode step: the mid daemon's threads sleep this long per append
@@ -95,6 +96,18 @@ def route_variants(rig: Rig, chain_clients: list[Client], whole_client: Client) 
     local = rig.chain.new_session(ROUTE_N_CTX)
     chain_session, whole_session = "bench-route-chain", "bench-route-whole"
     routed = Router(chain_clients).session(chain_session, epoch=EPOCH)
+    sampled = Router(chain_clients).session("bench-route-sampled", epoch=EPOCH)
+    n_vocab = rig.shards[-1].shape.n_vocab
+
+    def sampled_append(start: int, tokens: Sequence[int]) -> np.ndarray:
+        """Greedy picked on the last daemon (a token id comes back, not logits), as a one-hot row so the
+        same greedy loop drives every variant."""
+        if start != sampled.length:
+            raise ValueError(f"start {start} != the session's length {sampled.length}")
+        row = np.zeros((1, n_vocab), np.float32)
+        row[0, sampled.sample(tokens, Sampling()).token] = 1.0
+        return row
+
     used: set[str] = set()
 
     def daemon_variant(session: str, reset_clients: list[Client], append) -> Variant:
@@ -113,6 +126,7 @@ def route_variants(rig: Rig, chain_clients: list[Client], whole_client: Client) 
         "llama.cpp whole": Variant(whole.reset, lambda start, tokens: whole.append(start, np.asarray(tokens, dtype=np.int32))),
         "in-process chain": Variant(lambda: local.truncate(0), lambda start, tokens: local.append(start, tokens)),
         "daemon chain": Variant(lambda: routed.truncate(0), routed.append_at),
+        "daemon chain, sampled on the last": Variant(lambda: sampled.truncate(0), sampled_append),
         "daemon whole": daemon_variant(whole_session, [whole_client], lambda start, tokens: whole_client.append(whole_session, EPOCH, start, tokens=list(tokens), n_ctx=ROUTE_N_CTX).rows),
     }
 
@@ -120,6 +134,7 @@ def route_variants(rig: Rig, chain_clients: list[Client], whole_client: Client) 
         whole.close()
         local.close()
         routed.release()
+        sampled.release()
         whole_client.release(whole_session, EPOCH)
 
     return variants, close

@@ -30,6 +30,8 @@ def render_table(rows: Sequence[Row]) -> str:
     return "\n".join(lines)
 
 
-def headline(value: float, target: float | None = None) -> dict:
-    """One entry of the JSON's "ratios": the value, its target (None: none) and whether it was met."""
-    return {"value": value, "target": target, "met": None if target is None else value >= target}
+def headline(value: float, target: float | None = None, *, at_most: bool = False) -> dict:
+    """One entry of the JSON's "ratios": the value, its target (None: none; a floor, or with `at_most` a
+    ceiling) and whether it was met."""
+    met = None if target is None else (value <= target if at_most else value >= target)
+    return {"value": value, "target": target, "at_most": at_most, "met": met}
