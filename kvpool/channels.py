@@ -48,11 +48,12 @@ class Channels:
         """An append from the direct channel computes for this session now."""
         return session.channel and session.hot and self.pool.get(session.worker_name).direct_activity()[0]
 
-    def refresh(self) -> None:
-        """Lengths and last uses of the bound sessions as their workers' control words say (for LRU, TTL, status)."""
-        for session in self.books.table.sessions():
-            if session.channel and session.hot:
-                self._read(session)
+    def refresh(self, session: Session | None = None) -> None:
+        """Lengths and last uses of the bound sessions (or of `session`) as their workers' control words
+        say (for LRU, TTL, status and the length every reply carries)."""
+        for each in self.books.table.sessions() if session is None else [session]:
+            if each.channel and each.hot:
+                self._read(each)
 
     def counts(self) -> dict[str, int]:
         appends = rows = 0

@@ -276,6 +276,10 @@ class Client:
         """A new session holding the source's first `length` positions (parked until its first append)."""
         return self._call(Fork(session_id=session_id, epoch=epoch, new_session_id=new_session_id, new_epoch=new_epoch, length=length), Done)
 
+    def direct_in_flight(self, session_id: str, epoch: int) -> bool:
+        """An append of this session was sent on its direct channel and is not answered yet."""
+        return bool(self._channels.in_flight(session_id, epoch))
+
     def cancel(self, session_id: str, epoch: int) -> Done:
         """Abort the session's in-flight append (sent on a side connection; safe from another thread)."""
         request = Cancel(session_id=session_id, epoch=epoch, direct_request_id=self._channels.in_flight(session_id, epoch))

@@ -64,7 +64,10 @@ class KvService:
 
     def length_of(self, session_id: str, epoch: int) -> int:
         session = self.books.table.get(session_id)
-        return session.length if session is not None and session.epoch == epoch else 0
+        if session is None or session.epoch != epoch:
+            return 0
+        self.channels.refresh(session)
+        return session.length
 
     def miss(self, session_id: str, epoch: int, message: str) -> RequestFailed:
         reason = self.books.table.miss_reason(session_id, epoch)
@@ -237,10 +240,11 @@ class KvService:
         session = self.books.table.get(request.session_id)
         if session is None or session.epoch != request.epoch:
             return Done(length=0, session_id=request.session_id, epoch=request.epoch, detail="no state")
+        self.channels.refresh(session)
         if not session.appending and request.direct_request_id and session.channel and session.hot:
             self.metrics.count("direct_cancels_forwarded")
-            detail = await self.pool.get(session.worker_name).cancel_direct(session.session_id, session.epoch, request.direct_request_id)
-            return Done(length=session.length, session_id=session.session_id, epoch=session.epoch, detail=detail)
+            self.pool.get(session.worker_name).cancel_direct(session.session_id, session.epoch, request.direct_request_id)
+            return Done(length=session.length, session_id=session.session_id, epoch=session.epoch, detail="cancel requested")
         if not session.appending:
             return Done(length=session.length, session_id=session.session_id, epoch=session.epoch, detail="nothing in flight")
         self.pool.get(session.worker_name).set_abort(True)

@@ -35,7 +35,6 @@ from workers.commands import (
     Appended,
     BindChannel,
     CancelDirect,
-    CancelState,
     ChannelState,
     CloseContext,
     Closed,
@@ -133,7 +132,6 @@ class WorkerHandle:
         self._connection: Connection = parent_end
         cancel_end, child_cancel_end = context.Pipe(duplex=True)
         self._cancel_connection: Connection = cancel_end
-        self._cancel_lock = asyncio.Lock()
         worker_spec = WorkerSpec(
             shard_path=spec.shard_path,
             shm_name=self.segment.name,
@@ -269,24 +267,14 @@ class WorkerHandle:
         """No more direct appends (one in flight completes first); returns the context's length."""
         return (await self._expect(RevokeChannel(), ChannelState)).length
 
-    async def cancel_direct(self, session_id: str, epoch: int, request_id: int) -> str:
-        """Forward a cancel of the direct append `request_id` to the worker's cancel thread; its detail."""
-        async with self._cancel_lock:
-            if self.lost or self.segment is None:
-                return "nothing in flight"
-            loop = asyncio.get_running_loop()
-            descriptor = self._cancel_connection.fileno()
-            readable = loop.create_future()
-            try:
-                self._cancel_connection.send_bytes(self._encoder.encode(CancelDirect(session_id=session_id, epoch=epoch, request_id=request_id)))
-                loop.add_reader(descriptor, lambda: readable.done() or readable.set_result(None))
-                try:
-                    await asyncio.wait_for(readable, self.request_timeout_s)
-                finally:
-                    loop.remove_reader(descriptor)
-                return msgspec.msgpack.decode(self._cancel_connection.recv_bytes(), type=CancelState).detail
-            except (TimeoutError, EOFError, OSError):
-                return "nothing in flight"  # the worker is gone or stalled: the request timeout deals with it
+    def cancel_direct(self, session_id: str, epoch: int, request_id: int) -> None:
+        """Forward a cancel of the direct append `request_id` to the worker's cancel thread (no reply awaited)."""
+        if self.lost or self.segment is None:
+            return
+        try:
+            self._cancel_connection.send_bytes(self._encoder.encode(CancelDirect(session_id=session_id, epoch=epoch, request_id=request_id)))
+        except OSError:
+            pass  # the worker is gone: nothing to cancel
 
     def direct_activity(self) -> tuple[bool, int, float]:
         """(an append from the direct channel computes now, the length after the last one, when it ended)."""

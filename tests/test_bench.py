@@ -72,8 +72,8 @@ def test_quick_bench_prints_every_section_and_writes_json_and_png(tmp_path: path
     assert all(number > 0 for number in _numbers(results["mid_shard"]["decode_s"]))
     assert all(number > 0 for number in _numbers(results["parallel"]["tokens_per_s"]))
     assert summary["s5_evictions_counted"] == results["options"]["repeats"]
-    assert summary["s7_ratio"] > 0 and summary["s7_tokens_identical"]
-    assert summary["s7_ratio_tier_off"] > 0 and summary["s7_warm_tier"] and not summary["s7_warm_tier_tier_off"]
+    assert summary["s8_ratio"] > 0 and summary["s8_tokens_identical"]
+    assert summary["s8_ratio_tier_off"] > 0 and summary["s8_warm_tier"] and not summary["s8_warm_tier_tier_off"]
     assert all(rate > 0 for chain in results["overload"]["chains"].values() for rates in chain["tokens_per_s"].values() for rate in rates)
     memory = results["memory"]["per_session"]
     for n_ctx in ("512", "2048", "8192"):

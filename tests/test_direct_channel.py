@@ -123,7 +123,7 @@ def test_cancel_reaches_a_direct_append_running_or_not_yet_read(model_path, sock
             worker_pid = observer.stats().sessions[0].worker_pid
             with stopped(worker_pid):
                 thread, outcome = in_thread(lambda: client.append("cancel", 1, 12, tokens=long_prompt[12:]))
-                wait_until(lambda: client._channels.in_flight("cancel", 1), "the direct append to be sent")
+                wait_until(lambda: client.direct_in_flight("cancel", 1), "the direct append to be sent")
                 canceller, cancelled = in_thread(lambda: client.cancel("cancel", 1))
                 wait_until(lambda: observer.stats().counters["direct_cancels_forwarded"], "the cancel to reach the worker's pipe")
             assert joined(canceller, cancelled)["result"].detail == "cancel requested"

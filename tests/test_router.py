@@ -204,7 +204,8 @@ def test_a_cancel_rolls_back_the_daemons_before_and_the_session_continues_exactl
     middle_pid = next(row.worker_pid for row in clients[1].stats().sessions)
     with stopped(middle_pid), daemons[1].client() as observer:  # the router's client is busy with the append
         thread, outcome = in_thread(lambda: session.append(filler))
-        wait_until(lambda: observer.stats().sessions[0].in_flight, "the long append to be in flight on the middle daemon")
+        wait_until(lambda: observer.stats().sessions[0].in_flight or clients[1].direct_in_flight("cancel", 1),
+                   "the long append to be in flight on the middle daemon")
         assert session.cancel()
     error = joined(thread, outcome).get("error")
     assert isinstance(error, Cancelled) and error.stage in (1, 2), outcome  # the daemon aborted it, or the router stopped it

@@ -185,7 +185,9 @@ def test_stalled_worker_answers_worker_lost_after_the_request_timeout_and_is_rep
     _assert_common(report)
     assert _verdict(report, "stall_worker").passed
     [stall] = report.stalls
-    assert stall.reply == "worker_lost" and not stall.continued_by_driver  # a typed error, not a hang
+    # a typed error, not a hang: worker_lost through the daemon; on the direct channel (the stalled append
+    # usually goes there) the worker's end closes the channel and the daemon answers the retry cache_miss/worker_lost
+    assert stall.reply in ("worker_lost", "cache_miss/worker_lost") and not stall.continued_by_driver
     assert stall.elapsed_s >= stall.timeout_s - 0.05  # and not before the timeout
     assert stall.worker_gone and not stall.left_stopped
     daemon = report.daemons[stall.daemon]

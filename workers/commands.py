@@ -133,10 +133,6 @@ class ChannelState(WorkerReply):
     length: int
 
 
-class CancelState(WorkerReply):
-    detail: str  # "cancel requested" or "nothing in flight"
-
-
 class Failed(WorkerReply):
     code: str
     message: str

@@ -2,7 +2,8 @@
 cancel, naming the append's request id, over a second pipe read by a thread of the worker, so it lands
 while the main thread computes. Under one lock with the main thread: the append computing now is aborted
 (the abort flag); one not started yet is remembered and answered `cancelled` when it starts; a cancel
-that names an append already done changes nothing."""
+that names an append already done changes nothing. The supervisor does not wait for the thread: a
+stopped worker must not hold up a cancel (the request timeout deals with a stopped worker)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from multiprocessing.connection import Connection
 
 import msgspec
 
-from workers.commands import CancelDirect, CancelState
+from workers.commands import CancelDirect
 
 Key = tuple[str, int]
 REMEMBERED_DONE = 4096
@@ -29,17 +30,13 @@ class DirectCancels:
         threading.Thread(target=self._serve, name="kvpool-direct-cancels", daemon=True).start()
 
     def _serve(self) -> None:
-        encoder, decoder = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(CancelDirect)
+        decoder = msgspec.msgpack.Decoder(CancelDirect)
         while True:
             try:
                 command = decoder.decode(self._connection.recv_bytes())
             except (EOFError, OSError):
                 return
-            detail = self._cancel((command.session_id, command.epoch), command.request_id)
-            try:
-                self._connection.send_bytes(encoder.encode(CancelState(detail=detail)))
-            except OSError:
-                return
+            self._cancel((command.session_id, command.epoch), command.request_id)
 
     def _cancel(self, key: Key, request_id: int) -> str:
         with self._lock:

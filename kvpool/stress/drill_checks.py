@@ -95,7 +95,9 @@ def stall_worker_verdict(stalls: Sequence[StallRecord], sessions: Sequence[Sessi
         return Verdict("stall_worker", False, "the planned stall never happened (the session never decoded while live)")
     stall = stalls[0]
     daemon = daemons[stall.daemon]
-    typed = stall.reply == "worker_lost" and not stall.continued_by_driver
+    # through the supervisor the append in flight is answered worker_lost; on a direct channel the worker's
+    # end closes the channel and the daemon answers the client's retry: cache_miss/worker_lost
+    typed = stall.reply in ("worker_lost", "cache_miss/worker_lost") and not stall.continued_by_driver
     timed = stall.elapsed_s >= stall.timeout_s - 0.05  # never before the timeout (the lower bound does not depend on speed)
     replaced = stall.pid not in {w.pid for w in daemon.workers} and (workers_expected is None or len(daemon.workers) == workers_expected)
     passed = typed and timed and stall.worker_gone and replaced and not stall.left_stopped and exact
