@@ -46,7 +46,7 @@ class Channels:
 
     def busy(self, session: Session) -> bool:
         """An append from the direct channel computes for this session now."""
-        return session.channel and session.hot and self.pool.get(session.worker_name).direct_activity()[0]
+        return session.channel and session.hot and self.pool.get(session.worker_name).direct.activity()[0]
 
     def refresh(self, session: Session | None = None) -> None:
         """Lengths and last uses of the bound sessions (or of `session`) as their workers' control words
@@ -58,12 +58,12 @@ class Channels:
     def counts(self) -> dict[str, int]:
         appends = rows = 0
         for worker in self.pool.workers():
-            done, done_rows = worker.direct_counts()
+            done, done_rows = worker.direct.counts()
             appends, rows = appends + done, rows + done_rows
         return {"direct_appends": appends, "direct_append_rows": rows}
 
     def _read(self, session: Session) -> None:
-        busy, length, last_used = self.pool.get(session.worker_name).direct_activity()
+        busy, length, last_used = self.pool.get(session.worker_name).direct.activity()
         if last_used > session.last_used:  # a direct append of this session ended after the supervisor's last look
             session.length, session.last_used = length, last_used
         if busy:

@@ -52,7 +52,7 @@ class Housekeeper:
             if not (session.channel and session.hot) or session.lock.locked():
                 continue  # a supervisor call in flight has its own timeout
             worker = self.pool.get(session.worker_name)
-            if worker.stalled_for(now) > self.config.request_timeout_s:
+            if worker.direct.stalled_for(worker.pid, now) > self.config.request_timeout_s:
                 worker.lost = True
                 worker.process.kill()
                 self.lifecycle.lost(session)

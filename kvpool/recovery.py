@@ -1,9 +1,14 @@
-"""What kvpool.router's recovery may cost: its knobs (back-off, limits) and its counts."""
+"""What kvpool.router's recovery may cost and what it answers: its knobs (back-off, limits), its counts,
+which failures it replays, and the two ways an append ends without its rows."""
 
 from __future__ import annotations
 
 import dataclasses
 import random
+
+from kvpool.client import ConnectionLost
+from kvpool.protocol import ErrorCode
+from kvpool.route import StageFailed
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -40,3 +45,22 @@ class RecoveryCounts:
     replayed_tokens: int = 0
     over_budget_retries: int = 0
     rollbacks: int = 0  # earlier daemons truncated back after a cancel or failure further on
+
+
+class Cancelled(Exception):
+    """The append was cancelled at daemon `stage`; the session is as it was before the append."""
+
+    def __init__(self, stage: int) -> None:
+        super().__init__(f"the append was cancelled at daemon {stage}")
+        self.stage = stage
+
+
+class RecoveryFailed(Exception):
+    """The policy gave up: `max_replays` replays in a row did not get the append through."""
+
+
+def replay_counter(failure: StageFailed | ConnectionLost) -> str | None:
+    """The count a failure adds to when the policy answers it with a replay; None when it does not."""
+    if isinstance(failure, ConnectionLost):
+        return "connections_lost"
+    return {ErrorCode.CACHE_MISS: "cache_misses", ErrorCode.WORKER_LOST: "workers_lost"}.get(failure.code)

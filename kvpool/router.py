@@ -31,21 +31,9 @@ import numpy as np
 from kvpool.client import AppendResult, Client, ConnectionLost, KvpoolError
 from kvpool.generate import greedy_tokens
 from kvpool.protocol import ErrorCode
-from kvpool.recovery import RecoveryCounts, RecoveryPolicy
+from kvpool.recovery import Cancelled, RecoveryCounts, RecoveryFailed, RecoveryPolicy, replay_counter
 from kvpool.route import Route, StageFailed
 from workers.sampling import Sampling
-
-
-class Cancelled(Exception):
-    """The append was cancelled at daemon `stage`; the session is as it was before the append."""
-
-    def __init__(self, stage: int) -> None:
-        super().__init__(f"the append was cancelled at daemon {stage}")
-        self.stage = stage
-
-
-class RecoveryFailed(Exception):
-    """The policy gave up: `max_replays` replays in a row did not get the append through."""
 
 
 class Router:
@@ -189,7 +177,7 @@ class RoutedSession:
                     self._replay()
                 result = self._walk(start, tokens, output_rows, sampling)
             except (StageFailed, ConnectionLost) as failure:
-                counter = _replay_counter(failure)
+                counter = replay_counter(failure)
                 if counter is None:
                     self._roll_back(start, failure.stage)
                     raise
@@ -300,7 +288,7 @@ class RoutedSession:
                 self.route.truncate(self.session_id, self.epoch, length)
             except (StageFailed, ConnectionLost) as failure:
                 self._needs_replay = True
-                if _replay_counter(failure) is None:
+                if replay_counter(failure) is None:
                     raise
         del self._tokens[length:]
         kept, appends = 0, []
@@ -327,10 +315,3 @@ class RoutedSession:
     def _count(self, field: str, amount: int = 1) -> None:
         setattr(self.counts, field, getattr(self.counts, field) + amount)
         self.router._count(field, amount)
-
-
-def _replay_counter(failure: StageFailed | ConnectionLost) -> str | None:
-    """The count a failure adds to when the policy answers it with a replay; None when it does not."""
-    if isinstance(failure, ConnectionLost):
-        return "connections_lost"
-    return {ErrorCode.CACHE_MISS: "cache_misses", ErrorCode.WORKER_LOST: "workers_lost"}.get(failure.code)

@@ -22,14 +22,9 @@ import numpy as np
 import psutil
 
 from kvpool.segments import SegmentLayout
+from kvpool.worker_controls import DirectControls
 from workers.commands import (
     ABORT_FLAG_OFFSET,
-    DIRECT_APPENDS_OFFSET,
-    DIRECT_BUSY_OFFSET,
-    DIRECT_BUSY_SINCE_OFFSET,
-    DIRECT_LAST_USED_OFFSET,
-    DIRECT_LENGTH_OFFSET,
-    DIRECT_ROWS_OFFSET,
     AnyCommand,
     AnyWorkerReply,
     Appended,
@@ -120,13 +115,7 @@ class WorkerHandle:
         self.input_offset = layout.input_offset
         self.output_offset = layout.output_offset
         self._abort_flag = ctypes.c_int32.from_buffer(self.segment.buf, ABORT_FLAG_OFFSET)
-        self._direct_busy = ctypes.c_int32.from_buffer(self.segment.buf, DIRECT_BUSY_OFFSET)
-        self._direct_length = ctypes.c_int64.from_buffer(self.segment.buf, DIRECT_LENGTH_OFFSET)
-        self._direct_last_used = ctypes.c_double.from_buffer(self.segment.buf, DIRECT_LAST_USED_OFFSET)
-        self._direct_appends = ctypes.c_int64.from_buffer(self.segment.buf, DIRECT_APPENDS_OFFSET)
-        self._direct_rows = ctypes.c_int64.from_buffer(self.segment.buf, DIRECT_ROWS_OFFSET)
-        self._direct_busy_since = ctypes.c_double.from_buffer(self.segment.buf, DIRECT_BUSY_SINCE_OFFSET)
-        self._stopped_since: float | None = None
+        self.direct = DirectControls(self.segment.buf)
         context = multiprocessing.get_context("spawn")
         parent_end, child_end = context.Pipe(duplex=True)
         self._connection: Connection = parent_end
@@ -276,35 +265,6 @@ class WorkerHandle:
         except OSError:
             pass  # the worker is gone: nothing to cancel
 
-    def direct_activity(self) -> tuple[bool, int, float]:
-        """(an append from the direct channel computes now, the length after the last one, when it ended)."""
-        if self.segment is None:
-            return False, 0, 0.0
-        return bool(self._direct_busy.value), self._direct_length.value, self._direct_last_used.value
-
-    def stalled_for(self, now: float) -> float:
-        """How long this worker has not been answering its direct channel: computing one append, or
-        stopped (a SIGSTOP, a debugger) as seen from /proc; 0 when it is not. The supervisor's request
-        timeout applies to these as to its own calls."""
-        if self.segment is None:
-            return 0.0
-        try:
-            stopped = psutil.Process(self.pid).status() in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP)
-        except psutil.Error:
-            stopped = False
-        if not stopped:
-            self._stopped_since = None
-        elif self._stopped_since is None:
-            self._stopped_since = now
-        busy = now - self._direct_busy_since.value if self._direct_busy.value else 0.0
-        return max(busy, now - self._stopped_since if self._stopped_since is not None else 0.0)
-
-    def direct_counts(self) -> tuple[int, int]:
-        """Appends and rows served from the direct channel over this worker's life."""
-        if self.segment is None:
-            return 0, 0
-        return self._direct_appends.value, self._direct_rows.value
-
     def set_abort(self, value: bool) -> None:
         if self.segment is None:
             return  # stopped: nothing left to abort
@@ -361,8 +321,8 @@ class WorkerHandle:
     def _release_segment(self) -> None:
         if self.segment is None:
             return
-        del self._abort_flag, self._direct_busy, self._direct_length, self._direct_last_used, self._direct_appends, self._direct_rows
-        del self._direct_busy_since
+        del self._abort_flag
+        self.direct.release()
         try:
             self.segment.close()
         except BufferError:

@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 import llama_cpp
 import numpy as np
 
-from workers.context import OutputRows
+from workers.batch_plan import SeqAppend, UbatchSlice, plan_ubatches
+from workers.context_params import context_params
 from workers.errors import (
     BadInput,
     Cancelled,
@@ -39,52 +40,6 @@ if TYPE_CHECKING:
 
 DECODE_ABORTED = 2
 MAX_SEQUENCES = 256  # LLAMA_MAX_SEQ in llama.cpp
-
-
-class SeqAppend(NamedTuple):
-    """One sequence's rows in a batched append: token ids (first shard) or float32 hidden states."""
-
-    seq: int
-    start_pos: int
-    rows: object
-    output_rows: OutputRows = "last"
-
-
-class UbatchSlice(NamedTuple):
-    """Rows [row_start, row_stop) of one item's rows, inside one ubatch."""
-
-    item: int
-    seq: int
-    row_start: int
-    row_stop: int
-
-
-def plan_ubatches(seqs: Sequence[int], row_counts: Sequence[int], n_batch: int) -> list[list[UbatchSlice]]:
-    """The llama_decode calls of one batched append, each a single llama.cpp ubatch.
-
-    Each item is cut into chunks of n_batch rows, as `ShardContext` cuts an append, so a sequence's
-    row partition never depends on the other items. Round r decodes every item's chunk r: chunks of
-    equal length from consecutive sequence ids share a call, at most n_batch rows per call.
-    """
-    plan: list[list[UbatchSlice]] = []
-    n_rounds = max(-(-count // n_batch) for count in row_counts)
-    for round_index in range(n_rounds):
-        by_length: dict[int, list[UbatchSlice]] = {}
-        for item, (seq, count) in enumerate(zip(seqs, row_counts)):
-            start = round_index * n_batch
-            if start < count:
-                stop = min(count, start + n_batch)
-                by_length.setdefault(stop - start, []).append(UbatchSlice(item, seq, start, stop))
-        for length in sorted(by_length):
-            per_call = n_batch // length
-            call: list[UbatchSlice] = []
-            for piece in sorted(by_length[length], key=lambda piece: piece.seq):
-                if call and (piece.seq != call[-1].seq + 1 or len(call) == per_call):
-                    plan.append(call)
-                    call = []
-                call.append(piece)
-            plan.append(call)
-    return plan
 
 
 def _with_lengths(error: ShardRuntimeError, lengths: dict[int, int]) -> ShardRuntimeError:
@@ -131,24 +86,11 @@ class BatchedShardContext:
         if not self.layout.is_last:
             self._capture = native.new_capture_state(f"l_out-{self.layout.n_layers - 1}", stop_after=True)
 
-        params = llama_cpp.llama_context_default_params()
         # llama.cpp gives each of the n_seq_max streams n_ctx / n_seq_max cells, padded up to 256.
-        params.n_ctx = n_ctx_per_seq * n_seqs
-        params.n_batch = self.n_batch
-        params.n_ubatch = self.n_batch
-        params.n_seq_max = n_seqs
-        params.kv_unified = False
-        params.n_threads = model.n_threads
-        params.n_threads_batch = model.n_threads
-        params.no_perf = True
-        params.flash_attn_type = (
-            llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if model.flash_attn else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        params = context_params(
+            model, n_ctx=n_ctx_per_seq * n_seqs, n_batch=self.n_batch, n_seq_max=n_seqs,
+            abort_flag_address=self.abort_flag_address, capture=self._capture,
         )
-        params.abort_callback = llama_cpp.ggml_abort_callback(native.abort_callback.value)
-        params.abort_callback_data = ctypes.c_void_p(self.abort_flag_address)
-        if self._capture is not None:
-            params.cb_eval = llama_cpp.ggml_backend_sched_eval_callback(native.eval_callback.value)
-            params.cb_eval_user_data = ctypes.cast(ctypes.pointer(self._capture), ctypes.c_void_p)
         ctx = llama_cpp.llama_init_from_model(model.handle, params)
         if not ctx:
             raise MemoryError(f"llama.cpp could not create a context of {n_seqs} x {n_ctx_per_seq} positions")

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Literal
 import llama_cpp
 import numpy as np
 
+from workers.context_params import context_params
 from workers.errors import BadInput, Cancelled, ContextFull, DecodeFailed, PositionMismatch, RestoreFailed
 from workers.sequence_state import restore_sequence, save_sequence
 
@@ -52,23 +53,9 @@ class ShardContext:
                 f"l_out-{self.layout.n_layers - 1}", stop_after=True
             )
 
-        params = llama_cpp.llama_context_default_params()
-        params.n_ctx = n_ctx
-        params.n_batch = self.n_batch
-        params.n_ubatch = self.n_batch
-        params.n_seq_max = 1
-        params.n_threads = model.n_threads
-        params.n_threads_batch = model.n_threads
-        params.no_perf = True
-        # Explicit, never "auto": logits are only bit-identical between contexts with the same choice.
-        params.flash_attn_type = (
-            llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if model.flash_attn else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        params = context_params(
+            model, n_ctx=n_ctx, n_batch=self.n_batch, n_seq_max=1, abort_flag_address=self.abort_flag_address, capture=self._capture
         )
-        params.abort_callback = llama_cpp.ggml_abort_callback(native.abort_callback.value)
-        params.abort_callback_data = ctypes.c_void_p(self.abort_flag_address)
-        if self._capture is not None:
-            params.cb_eval = llama_cpp.ggml_backend_sched_eval_callback(native.eval_callback.value)
-            params.cb_eval_user_data = ctypes.cast(ctypes.pointer(self._capture), ctypes.c_void_p)
         ctx = llama_cpp.llama_init_from_model(model.handle, params)
         if not ctx:
             raise MemoryError(f"llama.cpp could not create a context with n_ctx={n_ctx}")

@@ -1,0 +1,36 @@
+"""The llama context parameters every kvpool context shares: one place, so a single-sequence context and a
+batched one compute alike (logits are only bit-identical between contexts with the same choices)."""
+
+from __future__ import annotations
+
+import ctypes
+from typing import TYPE_CHECKING
+
+import llama_cpp
+
+if TYPE_CHECKING:
+    from workers.runtime import ShardModel
+
+
+def context_params(model: ShardModel, *, n_ctx: int, n_batch: int, n_seq_max: int, abort_flag_address: int, capture) -> llama_cpp.llama_context_params:
+    """n_batch = n_ubatch (one llama_decode is one micro-batch); the abort callback reads the int32 at
+    abort_flag_address; `capture` (a native capture state, or None on the last shard) stops the graph."""
+    native = model.native
+    params = llama_cpp.llama_context_default_params()
+    params.n_ctx = n_ctx
+    params.n_batch = n_batch
+    params.n_ubatch = n_batch
+    params.n_seq_max = n_seq_max
+    if n_seq_max > 1:
+        params.kv_unified = False  # a KV stream per sequence: no cell serves another
+    params.n_threads = model.n_threads
+    params.n_threads_batch = model.n_threads
+    params.no_perf = True
+    # Explicit, never "auto": logits are only bit-identical between contexts with the same choice.
+    params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if model.flash_attn else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+    params.abort_callback = llama_cpp.ggml_abort_callback(native.abort_callback.value)
+    params.abort_callback_data = ctypes.c_void_p(abort_flag_address)
+    if capture is not None:
+        params.cb_eval = llama_cpp.ggml_backend_sched_eval_callback(native.eval_callback.value)
+        params.cb_eval_user_data = ctypes.cast(ctypes.pointer(capture), ctypes.c_void_p)
+    return params
