@@ -198,10 +198,11 @@ def summarize(results: dict) -> tuple[dict, dict, list[Row]]:
     if unseen:
         largest = max(unseen)
         bare_create = median_of(admission["bare_create_s"][str(largest)])
-        first_vs_bare = first[str(largest)] / bare_create
+        first_net = first[str(largest)] - decode_step  # the admitting append's decode left out, as in the rows above
+        first_vs_bare = first_net / bare_create
         ratios["first_admission_vs_bare"] = headline(first_vs_bare, HOT_PATH_TARGETS["first_admission_vs_bare"], at_most=True)
-        rows.append(Row("5", f"first admission of an unseen n_ctx ({largest}) vs a bare llama context creation", ms(first[str(largest)]), ms(bare_create),
-                        f"{first_vs_bare:.2f}x time", f"<= {HOT_PATH_TARGETS['first_admission_vs_bare']:.2f}: {'met' if first_vs_bare <= HOT_PATH_TARGETS['first_admission_vs_bare'] else 'MISSED'}"))
+        rows.append(Row("5", f"first admission of an unseen n_ctx ({largest}), its 1-token decode left out, vs a bare llama context creation",
+                        ms(first_net), ms(bare_create), f"{first_vs_bare:.2f}x time", f"<= {HOT_PATH_TARGETS['first_admission_vs_bare']:.2f}: {'met' if first_vs_bare <= HOT_PATH_TARGETS['first_admission_vs_bare'] else 'MISSED'}"))
     release = median_of([v for values in admission["release_s"].values() for v in values])
     visible = median_of([v for values in admission["reclaim_visible_s"].values() for v in values])
     free = median_of([v for values in admission["bare_free_s"].values() for v in values])
