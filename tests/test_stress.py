@@ -248,7 +248,9 @@ def test_slow_reader_drill_fails_against_a_daemon_without_backpressure(tmp_path,
         assert not _verdict(report, "slow_reader").passed and not report.passed
         assert slow is not None and slow.rss_max_bytes - slow.rss_before_bytes > slow.bound_bytes
         assert slow.appends_sent == slow.appends_planned and not slow.send_blocked  # it kept reading...
-        assert slow.appends_processed == slow.appends_sent  # ...and executing, holding every reply
+        # ...and executing them, holding their replies (how many it executed before the drill's quiet period
+        # ended depends on the machine's speed; the RSS growth above is the proof that replies piled up)
+        assert 0 < slow.appends_processed <= slow.appends_sent
     finally:
         for process in processes:
             process.send_signal(signal.SIGTERM)
