@@ -46,6 +46,7 @@ from kvpool.protocol import (
     StatsReply,
     Truncate,
     decode_reply,
+    receive_exactly,
     encode,
 )
 from workers.sampling import Sampling
@@ -123,15 +124,10 @@ def checked_reply(request: RequestMessage, reply: Reply, expected: type) -> Repl
 
 
 def _receive_exactly(sock: socket.socket, size: int) -> bytes:
-    buffer = bytearray(size)
-    view = memoryview(buffer)
-    received = 0
-    while received < size:
-        count = sock.recv_into(view[received:])
-        if count == 0:
-            raise ConnectionLost("the daemon closed the connection")
-        received += count
-    return bytes(buffer)
+    data = receive_exactly(sock, size)
+    if data is None:
+        raise ConnectionLost("the daemon closed the connection")
+    return data
 
 
 class _Connection:

@@ -267,6 +267,19 @@ def encode(message: Message) -> bytes:
     return FRAME_HEADER.pack(len(payload)) + payload
 
 
+def receive_exactly(sock, size: int) -> bytes | None:
+    """`size` bytes from a blocking socket, or None when the peer closed it first."""
+    buffer = bytearray(size)
+    view = memoryview(buffer)
+    received = 0
+    while received < size:
+        count = sock.recv_into(view[received:])
+        if count == 0:
+            return None
+        received += count
+    return bytes(buffer)
+
+
 def decode_request(payload: bytes) -> Request:
     return _request_decoder.decode(payload)
 

@@ -17,7 +17,7 @@ import msgspec
 
 from kvpool.append_checks import append_rows, check_position
 from kvpool.errors import RequestFailed
-from kvpool.protocol import FRAME_HEADER, Append, AppendReply, ErrorCode, ErrorReply, Message, encode
+from kvpool.protocol import FRAME_HEADER, Append, AppendReply, ErrorCode, ErrorReply, Message, encode, receive_exactly
 from workers.commands import (
     ABORT_FLAG_OFFSET,
     DIRECT_APPENDS_OFFSET,
@@ -61,31 +61,19 @@ def accept_same_uid(listener: socket.socket) -> socket.socket | None:
     return connection
 
 
-def _receive_exactly(connection: socket.socket, size: int) -> bytes | None:
-    buffer = bytearray(size)
-    view = memoryview(buffer)
-    received = 0
-    while received < size:
-        count = connection.recv_into(view[received:])
-        if count == 0:
-            return None
-        received += count
-    return bytes(buffer)
-
-
 _decoder = msgspec.msgpack.Decoder(Append)
 
 
 def read_append(connection: socket.socket) -> Append | ErrorReply | None:
     """The next request, an ErrorReply for a frame that is not an Append, or None: the peer is gone."""
     try:
-        header = _receive_exactly(connection, FRAME_HEADER.size)
+        header = receive_exactly(connection, FRAME_HEADER.size)
         if header is None:
             return None
         (size,) = FRAME_HEADER.unpack(header)
         if size > MAX_FRAME_BYTES:
             return None
-        payload = _receive_exactly(connection, size)
+        payload = receive_exactly(connection, size)
     except OSError:
         return None
     if payload is None:
