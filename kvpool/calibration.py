@@ -89,11 +89,35 @@ class ChargeFit:
         return -(-charge // ROUND_BYTES) * ROUND_BYTES
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class SharedContextCharge:
+    """Batched mode: every session is one sequence of a context made for `n_seqs` sequences of n_ctx_max
+    positions each, allocated whole when its worker starts. A session is charged its share of the
+    context as measured (its creation, then the growth of a first batch), the margin included, whatever
+    n_ctx it asks for: its sequence holds n_ctx_max positions anyway."""
+
+    kv_bytes_per_position: int
+    measured: tuple[tuple[int, int], ...]  # ((n_ctx_max, the whole context's bytes),)
+    n_seqs: int
+
+    def theoretical_kv_bytes(self, n_ctx: int) -> int:
+        return n_ctx * self.kv_bytes_per_position
+
+    def charge(self, n_ctx: int) -> int:
+        if n_ctx < 1:
+            raise ValueError("n_ctx must be at least 1")
+        (n_ctx_max, size), = self.measured
+        raised = size + size // MARGIN_DIVISOR + MARGIN_BYTES
+        share = max(-(-raised // self.n_seqs), self.theoretical_kv_bytes(n_ctx_max))
+        return -(-share // ROUND_BYTES) * ROUND_BYTES
+
+
 class Calibrator:
     def __init__(
         self, books: Books, pool: WorkerPool, lifecycle: WorkerLifecycle, compute: ComputeSlots, metrics: Metrics,
-        shard: ShardDescription, kv_bytes_per_position: int,
+        shard: ShardDescription, kv_bytes_per_position: int, *, shared_context: tuple[int, int] | None = None,
     ) -> None:
+        self.shared_context = shared_context  # batched mode: (one process's context bytes, sequences in it)
         self.books = books
         self.pool = pool
         self.lifecycle = lifecycle
@@ -101,7 +125,7 @@ class Calibrator:
         self.metrics = metrics
         self.shard = shard
         self.kv_bytes_per_position = kv_bytes_per_position
-        self.fit: ChargeFit | None = None
+        self.fit: ChargeFit | SharedContextCharge | None = None
         self.step_s: float | None = None  # one decode step of this shard, measured with the first size
 
     def theoretical_kv_bytes(self, n_ctx: int) -> int:
@@ -123,8 +147,11 @@ class Calibrator:
             for n, size in fit.measured
         ]
 
-    async def calibrate(self, largest_n_ctx: int) -> ChargeFit:
-        """Measure largest_n_ctx and SMALL_N_CTX (when smaller), each on a fresh worker when there are enough."""
+    async def calibrate(self, largest_n_ctx: int) -> ChargeFit | SharedContextCharge:
+        """Measure largest_n_ctx and SMALL_N_CTX (when smaller), each on a fresh worker when there are enough.
+        Batched mode: one batch on one sequence, its growth added to the context measured at start-up."""
+        if self.shared_context is not None:
+            return await self._calibrate_shared(largest_n_ctx, *self.shared_context)
         sizes = [largest_n_ctx] + ([SMALL_N_CTX] if SMALL_N_CTX < largest_n_ctx else [])
         taken: list[str] = []
         try:
@@ -146,6 +173,18 @@ class Calibrator:
         self.fit = ChargeFit(self.kv_bytes_per_position, tuple(measured))
         return self.fit
 
+    async def _calibrate_shared(self, n_ctx_max: int, context_bytes: int, n_seqs: int) -> SharedContextCharge:
+        worker = self.books.take(self.pool.usable)
+        if worker is None:
+            raise RuntimeError("no usable worker to calibrate on")
+        try:
+            growth = await self._measure(worker, n_ctx_max)
+            await self.pool.get(worker).close_context()
+        finally:
+            await self.lifecycle.free(worker)
+        self.fit = SharedContextCharge(self.kv_bytes_per_position, ((n_ctx_max, context_bytes + growth),), n_seqs)
+        return self.fit
+
     async def _measure(self, name: str, n_ctx: int) -> int:
         worker = self.pool.get(name)
         before = await self.lifecycle.in_thread(worker.measure_anonymous)
@@ -154,7 +193,7 @@ class Calibrator:
         rows = min(CALIBRATION_ROWS, n_ctx)
         shape = self.shard.shape
         batch = np.zeros(rows, np.int32) if shape.is_first else np.zeros((rows, shape.n_embd), np.float32)
-        async with self.compute.slot():
+        async with self.pool.append_slot():
             await worker.append(0, batch)
         after = await self.lifecycle.in_thread(worker.measure_anonymous)
         self.metrics.count("calibrations")
@@ -167,7 +206,7 @@ class Calibrator:
         samples = []
         for _ in range(STEP_SAMPLES):
             await worker.truncate(rows - 1)
-            async with self.compute.slot():
+            async with self.pool.append_slot():
                 started = time.perf_counter()
                 await worker.append(rows - 1, row)
                 samples.append(time.perf_counter() - started)

@@ -31,6 +31,7 @@ def render(stats: StatsReply) -> str:
     lines = [
         f"shard   {shard.shape}  {shard.model_path}",
         f"uptime  {stats.uptime_s:.0f} s   books: {stats.integrity}",
+        f"mode    {stats.mode_detail or stats.mode}",
         f"budget  reserved {format_bytes(budget.reserved_bytes)} / limit {format_bytes(budget.limit_bytes)}   "
         f"measured USS {format_bytes(budget.measured_uss_bytes)}"
         + (f"   VRAM {format_bytes(budget.measured_vram_bytes)}" if budget.measured_vram_bytes is not None else "   VRAM n/a (no GPU)"),

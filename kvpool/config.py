@@ -53,6 +53,9 @@ def format_bytes(value: float) -> str:
     return f"{value:.1f} GiB"
 
 
+MODES = ("process", "batched")
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class ServeConfig:
     """Everything `kvpool serve` is configured with; validated on construction."""
@@ -83,7 +86,11 @@ class ServeConfig:
     park_after_s: float = 0.0  # park hot sessions idle this long (0: only when their place is needed)
     spill_dir: pathlib.Path | None = None  # the disk tier (opt-in, with spill_disk_budget_bytes)
     spill_disk_budget_bytes: int = 0
-    direct: bool = True  # each worker offers a direct channel to clients that ask for it
+    direct: bool = True  # each worker offers a direct channel to clients that ask for it (process mode)
+    # "process": one worker process per session; "batched": a worker process holds seqs_per_worker sessions
+    # as sequences of one context and decodes their appends together (kvpool.batched_worker)
+    mode: str = "process"
+    seqs_per_worker: int = 4
 
     def __post_init__(self) -> None:
         problems = []
@@ -113,6 +120,10 @@ class ServeConfig:
             problems.append("--park-after must be >= 0")
         if (self.spill_dir is None) != (self.spill_disk_budget_bytes == 0):
             problems.append("--spill-dir and --spill-disk-budget go together")
+        if self.mode not in MODES:
+            problems.append(f"--mode must be one of {', '.join(MODES)}")
+        if self.mode == "batched" and not (1 <= self.seqs_per_worker <= 256 and self.max_sessions % self.seqs_per_worker == 0):
+            problems.append("--seqs-per-worker must be in [1, 256] and divide --max-sessions")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             problems.append("--metrics-port must be in [0, 65535]")
         if len(os.fsencode(self.socket)) >= 108:
@@ -134,6 +145,18 @@ class ServeConfig:
     @property
     def spill_limit_bytes(self) -> int:
         return self.budget_bytes if self.spill_budget_bytes is None else self.spill_budget_bytes
+
+    @property
+    def batched(self) -> bool:
+        return self.mode == "batched"
+
+    @property
+    def worker_processes(self) -> int:
+        return self.max_sessions // self.seqs_per_worker if self.batched else self.max_sessions
+
+    @property
+    def uses_direct_channels(self) -> bool:
+        return self.direct and not self.batched
 
     @property
     def concurrent_workers(self) -> int:

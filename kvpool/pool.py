@@ -1,7 +1,10 @@
 """The worker pool: spawned, named worker processes, started together, replaced one at a time.
 
 The pool owns processes and their segments and nothing else: which worker is free or serves which
-session is the books' business (kvpool.books).
+session is the books' business (kvpool.books). What it lends are workers: a worker process each in
+process mode; in batched mode each sequence slot of a batched process (kvpool.batched_worker), the
+slots of one process lent separately and replaced together (a fresh process's other slots wait as
+spares for the dead one's other slots).
 """
 
 from __future__ import annotations
@@ -11,22 +14,34 @@ import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
+from kvpool.batched_worker import BatchedWorker, SequenceSlot
+from kvpool.compute import ComputeSlots
 from kvpool.integrity import require
 from kvpool.worker_handle import PoolSpec, WorkerHandle
 from workers.commands import Ready
+
+Lendable = WorkerHandle | SequenceSlot
 
 
 class WorkerPool:
     def __init__(self, spec: PoolSpec) -> None:
         self.spec = spec
         self._counter = 0
-        self._workers: dict[str, WorkerHandle] = {}
+        self._workers: dict[str, Lendable] = {}
+        self._spares: dict[int, list[SequenceSlot]] = {}  # a dead batched process (id) -> its successor's unlent slots
         self._lock = threading.Lock()
+        self._replace_lock = threading.Lock()
+        self.compute: ComputeSlots | None = None  # batched mode: the daemon's compute slots, one per batch (set by the service)
+
+    @property
+    def batched(self) -> bool:
+        return self.spec.seqs_per_worker > 0
 
     def start(self) -> Ready:
         """Spawn every worker in parallel and wait for all to be ready; on failure stop them all."""
         self._create_compute_lock_file()
-        handles = [self._spawn() for _ in range(self.spec.size)]
+        processes = -(-self.spec.size // self.spec.seqs_per_worker) if self.batched else self.spec.size
+        handles = [self._spawn() for _ in range(processes)]
         try:
             with ThreadPoolExecutor(max_workers=len(handles)) as executor:
                 readies = list(executor.map(lambda h: h.wait_ready(self.spec.ready_timeout_s), handles))
@@ -36,8 +51,13 @@ class WorkerPool:
             raise
         with self._lock:
             for handle in handles:
-                self._workers[handle.name] = handle
+                for lendable in self._lendables(handle):
+                    self._workers[lendable.name] = lendable
         return readies[0]
+
+    @staticmethod
+    def _lendables(handle: WorkerHandle) -> list[Lendable]:
+        return list(handle.slots) if isinstance(handle, BatchedWorker) else [handle]
 
     def _create_compute_lock_file(self) -> None:
         """The file whose byte-range locks bound the workers computing at once (kvpool.supervisor names it)."""
@@ -56,17 +76,53 @@ class WorkerPool:
 
     def _spawn(self) -> WorkerHandle:
         number = self._next_number()
+        if self.batched:
+            return BatchedWorker(f"kvpool-worker-{number}", self.spec, number, compute=self.compute)
         return WorkerHandle(f"kvpool-worker-{number}", self.spec, number)
+
+    def use_compute_slots(self, compute: ComputeSlots) -> None:
+        self.compute = compute
+        for process in self.processes():
+            if isinstance(process, BatchedWorker):
+                process.compute = compute
+
+    def append_slot(self):
+        """What an append holds around its worker call: a compute slot, or, for a batched worker, nothing
+        (its batch takes one)."""
+        assert self.compute is not None, "use_compute_slots first"
+        return contextlib.nullcontext() if self.batched else self.compute.slot()
+
+    def shared_context(self) -> tuple[int, int] | None:
+        """Batched mode: (bytes of one process's context of every sequence, sequences per process)."""
+        if not self.batched:
+            return None
+        measured = [process.ready.context_bytes for process in self.processes() if process.ready is not None]
+        return (max(measured, default=0), self.spec.seqs_per_worker)
+
+    def batch_counts(self) -> dict[str, int]:
+        """Batched mode: RunBatch calls and the appends they carried, over the live processes."""
+        processes = [process for process in self.processes() if isinstance(process, BatchedWorker)]
+        if not processes:
+            return {}
+        return {"batches": sum(p.batches for p in processes), "batched_appends": sum(p.batched_items for p in processes)}
 
     def names(self) -> list[str]:
         with self._lock:
             return list(self._workers)
 
-    def workers(self) -> list[WorkerHandle]:
+    def workers(self) -> list[Lendable]:
         with self._lock:
             return list(self._workers.values())
 
-    def get(self, name: str) -> WorkerHandle:
+    def processes(self) -> list[WorkerHandle]:
+        """Each worker process once (a batched one stands for all its slots)."""
+        seen: dict[int, WorkerHandle] = {}
+        for lendable in self.workers():
+            process = lendable.process if isinstance(lendable, SequenceSlot) else lendable
+            seen.setdefault(id(process), process)
+        return list(seen.values())
+
+    def get(self, name: str) -> Lendable:
         return self._workers[name]
 
     def usable(self, name: str) -> bool:
@@ -77,13 +133,27 @@ class WorkerPool:
     @property
     def segment_bytes(self) -> int:
         """Shared memory held by the workers' segments (fixed per worker; outside the session budget)."""
-        with self._lock:
-            return sum(handle.segment_bytes for handle in self._workers.values())
+        return sum(process.segment_bytes for process in self.processes())
 
-    def start_replacement(self, name: str) -> WorkerHandle:
+    def start_replacement(self, name: str) -> Lendable:
         """Stop a worker (lost, or drifted in memory) and start a fresh one, ready. Blocking; the pool itself
-        does not change until swap(), which the caller makes together with its books."""
-        self._workers[name].stop(timeout_s=1.0)
+        does not change until swap(), which the caller makes together with its books. A batched slot's
+        replacement is a slot of the process that replaced its process (started by the first of them)."""
+        old = self._workers[name]
+        if not isinstance(old, SequenceSlot):
+            old.stop(timeout_s=1.0)
+            return self._started()
+        with self._replace_lock:
+            spares = self._spares.get(id(old.process))
+            if spares:
+                return spares.pop()
+            old.process.stop(timeout_s=1.0)
+            fresh = self._started()
+            assert isinstance(fresh, BatchedWorker)
+            self._spares[id(old.process)] = list(reversed(fresh.slots[1:]))
+            return fresh.slots[0]
+
+    def _started(self) -> WorkerHandle:
         fresh = self._spawn()
         try:
             fresh.wait_ready(self.spec.ready_timeout_s)
@@ -92,7 +162,7 @@ class WorkerPool:
             raise
         return fresh
 
-    def swap(self, name: str, fresh: WorkerHandle | None) -> None:
+    def swap(self, name: str, fresh: Lendable | None) -> None:
         """The stopped worker `name` leaves the pool; `fresh` (if any) takes its place."""
         with self._lock:
             self._workers.pop(name, None)
@@ -101,13 +171,14 @@ class WorkerPool:
 
     def check_integrity(self) -> None:
         expected = self.spec.segment.total_bytes
-        wrong = sorted(h.name for h in self.workers() if h.segment_bytes != expected)
+        wrong = sorted(h.name for h in self.processes() if h.segment_bytes != expected)
         require(not wrong, f"workers whose segment is not {expected} bytes: {wrong}")
 
     def close(self) -> None:
+        handles = self.processes() + [slot.process for spares in self._spares.values() for slot in spares[:1]]
         with self._lock:
-            handles = list(self._workers.values())
             self._workers.clear()
+            self._spares.clear()
         for handle in reversed(handles):
             handle.stop()
         if self.spec.compute_lock_path:

@@ -252,6 +252,8 @@ class StatsReply(ReplyMessage):
     uptime_s: float
     integrity: str = "ok"  # the books' check_integrity(): "ok" or what does not balance
     calibration: list[CalibrationRow] = []  # the measurements every session's charge is fitted from
+    mode: str = "process"  # how workers hold sessions: "process" (one each) or "batched" (sequences of one context)
+    mode_detail: str = ""  # why this mode, and its shape (sessions per worker process)
 
 
 Reply = HelloReply | AppendReply | Done | ErrorReply | StatsReply

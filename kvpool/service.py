@@ -49,9 +49,13 @@ class KvService:
         self.vram = VramMeter()
         self.started = time.monotonic()
         self.compute = ComputeSlots(config.concurrent_workers)
+        pool.use_compute_slots(self.compute)  # batched workers take one per batch
         self.lifecycle = WorkerLifecycle(self.books, pool, self.metrics, threads=2 * config.max_sessions + 4)
-        self.calibrator = Calibrator(self.books, pool, self.lifecycle, self.compute, self.metrics, shard, kv_bytes_per_position)
-        self.channels = Channels(self.books, pool, self.lifecycle, enabled=config.direct)
+        self.calibrator = Calibrator(
+            self.books, pool, self.lifecycle, self.compute, self.metrics, shard, kv_bytes_per_position,
+            shared_context=pool.shared_context(),
+        )
+        self.channels = Channels(self.books, pool, self.lifecycle, enabled=config.uses_direct_channels)
         self.parking = Parking(self.books, pool, self.lifecycle, self.channels, self.metrics)
         self.admission = Admission(config, self.books, pool, self.lifecycle, self.calibrator, self.parking, self.channels, self.metrics)
         self.warm = WarmRequests(self)
@@ -160,7 +164,7 @@ class KvService:
         worker.set_abort(False)
         session.appending = True
         try:
-            async with self.compute.slot():
+            async with self.pool.append_slot():
                 output = await worker.append(request.start_pos, rows, str(request.output_rows), request.sample)
         except WorkerLost as lost:
             self.lifecycle.lost(session)
@@ -257,9 +261,17 @@ class KvService:
         return build_stats(
             shard=self.shard, books=self.books, pool=self.pool, metrics=self.metrics, vram=self.vram, workers=workers, usses=usses,
             integrity=integrity_of(self.check_integrity), started=self.started, busy=self.channels.busy,
-            counters=self.metrics.snapshot() | self.channels.counts() | {"peak_concurrent_compute_threads": self.compute.peak * self.config.threads_per_worker},
+            counters=self.metrics.snapshot() | self.channels.counts() | self.pool.batch_counts() | {"peak_concurrent_compute_threads": self.compute.peak * self.config.threads_per_worker},
             calibration=self.calibrator.rows(),
+            mode=self.config.mode, mode_detail=self.mode_detail(),
         )
+
+    def mode_detail(self) -> str:
+        config = self.config
+        if config.batched:
+            return (f"--mode batched: {config.worker_processes} worker process(es), {config.seqs_per_worker} sessions each as sequences "
+                    f"of one context, {config.threads_per_worker} llama thread(s) per process; appends that arrive together are decoded together")
+        return f"--mode process: one worker process per session ({config.max_sessions}), {config.threads_per_worker} llama thread(s) each"
 
     async def park(self, request: Park) -> Done:
         return await self.warm.park(request)

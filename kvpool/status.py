@@ -26,6 +26,8 @@ def build_stats(
     workers: list[WorkerHandle], usses: list[int], integrity: str, counters: dict[str, int], started: float,
     busy=lambda session: False,
     calibration: list[CalibrationRow],
+    mode: str = "process",
+    mode_detail: str = "",
 ) -> StatsReply:
     """`usses` are the measured USS of `workers`, in that order."""
     now = time.monotonic()
@@ -62,4 +64,6 @@ def build_stats(
         counters=counters,
         uptime_s=round(now - started, 3),
         calibration=calibration,
+        mode=mode,
+        mode_detail=mode_detail,
     )

@@ -63,10 +63,11 @@ def build_pool(config: ServeConfig, info: ShardInfo) -> WorkerPool:
             request_timeout_s=config.request_timeout_s,
             n_gpu_layers=config.n_gpu_layers,
             verbose=config.verbose,
-            direct=config.direct,
+            direct=config.uses_direct_channels,
             max_n_ctx=config.n_ctx,
             compute_lock_path=str(compute_lock_path(config)),
             compute_slots=config.concurrent_workers,
+            seqs_per_worker=config.seqs_per_worker if config.batched else 0,
         )
     )
 
@@ -92,10 +93,11 @@ class Supervisor:
         prepare_socket_path(config.socket)  # refuse at once when a live daemon serves there
         info = read_shard_info(config.model)
         pool = build_pool(config, info)
-        check_room_for(config.max_sessions, pool.spec.segment)
+        check_room_for(config.worker_processes, pool.spec.segment)
         self._announce(
-            f"starting {config.max_sessions} workers on {config.model.name} "
-            f"(shared memory {format_bytes(pool.spec.segment.total_bytes)} each)"
+            f"starting {config.worker_processes} workers on {config.model.name} "
+            + (f"(batched: {config.seqs_per_worker} sessions each, one context of {config.seqs_per_worker} x {config.n_ctx} positions; " if config.batched else "(")
+            + f"shared memory {format_bytes(pool.spec.segment.total_bytes)} each)"
         )
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):
@@ -136,7 +138,7 @@ class Supervisor:
             housekeeping = asyncio.create_task(self._housekeeping(service))
             self._announce(
                 f"ready on {config.socket}: {shard.shape}, "
-                f"{config.max_sessions} workers, budget {format_bytes(config.budget_bytes)}, ttl {config.ttl_s:g} s, "
+                f"{config.worker_processes} worker processes for {config.max_sessions} sessions ({config.mode} mode), budget {format_bytes(config.budget_bytes)}, ttl {config.ttl_s:g} s, "
                 f"{config.threads} compute thread(s)"
             )
             await self._stop.wait()
@@ -168,7 +170,8 @@ class Supervisor:
                 await service.housekeeper.kill_stalled_direct()
                 await service.housekeeper.replace_dead_free_workers()
                 if tick % MEMORY_CHECK_EVERY == 0:
-                    await service.housekeeper.recycle_drifted()
+                    if not self.config.batched:  # a batched worker's memory is its one context, fixed at start
+                        await service.housekeeper.recycle_drifted()
             except Exception:  # noqa: BLE001 - housekeeping must outlive any one failure
                 log.error("housekeeping failed:\n%s", traceback.format_exc())
 

@@ -47,7 +47,7 @@ from workers.commands import (
     Truncated,
     TruncateContext,
 )
-from workers.process import WorkerSpec, worker_main
+from workers.process import WorkerSpec, anonymous_bytes, worker_main
 from workers.sampling import Sampling
 
 
@@ -95,6 +95,7 @@ class PoolSpec:
     max_n_ctx: int = 0
     compute_lock_path: str = ""  # at most compute_slots workers compute at once (across processes)
     compute_slots: int = 1
+    seqs_per_worker: int = 0  # > 0: batched workers (kvpool.batched_worker), each serving this many sessions
 
 
 class WorkerHandle:
@@ -104,7 +105,7 @@ class WorkerHandle:
 
     def __init__(self, name: str, spec: PoolSpec, index: int = 0) -> None:
         self.name = name
-        self.direct_address = f"kvpool-{os.getpid()}-{name}-{secrets.token_hex(6)}" if spec.direct else ""
+        self.direct_address = f"kvpool-{os.getpid()}-{name}-{secrets.token_hex(6)}" if spec.direct and not spec.seqs_per_worker else ""
         self.request_timeout_s = spec.request_timeout_s
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(AnyWorkerReply)
@@ -114,6 +115,8 @@ class WorkerHandle:
         self.segment = shared_memory.SharedMemory(create=True, size=layout.total_bytes)
         self.input_offset = layout.input_offset
         self.output_offset = layout.output_offset
+        self.input_bytes = layout.input_bytes
+        self.output_bytes = layout.output_bytes
         self._abort_flag = ctypes.c_int32.from_buffer(self.segment.buf, ABORT_FLAG_OFFSET)
         self.direct = DirectControls(self.segment.buf)
         context = multiprocessing.get_context("spawn")
@@ -136,6 +139,7 @@ class WorkerHandle:
             compute_lock_path=spec.compute_lock_path,
             compute_slots=spec.compute_slots,
             worker_index=index,
+            n_seqs=spec.seqs_per_worker,
         )
         self.process = context.Process(target=worker_main, args=(child_end, worker_spec, child_cancel_end), name=name, daemon=True)
         self.process.start()
@@ -287,17 +291,10 @@ class WorkerHandle:
             return 0
 
     def measure_anonymous(self) -> int:
-        """The worker's anonymous memory (what its contexts allocate), from /proc/<pid>/smaps_rollup. Unlike
-        USS it leaves out the mmap'd weights, whose pages count as private while no other process maps them
-        and come and go with the page cache (seen: +-20 MiB between two readings). USS where it is missing."""
-        try:
-            with open(f"/proc/{self.pid}/smaps_rollup", encoding="ascii") as rollup:
-                for line in rollup:
-                    if line.startswith("Anonymous:"):
-                        return int(line.split()[1]) * 1024
-        except (OSError, ValueError, IndexError):
-            pass
-        return self.measure_uss()
+        """The worker's anonymous memory (what its contexts allocate). Unlike USS it leaves out the mmap'd
+        weights, whose pages count as private while no other process maps them and come and go with the
+        page cache (seen: +-20 MiB between two readings). USS where it is missing."""
+        return anonymous_bytes(self.pid) or self.measure_uss()
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """Ask the worker to exit, then terminate and kill as needed; release the segment. Idempotent."""

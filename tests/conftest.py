@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pathlib
+from multiprocessing import resource_tracker
 
 import psutil
 import pytest
@@ -50,6 +51,13 @@ def tokenizer(model_path: pathlib.Path):
 @pytest.fixture(scope="session")
 def prompt_ids(tokenizer: Tokenizer) -> list[list[int]]:
     return [tokenizer.encode(tokenizer.chat_prompt(prompt)) for prompt in PROMPTS]
+
+
+@pytest.fixture(scope="session")
+def resource_tracker_running():
+    """An in-process worker creates shared memory, which starts multiprocessing's resource tracker, a helper
+    process that lives as long as this one: start it before the leftover-process check looks."""
+    resource_tracker.ensure_running()
 
 
 @pytest.fixture(autouse=True)

@@ -17,7 +17,6 @@ import subprocess
 import sys
 import threading
 import time
-from multiprocessing import resource_tracker
 
 import numpy as np
 import psutil
@@ -280,13 +279,6 @@ def test_a_killed_supervisor_takes_its_workers_and_segments_and_a_new_daemon_rep
 
 
 # ---- 3. the smaller defects ------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def resource_tracker_running():
-    """The in-process pool below creates shared memory, which starts multiprocessing's resource tracker,
-    a helper process that lives as long as this one: start it before the leftover-process check looks."""
-    resource_tracker.ensure_running()
 
 
 def test_an_abort_flag_left_by_a_late_cancel_does_not_abort_the_next_compute(shards, tmp_path, resource_tracker_running):

@@ -28,6 +28,7 @@ class Command(msgspec.Struct, tag=True, forbid_unknown_fields=True, kw_only=True
 
 class OpenContext(Command):
     n_ctx: int
+    seq: int = 0  # a batched worker: the sequence (emptied, then limited to n_ctx positions)
 
 
 class RunAppend(Command):
@@ -42,14 +43,37 @@ class RunAppend(Command):
 
 class TruncateContext(Command):
     length: int
+    seq: int = 0
+
+
+class BatchItem(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """One sequence's append in a RunBatch: its rows at `input_offset` of the input region; its result
+    rows written at `output_offset` of the output region when they fit in `output_capacity` bytes."""
+
+    seq: int
+    start_pos: int
+    n_rows: int
+    input_offset: int
+    output_offset: int
+    output_capacity: int
+    output_rows: str = "last"
+    sample: Sampling | None = None
+
+
+class RunBatch(Command):
+    """A batched worker: the items' appends (one per sequence) decoded together; one reply, BatchDone."""
+
+    items: list[BatchItem]
 
 
 class CloseContext(Command):
-    pass
+    seq: int = 0
 
 
 class SaveState(Command):
     """The open context's sequence state, as bytes in the reply (Saved)."""
+
+    seq: int = 0
 
 
 class RestoreState(Command):
@@ -59,6 +83,7 @@ class RestoreState(Command):
     n_ctx: int
     blob: bytes
     length: int
+    seq: int = 0
 
 
 class BindChannel(Command):
@@ -93,6 +118,7 @@ class Ready(WorkerReply):
     pid: int
     shape: ShardShape
     kv_bytes_per_position: int
+    context_bytes: int = 0  # a batched worker: what its one context of every sequence took (anonymous memory)
 
 
 class Opened(WorkerReply):
@@ -107,6 +133,7 @@ class Appended(WorkerReply):
     rows: int
     width: int
     inline: bytes = b""
+    output_offset: int = 0  # a batched worker: where in the output region the rows are
     token: int = -1
     top_ids: list[int] = msgspec.field(default_factory=list)
     top_logprobs: list[float] = msgspec.field(default_factory=list)
@@ -139,5 +166,11 @@ class Failed(WorkerReply):
     length: int = 0
 
 
-AnyCommand = OpenContext | RunAppend | TruncateContext | CloseContext | SaveState | RestoreState | BindChannel | RevokeChannel | Exit
-AnyWorkerReply = Ready | Opened | Appended | Truncated | Closed | Saved | Restored | ChannelState | Failed
+class BatchDone(WorkerReply):
+    """RunBatch's reply: per item, in order, Appended or Failed (a failed item changed nothing)."""
+
+    results: list[Appended | Failed]
+
+
+AnyCommand = OpenContext | RunAppend | RunBatch | TruncateContext | CloseContext | SaveState | RestoreState | BindChannel | RevokeChannel | Exit
+AnyWorkerReply = Ready | Opened | Appended | BatchDone | Truncated | Closed | Saved | Restored | ChannelState | Failed

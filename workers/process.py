@@ -45,6 +45,7 @@ from workers.commands import (
     Truncated,
     TruncateContext,
 )
+from workers.batched_server import BatchedWorkerServer
 from workers.compute_locks import ComputeLocks
 from workers.direct import DirectChannel
 from workers.errors import ShardRuntimeError
@@ -71,6 +72,7 @@ class WorkerSpec:
     compute_lock_path: str = ""  # at most compute_slots workers of the daemon compute at once ("": no limit)
     compute_slots: int = 1
     worker_index: int = 0
+    n_seqs: int = 0  # > 0: a batched worker, one context of n_seqs sequences of max_n_ctx positions each
 
 
 PARENT_CHECK_INTERVAL_S = 0.2
@@ -87,6 +89,19 @@ def _exit_with_parent(parent_pid: int) -> None:
     if os.getppid() != parent_pid:
         os._exit(1)
     threading.Thread(target=watch, name="kvpool-parent-watch", daemon=True).start()
+
+
+def anonymous_bytes(pid: int | str = "self") -> int:
+    """A process's anonymous memory (what contexts allocate; the mmap'd weights left out), from
+    /proc/<pid>/smaps_rollup; 0 where it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup", encoding="ascii") as rollup:
+            for line in rollup:
+                if line.startswith("Anonymous:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
 
 
 def worker_main(connection: Connection, spec: WorkerSpec, cancel_connection: Connection | None = None) -> None:
@@ -109,7 +124,13 @@ def worker_main(connection: Connection, spec: WorkerSpec, cancel_connection: Con
     except Exception as error:  # noqa: BLE001 - reported to the supervisor, which refuses to start
         connection.send_bytes(encoder.encode(Failed(code="load_failed", message=str(error))))
         return
-    server = WorkerServer(model, segment, spec)
+    before = anonymous_bytes()
+    try:
+        server = BatchedWorkerServer(model, segment, spec) if spec.n_seqs else WorkerServer(model, segment, spec)
+    except Exception as error:  # noqa: BLE001 - reported to the supervisor, which refuses to start
+        connection.send_bytes(encoder.encode(Failed(code="load_failed", message=f"creating the batched context: {error}")))
+        model.close()
+        return
     server.release_free_heap()  # so the supervisor's baseline reading is the settled one
     connection.send_bytes(
         encoder.encode(
@@ -117,6 +138,7 @@ def worker_main(connection: Connection, spec: WorkerSpec, cancel_connection: Con
                 pid=os.getpid(),
                 shape=model.layout,
                 kv_bytes_per_position=model.kv_bytes_per_position(),
+                context_bytes=max(anonymous_bytes() - before, 0) if spec.n_seqs else 0,
             )
         )
     )

@@ -1,0 +1,297 @@
+"""Batched mode end to end (issue 12): `kvpool serve --mode batched`, sessions as sequences of one context
+in one worker process, their appends decoded together, the contract per session.
+
+Batching is made deterministic where a test needs it by stopping the worker process (SIGSTOP): requests
+then wait in the supervisor's queue for as long as the test wants, on any machine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import numpy as np
+import pytest
+
+from kvpool.batched_worker import BatchedWorker
+from kvpool.chain import LocalChain
+from kvpool.client import KvpoolError
+from kvpool.compute import ComputeSlots
+from kvpool.generate import greedy_tokens
+from kvpool.router import Router
+from kvpool.segments import SegmentLayout
+from kvpool.worker_handle import PoolSpec, WorkerFailed
+from workers.runtime import ShardModel
+from tests.conftest import EVEN_SPLIT
+from tests.daemons import DaemonProcess, private_socket_dir
+from tests.daemons import in_thread, joined, result, stopped, wait_until
+from tests.test_batched_runtime import PROCESS_MODE_TOLERANCE
+
+N_CTX = 256
+GREEDY = 8
+HANG_GUARD_S = 600.0
+pytestmark = pytest.mark.timeout(3600)
+BATCHED = ("--mode", "batched", "--seqs-per-worker", "4", "--max-sessions", "4", "--threads", "1", "--n-ctx", str(N_CTX))
+
+
+@pytest.fixture(scope="module")
+def socket_dir(tmp_path_factory):
+    return private_socket_dir(tmp_path_factory.mktemp("batched-sockets"))
+
+
+@pytest.fixture(scope="module")
+def shards(shard_sets):
+    return shard_sets[EVEN_SPLIT]
+
+
+@pytest.fixture(scope="module")
+def chain(shards, socket_dir):
+    """Three batched daemons, one per shard: one worker process of 4 sequences each, one llama thread."""
+    daemons = []
+    try:
+        for index, shard in enumerate(shards):
+            daemons.append(DaemonProcess(shard.path, socket_dir / f"batched{index}.sock", *BATCHED))
+        yield daemons
+    finally:
+        for daemon in daemons:
+            daemon.stop()
+
+
+@pytest.fixture
+def daemons(chain):
+    yield chain
+    for daemon in chain:
+        with daemon.client() as client:
+            for row in client.stats().sessions:
+                client.release(row.session_id, row.epoch)
+            stats = client.stats()
+            assert stats.sessions == [] and stats.budget.reserved_bytes == 0 and stats.integrity == "ok"
+
+
+@pytest.fixture(scope="module")
+def local_chain(shards):
+    with LocalChain([shard.path for shard in shards]) as local:
+        yield local
+
+
+def _alone(local_chain, prompt):
+    rows = []
+    with local_chain.new_session(N_CTX) as session:
+        def append(start, tokens):
+            logits = session.append(start, tokens)
+            rows.append(logits[-1].copy())
+            return logits
+        tokens = list(greedy_tokens(append, prompt, GREEDY))
+    return tokens, np.stack(rows[: len(tokens)])
+
+
+def _through(daemons, session_id, prompt):
+    clients = [daemon.client() for daemon in daemons]
+    try:
+        session = Router(clients).session(session_id, epoch=1)
+        rows = []
+
+        def append(start, tokens):
+            logits = session.append_at(start, tokens)
+            rows.append(logits[-1].copy())
+            return logits
+
+        tokens = list(greedy_tokens(append, prompt, GREEDY))
+        return tokens, np.stack(rows[: len(tokens)])
+    finally:
+        for client in clients:
+            client.close()
+
+
+def _worker_pid(daemon) -> int:
+    with daemon.client() as client:
+        pids = {row.pid for row in client.stats().workers}
+    assert len(pids) == 1, pids  # one batched process holds the four sessions
+    return pids.pop()
+
+
+def test_four_concurrent_sessions_through_a_batched_chain_equal_each_alone(daemons, local_chain, prompt_ids, tokenizer):
+    prompts = [prompt_ids[0], prompt_ids[1]] + [tokenizer.encode(tokenizer.chat_prompt(text)) for text in ("List four fruits.", "Why is the sky blue?")]
+    expected = [_alone(local_chain, prompt) for prompt in prompts]
+    outcomes = [in_thread(lambda index=index: _through(daemons, f"four-{index}", prompts[index])) for index in range(4)]
+    for index, (thread, outcome) in enumerate(outcomes):
+        tokens, logits = result(thread, outcome)
+        assert tokens == expected[index][0], f"session {index} diverged"
+        assert float(np.abs(logits - expected[index][1]).max()) <= PROCESS_MODE_TOLERANCE
+    for daemon in daemons:
+        with daemon.client() as client:
+            stats = client.stats()
+            assert stats.mode == "batched" and "4 sessions each" in stats.mode_detail
+            assert len(stats.sessions) == 4 and stats.integrity == "ok"
+            assert len({row.worker_pid for row in stats.sessions}) == 1  # four sessions, one process
+            assert stats.counters["batched_appends"] >= stats.counters["appends"] > 0  # every append went through a batch
+
+
+def test_appends_waiting_together_are_decoded_in_one_batch_and_each_gets_its_own_rows(daemons, shards, prompt_ids):
+    daemon = daemons[0]  # the first shard: token ids in, hidden states out
+    prompts = [prompt_ids[index % len(prompt_ids)][: 6 + index] for index in range(4)]
+    with daemon.client(direct=False) as client:
+        for index, prompt in enumerate(prompts):
+            client.append(f"wait-{index}", 1, 0, tokens=prompt[:4])
+        before = client.stats().counters
+        with stopped(_worker_pid(daemon)):
+            outcomes = [in_thread(lambda index=index: daemon.client().append(f"wait-{index}", 1, 4, tokens=prompts[index][4:])) for index in range(4)]
+            wait_until(lambda: all(row.in_flight for row in client.stats().sessions), "four appends in flight")
+        results = [result(thread, outcome) for thread, outcome in outcomes]
+        after = client.stats().counters
+    assert after["batched_appends"] - before["batched_appends"] == 4
+    assert after["batches"] - before["batches"] <= 2  # the first may have gone alone; the others waited together
+    with ShardModel(str(shards[0].path), n_threads=1) as model:
+        for index, prompt in enumerate(prompts):
+            with model.new_context(N_CTX) as context:
+                context.append(0, tokens=np.array(prompt[:4]))
+                expected = context.append(4, tokens=np.array(prompt[4:]))
+            assert results[index].length == len(prompt)
+            assert float(np.abs(results[index].rows - expected).max()) <= PROCESS_MODE_TOLERANCE
+
+
+def test_cancel_of_one_session_leaves_the_others_appends_whole(daemons, prompt_ids):
+    daemon = daemons[0]
+    long_prompt = (prompt_ids[0] * 8)[:200]
+    with daemon.client(direct=False) as client:
+        client.append("keep", 1, 0, tokens=long_prompt[:10])
+        client.append("drop", 1, 0, tokens=long_prompt[:10])
+        with stopped(_worker_pid(daemon)):
+            keep = in_thread(lambda: daemon.client().append("keep", 1, 10, tokens=long_prompt[10:]))
+            drop = in_thread(lambda: daemon.client().append("drop", 1, 10, tokens=long_prompt[10:]))
+            wait_until(lambda: all(row.in_flight for row in client.stats().sessions), "both appends in flight")
+            done = wait_until(lambda: (reply := client.cancel("drop", 1)).detail != "nothing in flight" and reply, "the append to reach the worker")
+            assert done.detail == "cancel requested"
+        kept = result(*keep)
+        error = joined(*drop).get("error")
+        assert isinstance(error, KvpoolError) and error.code == "cancelled" and error.length == 10, error
+        assert kept.length == len(long_prompt)
+        lengths = {row.session_id: row.length for row in client.stats().sessions}
+        assert lengths == {"keep": len(long_prompt), "drop": 10}
+        # the cancelled session continues from its old length exactly as a session never cancelled
+        again = client.append("drop", 1, 10, tokens=long_prompt[10:])
+        assert float(np.abs(again.rows - kept.rows).max()) <= PROCESS_MODE_TOLERANCE
+
+
+def test_release_and_truncate_touch_one_sequence_only(daemons, local_chain, prompt_ids):
+    prompt = prompt_ids[1]
+    expected = _alone(local_chain, prompt)
+    clients = [daemon.client() for daemon in daemons]
+    try:
+        neighbour = Router(clients).session("neighbour", epoch=1)
+        neighbour.append_at(0, prompt_ids[0])
+        neighbour.append_at(len(prompt_ids[0]), prompt_ids[0][:5])
+        for client in clients:
+            assert client.truncate("neighbour", 1, 3) == 3
+        tokens, logits = _through(daemons, "target", prompt)
+        assert tokens == expected[0] and float(np.abs(logits - expected[1]).max()) <= PROCESS_MODE_TOLERANCE
+        for client in clients:
+            client.release("neighbour", 1)
+            assert {row.session_id for row in client.stats().sessions} == {"target"}
+        # a newcomer takes the released sequence: it starts empty, whatever the neighbour had left there
+        tokens, logits = _through(daemons, "newcomer", prompt)
+        assert tokens == expected[0] and float(np.abs(logits - expected[1]).max()) <= PROCESS_MODE_TOLERANCE
+    finally:
+        for client in clients:
+            client.close()
+
+
+def test_a_killed_batched_worker_is_worker_lost_for_each_of_its_sessions_and_replaced(shards, socket_dir, prompt_ids):
+    daemon = DaemonProcess(shards[0].path, socket_dir / "killed.sock", *BATCHED)
+    try:
+        with daemon.client(direct=False) as client:
+            for index in range(3):
+                client.append(f"lost-{index}", 1, 0, tokens=prompt_ids[0][:5])
+            pid = _worker_pid(daemon)
+            os.kill(pid, signal.SIGKILL)
+            for index in range(3):
+                with pytest.raises(KvpoolError) as lost:
+                    client.append(f"lost-{index}", 1, 5, tokens=prompt_ids[0][5:6])
+                assert lost.value.code in ("worker_lost", "cache_miss"), lost.value
+            wait_until(lambda: pid not in {row.pid for row in client.stats().workers}, "the worker to be replaced")
+            fresh = client.append("after", 1, 0, tokens=prompt_ids[0][:5])
+            assert fresh.length == 5
+            stats = client.stats()
+            assert stats.integrity == "ok" and {row.session_id for row in stats.sessions} == {"after"}
+    finally:
+        daemon.stop()
+
+
+def test_a_parked_session_is_restored_exactly_into_a_sequence(daemons, local_chain, prompt_ids):
+    prompt = prompt_ids[0]
+    expected = _alone(local_chain, prompt)
+    clients = [daemon.client() for daemon in daemons]
+    try:
+        session = Router(clients).session("parked", epoch=1)
+        logits = session.append_at(0, prompt)
+        assert int(np.argmax(logits[-1])) == expected[0][0]
+        for client in clients:
+            client.park("parked", 1)
+            assert client.stats().sessions[0].tier != "hot"
+        logits = session.append_at(len(prompt), [expected[0][0]])
+        assert float(np.abs(logits[-1] - expected[1][1]).max()) <= PROCESS_MODE_TOLERANCE
+        assert all(client.stats().counters["restores"] == 1 for client in clients)
+    finally:
+        for client in clients:
+            client.close()
+
+
+# ---- the supervisor's side of one batched worker, driven directly ------------------------------------
+
+
+def test_cancel_inside_a_shared_batch_rolls_back_that_sequence_only(shards, resource_tracker_running):
+    """Two appends in one RunBatch (the worker stopped so the batch waits); cancelling one keeps the
+    other's rows; cancelling every one aborts the shared decode."""
+    shard = shards[1]  # a middle shard: hidden states in and out
+    spec = PoolSpec(
+        shard_path=str(shard.path), size=1, segment=SegmentLayout.for_shard(shard.shape, n_ctx=N_CTX, max_request_bytes=1 << 22),
+        n_threads=1, flash_attn=False, ready_timeout_s=600, request_timeout_s=600, direct=False, max_n_ctx=N_CTX, seqs_per_worker=2,
+    )
+    rng = np.random.default_rng(3)
+    prefix = rng.standard_normal((4, shard.shape.n_embd)).astype(np.float32)
+    rows = rng.standard_normal((30, shard.shape.n_embd)).astype(np.float32)
+
+    async def scenario():
+        worker = BatchedWorker("test-batched", spec, compute=ComputeSlots(1))
+        try:
+            await asyncio.to_thread(worker.wait_ready, 600)
+            keep, drop = worker.slots
+            for slot in worker.slots:
+                await slot.open(N_CTX)
+                await slot.append(0, prefix)
+            with stopped(worker.pid):
+                kept = asyncio.ensure_future(keep.append(4, rows))
+                dropped = asyncio.ensure_future(drop.append(4, rows))
+                await _until(lambda: len(worker._computing) == 2)  # both sent in one RunBatch, waiting in the pipe
+                drop.set_abort(True)
+            kept_output = await kept
+            with pytest.raises(WorkerFailed) as cancelled:
+                await dropped
+            assert cancelled.value.code == "cancelled" and cancelled.value.length == 4
+            assert await drop.truncate(4) == 4 and await keep.truncate(34) == 34
+            again = await drop.append(4, rows)  # the same rows on the same prefix as the kept append
+            difference = np.abs(np.frombuffer(again.data, np.float32) - np.frombuffer(kept_output.data, np.float32)).max()
+            assert float(difference) <= PROCESS_MODE_TOLERANCE
+            with stopped(worker.pid):
+                both = [asyncio.ensure_future(slot.append(34, rows[:5])) for slot in worker.slots]
+                await _until(lambda: len(worker._computing) == 2)
+                for slot in worker.slots:
+                    slot.set_abort(True)
+            for future in both:
+                with pytest.raises(WorkerFailed) as aborted:
+                    await future
+                assert aborted.value.code == "cancelled" and aborted.value.length == 34
+            assert [await slot.truncate(34) for slot in worker.slots] == [34, 34]
+        finally:
+            worker.stop()
+
+    asyncio.run(scenario())
+
+
+async def _until(predicate) -> None:
+    for _ in range(int(HANG_GUARD_S / 0.01)):
+        if predicate():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("hang guard")
