@@ -4,9 +4,9 @@ WorkerHandle calls); the slots of one process share its pipe, and their appends 
 
 The batcher: appends of a process's slots wait in one queue; whenever the pipe is free, everything
 queued (what fits the shared-memory regions, one append per sequence) goes as one RunBatch, under one
-compute slot. While a batch computes, the next one gathers; before sending, it waits up to
-GATHER_S for the sessions that were in the last batch to queue again, so sessions stepping together
-stay in one batch.
+compute slot. While a batch computes, the next one gathers; before sending, it waits a little (a
+quarter of the last batch's compute at most) for the sessions that were in the last batch to queue
+again, so sessions stepping together stay in one batch.
 
 Cancel is per session: a queued append is taken out and answered cancelled; a computing one is marked,
 and the shared decode is aborted only when every session in it is cancelled, otherwise the cancelled
@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import time
 
 import numpy as np
 
@@ -43,8 +44,8 @@ from workers.commands import (
 )
 from workers.sampling import Sampling
 
-GATHER_S = 0.002  # how long a batch waits for the last batch's other sessions to queue again
-GATHER_POLL_S = 0.0002
+MIN_GATHER_S = 0.002  # how long a batch may wait for the last batch's other sessions to queue again
+MAX_GATHER_S = 0.05
 
 
 @dataclasses.dataclass(eq=False)
@@ -71,6 +72,8 @@ class BatchedWorker(WorkerHandle):
         self._computing: list[PendingAppend] = []
         self._last_batch_seqs: set[int] = set()
         self._batcher: asyncio.Task | None = None
+        self._arrived = asyncio.Event()
+        self._last_batch_s = 0.0  # how long the last RunBatch took
 
     async def append_seq(self, seq: int, start_pos: int, rows: np.ndarray, output_rows: str, sample: Sampling | None) -> WorkerOutput:
         if self.lost:
@@ -79,6 +82,7 @@ class BatchedWorker(WorkerHandle):
         future.add_done_callback(lambda done: done.cancelled() or done.exception())  # read even when nobody awaits it
         pending = PendingAppend(seq, start_pos, rows, output_rows, sample, future)
         self._queue.append(pending)
+        self._arrived.set()
         if self._batcher is None or self._batcher.done():
             self._batcher = asyncio.get_running_loop().create_task(self._run_batches())
         try:
@@ -108,10 +112,19 @@ class BatchedWorker(WorkerHandle):
         self._last_batch_seqs.discard(seq)
 
     async def _gather(self) -> None:
-        waited = 0.0
-        while waited < GATHER_S and not self._last_batch_seqs <= {p.seq for p in self._queue}:
-            await asyncio.sleep(GATHER_POLL_S)
-            waited += GATHER_POLL_S
+        """Wait for the last batch's sessions to queue again, up to a quarter of the last batch's compute
+        (within [MIN_GATHER_S, MAX_GATHER_S]): a session that misses the batch costs a decode of its own."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + min(max(self._last_batch_s / 4, MIN_GATHER_S), MAX_GATHER_S)
+        while not self._last_batch_seqs <= {pending.seq for pending in self._queue}:
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return
+            self._arrived.clear()
+            try:
+                await asyncio.wait_for(self._arrived.wait(), remaining)
+            except TimeoutError:
+                return
 
     def _take_batch(self) -> list[tuple[PendingAppend, BatchItem]]:
         """Queued appends that fit the regions, one per sequence, oldest first."""
@@ -148,6 +161,7 @@ class BatchedWorker(WorkerHandle):
                 self._computing = [pending for pending, _item in batch]
                 self._last_batch_seqs = {pending.seq for pending in self._computing}
                 super().set_abort(False)
+                started = time.perf_counter()
                 try:
                     done = await self._expect(RunBatch(items=[item for _pending, item in batch]), BatchDone)
                 except (WorkerLost, WorkerFailed) as error:
@@ -157,6 +171,7 @@ class BatchedWorker(WorkerHandle):
                     continue
                 finally:
                     super().set_abort(False)
+                self._last_batch_s = time.perf_counter() - started
                 self.batches += 1
                 self.batched_items += len(batch)
                 rollbacks = self._answer(batch, done)

@@ -38,7 +38,7 @@ def add_parser(subcommands: argparse._SubParsersAction) -> None:
     parser.add_argument("--max-sessions", type=int, help=f"live sessions at most = warm worker processes (default {DEFAULTS['max_sessions']})")
     parser.add_argument("--ttl", type=float, help=f"seconds an idle session lives (default {DEFAULTS['ttl_s']:g})")
     parser.add_argument("--threads", type=int, help=f"llama threads computing at once across all workers (default: cores available, {DEFAULTS['threads']})")
-    parser.add_argument("--threads-per-worker", type=int, help=f"llama threads per worker (default {DEFAULTS['threads_per_worker']}; in batched mode --threads divided among the worker processes)")
+    parser.add_argument("--threads-per-worker", type=int, help=f"process mode: llama threads per worker (default {DEFAULTS['threads_per_worker']}); a batched worker process gets --threads divided by the number of worker processes")
     parser.add_argument("--n-ctx", type=int, help=f"largest (and default) context per session (default {DEFAULTS['n_ctx']})")
     parser.add_argument("--max-request-bytes", help=f"largest request frame accepted (default {format_bytes(DEFAULTS['max_request_bytes'])})")
     parser.add_argument("--request-timeout", type=float, help=f"seconds a worker may take to answer one call (an append of --n-ctx rows included); a worker that does not is killed and replaced, and its request answered worker_lost (default {DEFAULTS['request_timeout_s']:g})")
@@ -51,7 +51,7 @@ def add_parser(subcommands: argparse._SubParsersAction) -> None:
     parser.add_argument("--spill-dir", type=pathlib.Path, help="the disk tier: a private directory (created 0700) for saved states pushed out of memory; files of an earlier run are deleted at start (needs --spill-disk-budget)")
     parser.add_argument("--spill-disk-budget", help="bytes of saved states kept in --spill-dir")
     parser.add_argument("--no-direct", dest="direct", action="store_false", default=None, help="no direct channels: every append goes through the supervisor (by default a client that asks gets its session's worker's channel, and its appends skip the supervisor)")
-    parser.add_argument("--mode", choices=("process", "batched"), help=f"process: one worker process per session (each its own llama context); batched: each worker process holds --seqs-per-worker sessions as isolated sequences of one context and decodes the appends that arrive together in one batch, through the supervisor (no direct channels) (default {DEFAULTS['mode']})")
+    parser.add_argument("--mode", choices=("process", "batched", "auto"), help=f"process: one worker process per session (each its own llama context); batched: each worker process holds --seqs-per-worker sessions as isolated sequences of one context and decodes the appends that arrive together in one batch, through the supervisor (no direct channels); auto: measure both schedules on this shard with --threads at start-up (a few seconds) and run the faster (`kvpool status` says which and why) (default {DEFAULTS['mode']})")
     parser.add_argument("--seqs-per-worker", type=int, metavar="N", help=f"batched mode: sessions per worker process; must divide --max-sessions (default {DEFAULTS['seqs_per_worker']})")
     parser.add_argument("--memory-margin", help=f"recycle an idle worker whose measured memory exceeds its charge by this (default {format_bytes(DEFAULTS['memory_margin_bytes'])})")
     parser.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on 127.0.0.1:PORT")
@@ -93,10 +93,6 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
     model = args.model or bundled_model_path()
     socket_path = args.socket or work_dir() / "run" / f"{model.stem}.sock"
     given = {field: convert(getattr(args, option)) for option, (field, convert) in OPTIONS.items() if getattr(args, option) is not None}
-    if given.get("mode") == "batched" and "threads_per_worker" not in given:
-        # A batched worker computes every session's rows in one decode: the threads go to the workers.
-        processes = max(1, given.get("max_sessions", DEFAULTS["max_sessions"]) // max(1, given.get("seqs_per_worker", DEFAULTS["seqs_per_worker"])))
-        given["threads_per_worker"] = max(1, given.get("threads", DEFAULTS["threads"]) // processes)
     return ServeConfig(model=model.resolve(), socket=socket_path.absolute(), **given)
 
 

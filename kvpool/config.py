@@ -53,7 +53,7 @@ def format_bytes(value: float) -> str:
     return f"{value:.1f} GiB"
 
 
-MODES = ("process", "batched")
+MODES = ("process", "batched", "auto")  # auto: resolved at start-up (kvpool.mode_probe) to one of the others
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -122,7 +122,7 @@ class ServeConfig:
             problems.append("--spill-dir and --spill-disk-budget go together")
         if self.mode not in MODES:
             problems.append(f"--mode must be one of {', '.join(MODES)}")
-        if self.mode == "batched" and not (1 <= self.seqs_per_worker <= 256 and self.max_sessions % self.seqs_per_worker == 0):
+        if self.mode in ("batched", "auto") and not (1 <= self.seqs_per_worker <= 256 and self.max_sessions % self.seqs_per_worker == 0):
             problems.append("--seqs-per-worker must be in [1, 256] and divide --max-sessions")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             problems.append("--metrics-port must be in [0, 65535]")
@@ -159,6 +159,12 @@ class ServeConfig:
         return self.direct and not self.batched
 
     @property
+    def worker_threads(self) -> int:
+        """llama threads of one worker process: --threads-per-worker, or in batched mode --threads shared
+        among the worker processes (each computes every one of its sessions' rows in one decode)."""
+        return max(1, self.threads // self.worker_processes) if self.batched else self.threads_per_worker
+
+    @property
     def concurrent_workers(self) -> int:
         """How many workers may compute at the same time without exceeding --threads."""
-        return self.threads // self.threads_per_worker
+        return max(1, self.threads // self.worker_threads)

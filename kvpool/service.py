@@ -48,6 +48,7 @@ class KvService:
         self.metrics.limit_bytes.set(config.budget_bytes)
         self.vram = VramMeter()
         self.started = time.monotonic()
+        self.mode_reason = ""  # --mode auto: why this mode (set by the supervisor)
         self.compute = ComputeSlots(config.concurrent_workers)
         pool.use_compute_slots(self.compute)  # batched workers take one per batch
         self.lifecycle = WorkerLifecycle(self.books, pool, self.metrics, threads=2 * config.max_sessions + 4)
@@ -261,17 +262,20 @@ class KvService:
         return build_stats(
             shard=self.shard, books=self.books, pool=self.pool, metrics=self.metrics, vram=self.vram, workers=workers, usses=usses,
             integrity=integrity_of(self.check_integrity), started=self.started, busy=self.channels.busy,
-            counters=self.metrics.snapshot() | self.channels.counts() | self.pool.batch_counts() | {"peak_concurrent_compute_threads": self.compute.peak * self.config.threads_per_worker},
+            counters=self.metrics.snapshot() | self.channels.counts() | self.pool.batch_counts() | {"peak_concurrent_compute_threads": self.compute.peak * self.config.worker_threads},
             calibration=self.calibrator.rows(),
             mode=self.config.mode, mode_detail=self.mode_detail(),
         )
 
     def mode_detail(self) -> str:
+        return f"{self.mode_reason}; " * bool(self.mode_reason) + self._mode_shape()
+
+    def _mode_shape(self) -> str:
         config = self.config
         if config.batched:
             return (f"--mode batched: {config.worker_processes} worker process(es), {config.seqs_per_worker} sessions each as sequences "
-                    f"of one context, {config.threads_per_worker} llama thread(s) per process; appends that arrive together are decoded together")
-        return f"--mode process: one worker process per session ({config.max_sessions}), {config.threads_per_worker} llama thread(s) each"
+                    f"of one context, {config.worker_threads} llama thread(s) per process; appends that arrive together are decoded together")
+        return f"--mode process: one worker process per session ({config.max_sessions}), {config.worker_threads} llama thread(s) each"
 
     async def park(self, request: Park) -> Done:
         return await self.warm.park(request)

@@ -8,6 +8,7 @@ cleaned up the same way.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import contextlib
 import logging
 import pathlib
@@ -39,12 +40,14 @@ from kvpool.protocol import (
     Stats,
     Truncate,
 )
+from kvpool.mode_probe import probe_modes
 from kvpool.segments import SegmentLayout, check_room_for
 from kvpool.server import FrameServer, prepare_socket_path
 from kvpool.service import KvService
 from kvpool.worker_handle import PoolSpec
 
-MEMORY_CHECK_EVERY = 4  # housekeeping ticks between measured-memory checks
+MEMORY_CHECK_EVERY = 4
+MODE_PROBE_N_CTX = 64  # per probe session: its sessions hold a few rows  # housekeeping ticks between measured-memory checks
 
 log = logging.getLogger("kvpool.serve")
 
@@ -57,7 +60,7 @@ def build_pool(config: ServeConfig, info: ShardInfo) -> WorkerPool:
             shard_path=str(config.model),
             size=config.max_sessions,
             segment=segment,
-            n_threads=config.threads_per_worker,
+            n_threads=config.worker_threads,
             flash_attn=config.flash_attn,
             ready_timeout_s=config.ready_timeout_s,
             request_timeout_s=config.request_timeout_s,
@@ -89,8 +92,9 @@ class Supervisor:
         self._stop.set()
 
     async def run(self) -> None:
+        prepare_socket_path(self.config.socket)  # refuse at once when a live daemon serves there
+        mode_reason = await self._resolve_mode()
         config = self.config
-        prepare_socket_path(config.socket)  # refuse at once when a live daemon serves there
         info = read_shard_info(config.model)
         pool = build_pool(config, info)
         check_room_for(config.worker_processes, pool.spec.segment)
@@ -110,6 +114,7 @@ class Supervisor:
                 return
             shard = ShardDescription(shape=ready.shape, model_path=str(config.model), source_sha256=info.source_sha256 or "")
             self.service = service = KvService(config, pool, shard, ready.kv_bytes_per_position)
+            service.mode_reason = mode_reason
             fit = await service.calibrator.calibrate(config.n_ctx)
             if self._stop.is_set():
                 return
@@ -158,6 +163,18 @@ class Supervisor:
             if self.service is not None:
                 self.service.close()
             self._announce("stopped")
+
+    async def _resolve_mode(self) -> str:
+        """--mode auto: measure both schedules (kvpool.mode_probe) and run the faster; why, for status."""
+        if self.config.mode != "auto":
+            return ""
+        self._announce(f"--mode auto: measuring the process and batched schedules for {self.config.seqs_per_worker} sessions on {self.config.threads} thread(s)")
+        choice = await asyncio.to_thread(
+            probe_modes, str(self.config.model), sessions=self.config.seqs_per_worker, threads=self.config.threads, n_ctx=MODE_PROBE_N_CTX
+        )
+        self.config = dataclasses.replace(self.config, mode=choice.mode)
+        self._announce(choice.reason)
+        return choice.reason
 
     async def _housekeeping(self, service: KvService) -> None:
         tick = 0

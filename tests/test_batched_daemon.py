@@ -295,3 +295,19 @@ async def _until(predicate) -> None:
             return
         await asyncio.sleep(0.01)
     raise AssertionError("hang guard")
+
+
+def test_mode_auto_measures_both_schedules_and_says_which_it_runs(shards, socket_dir, prompt_ids):
+    daemon = DaemonProcess(shards[1].path, socket_dir / "auto.sock", "--mode", "auto", "--seqs-per-worker", "4", "--max-sessions", "4", "--threads", "1", "--n-ctx", str(N_CTX))
+    try:
+        with daemon.client() as client:
+            stats = client.stats()
+            assert stats.mode in ("process", "batched")
+            assert stats.mode_detail.startswith(f"--mode auto picked {stats.mode}: measured at start-up, batched ")
+            assert f"--mode {stats.mode}:" in stats.mode_detail
+            hidden = np.random.default_rng(1).standard_normal((5, shards[1].shape.n_embd)).astype(np.float32)
+            reply = client.append("auto", 1, 0, hidden=hidden)
+            assert reply.length == 5 and reply.rows.shape == (5, shards[1].shape.n_embd)
+        assert f"--mode auto picked {stats.mode}" in daemon.log()
+    finally:
+        daemon.stop()

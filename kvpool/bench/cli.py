@@ -119,6 +119,10 @@ def run_bench(options: BenchOptions) -> tuple[dict, str]:
     json_path = options.out_dir / f"{stem}.json"
     json_path.write_text(json.dumps(results, indent=1, allow_nan=False) + "\n")
     bench_say(f"wrote {json_path}")
+    if options.json_path is not None:
+        options.json_path.parent.mkdir(parents=True, exist_ok=True)
+        options.json_path.write_text(json_path.read_text())
+        bench_say(f"wrote {options.json_path}")
     if options.chart:
         chart_path = options.out_dir / f"{stem}.png"
         write_chart(results, summary, chart_path)
@@ -162,6 +166,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--overload-steps", type=int, help="decode steps per session in the overload section (default 32, quick 8)")
     parser.add_argument("--overload-only", action="store_true", help="run only section 8 (overload) on its own daemons")
     parser.add_argument("--no-chart", action="store_true", help="skip the PNG chart")
+    parser.add_argument("--json", type=pathlib.Path, metavar="PATH", help="also write the results (raw figures, summary, and the headline \"ratios\" with their targets) to PATH")
 
 
 def options_from_args(args: argparse.Namespace) -> BenchOptions:
@@ -175,7 +180,8 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
                              ("warm_repeats", args.warm_repeats), ("overload_rounds", args.overload_rounds), ("overload_steps", args.overload_steps))
         if value is not None
     }
-    return dataclasses.replace(base, chart=not args.no_chart, **overrides)
+    json_path = args.json.resolve() if args.json is not None else None
+    return dataclasses.replace(base, chart=not args.no_chart, json_path=json_path, **overrides)
 
 
 def run(args: argparse.Namespace) -> int:

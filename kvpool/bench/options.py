@@ -50,6 +50,7 @@ class BenchOptions:
     overload_rounds: int = 3  # interleaved rounds of section 7 (each variant once per round)
     overload_steps: int = 32  # greedy decode steps per session in section 7
     chart: bool = True
+    json_path: pathlib.Path | None = None  # --json: a copy of the results JSON
 
     def __post_init__(self) -> None:
         if min(self.rounds, self.decode_steps, self.history, self.prefill_rows, self.parallel_rounds, self.parallel_steps, self.repeats,

@@ -22,6 +22,8 @@ from kvpool.client import Client
 from kvpool.launcher import Daemon
 from workers.runtime import ShardModel
 
+BATCHED_WHOLE = "kvpool whole model, 1 daemon, --mode batched"
+BATCHED_CHAIN = "kvpool 3-shard chain, --mode batched, capped at 2 in flight"
 CEILING = f"no IPC: {PARALLEL_THREADS} processes x 1 thread, {SESSIONS // PARALLEL_THREADS} sessions each in turn"
 
 
@@ -195,6 +197,8 @@ def measure_parallel(rig: Rig) -> dict:
     prompts = [list(prompt) for prompt in rig.prompts[:SESSIONS]]
     whole_clients = [rig.client("whole") for _ in range(SESSIONS)]
     chain_clients = [[rig.client(f"chain{index}") for index in range(len(rig.shards))] for _ in range(SESSIONS)]
+    whole_batched_clients = [rig.client("wholeb") for _ in range(SESSIONS)]
+    chain_batched_clients = [[rig.client(f"chainb{index}") for index in range(len(rig.shards))] for _ in range(SESSIONS)]
     batched = {"llama.cpp batched, unified KV": True, "llama.cpp batched, KV stream per sequence": False}
     ceiling = CeilingProcesses(rig.options.model, PARALLEL_THREADS, ROUTE_N_CTX)
     cap = threading.Semaphore(PARALLEL_THREADS)
@@ -205,8 +209,11 @@ def measure_parallel(rig: Rig) -> dict:
     def whole_appenders(tag: str) -> list:
         return [_whole_appender(whole_clients[index], f"bench-par-{tag}-{index}") for index in range(SESSIONS)]
 
-    def chain_appenders(tag: str, limiter: threading.Semaphore | None) -> list:
-        return [_chain_appender(chain_clients[index], f"bench-par-{tag}-{index}", limiter) for index in range(SESSIONS)]
+    def chain_appenders(tag: str, limiter: threading.Semaphore | None, clients=chain_clients) -> list:
+        return [_chain_appender(clients[index], f"bench-par-{tag}-{index}", limiter) for index in range(SESSIONS)]
+
+    def whole_batched_appenders(tag: str) -> list:
+        return [_whole_appender(whole_batched_clients[index], f"bench-par-{tag}-{index}") for index in range(SESSIONS)]
 
     def release(tag: str, clients_per_session: list[list[Client]]) -> None:
         for index, clients in enumerate(clients_per_session):
@@ -232,6 +239,8 @@ def measure_parallel(rig: Rig) -> dict:
         "kvpool whole model, 1 daemon": lambda steps: kvpool_variant(whole_appenders, [[c] for c in whole_clients], steps, whole_cpu),
         "kvpool 3-shard chain, capped at 2 in flight": lambda steps: kvpool_variant(lambda tag: chain_appenders(tag, cap), chain_clients, steps),
         "kvpool 3-shard chain, uncapped": lambda steps: kvpool_variant(lambda tag: chain_appenders(tag, None), chain_clients, steps),
+        BATCHED_WHOLE: lambda steps: kvpool_variant(whole_batched_appenders, [[c] for c in whole_batched_clients], steps),
+        BATCHED_CHAIN: lambda steps: kvpool_variant(lambda tag: chain_appenders(tag, cap, chain_batched_clients), chain_batched_clients, steps),
     }
     rates: dict[str, list[float]] = {name: [] for name in runners}
     try:

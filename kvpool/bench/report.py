@@ -9,7 +9,7 @@ import statistics
 from kvpool.bench.one_session import IDLE_CHAIN_S, IDLE_MID_S
 from kvpool.bench.options import PARALLEL_THREADS, SESSIONS, median_of, as_mib
 from kvpool.bench.overload import summarize_overload
-from kvpool.bench.parallel import CEILING
+from kvpool.bench.parallel import BATCHED_CHAIN, BATCHED_WHOLE, CEILING
 from kvpool.bench.table import Row, headline, ms, verdict
 from kvpool.bench.warm import draw_warm, summarize_warm
 
@@ -141,6 +141,8 @@ def summarize(results: dict) -> tuple[dict, dict, list[Row]]:
         "kvpool whole model, 1 daemon": f"--threads {PARALLEL_THREADS} --threads-per-worker 1: at most {PARALLEL_THREADS} workers compute",
         "kvpool 3-shard chain, capped at 2 in flight": f"3 daemons x --threads 1; router allows {PARALLEL_THREADS} appends in flight: at most {PARALLEL_THREADS} threads",
         "kvpool 3-shard chain, uncapped": "3 daemons x --threads 1: up to 3 single threads on 2 cores",
+        BATCHED_WHOLE: f"one worker process, 4 sequences of one context, {PARALLEL_THREADS} threads",
+        BATCHED_CHAIN: "3 daemons x one worker of 4 sequences x 1 thread; router allows 2 appends in flight",
     }
     for name, note in notes.items():
         ratio = parallel[name] / best
@@ -149,7 +151,12 @@ def summarize(results: dict) -> tuple[dict, dict, list[Row]]:
         rows.append(Row("3", f"four sessions: {name} ({note}) vs the best llama.cpp batched", f"{parallel[name]:.0f} tok/s{spread[name]}", f"{best:.0f} tok/s",
                         f"{ratio:.3f}x tok/s", verdict(ratio, PARALLEL_TARGET) if "uncapped" not in name else "(3 threads: not counted)"))
 
-    kvpool_best = max(parallel["kvpool whole model, 1 daemon"], parallel["kvpool 3-shard chain, capped at 2 in flight"])
+    kvpool_best = max(parallel[name] for name in ("kvpool whole model, 1 daemon", "kvpool 3-shard chain, capped at 2 in flight", BATCHED_WHOLE, BATCHED_CHAIN))
+    process_whole, batched_whole = parallel["kvpool whole model, 1 daemon"], parallel[BATCHED_WHOLE]
+    summary["s3_better_mode_whole_model"] = "batched" if batched_whole > process_whole else "process"
+    ratios["four_sessions_batched_vs_process_mode"] = headline(batched_whole / process_whole, None)
+    rows.append(Row("3", "four sessions, whole model: --mode batched vs --mode process (the faster is the mode to run on this machine)",
+                    f"{batched_whole:.0f} tok/s", f"{process_whole:.0f} tok/s", f"{batched_whole / process_whole:.3f}x tok/s"))
     ratios["four_sessions_vs_batched"] = headline(kvpool_best / best, HOT_PATH_TARGETS["four_sessions_vs_batched"])
     ratios["four_sessions_vs_ceiling"] = headline(parallel["kvpool whole model, 1 daemon"] / ceiling, HOT_PATH_TARGETS["four_sessions_vs_ceiling"])
     rows.append(Row("3", "four sessions: kvpool's best mode here vs the best llama.cpp batched (>= 1.2 on the machine of record)",

@@ -56,10 +56,14 @@ class Rig:
         self.shards: list[ShardInfo] = shards_in_parts(source, 3, progress=bench_say)
         self.middle = self.shards[1]
         common = ["--ttl", "600", "--threads-per-worker", "1"]
+        batched = ["--mode", "batched", "--seqs-per-worker", str(SESSIONS), "--max-sessions", str(SESSIONS)]
         route = [*common, "--n-ctx", str(ROUTE_N_CTX)]
         plan = {
             "mid": (self.middle.path, [*route, "--threads", str(SINGLE_THREADS), "--max-sessions", "1"]),
             **{f"chain{index}": (shard.path, [*route, "--threads", "1", "--max-sessions", str(SESSIONS)]) for index, shard in enumerate(self.shards)},
+            # section 3's batched mode: one worker process per daemon holds the four sessions as sequences
+            **{f"chainb{index}": (shard.path, [*route, *batched, "--threads", "1"]) for index, shard in enumerate(self.shards)},
+            "wholeb": (source, [*route, *batched, "--threads", str(PARALLEL_THREADS), "--threads-per-worker", str(PARALLEL_THREADS)]),
             # section 5 measures eviction itself: no warm tier, no residency wait for the sessions it has just admitted
             "whole": (source, [*common, "--threads", str(PARALLEL_THREADS), "--max-sessions", str(SESSIONS),
                               "--n-ctx", str(options.max_n_ctx), "--budget", "2GiB", "--spill-budget", "0", "--min-residency", "0"]),

@@ -52,6 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reference", choices=("daemon", "local"), default="daemon", help="run alone on a fresh chain of daemons (default) or in process")
     parser.add_argument("--final-tokens", type=int, default=4, help="greedy tokens every session decodes at the end (default 4)")
     parser.add_argument("--sample-interval", type=float, default=0.1, help="seconds between stats samples of every daemon (default 0.1)")
+    parser.add_argument("--mode", choices=("process", "batched"), default="process", help="the daemons' --mode: process (a worker process per session) or batched (one worker process per daemon holds every session as a sequence of one context; default process)")
     parser.add_argument("--uss-tolerance", default="48MiB", help="how far a worker's USS may end from its pre-run value, or from its own baseline if it was started during the run (default 48MiB: below the daemon's 64MiB recycle margin)")
     parser.add_argument("--json", type=pathlib.Path, metavar="PATH", help="write the raw figures (operations, latencies, errors, samples, verdicts) as JSON")
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
@@ -65,7 +66,7 @@ def options_from(args: argparse.Namespace) -> StressOptions:
         kill_worker=args.kill_worker, kill_supervisor=args.kill_supervisor, stall_worker=args.stall_worker, slow_reader=args.slow_reader,
         stall_timeout_s=args.stall_timeout, sockets=sockets, model=args.model, parts=args.parts, n_ctx=args.n_ctx,
         reference=args.reference, final_tokens=args.final_tokens, sample_interval_s=args.sample_interval,
-        uss_tolerance_bytes=parse_bytes(args.uss_tolerance), json_path=args.json, progress=not args.quiet,
+        uss_tolerance_bytes=parse_bytes(args.uss_tolerance), json_path=args.json, progress=not args.quiet, mode=args.mode,
     )
 
 

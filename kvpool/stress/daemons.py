@@ -39,6 +39,8 @@ def serve_options(options: StressOptions, *, max_sessions: int, budget: str, ttl
         "--threads", "1", "--n-ctx", str(options.n_ctx), "--max-sessions", str(max_sessions),
         "--budget", budget, "--ttl", f"{ttl_s:g}",
     ]
+    if options.mode == "batched":
+        flags += ["--mode", "batched", "--seqs-per-worker", str(max_sessions)]  # one worker process holds every session
     if not options.spill:
         flags += ["--spill-budget", "0"]  # every other scenario exercises eviction as it was: a cache miss
     if request_timeout_s is not None:

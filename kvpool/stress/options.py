@@ -53,6 +53,7 @@ class StressOptions:
     stall_worker: bool = False  # SIGSTOP one session's worker mid-append, past the daemon's request timeout
     slow_reader: bool = False  # a connection that sends appends to the last daemon and never reads replies
     spill: bool = False  # the warm tier on, SPILL_PLACES contexts per daemon: evictions park and restore
+    mode: str = "process"  # the daemons' --mode; batched: one worker process per daemon holds every session
     # --request-timeout of the daemon whose worker is stalled. It bounds every worker call of that daemon,
     # the start-up calibration (a 512-row and a 64-row batch: ~1.1 s for 512 rows on one 10-layer shard on
     # a 2-core Xeon, more with three daemons starting at once beside CPU burners) and the 192-row
@@ -92,6 +93,10 @@ class StressOptions:
             problems.append("--final-tokens must be at least 1")
         if self.sample_interval_s <= 0:
             problems.append("--sample-interval must be positive")
+        if self.mode not in ("process", "batched"):
+            problems.append("--mode must be 'process' or 'batched'")
+        if self.sockets and self.mode != "process":
+            problems.append("--mode configures the daemons: it needs started daemons, not --sockets")
         if self.stall_timeout_s <= 0:
             problems.append("--stall-timeout must be positive")
         if self.min_residency_s is not None and self.min_residency_s < 0:
@@ -106,6 +111,8 @@ class StressOptions:
     @property
     def scenario(self) -> str:
         parts = []
+        if self.mode != "process":
+            parts.append(self.mode)
         if self.budget_for is not None:
             parts.append(f"budget-for-{self.budget_for}")
         if self.min_residency_s is not None:
