@@ -34,19 +34,23 @@ The JSON's "ratios" names the headline ratios, each with its target (null: none)
 # The package's docstring is `kvpool bench --help`'s description (here and in kvpool/cli_bench.py).
 # Modules, in import order: options (BenchOptions, shared constants), reference (llama.cpp contexts),
 # rig (daemons, models, timing helpers), one_session (sections 1, 2, 4), parallel (section 3),
-# admission (sections 5, 6), table (rows and cell formats), warm (section 7: measurement, summary, chart
-# panels), overload (section 8), report (summary, table, chart), cli (run_bench, the command line).
+# admission (sections 5, 6), table (rows and cell formats), targets (sections 1-6's targets),
+# one_session_report, parallel_report, admission_report (those sections' summaries and rows), warm
+# (section 7: measurement, summary, chart panels), overload (section 8), report (`summarize`: every
+# section in order), chart (the PNG), cli (run_bench, the command line).
 
 from kvpool.bench.admission import measure_admission, measure_memory
+from kvpool.bench.chart import write_chart
 from kvpool.bench.cli import add_arguments, environment, main, options_from_args, run, run_bench
 from kvpool.bench.one_session import IDLE_CHAIN_S, IDLE_MID_S, MID_SESSION, measure_mid_shard, measure_route, mid_shard_variants, route_variants
 from kvpool.bench.options import EPOCH, PARALLEL_THREADS, ROUTE_N_CTX, SESSIONS, SINGLE_THREADS, WARM_N_CTX, BenchOptions
 from kvpool.bench.overload import OVERLOAD_TARGET, measure_overload, summarize_overload
 from kvpool.bench.parallel import CEILING, CeilingProcesses, measure_parallel
 from kvpool.bench.reference import BatchedContext, PlainContext
-from kvpool.bench.report import DAEMON_OVERHEAD_TARGET, PARALLEL_TARGET, summarize, write_chart
+from kvpool.bench.report import summarize
 from kvpool.bench.rig import FILLER_TEXT, PROMPTS, Rig, Variant, daemon_uss, payload_seconds, round_trips, start_daemons
 from kvpool.bench.table import Row, headline, render_table
+from kvpool.bench.targets import DAEMON_OVERHEAD_TARGET, PARALLEL_TARGET
 from kvpool.bench.warm import PARKED_TARGET, RESTORE_TARGET, measure_warm, summarize_warm
 
 __all__ = [

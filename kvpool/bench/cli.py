@@ -19,11 +19,12 @@ import numpy as np
 import psutil
 
 from kvpool.bench.admission import measure_admission, measure_memory
+from kvpool.bench.chart import write_chart
 from kvpool.bench.one_session import measure_mid_shard, measure_route
 from kvpool.bench.options import BenchOptions, bench_say
 from kvpool.bench.overload import measure_overload, summarize_overload
 from kvpool.bench.parallel import measure_parallel
-from kvpool.bench.report import summarize, write_chart
+from kvpool.bench.report import summarize
 from kvpool.bench.rig import Rig
 from kvpool.bench.table import render_table
 from kvpool.bench.warm import measure_warm

@@ -24,6 +24,10 @@ def ms(seconds: float) -> str:
     return f"{seconds * 1e3:.3f} ms" if seconds < 0.01 else f"{seconds * 1e3:.1f} ms"
 
 
+def share(part: float, whole: float) -> str:
+    return f"{100 * part / whole:.0f}%" if whole > 0 else "n/a"
+
+
 def render_table(rows: Sequence[Row]) -> str:
     lines = ["| # | measurement | kvpool | reference | ratio | target |", "|---|---|---|---|---|---|"]
     lines += [f"| {r.section} | {r.what} | {r.kvpool} | {r.reference} | {r.ratio} | {r.target} |" for r in rows]

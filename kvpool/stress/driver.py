@@ -1,10 +1,9 @@
-"""One session: the SessionDriver thread that runs its plan through kvpool.router, as a router would.
+"""One session: the SessionDriver thread that runs its plan, operation by operation, through its
+TappedSession (kvpool.stress.tapped_session), as a router would, then finishes it: forced operations
+still pending, the prompt completed, the final tokens decoded.
 
-Recovery is the router's (replay from 0 at a new epoch with the session's own partition; over_budget
-retried after retry_after_s). The driver logs what the daemons were made to hold, for the run alone: a
-replay inside an append as a reset and the session's appends again (kvpool.stress.log.replayed). Between
-operations every daemon holds [0, length) of `tokens` under the session's epoch (or lost it to eviction or
-expiry, and the next append replays); `logits` is the output for position length - 1 when known.
+Between operations every daemon holds [0, length) of `tokens` under the session's epoch (or lost it to
+eviction or expiry, and the next append replays).
 """
 
 from __future__ import annotations
@@ -15,89 +14,49 @@ import sys
 import time
 import traceback
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
-from kvpool.client import Client, ConnectionLost, KvpoolError
-from kvpool.protocol import ErrorCode, MissReason
+from kvpool.client import Client, ConnectionLost
 from kvpool.route import StageFailed
-from kvpool.router import RecoveryFailed, RecoveryPolicy, Router
+from kvpool.router import RecoveryFailed
 from kvpool.stress import probes
 from kvpool.stress.cancels import CancelDrill, CancelResult
 from kvpool.stress.errors import ContractViolation
 from kvpool.stress.faults import FaultInjector
-from kvpool.stress.log import LogEntry, LoggedAppend, LoggedReset, LoggedTruncate, replayed, row_digest
 from kvpool.stress.options import OpKind, StressOptions
 from kvpool.stress.plans import SessionSetup
 from kvpool.stress.recording import Recorder
 from kvpool.stress.restarts import ChainControl
 from kvpool.stress.schedule import OpSchedule, target_name
-from kvpool.stress.tap import Reconnected, TappedClient
+from kvpool.stress.tapped_session import TappedSession
 
 PREFILL_CHUNKS = (1, 2, 3, 5, 8, 13, 16, 24)
 JITTER_MAX_S = 0.003
 MAX_CLOSING_STEPS = 200
-MAX_CONNECTION_RECOVERIES = 5
-ADMIT_TIMEOUT_S = 60.0  # a session admitted on a full daemon waits in its line, first come first served
-# Recovery is the router's; the stress only bounds it far above what a slow, busy machine needs.
-POLICY = RecoveryPolicy(max_replays=200, over_budget_give_up_s=1800.0)
-StageHook = Callable[[int, int, int], None]  # (stage, start_pos, rows) just before an append goes to a daemon
 
 
-class SessionDriver:
+class SessionDriver(TappedSession):
+    """The plan of one session run as a thread (`run`): its operations, seeded, then its closing steps."""
+
     def __init__(self, setup: SessionSetup, clients: Sequence[Client], options: StressOptions, recorder: Recorder, control: ChainControl | None = None) -> None:
-        self.setup = setup
-        self.session_id = setup.session_id
-        self.options = options
-        self.recorder = recorder
-        self.control = control
+        super().__init__(setup, clients, options, recorder, control)
         self.rng = random.Random(f"session:{options.seed}:{setup.index}")
-        self.clients = [TappedClient(stage, client, self) for stage, client in enumerate(clients)]
-        self.router = Router(self.clients, policy=POLICY, seed=options.seed)
-        self.session = self.router.session(setup.session_id, n_ctx=options.n_ctx, admit_timeout_s=ADMIT_TIMEOUT_S)
         self.tokens: list[int] = list(setup.prompt)
-        self.logits: np.ndarray | None = None
-        self.log: list[LogEntry] = []
-        self.stage = -1  # the daemon an append is at right now; read by the canceller thread
-        self.stage_hook: StageHook | None = None  # set by the operation that aims at a daemon (fault, cancel)
-        self.cancelled_reply: tuple[int, int] | None = None  # (stage, length) of the last cancelled reply
         self.schedule = OpSchedule(setup.plan, self.rng, len(self.clients))
         self.op_index = 0
         self._op_label = ""
-        self._generations = control.generations() if control is not None else []
         self.faults = FaultInjector(self)
         self.cancels = CancelDrill(self)
         self.ops: Counter[str] = Counter()
-        self.misses: Counter[str] = Counter()
-        self.appends = self.resets = self.connection_losses = self.restarts = 0
-        self._unanswered_losses = 0  # reconnections the router has not answered with a replay at a new epoch
         self.cancels_landed = self.cancels_completed = self.late_cancels = self.cancel_attempts_missed = 0
         self.cancels_landed_on: Counter[int] = Counter()
-        self.admission_waits: list[float] = []  # seconds each admission took, queue and back-off included
         self.finished_at: float | None = None  # monotonic time the session's last operation completed
         self.final_length = 0  # the session's length when it ended (before its release)
         self.violations: list[str] = []
         self.failed_op = ""
         self.idle_results: list[str] = []
-
-    @property
-    def epoch(self) -> int:
-        return self.session.epoch
-
-    @epoch.setter
-    def epoch(self, value: int) -> None:
-        self.session.epoch = value
-
-    @property
-    def length(self) -> int:
-        return self.session.length
-
-    @property
-    def recoveries(self) -> int:
-        """Replays the router started, and restarts after a connection lost outside the router."""
-        counts = self.session.counts
-        return counts.cache_misses + counts.workers_lost + counts.connections_lost + self.restarts
 
     # ---- the loop ------------------------------------------------------------------------------------
 
@@ -177,100 +136,6 @@ class SessionDriver:
                 probes.stale_request(self)
             case OpKind.IDLE:
                 probes.idle_until_expired(self)
-
-    # ---- through the router ------------------------------------------------------------------------------
-
-    def route_append(self, tokens: Sequence[int]) -> np.ndarray:
-        """The router's append of `tokens` at the session's length: the last output row. A replay the router
-        did first is logged here; the append itself is the caller's to log (took_effect)."""
-        counts = self.session.counts
-        before, partition, replays, lost = self.session.tokens, self.session.partition, counts.replays, counts.connections_lost
-        try:
-            rows = self.session.append(list(tokens))
-        finally:
-            if counts.replays != replays:
-                self.log += replayed(before, partition)
-                self.resets += 1
-            if counts.connections_lost != lost:
-                self._unanswered_losses = 0  # the router replayed at a new epoch
-        return np.array(rows[-1], copy=True)
-
-    def append(self, tokens: Sequence[int], *, greedy: bool) -> None:
-        start = self.length
-        self.took_effect(start, tokens, self.route_append(tokens), greedy)
-
-    def took_effect(self, start: int, tokens: Sequence[int], last: np.ndarray, greedy: bool) -> None:
-        self.log.append(LoggedAppend(start, tuple(int(t) for t in tokens), row_digest(last), greedy))
-        self.logits = last
-        self.appends += 1
-
-    def truncate_to(self, length: int) -> None:
-        self.session.truncate(length)
-        self.log.append(LoggedTruncate(length))
-
-    def start_over(self) -> None:
-        """Release the session everywhere (at the router session's epoch); the next append starts from 0."""
-        self._release_all()
-        self.log.append(LoggedReset())
-        self.logits = None
-        self.resets += 1
-
-    def _release_all(self) -> None:
-        for _ in range(MAX_CONNECTION_RECOVERIES):
-            try:
-                self.session.release()
-                return
-            except ConnectionLost:
-                continue  # the tap reconnected to a restarted daemon: release again
-        raise ContractViolation(f"{self.session_id}: still losing connections after {MAX_CONNECTION_RECOVERIES} releases")
-
-    # ---- the tap: each request to a daemon (kvpool.stress.tap) ---------------------------------------------
-
-    def sending(self, stage: int, start_pos: int, rows: int) -> None:
-        self.stage = stage
-        if self.stage_hook is not None:
-            self.stage_hook(stage, start_pos, rows)
-
-    def answered(self, stage: int, error: KvpoolError | None, *, admitted: bool = False, waited_s: float = 0.0) -> None:
-        self.stage = -1
-        if admitted:
-            self.admission_waits.append(waited_s)
-        if error is not None:
-            self.recorder.error(error)
-            if error.code == ErrorCode.CACHE_MISS and error.reason in (MissReason.EVICTED, MissReason.EXPIRED, MissReason.WORKER_LOST):
-                self.misses[str(error.reason)] += 1
-            elif error.code == ErrorCode.WORKER_LOST:
-                self.misses["worker_lost"] += 1
-            elif error.code == ErrorCode.CANCELLED:
-                self.cancelled_reply = (stage, error.length)
-        self.faults.answered(stage, error)
-
-    def lost(self, _stage: int, error: ConnectionLost) -> None:
-        """Only a killed supervisor (the drill) explains a lost connection: reconnect to every daemon
-        restarted since this session last looked (kvpool.stress.restarts), or fail the run."""
-        self.stage = -1
-        if self.control is None or not self.control.reconnect(self._generations, self.clients, self.session_id):
-            raise ContractViolation(f"connection lost (did a daemon die?): {error}")
-        self.connection_losses += 1
-        self._unanswered_losses += 1
-        self.recorder.event("connection lost (supervisor killed): replayed at a new epoch")
-
-    def _survive(self, action: Callable[[], object]) -> None:
-        """Run `action`. A connection lost where the router did not replay (a truncate, a release, a probe's
-        or a drill's own request) is answered here as the router would: start again from 0 at a new epoch."""
-        for _ in range(MAX_CONNECTION_RECOVERIES):
-            try:
-                action()
-            except ConnectionLost as error:
-                if not isinstance(error, Reconnected):
-                    self.lost(-1, error)
-            if not self._unanswered_losses:
-                return
-            self._unanswered_losses = 0
-            self.restarts += 1
-            self.epoch += 1
-            action = self.start_over
-        raise ContractViolation(f"{self.session_id}: still losing connections after {MAX_CONNECTION_RECOVERIES} recoveries")
 
     # ---- operations ---------------------------------------------------------------------------------------
 

@@ -1,0 +1,98 @@
+"""The report of sections 5 and 6 on the whole-model daemon (measured by kvpool.bench.admission):
+admission, release, reclaim and LRU eviction against bare llama contexts; memory charged and measured
+against the theoretical KV size."""
+
+from __future__ import annotations
+
+import math
+
+from kvpool.bench.options import SESSIONS, as_mib, median_of
+from kvpool.bench.table import Row, headline, ms
+from kvpool.bench.targets import HOT_PATH_TARGETS
+
+
+def summarize_admission(results: dict) -> tuple[dict, dict, list[Row]]:
+    """Section 5's medians, headline ratio and table rows."""
+    summary: dict[str, float | int | bool] = {}
+    ratios: dict[str, dict] = {}
+    rows: list[Row] = []
+
+    admission = results["admission"]
+    decode_step = median_of(admission["decode_s"])
+    summary["s5_daemon_decode_step_s"] = decode_step
+    for n_ctx in results["options"]["admit_n_ctx"]:
+        key = str(n_ctx)
+        admit = median_of(admission["admit_s"][key])
+        inprocess = median_of(admission["inprocess_admit_s"][key])
+        bare = median_of(admission["bare_create_s"][key])
+        net = admit - decode_step
+        summary.update({f"s5_admit_{n_ctx}_s": admit, f"s5_inprocess_admit_{n_ctx}_s": inprocess, f"s5_bare_create_{n_ctx}_s": bare})
+        rows.append(Row("5", f"admit n_ctx {n_ctx} on a warm worker: admitting 1-token append vs in-process create + 1-token append",
+                        ms(admit), ms(inprocess), f"{admit / inprocess:.2f}x time"))
+        rows.append(Row("5", f"  admission alone (minus a {ms(decode_step)} decode through the daemon) vs a bare llama context create",
+                        ms(net), ms(bare), f"{net / bare:.2f}x time"))
+    first = admission["first_admit_s"]
+    firsts = []
+    for n_ctx in results["options"]["admit_n_ctx"]:
+        value = first[str(n_ctx)]
+        steady = median_of(admission["admit_s"][str(n_ctx)])
+        if value is None:
+            firsts.append(f"{n_ctx}: at daemon start")
+        else:
+            summary[f"s5_first_admit_{n_ctx}_s"] = value
+            firsts.append(f"{n_ctx}: {ms(value)} (+{ms(value - steady)})")
+    rows.append(Row("5", "first admission of an n_ctx (charges are fitted at start-up: no admission measures)", "; ".join(firsts),
+                    "steady state above", ""))
+    unseen = [n for n in results["options"]["admit_n_ctx"] if first[str(n)] is not None]
+    if unseen:
+        largest = max(unseen)
+        bare_create = median_of(admission["bare_create_s"][str(largest)])
+        first_net = first[str(largest)] - decode_step  # the admitting append's decode left out, as in the rows above
+        first_vs_bare = first_net / bare_create
+        ratios["first_admission_vs_bare"] = headline(first_vs_bare, HOT_PATH_TARGETS["first_admission_vs_bare"], at_most=True)
+        rows.append(Row("5", f"first admission of an unseen n_ctx ({largest}), its 1-token decode left out, vs a bare llama context creation",
+                        ms(first_net), ms(bare_create), f"{first_vs_bare:.2f}x time", f"<= {HOT_PATH_TARGETS['first_admission_vs_bare']:.2f}: {'met' if first_vs_bare <= HOT_PATH_TARGETS['first_admission_vs_bare'] else 'MISSED'}"))
+    release = median_of([v for values in admission["release_s"].values() for v in values])
+    visible = median_of([v for values in admission["reclaim_visible_s"].values() for v in values])
+    free = median_of([v for values in admission["bare_free_s"].values() for v in values])
+    kept = {n_ctx: median_of(values) for n_ctx, values in admission["uss_kept_bytes"].items()}
+    summary.update({"s5_release_s": release, "s5_reclaim_visible_s": visible, "s5_bare_free_s": free})
+    summary.update({f"s5_uss_kept_{n_ctx}_bytes": value for n_ctx, value in kept.items()})
+    rows.append(Row("5", "release -> bytes available: release round trip; until a stats reply shows reserved dropped",
+                    f"{ms(release)}; {ms(visible)}", f"llama_free {ms(free)}", f"{release / free:.1f}x time"))
+    rows.append(Row("5", "  workers' USS still held after release (vs before the admission), by n_ctx",
+                    "; ".join(f"{n_ctx}: {as_mib(value):+.1f} MiB" for n_ctx, value in kept.items()), "", ""))
+    evict = median_of(admission["evict_admit_s"])
+    admit_2048 = median_of(admission["admit_s"]["2048"]) if "2048" in admission["admit_s"] else math.nan
+    summary.update({"s5_evict_admit_s": evict, "s5_evictions_counted": admission["evictions_counted"]})
+    rows.append(Row("5", f"LRU eviction + admission, n_ctx 2048, all {SESSIONS} workers bound ({admission['evictions_counted']} evictions counted, "
+                         f"{admission.get('evicted_victims_parked', 0)} of them parked in the warm tier)",
+                    ms(evict), f"admit on a free worker {ms(admit_2048)}", f"{evict / admit_2048:.2f}x time"))
+    return summary, ratios, rows
+
+
+def summarize_memory(results: dict) -> tuple[dict, dict, list[Row]]:
+    """Section 6's figures and table rows."""
+    summary: dict[str, float | int | bool] = {}
+    rows: list[Row] = []
+
+    memory = results["memory"]
+    for n_ctx in results["options"]["admit_n_ctx"]:
+        figures = memory["per_session"][str(n_ctx)]
+        charged, theory, growth = figures["charged_bytes"], figures["theoretical_kv_bytes"], figures["uss_growth_bytes"]
+        summary.update({f"s6_charged_{n_ctx}_bytes": charged, f"s6_theory_{n_ctx}_bytes": theory, f"s6_uss_growth_{n_ctx}_bytes": growth})
+        held = figures["held_before_bytes"]
+        summary[f"s6_held_before_{n_ctx}_bytes"] = held
+        rows.append(Row("6", f"one session n_ctx {n_ctx}: charged; measured worker USS growth (the worker held {as_mib(held):+.1f} MiB over its "
+                             "start-up USS before) vs theoretical KV (n_ctx x 30 layers x (k+v) x f16)",
+                        f"{as_mib(charged):.1f} MiB; {as_mib(growth):.1f} MiB", f"{as_mib(theory):.1f} MiB",
+                        f"{charged / theory:.2f}x; {growth / theory:.2f}x"))
+    totals = memory["daemon_uss_bytes"]
+    n_ctx = memory["daemon_sessions_n_ctx"]
+    per_added = (totals[str(SESSIONS)] - totals["0"]) / SESSIONS
+    theory = n_ctx * memory["kv_bytes_per_position"]
+    summary.update({f"s6_daemon_uss_{count}_bytes": value for count, value in totals.items()})
+    rows.append(Row("6", f"whole-model daemon USS (supervisor + {SESSIONS} workers) at 0 / 1 / {SESSIONS} sessions of n_ctx {n_ctx}",
+                    " / ".join(f"{as_mib(totals[key]):.0f}" for key in ("0", "1", str(SESSIONS))) + " MiB",
+                    f"+{as_mib(theory):.1f} MiB KV per session", f"+{as_mib(per_added):.1f} MiB per session = {per_added / theory:.2f}x"))
+    return summary, {}, rows

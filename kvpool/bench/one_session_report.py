@@ -1,0 +1,111 @@
+"""The report of sections 1, 2 and 4, one session each (measured by kvpool.bench.one_session): medians,
+headline ratios and table rows of the middle shard's decode and prefill, and of greedy decode through the
+whole route."""
+
+from __future__ import annotations
+
+from kvpool.bench.one_session import IDLE_CHAIN_S, IDLE_MID_S
+from kvpool.bench.options import median_of
+from kvpool.bench.table import Row, headline, ms, share, verdict
+from kvpool.bench.targets import DAEMON_OVERHEAD_TARGET, HOT_PATH_TARGETS
+
+
+def _rate(seconds: float) -> str:
+    return f"{1 / seconds:.0f} tok/s ({ms(seconds)})"
+
+
+def summarize_mid_shard(results: dict) -> tuple[dict, dict, list[Row]]:
+    """Section 1: the middle shard's decode through a daemon against the same shard in-process, and where
+    the daemon's overhead goes."""
+    summary: dict[str, float | int | bool] = {}
+    ratios: dict[str, dict] = {}
+    rows: list[Row] = []
+
+    mid = results["mid_shard"]
+    decode = {name: median_of(values) for name, values in mid["decode_s"].items()}
+    mid_trip = median_of(mid["round_trip_s"]["worker_after_idle"])
+    mid_trip_hot = median_of(mid["round_trip_s"]["worker"])
+    mid_supervisor = median_of(mid["round_trip_s"]["supervisor"])
+    overhead = decode["daemon"] - decode["runtime"]
+    mid_rest = overhead - mid_trip - mid["payload_s"]
+    daemon_vs_runtime = decode["runtime"] / decode["daemon"]
+    ratios["daemon_vs_runtime_decode"] = headline(daemon_vs_runtime, DAEMON_OVERHEAD_TARGET)
+    ratios["daemon_vs_inprocess"] = headline(daemon_vs_runtime, HOT_PATH_TARGETS["daemon_vs_inprocess"])
+    summary.update({
+        "s1_daemon_decode_s": decode["daemon"], "s1_runtime_decode_s": decode["runtime"], "s1_llamacpp_decode_s": decode["llama.cpp"],
+        "s1_daemon_vs_runtime": daemon_vs_runtime, "s1_daemon_vs_llamacpp": decode["llama.cpp"] / decode["daemon"],
+        "s1_runtime_vs_llamacpp": decode["llama.cpp"] / decode["runtime"],
+        "s1_overhead_s": overhead, "s1_round_trip_after_idle_s": mid_trip, "s1_round_trip_hot_s": mid_trip_hot,
+        "s1_round_trip_supervisor_only_s": mid_supervisor, "s1_payload_s": mid["payload_s"], "s1_rest_s": mid_rest,
+    })
+    rows += [
+        Row("1", "middle shard decode: daemon vs the same shard in-process (worker runtime)", _rate(decode["daemon"]), _rate(decode["runtime"]),
+            f"{daemon_vs_runtime:.3f}x tok/s", verdict(daemon_vs_runtime, DAEMON_OVERHEAD_TARGET)),
+        Row("1", "middle shard decode: daemon vs llama.cpp in-process, no capture", _rate(decode["daemon"]), _rate(decode["llama.cpp"]),
+            f"{decode['llama.cpp'] / decode['daemon']:.3f}x tok/s"),
+        Row("1", "middle shard decode: worker runtime (capture, graph stopped) vs llama.cpp, no capture", _rate(decode["runtime"]), _rate(decode["llama.cpp"]),
+            f"{decode['llama.cpp'] / decode['runtime']:.3f}x tok/s"),
+        Row("1", "daemon overhead per token (daemon minus worker runtime)", ms(overhead), "", "100%"),
+        Row("1", f"  round trip client-supervisor-worker-back, no compute, after {IDLE_MID_S * 1e3:.0f} ms idle "
+                 f"(hot: {ms(mid_trip_hot)}; supervisor only: {ms(mid_supervisor)})", ms(mid_trip), "", share(mid_trip, overhead)),
+        Row("1", "  payload: encode, decode, shared-memory copies of one row each way (replayed in-process, hot caches)",
+            ms(mid["payload_s"]), "", share(mid["payload_s"], overhead)),
+        Row("1", "  rest: append bookkeeping in supervisor and worker, compute-slot semaphore, scheduling", ms(mid_rest), "", share(mid_rest, overhead)),
+    ]
+    return summary, ratios, rows
+
+
+def summarize_route(results: dict) -> tuple[dict, dict, list[Row]]:
+    """Section 2: greedy decode through the 3-shard route against the whole model, and where the
+    difference goes."""
+    summary: dict[str, float | int | bool] = {}
+    ratios: dict[str, dict] = {}
+    rows: list[Row] = []
+
+    route = results["route"]
+    greedy = {name: median_of(values) for name, values in route["decode_s"].items()}
+    whole, local, chain = greedy["llama.cpp whole"], greedy["in-process chain"], greedy["daemon chain"]
+    difference = chain - whole
+    split = local - whole
+    trips = sum(median_of(hop["worker_after_idle"]) for hop in route["round_trip_s"])
+    trips_hot = sum(median_of(hop["worker"]) for hop in route["round_trip_s"])
+    payload = sum(route["payload_s_per_hop"])
+    rest = chain - local - trips - payload
+    summary.update({
+        "s2_chain_decode_s": chain, "s2_whole_decode_s": whole, "s2_local_chain_decode_s": local, "s2_daemon_whole_decode_s": greedy["daemon whole"],
+        "s2_chain_vs_whole": whole / chain, "s2_split_s": split, "s2_round_trips_s": trips, "s2_round_trips_hot_s": trips_hot, "s2_payload_s": payload, "s2_rest_s": rest,
+        "s2_tokens_identical": all(route["tokens_identical"].values()),
+    })
+    sampled = greedy["daemon chain, sampled on the last"]
+    summary.update({"s2_sampled_chain_decode_s": sampled, "s2_sampled_chain_vs_whole": whole / sampled})
+    ratios["route_vs_whole"] = headline(whole / sampled, HOT_PATH_TARGETS["route_vs_whole"])
+    rows += [
+        Row("2", "greedy decode, one session: 3 shard daemons, the token picked on the last (sampling) vs the whole model in one context",
+            _rate(sampled), _rate(whole), f"{whole / sampled:.3f}x tok/s", verdict(whole / sampled, HOT_PATH_TARGETS["route_vs_whole"])),
+        Row("2", "greedy decode, one session: 3 shard daemons vs the whole model in one llama.cpp context", _rate(chain), _rate(whole), f"{whole / chain:.3f}x tok/s"),
+        Row("2", "greedy decode: whole model through 1 daemon vs in one llama.cpp context", _rate(greedy["daemon whole"]), _rate(whole),
+            f"{whole / greedy['daemon whole']:.3f}x tok/s"),
+        Row("2", "greedy decode: 3 shards in-process (LocalChain) vs the whole model in one context", _rate(local), _rate(whole), f"{whole / local:.3f}x tok/s"),
+        Row("2", "where the difference goes (3 daemons minus whole model), per token", ms(difference), "", "100%"),
+        Row("2", "  split into 3 contexts in-process: 3 graphs, capture, Python (LocalChain minus whole)", ms(split), "", share(split, difference)),
+        Row("2", f"  IPC round trips: 3 x client-supervisor-worker-back after {IDLE_CHAIN_S * 1e3:.0f} ms idle (hot: {ms(trips_hot)})",
+            ms(trips), "", share(trips, difference)),
+        Row("2", "  payload: 2 hidden-state hops + 192 KiB of logits, encode/decode/copies (replayed in-process, hot caches)", ms(payload), "", share(payload, difference)),
+        Row("2", "  rest: append bookkeeping, thread hand-offs, scheduling (daemons minus LocalChain minus the two above)", ms(rest), "", share(rest, difference)),
+        Row("2", "greedy tokens identical in all five paths", "yes" if summary["s2_tokens_identical"] else "NO", "", ""),
+    ]
+    return summary, ratios, rows
+
+
+def summarize_prefill(results: dict) -> tuple[dict, dict, list[Row]]:
+    """Section 4: a prefill into the middle shard through a daemon against in-process."""
+    prefill = {name: median_of(values) for name, values in results["mid_shard"]["prefill_s"].items()}
+    rows_n = results["options"]["prefill_rows"]
+    summary = {"s4_daemon_prefill_s": prefill["daemon"], "s4_runtime_prefill_s": prefill["runtime"], "s4_llamacpp_prefill_s": prefill["llama.cpp"]}
+    rows = [
+        Row("4", f"prefill {rows_n} rows, middle shard: daemon vs in-process (worker runtime)", ms(prefill["daemon"]), ms(prefill["runtime"]),
+            f"{prefill['runtime'] / prefill['daemon']:.3f}x tok/s"),
+        Row("4", f"prefill {rows_n} rows: daemon vs llama.cpp in-process, no capture, last row out", ms(prefill["daemon"]), ms(prefill["llama.cpp"]),
+            f"{prefill['llama.cpp'] / prefill['daemon']:.3f}x tok/s"),
+    ]
+    return summary, {}, rows

@@ -1,0 +1,10 @@
+"""What the headline ratios of sections 1 to 6 must reach (sections 7 and 8 keep their targets in
+kvpool.bench.warm and kvpool.bench.overload)."""
+
+DAEMON_OVERHEAD_TARGET = 0.95  # daemon tok/s >= 0.95 x in-process tok/s
+PARALLEL_TARGET = 1.2  # kvpool aggregate tok/s >= 1.2 x llama.cpp batched
+
+HOT_PATH_TARGETS = {  # issue 11's targets, the JSON "ratios" keys
+    "daemon_vs_inprocess": 0.97, "route_vs_whole": 0.93, "four_sessions_vs_batched": 1.0, "four_sessions_vs_ceiling": 0.95,
+    "first_admission_vs_bare": 1.5,
+}

@@ -1,0 +1,176 @@
+"""One stress session's hold on the route: its kvpool.router session over tapped clients, the log of what
+the daemons were made to hold, and what each request to a daemon came back with (the Tap of
+kvpool.stress.tap).
+
+Recovery is the router's (replay from 0 at a new epoch with the session's own partition; over_budget
+retried after retry_after_s). The session logs what the daemons were made to hold, for the run alone: a
+replay inside an append as a reset and the session's appends again (kvpool.stress.log.replayed).
+`logits` is the output for position length - 1 when known.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from kvpool.client import Client, ConnectionLost, KvpoolError
+from kvpool.protocol import ErrorCode, MissReason
+from kvpool.router import RecoveryPolicy, Router
+from kvpool.stress.errors import ContractViolation
+from kvpool.stress.log import LogEntry, LoggedAppend, LoggedReset, LoggedTruncate, replayed, row_digest
+from kvpool.stress.options import StressOptions
+from kvpool.stress.plans import SessionSetup
+from kvpool.stress.recording import Recorder
+from kvpool.stress.restarts import ChainControl
+from kvpool.stress.tap import Reconnected, TappedClient
+
+if TYPE_CHECKING:
+    from kvpool.stress.faults import FaultInjector
+
+MAX_CONNECTION_RECOVERIES = 5
+ADMIT_TIMEOUT_S = 60.0  # a session admitted on a full daemon waits in its line, first come first served
+# Recovery is the router's; the stress only bounds it far above what a slow, busy machine needs.
+POLICY = RecoveryPolicy(max_replays=200, over_budget_give_up_s=1800.0)
+StageHook = Callable[[int, int, int], None]  # (stage, start_pos, rows) just before an append goes to a daemon
+
+
+class TappedSession:
+    """The session as the daemons see it, and what they answered; kvpool.stress.driver.SessionDriver runs
+    its plan on it."""
+
+    faults: FaultInjector  # the session driver's fault drill: told every daemon's answer
+
+    def __init__(self, setup: SessionSetup, clients: Sequence[Client], options: StressOptions, recorder: Recorder, control: ChainControl | None = None) -> None:
+        self.setup = setup
+        self.session_id = setup.session_id
+        self.options = options
+        self.recorder = recorder
+        self.control = control
+        self.clients = [TappedClient(stage, client, self) for stage, client in enumerate(clients)]
+        self.router = Router(self.clients, policy=POLICY, seed=options.seed)
+        self.session = self.router.session(setup.session_id, n_ctx=options.n_ctx, admit_timeout_s=ADMIT_TIMEOUT_S)
+        self.logits: np.ndarray | None = None
+        self.log: list[LogEntry] = []
+        self.stage = -1  # the daemon an append is at right now; read by the canceller thread
+        self.stage_hook: StageHook | None = None  # set by the operation that aims at a daemon (fault, cancel)
+        self.cancelled_reply: tuple[int, int] | None = None  # (stage, length) of the last cancelled reply
+        self._generations = control.generations() if control is not None else []
+        self.misses: Counter[str] = Counter()
+        self.appends = self.resets = self.connection_losses = self.restarts = 0
+        self._unanswered_losses = 0  # reconnections the router has not answered with a replay at a new epoch
+        self.admission_waits: list[float] = []  # seconds each admission took, queue and back-off included
+
+    @property
+    def epoch(self) -> int:
+        return self.session.epoch
+
+    @epoch.setter
+    def epoch(self, value: int) -> None:
+        self.session.epoch = value
+
+    @property
+    def length(self) -> int:
+        return self.session.length
+
+    @property
+    def recoveries(self) -> int:
+        """Replays the router started, and restarts after a connection lost outside the router."""
+        counts = self.session.counts
+        return counts.cache_misses + counts.workers_lost + counts.connections_lost + self.restarts
+
+    # ---- through the router ------------------------------------------------------------------------------
+
+    def route_append(self, tokens: Sequence[int]) -> np.ndarray:
+        """The router's append of `tokens` at the session's length: the last output row. A replay the router
+        did first is logged here; the append itself is the caller's to log (took_effect)."""
+        counts = self.session.counts
+        before, partition, replays, lost = self.session.tokens, self.session.partition, counts.replays, counts.connections_lost
+        try:
+            rows = self.session.append(list(tokens))
+        finally:
+            if counts.replays != replays:
+                self.log += replayed(before, partition)
+                self.resets += 1
+            if counts.connections_lost != lost:
+                self._unanswered_losses = 0  # the router replayed at a new epoch
+        return np.array(rows[-1], copy=True)
+
+    def append(self, tokens: Sequence[int], *, greedy: bool) -> None:
+        start = self.length
+        self.took_effect(start, tokens, self.route_append(tokens), greedy)
+
+    def took_effect(self, start: int, tokens: Sequence[int], last: np.ndarray, greedy: bool) -> None:
+        self.log.append(LoggedAppend(start, tuple(int(t) for t in tokens), row_digest(last), greedy))
+        self.logits = last
+        self.appends += 1
+
+    def truncate_to(self, length: int) -> None:
+        self.session.truncate(length)
+        self.log.append(LoggedTruncate(length))
+
+    def start_over(self) -> None:
+        """Release the session everywhere (at the router session's epoch); the next append starts from 0."""
+        self._release_all()
+        self.log.append(LoggedReset())
+        self.logits = None
+        self.resets += 1
+
+    def _release_all(self) -> None:
+        for _ in range(MAX_CONNECTION_RECOVERIES):
+            try:
+                self.session.release()
+                return
+            except ConnectionLost:
+                continue  # the tap reconnected to a restarted daemon: release again
+        raise ContractViolation(f"{self.session_id}: still losing connections after {MAX_CONNECTION_RECOVERIES} releases")
+
+    # ---- the tap: each request to a daemon (kvpool.stress.tap) ---------------------------------------------
+
+    def sending(self, stage: int, start_pos: int, rows: int) -> None:
+        self.stage = stage
+        if self.stage_hook is not None:
+            self.stage_hook(stage, start_pos, rows)
+
+    def answered(self, stage: int, error: KvpoolError | None, *, admitted: bool = False, waited_s: float = 0.0) -> None:
+        self.stage = -1
+        if admitted:
+            self.admission_waits.append(waited_s)
+        if error is not None:
+            self.recorder.error(error)
+            if error.code == ErrorCode.CACHE_MISS and error.reason in (MissReason.EVICTED, MissReason.EXPIRED, MissReason.WORKER_LOST):
+                self.misses[str(error.reason)] += 1
+            elif error.code == ErrorCode.WORKER_LOST:
+                self.misses["worker_lost"] += 1
+            elif error.code == ErrorCode.CANCELLED:
+                self.cancelled_reply = (stage, error.length)
+        self.faults.answered(stage, error)
+
+    def lost(self, _stage: int, error: ConnectionLost) -> None:
+        """Only a killed supervisor (the drill) explains a lost connection: reconnect to every daemon
+        restarted since this session last looked (kvpool.stress.restarts), or fail the run."""
+        self.stage = -1
+        if self.control is None or not self.control.reconnect(self._generations, self.clients, self.session_id):
+            raise ContractViolation(f"connection lost (did a daemon die?): {error}")
+        self.connection_losses += 1
+        self._unanswered_losses += 1
+        self.recorder.event("connection lost (supervisor killed): replayed at a new epoch")
+
+    def _survive(self, action: Callable[[], object]) -> None:
+        """Run `action`. A connection lost where the router did not replay (a truncate, a release, a probe's
+        or a drill's own request) is answered here as the router would: start again from 0 at a new epoch."""
+        for _ in range(MAX_CONNECTION_RECOVERIES):
+            try:
+                action()
+            except ConnectionLost as error:
+                if not isinstance(error, Reconnected):
+                    self.lost(-1, error)
+            if not self._unanswered_losses:
+                return
+            self._unanswered_losses = 0
+            self.restarts += 1
+            self.epoch += 1
+            action = self.start_over
+        raise ContractViolation(f"{self.session_id}: still losing connections after {MAX_CONNECTION_RECOVERIES} recoveries")
