@@ -68,6 +68,14 @@ def summarize_parallel(results: dict) -> tuple[dict, dict, list[Row]]:
         ratios["four_sessions_batched_vs_process_mode"] = headline(batched_whole / process_whole, None)
         rows.append(Row("3", "four sessions, whole model: --mode batched vs --mode process (the faster is the mode to run on this machine)",
                         f"{batched_whole:.0f} tok/s", f"{process_whole:.0f} tok/s", f"{batched_whole / process_whole:.3f}x tok/s"))
+    auto = results["parallel"].get("auto")
+    if auto is not None and BATCHED_WHOLE in parallel:
+        faster = summary["s3_faster_mode_whole_model"]
+        summary["s3_auto_mode"] = auto["mode"]
+        summary["s3_auto_picked_the_faster"] = auto["mode"] == faster
+        rows.append(Row("3", f"four sessions, whole model: --mode auto picks {auto['mode']} (its start-up probe: batched {auto['probe_batched_tok_s']:.0f} tok/s, "
+                             f"process ceiling {auto['probe_process_tok_s']:.0f} tok/s); faster in the rows above: {faster}",
+                        auto["mode"], faster, "same" if auto["mode"] == faster else "DIFFERENT"))
     ratios["four_sessions_vs_batched"] = headline(kvpool_best / best, HOT_PATH_TARGETS["four_sessions_vs_batched"])
     ratios["four_sessions_vs_ceiling"] = headline(parallel["kvpool whole model, 1 daemon"] / ceiling, HOT_PATH_TARGETS["four_sessions_vs_ceiling"])
     rows.append(Row("3", "four sessions: kvpool's best mode here vs the best llama.cpp batched (>= 1.2 on the machine of record)",
