@@ -10,13 +10,12 @@ import os
 class ComputeLocks:
     def __init__(self, path: str, count: int, preferred: int) -> None:
         self._fd = os.open(path, os.O_RDWR)
-        self._count = count
         self._preferred = preferred % count
+        self._order = [(self._preferred + offset) % count for offset in range(count)]  # the preferred slot first
         self._held: int | None = None
 
     def __enter__(self) -> ComputeLocks:
-        order = [(self._preferred + offset) % self._count for offset in range(self._count)]
-        for slot in order:
+        for slot in self._order:
             try:
                 fcntl.lockf(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, slot)
             except OSError:

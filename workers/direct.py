@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 
 FRAME_READ_TIMEOUT_S = 30.0  # a client that stops mid-frame is dropped, never waited on forever
 MAX_FRAME_BYTES = 256 * 1024 * 1024
+ONE_WRITE_BYTES = 64 * 1024  # a reply this small fits an empty socket buffer: one write, never a wait
 
 
 def listen(address: str) -> socket.socket:
@@ -56,8 +57,12 @@ def accept_same_uid(listener: socket.socket) -> socket.socket | None:
     if uid != os.getuid():
         connection.close()
         return None
+    # Blocking, with the kernel's own time limits rather than Python's timeout (which polls before every
+    # recv and send): a client stopped mid-frame, or not reading its reply, is dropped just the same.
     connection.setblocking(True)
-    connection.settimeout(FRAME_READ_TIMEOUT_S)
+    limit = struct.pack("ll", int(FRAME_READ_TIMEOUT_S), 0)  # struct timeval
+    connection.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, limit)
+    connection.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, limit)
     return connection
 
 
@@ -85,8 +90,16 @@ def read_append(connection: socket.socket) -> Append | ErrorReply | None:
 
 
 def send(connection: socket.socket, reply: Message) -> bool:
+    frame = encode(reply)
     try:
-        connection.sendall(encode(reply))
+        if len(frame) <= ONE_WRITE_BYTES:
+            connection.sendall(frame)
+        else:  # one time limit for the whole frame, not for each write (a slow reader is dropped in time)
+            connection.settimeout(FRAME_READ_TIMEOUT_S)
+            try:
+                connection.sendall(frame)
+            finally:
+                connection.setblocking(True)
     except OSError:
         return False
     return True
