@@ -68,7 +68,8 @@ def build_pool(config: ServeConfig, info: ShardInfo) -> WorkerPool:
             verbose=config.verbose,
             direct=config.uses_direct_channels,
             max_n_ctx=config.n_ctx,
-            compute_lock_path=str(compute_lock_path(config)),
+            # Locks only where the bound can be exceeded: fewer compute slots than worker processes.
+            compute_lock_path=str(compute_lock_path(config)) if config.concurrent_workers < config.worker_processes else "",
             compute_slots=config.concurrent_workers,
             seqs_per_worker=config.seqs_per_worker if config.batched else 0,
         )

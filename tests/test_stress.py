@@ -365,3 +365,15 @@ def test_script_and_subcommand_help_and_bad_options():
     assert command.returncode == 0 and "--sockets" in command.stdout
     bad = subprocess.run([sys.executable, "-m", "kvpool", "stress", "--sessions", "0"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--sessions must be at least 1" in bad.stderr
+
+
+@pytest.mark.timeout(HANG_GUARD_S)
+def test_batched_mode_every_session_exact_and_a_killed_worker_loses_only_its_own_sessions(tmp_path):
+    """Issue 12: the daemons in --mode batched (one worker process per daemon holds the four sessions as
+    sequences of one context). A SIGKILLed worker process is worker_lost for its sessions, which replay;
+    every session ends exact, isolation included (the reference replays each session alone)."""
+    report = _run(tmp_path, mode="batched", kill_worker=True, seed=5)
+    _assert_common(report)
+    assert report.options["mode"] == "batched"
+    assert _verdict(report, "kill_worker").passed
+    assert report.errors_by_code.get("worker_lost", 0) >= 1
