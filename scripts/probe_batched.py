@@ -38,8 +38,9 @@ def cpu_model() -> str:
     return "unknown"
 
 
-def separate(model: ShardModel, prompts: list[list[int]], n_ctx: int, steps: int) -> tuple[float, list[list[int]]]:
+def separate(model: ShardModel, prompts: list[list[int]], n_ctx: int, steps: int) -> tuple[float, list[list[int]], list[np.ndarray]]:
     contexts = [model.new_context(n_ctx) for _ in prompts]
+    seen: list[np.ndarray] = []  # every session's logits row, step by step (compared after the timing)
     try:
         tokens = [[int(context.append(0, tokens=np.asarray(p))[-1].argmax())] for context, p in zip(contexts, prompts)]
         started = time.perf_counter()
@@ -47,14 +48,16 @@ def separate(model: ShardModel, prompts: list[list[int]], n_ctx: int, steps: int
             for context, prompt, generated in zip(contexts, prompts, tokens):
                 logits = context.append(len(prompt) + step, tokens=np.asarray(generated[-1:]))
                 generated.append(int(logits[-1].argmax()))
+                seen.append(logits[-1])
         elapsed = time.perf_counter() - started
     finally:
         for context in contexts:
             context.close()
-    return steps * len(prompts) / elapsed, tokens
+    return steps * len(prompts) / elapsed, tokens, seen
 
 
-def batched(model: ShardModel, prompts: list[list[int]], n_ctx: int, steps: int) -> tuple[float, list[list[int]]]:
+def batched(model: ShardModel, prompts: list[list[int]], n_ctx: int, steps: int) -> tuple[float, list[list[int]], list[np.ndarray]]:
+    seen: list[np.ndarray] = []
     with BatchedShardContext(model, n_ctx, len(prompts), n_batch=512) as context:
         first = context.append_many([SeqAppend(seq, 0, np.asarray(p)) for seq, p in enumerate(prompts)])
         tokens = [[int(rows[-1].argmax())] for rows in first]
@@ -66,8 +69,9 @@ def batched(model: ShardModel, prompts: list[list[int]], n_ctx: int, steps: int)
             ])
             for generated, logits in zip(tokens, rows):
                 generated.append(int(logits[-1].argmax()))
+                seen.append(logits[-1])
         elapsed = time.perf_counter() - started
-    return steps * len(prompts) / elapsed, tokens
+    return steps * len(prompts) / elapsed, tokens, seen
 
 
 def main() -> int:
@@ -81,14 +85,21 @@ def main() -> int:
     n_ctx = max(len(p) for p in prompts) + args.tokens + 1
     figures: dict[str, list[float]] = {"separate": [], "batched": []}
     agree = True
+    largest_difference = 0.0
+    agreeing_steps = total_steps = 0
     with ShardModel(path, n_threads=1) as model:
         separate(model, prompts, n_ctx, 2)  # warm-up: page in the weights
         for _ in range(args.rounds):
-            rate, separate_tokens = separate(model, prompts, n_ctx, args.tokens)
+            rate, separate_tokens, separate_rows = separate(model, prompts, n_ctx, args.tokens)
             figures["separate"].append(rate)
-            rate, batched_tokens = batched(model, prompts, n_ctx, args.tokens)
+            rate, batched_tokens, batched_rows = batched(model, prompts, n_ctx, args.tokens)
             figures["batched"].append(rate)
             agree = agree and separate_tokens == batched_tokens
+            for one, other in zip(separate_tokens, batched_tokens):
+                total_steps += len(one)
+                agreeing_steps += next((index for index, (a, b) in enumerate(zip(one, other)) if a != b), len(one))
+            if separate_tokens == batched_tokens:  # same tokens fed: the rows are comparable one to one
+                largest_difference = max(largest_difference, max(float(np.abs(a - b).max()) for a, b in zip(separate_rows, batched_rows)))
     separate_rate = statistics.median(figures["separate"])
     batched_rate = statistics.median(figures["batched"])
     print(f"CPU: {cpu_model()}; whole bundled model, 1 thread, 4 sessions x {args.tokens} tokens, "
@@ -99,7 +110,10 @@ def main() -> int:
           f"{', '.join(f'{r:.1f}' for r in figures['separate'])} |")
     print(f"| (ii) 1 BatchedShardContext, 4 rows per llama_decode | {batched_rate:.1f} | "
           f"{', '.join(f'{r:.1f}' for r in figures['batched'])} |")
-    print(f"batched / separate: {batched_rate / separate_rate:.2f}x; greedy tokens identical: {agree}")
+    print(f"batched / separate: {batched_rate / separate_rate:.2f}x; greedy tokens identical: {agree} "
+          f"({agreeing_steps} of {total_steps} greedy tokens agree before any divergence); "
+          f"largest logit |difference| over every step of every session: {largest_difference!r}"
+          + ("" if agree else " (rounds whose tokens diverged left out)"))
     return 0
 
 

@@ -22,6 +22,7 @@ from kvpool.client import Client
 from kvpool.launcher import Daemon
 from kvpool.mode_probe import probe_modes
 from workers.runtime import ShardModel
+from workers.sampling import Sampling
 
 BATCHED_WHOLE = "kvpool whole model, 1 daemon, --mode batched"
 BATCHED_CHAIN = "kvpool 3-shard chain, --mode batched, capped at 2 in flight"
@@ -32,11 +33,11 @@ CEILING = f"no IPC: {PARALLEL_THREADS} processes x 1 thread, {SESSIONS // PARALL
 
 
 def _parallel_kvpool(
-    appenders: list[Callable[[int, Sequence[int]], np.ndarray]], prompts: list[list[int]], steps: int,
+    appenders: list[Callable[[int, Sequence[int]], int]], prompts: list[list[int]], steps: int,
     on_start: Callable[[], None] = lambda: None, on_end: Callable[[], None] = lambda: None,
 ) -> float:
     """Each session in its own thread (as four routers' requests arrive): prefill, wait for all, then
-    `steps` greedy decode steps. Aggregate decode tokens/s from the common start to the last finish;
+    `steps` greedy decode steps (each appender returns the next token). Aggregate decode tokens/s from the common start to the last finish;
     on_start and on_end run around the decode phase."""
     barrier = threading.Barrier(len(appenders) + 1)
     finished = [0.0] * len(appenders)
@@ -45,11 +46,11 @@ def _parallel_kvpool(
     def session(index: int) -> None:
         try:
             append, prompt = appenders[index], prompts[index]
-            logits = append(0, prompt)
+            token = append(0, prompt)
             barrier.wait()
             position = len(prompt)
             for _ in range(steps):
-                logits = append(position, [int(np.argmax(logits[-1]))])
+                token = append(position, [token])
                 position += 1
             finished[index] = time.perf_counter()
         except BaseException as error:  # noqa: BLE001 - re-raised in the caller's thread
@@ -170,25 +171,29 @@ def _daemon_cpu_s(daemon: Daemon) -> dict[str, float]:
     }
 
 
-def _whole_appender(client: Client, session: str) -> Callable[[int, Sequence[int]], np.ndarray]:
-    def append(start: int, tokens: Sequence[int]) -> np.ndarray:
-        return client.append(session, EPOCH, start, tokens=list(tokens), n_ctx=ROUTE_N_CTX).rows
+GREEDY = Sampling()  # kvpool's sessions pick the greedy token on the last shard (a few bytes back, not the logits)
+
+
+def _whole_appender(client: Client, session: str) -> Callable[[int, Sequence[int]], int]:
+    def append(start: int, tokens: Sequence[int]) -> int:
+        return client.append(session, EPOCH, start, tokens=list(tokens), n_ctx=ROUTE_N_CTX, sample=GREEDY).token
 
     return append
 
 
-def _chain_appender(clients: list[Client], session: str, limiter: threading.Semaphore | None) -> Callable[[int, Sequence[int]], np.ndarray]:
+def _chain_appender(clients: list[Client], session: str, limiter: threading.Semaphore | None) -> Callable[[int, Sequence[int]], int]:
     """A router's step through the chain; with a limiter, each hop holds one of its slots while in flight."""
     gate = limiter if limiter is not None else contextlib.nullcontext()
 
-    def append(start: int, tokens: Sequence[int]) -> np.ndarray:
-        first, *rest = clients
+    def append(start: int, tokens: Sequence[int]) -> int:
+        first, *middle, last = clients
         with gate:
             rows = first.append(session, EPOCH, start, tokens=list(tokens)).rows
-        for client in rest:
+        for client in middle:
             with gate:
                 rows = client.append(session, EPOCH, start, hidden=rows).rows
-        return rows
+        with gate:
+            return last.append(session, EPOCH, start, hidden=rows, sample=GREEDY).token
 
     return append
 
