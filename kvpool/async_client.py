@@ -20,7 +20,7 @@ from typing import Unpack
 
 import msgspec
 
-from kvpool.client import AppendOptions, AppendResult, ConnectionLost, KvpoolError, append_request, checked_reply
+from kvpool.client_messages import AppendOptions, AppendResult, ConnectionLost, KvpoolError, append_request, checked_reply
 from kvpool.protocol import FRAME_HEADER, MAX_REPLY_BYTES, PROTOCOL_VERSION, AppendReply, Cancel, Done, ErrorReply, Hello
 from kvpool.protocol import Fork, HelloReply, Park, Release, Reply, RequestMessage, ShardDescription, Shutdown, Stats, StatsReply, Truncate
 from kvpool.protocol import decode_reply, encode

@@ -12,7 +12,7 @@ from kvpool.protocol import Append, ErrorCode, ErrorReply, Reply
 
 class DirectChannels:
     def __init__(self, connect, lost: type[Exception]) -> None:
-        self._connect = connect  # address -> an open connection (kvpool.client._Connection, no handshake)
+        self._connect = connect  # address -> an open connection (kvpool.client_connection.ClientConnection, no handshake)
         self._lost = lost  # what a connection raises when its peer is gone
         self._lock = threading.Lock()
         self._address_of: dict[tuple[str, int], str] = {}

@@ -1,0 +1,25 @@
+"""PoolSpec: what every worker process of a pool is started with."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvpool.segments import SegmentLayout
+
+
+@dataclass(frozen=True, slots=True)
+class PoolSpec:
+    shard_path: str
+    size: int
+    segment: SegmentLayout
+    n_threads: int
+    flash_attn: bool
+    ready_timeout_s: float
+    request_timeout_s: float  # a call not answered by then: the worker is killed and counts as lost
+    n_gpu_layers: int = 0
+    verbose: bool = False
+    direct: bool = True  # each worker also listens on its direct channel
+    max_n_ctx: int = 0
+    compute_lock_path: str = ""  # at most compute_slots workers compute at once (across processes)
+    compute_slots: int = 1
+    seqs_per_worker: int = 0  # > 0: batched workers (kvpool.batched_worker), each serving this many sessions
