@@ -8,6 +8,7 @@ on the event loop (no thread hop). A call not answered within the request timeou
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -36,6 +37,7 @@ class WorkerProcess:
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(AnyWorkerReply)
         self._async_call_lock = asyncio.Lock()
+        self._waiting: tuple[asyncio.AbstractEventLoop, asyncio.Future] | None = None  # the call in flight: its loop and wake-up
         layout = spec.segment
         self.segment_bytes = layout.total_bytes
         self.shared = WorkerSegment(layout)
@@ -122,11 +124,13 @@ class WorkerProcess:
             readable = loop.create_future()
             try:
                 self._connection.send_bytes(self._encoder.encode(command))
+                self._waiting = (loop, readable)
                 loop.add_reader(descriptor, lambda: readable.done() or readable.set_result(None))
                 timer = loop.call_later(self.request_timeout_s, lambda: readable.done() or readable.set_exception(TimeoutError()))
                 try:
                     await readable
                 finally:
+                    self._waiting = None
                     timer.cancel()
                     loop.remove_reader(descriptor)
                 payload = self._connection.recv_bytes()
@@ -183,4 +187,11 @@ class WorkerProcess:
         self.lost = True
         self._connection.close()
         self._cancel_connection.close()
+        waiting = self._waiting
+        if waiting is not None:
+            # A call in flight (stop may run in a thread: a batched process is stopped when any of its slots
+            # is replaced) would wait on a closed pipe forever: it ends as the worker's end of the pipe would.
+            loop, readable = waiting
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
+                loop.call_soon_threadsafe(lambda: readable.done() or readable.set_exception(EOFError("the worker was stopped")))
         self.shared.release()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import threading
 
 import numpy as np
 import pytest
@@ -21,7 +22,7 @@ from kvpool.compute import ComputeSlots
 from kvpool.generate import greedy_tokens
 from kvpool.router import Router
 from kvpool.segments import SegmentLayout
-from kvpool.worker_handle import PoolSpec, WorkerFailed
+from kvpool.worker_handle import PoolSpec, WorkerFailed, WorkerLost
 from workers.runtime import ShardModel
 from tests.conftest import EVEN_SPLIT
 from tests.daemons import DaemonProcess, private_socket_dir
@@ -283,6 +284,38 @@ def test_cancel_inside_a_shared_batch_rolls_back_that_sequence_only(shards, reso
                     await future
                 assert aborted.value.code == "cancelled" and aborted.value.length == 34
             assert [await slot.truncate(34) for slot in worker.slots] == [34, 34]
+        finally:
+            worker.stop()
+
+    asyncio.run(scenario())
+
+
+def test_stopping_a_batched_process_under_a_call_in_flight_ends_that_call(shards, resource_tracker_running):
+    """The pool replaces a dead process when any of its slots is replaced, maybe while another slot's batch
+    waits on the pipe: the waiting call must end (worker lost) rather than wait on a closed pipe forever."""
+    shard = shards[1]
+    spec = PoolSpec(
+        shard_path=str(shard.path), size=1, segment=SegmentLayout.for_shard(shard.shape, n_ctx=N_CTX, max_request_bytes=1 << 22),
+        n_threads=1, flash_attn=False, ready_timeout_s=600, request_timeout_s=3600, direct=False, max_n_ctx=N_CTX, seqs_per_worker=2,
+    )
+    rows = np.random.default_rng(4).standard_normal((3, shard.shape.n_embd)).astype(np.float32)
+
+    async def scenario():
+        worker = BatchedWorker("test-stop", spec, compute=ComputeSlots(1))
+        try:
+            await asyncio.to_thread(worker.wait_ready, 600)
+            slot = worker.slots[0]
+            await slot.open(N_CTX)
+            os.kill(worker.pid, signal.SIGSTOP)  # the batch waits on the pipe: a call in flight
+            in_flight = asyncio.ensure_future(slot.append(0, rows))
+            await _until(lambda: len(worker._computing) == 1)
+            # As pool.start_replacement does, in a thread; the loop is held meanwhile, so it cannot see the
+            # worker's end of the pipe close before stop() closes ours (the race the fix is for).
+            stopper = threading.Thread(target=worker.stop, args=(5.0,))
+            stopper.start()
+            stopper.join()
+            with pytest.raises(WorkerLost):
+                await asyncio.wait_for(in_flight, HANG_GUARD_S)
         finally:
             worker.stop()
 

@@ -53,13 +53,16 @@ def test_quick_bench_prints_every_section_and_writes_json_and_png(tmp_path: path
                      "prefill 512 rows", "admit n_ctx 8192", "release -> bytes available", "LRU eviction + admission",
                      "one session n_ctx 2048: charged", "whole-model daemon USS", "128-token session, 3 daemons: Park on each",
                      "512-token session, 3 daemons: Park on each", "sessions per GiB, 256 tokens at n_ctx 2048",
-                     "overload, warm tier on", "overload, warm tier off"):
+                     "overload, warm tier on", "overload, warm tier off",
+                     "four sessions: kvpool whole model, 1 daemon, --mode batched", "four sessions: kvpool 3-shard chain, --mode batched",
+                     "--mode batched vs --mode process", "--mode auto picks"):
         assert any(expected in line for line in table), expected
     assert "greedy tokens identical in all five paths | yes" in completed.stdout
     assert "bit-identical to the re-prefilled session's | yes" in completed.stdout  # every timed decode restored, none missed
     assert "greedy tokens identical, all at once and 2 at a time, tier on and off | yes" in completed.stdout  # waits, parks, replays change no bit
 
     results = json.loads((out / "bench-quick.json").read_text())
+    assert {"four_sessions_vs_batched", "four_sessions_batched_vs_process_mode", "daemon_vs_inprocess"} <= set(results["ratios"])
     assert results["table"].strip() == "\n".join(table).strip()
     summary = results["summary"]
     for key, value in summary.items():

@@ -64,14 +64,14 @@ def summarize_parallel(results: dict) -> tuple[dict, dict, list[Row]]:
     kvpool_best = max(parallel[name] for name in counted if name in parallel)
     if BATCHED_WHOLE in parallel:
         process_whole, batched_whole = parallel["kvpool whole model, 1 daemon"], parallel[BATCHED_WHOLE]
-        summary["s3_faster_mode_whole_model"] = "batched" if batched_whole > process_whole else "process"
+        summary["s3_batched_faster_whole_model"] = batched_whole > process_whole
         ratios["four_sessions_batched_vs_process_mode"] = headline(batched_whole / process_whole, None)
         rows.append(Row("3", "four sessions, whole model: --mode batched vs --mode process (the faster is the mode to run on this machine)",
                         f"{batched_whole:.0f} tok/s", f"{process_whole:.0f} tok/s", f"{batched_whole / process_whole:.3f}x tok/s"))
     auto = results["parallel"].get("auto")
     if auto is not None and BATCHED_WHOLE in parallel:
-        faster = summary["s3_faster_mode_whole_model"]
-        summary["s3_auto_mode"] = auto["mode"]
+        faster = "batched" if summary["s3_batched_faster_whole_model"] else "process"
+        summary["s3_auto_picked_batched"] = auto["mode"] == "batched"
         summary["s3_auto_picked_the_faster"] = auto["mode"] == faster
         rows.append(Row("3", f"four sessions, whole model: --mode auto picks {auto['mode']} (its start-up probe: batched {auto['probe_batched_tok_s']:.0f} tok/s, "
                              f"process ceiling {auto['probe_process_tok_s']:.0f} tok/s); faster in the rows above: {faster}",
