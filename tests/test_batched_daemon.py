@@ -301,7 +301,7 @@ def test_stopping_a_batched_process_under_a_call_in_flight_ends_that_call(shards
     rows = np.random.default_rng(4).standard_normal((3, shard.shape.n_embd)).astype(np.float32)
 
     async def scenario():
-        worker = BatchedWorker("test-stop", spec, compute=ComputeSlots(1))
+        worker = BatchedWorker("test-stop", spec, compute=compute)
         try:
             await asyncio.to_thread(worker.wait_ready, 600)
             slot = worker.slots[0]
@@ -316,9 +316,13 @@ def test_stopping_a_batched_process_under_a_call_in_flight_ends_that_call(shards
             stopper.join()
             with pytest.raises(WorkerLost):
                 await asyncio.wait_for(in_flight, HANG_GUARD_S)
+            # the batcher's own call ends too, and gives its compute slot back (the daemon's other processes wait on it)
+            await asyncio.wait_for(worker._batcher, HANG_GUARD_S)
+            await asyncio.wait_for(compute.slot().__aenter__(), HANG_GUARD_S)
         finally:
             worker.stop()
 
+    compute = ComputeSlots(1)
     asyncio.run(scenario())
 
 
