@@ -52,7 +52,9 @@ def serve_options(options: StressOptions, *, max_sessions: int, budget: str, ttl
 
 def probe_charges(shards: Sequence[pathlib.Path], socket_dir: pathlib.Path, options: StressOptions, prompt: Sequence[int]) -> list[int]:
     """One session's charge on each daemon, measured by admitting a probe session."""
-    daemons = start_daemons(shards, socket_dir, serve_options(options, max_sessions=1, budget=UNLIMITED_BUDGET, ttl_s=300), prefix="probe")
+    # a batched session's charge is its share of a context of every sequence: probe the run's shape
+    places = options.sessions if options.mode == "batched" else 1
+    daemons = start_daemons(shards, socket_dir, serve_options(options, max_sessions=places, budget=UNLIMITED_BUDGET, ttl_s=300), prefix="probe")
     try:
         clients = [daemon.client() for daemon in daemons]
         try:
