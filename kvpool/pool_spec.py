@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from kvpool.segments import SegmentLayout
+from workers.process import WorkerSpec
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,3 +25,9 @@ class PoolSpec:
     compute_lock_path: str = ""  # at most compute_slots workers compute at once (across processes)
     compute_slots: int = 1
     seqs_per_worker: int = 0  # > 0: batched workers (kvpool.batched_worker), each serving this many sessions
+
+    def worker_spec(self, **per_worker) -> WorkerSpec:
+        """One worker's WorkerSpec: the settings the pool's workers share (the fields both specs name), and
+        `per_worker` (its segment, parent, channel address, index)."""
+        shared = {field.name: getattr(self, field.name) for field in dataclasses.fields(WorkerSpec) if hasattr(self, field.name)}
+        return WorkerSpec(**shared, **per_worker)

@@ -23,7 +23,7 @@ from kvpool.pool_spec import PoolSpec
 from kvpool.worker_errors import WorkerLost, WorkerStartFailed
 from kvpool.worker_segment import WorkerSegment
 from workers.commands import AnyCommand, AnyWorkerReply, CancelDirect, Exit, Failed, Ready
-from workers.process import WorkerSpec, anonymous_bytes, worker_main
+from workers.process import anonymous_bytes, worker_main
 
 
 class WorkerProcess:
@@ -51,22 +51,9 @@ class WorkerProcess:
         self._connection: Connection = parent_end
         cancel_end, child_cancel_end = context.Pipe(duplex=True)
         self._cancel_connection: Connection = cancel_end
-        worker_spec = WorkerSpec(
-            shard_path=spec.shard_path,
-            shm_name=self.segment.name,
-            input_bytes=layout.input_bytes,
-            output_bytes=layout.output_bytes,
-            n_threads=spec.n_threads,
-            flash_attn=spec.flash_attn,
-            parent_pid=os.getpid(),
-            n_gpu_layers=spec.n_gpu_layers,
-            verbose=spec.verbose,
-            direct_address=self.direct_address,
-            max_n_ctx=spec.max_n_ctx,
-            compute_lock_path=spec.compute_lock_path,
-            compute_slots=spec.compute_slots,
-            worker_index=index,
-            n_seqs=spec.seqs_per_worker,
+        worker_spec = spec.worker_spec(
+            shm_name=self.segment.name, input_bytes=layout.input_bytes, output_bytes=layout.output_bytes,
+            parent_pid=os.getpid(), direct_address=self.direct_address, worker_index=index,
         )
         self.process = context.Process(target=worker_main, args=(child_end, worker_spec, child_cancel_end), name=name, daemon=True)
         self.process.start()

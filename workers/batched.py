@@ -29,7 +29,7 @@ import numpy as np
 
 from workers.batch_plan import SeqAppend, plan_ubatches
 from workers.batched_checks import check_seq, named_seqs, validated_appends
-from workers.context_params import context_params
+from workers.context_params import GraphHooks, context_params
 from workers.errors import BadInput, Cancelled, DecodeFailed, PositionMismatch, ShardRuntimeError
 from workers.ubatch_decoder import UbatchDecoder
 
@@ -73,14 +73,9 @@ class BatchedShardContext:
         self._lengths = [0] * n_seqs
         self._ctx: llama_cpp.llama_context_p | None = None
         self._decoder: UbatchDecoder | None = None
-        native = model.native
-        self._own_abort_flag = ctypes.c_int32(0)
-        self.abort_flag_address = (
-            abort_flag_address if abort_flag_address is not None else ctypes.addressof(self._own_abort_flag)
-        )
-        self._capture = None
-        if not self.layout.is_last:
-            self._capture = native.new_capture_state(f"l_out-{self.layout.n_layers - 1}", stop_after=True)
+        self._hooks = GraphHooks(model, abort_flag_address)
+        self.abort_flag_address = self._hooks.abort_flag_address
+        self._capture = self._hooks.capture
 
         # llama.cpp gives each of the n_seq_max streams n_ctx / n_seq_max cells, padded up to 256.
         params = context_params(

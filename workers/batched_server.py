@@ -56,14 +56,14 @@ class BatchedWorkerServer:
         self._buffer = segment.buf
         abort_flag_address = ctypes.addressof(ctypes.c_char.from_buffer(segment.buf, ABORT_FLAG_OFFSET))
         self.context = BatchedShardContext(
-            model, spec.max_n_ctx, spec.n_seqs, n_batch=BATCH_ROWS, abort_flag_address=abort_flag_address
+            model, spec.max_n_ctx, spec.seqs_per_worker, n_batch=BATCH_ROWS, abort_flag_address=abort_flag_address
         )
-        self._limits = [0] * spec.n_seqs  # each sequence's session n_ctx (0: no session)
+        self._limits = [0] * spec.seqs_per_worker  # each sequence's session n_ctx (0: no session)
         self._input = memoryview(segment.buf)[CONTROL_BYTES : CONTROL_BYTES + spec.input_bytes]
         self._output = memoryview(segment.buf)[CONTROL_BYTES + spec.input_bytes : CONTROL_BYTES + spec.input_bytes + spec.output_bytes]
 
     def _seq(self, seq: int) -> Failed | None:
-        if not 0 <= seq < self.spec.n_seqs:
+        if not 0 <= seq < self.spec.seqs_per_worker:
             return Failed(code="bad_command", message=f"no sequence {seq} in this worker")
         return None
 

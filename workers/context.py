@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Literal
 import llama_cpp
 import numpy as np
 
-from workers.context_params import context_params
+from workers.context_params import GraphHooks, context_params
 from workers.errors import BadInput, Cancelled, ContextFull, DecodeFailed, PositionMismatch, RestoreFailed
 from workers.sequence_state import restore_sequence, save_sequence
 
@@ -41,17 +41,9 @@ class ShardContext:
         self._length = 0
         self._ctx: llama_cpp.llama_context_p | None = None
         self._batch: llama_cpp.llama_batch | None = None
-        native = model.native
-        # The abort flag is an int32 that another process (the supervisor) may set through shared memory.
-        self._own_abort_flag = ctypes.c_int32(0)
-        self.abort_flag_address = (
-            abort_flag_address if abort_flag_address is not None else ctypes.addressof(self._own_abort_flag)
-        )
-        self._capture = None
-        if not self.layout.is_last:
-            self._capture = native.new_capture_state(
-                f"l_out-{self.layout.n_layers - 1}", stop_after=True
-            )
+        self._hooks = GraphHooks(model, abort_flag_address)
+        self.abort_flag_address = self._hooks.abort_flag_address
+        self._capture = self._hooks.capture
 
         params = context_params(
             model, n_ctx=n_ctx, n_batch=self.n_batch, n_seq_max=1, abort_flag_address=self.abort_flag_address, capture=self._capture

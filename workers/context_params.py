@@ -12,6 +12,18 @@ if TYPE_CHECKING:
     from workers.runtime import ShardModel
 
 
+class GraphHooks:
+    """What a context's graph is run with besides its parameters: the abort flag (an int32 that another
+    process, the supervisor, may set through shared memory; the context's own when none is given) and,
+    on every shard but the last, the capture state that copies out the last local layer and stops there."""
+
+    def __init__(self, model: ShardModel, abort_flag_address: int | None) -> None:
+        self.own_abort_flag = ctypes.c_int32(0)
+        self.abort_flag_address = abort_flag_address if abort_flag_address is not None else ctypes.addressof(self.own_abort_flag)
+        layout = model.layout
+        self.capture = None if layout.is_last else model.native.new_capture_state(f"l_out-{layout.n_layers - 1}", stop_after=True)
+
+
 def context_params(model: ShardModel, *, n_ctx: int, n_batch: int, n_seq_max: int, abort_flag_address: int, capture) -> llama_cpp.llama_context_params:
     """n_batch = n_ubatch (one llama_decode is one micro-batch); the abort callback reads the int32 at
     abort_flag_address; `capture` (a native capture state, or None on the last shard) stops the graph."""

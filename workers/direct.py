@@ -18,16 +18,9 @@ import msgspec
 from kvpool.append_checks import append_rows, check_position
 from kvpool.errors import RequestFailed
 from kvpool.protocol import FRAME_HEADER, Append, AppendReply, ErrorCode, ErrorReply, Message, encode, receive_exactly
-from workers.commands import (
-    ABORT_FLAG_OFFSET,
-    DIRECT_APPENDS_OFFSET,
-    DIRECT_BUSY_OFFSET,
-    DIRECT_BUSY_SINCE_OFFSET,
-    DIRECT_LAST_USED_OFFSET,
-    DIRECT_LENGTH_OFFSET,
-    DIRECT_ROWS_OFFSET,
-)
+from workers.commands import ABORT_FLAG_OFFSET
 from workers.direct_cancels import DirectCancels
+from workers.direct_words import DirectWords
 from workers.errors import ShardRuntimeError
 from workers.sampling import sample
 
@@ -116,12 +109,7 @@ class DirectChannel:
         buffer = segment.buf
         self._abort = ctypes.c_int32.from_buffer(buffer, ABORT_FLAG_OFFSET)
         self.cancels = DirectCancels(cancel_connection, self._abort)
-        self._busy = ctypes.c_int32.from_buffer(buffer, DIRECT_BUSY_OFFSET)
-        self._length = ctypes.c_int64.from_buffer(buffer, DIRECT_LENGTH_OFFSET)
-        self._last_used = ctypes.c_double.from_buffer(buffer, DIRECT_LAST_USED_OFFSET)
-        self._appends = ctypes.c_int64.from_buffer(buffer, DIRECT_APPENDS_OFFSET)
-        self._rows = ctypes.c_int64.from_buffer(buffer, DIRECT_ROWS_OFFSET)
-        self._busy_since = ctypes.c_double.from_buffer(buffer, DIRECT_BUSY_SINCE_OFFSET)
+        self.words = DirectWords(buffer)
 
     def accept(self) -> socket.socket | None:
         return accept_same_uid(self.listener)
@@ -152,8 +140,9 @@ class DirectChannel:
         key = (request.session_id, request.epoch)
         if not self.cancels.begin(key, request.request_id):
             return ErrorReply(code=ErrorCode.CANCELLED, message="append cancelled", length=context.length, **ids)
-        self._busy_since.value = time.monotonic()
-        self._busy.value = 1
+        words = self.words
+        words.busy_since.value = time.monotonic()
+        words.busy.value = 1
         try:
             with server.compute:
                 output = context.append(request.start_pos, output_rows=str(request.output_rows), **inputs)
@@ -162,11 +151,11 @@ class DirectChannel:
             return ErrorReply(code=code, message=str(error), length=error.length, **ids)
         finally:
             self.cancels.end(key, request.request_id)
-            self._busy.value = 0
-            self._length.value = context.length
-            self._last_used.value = time.monotonic()
-        self._appends.value += 1
-        self._rows.value += rows.shape[0]
+            words.busy.value = 0
+            words.length.value = context.length
+            words.last_used.value = time.monotonic()
+        words.appends.value += 1
+        words.rows.value += rows.shape[0]
         common = {"length": context.length, "width": output.shape[1], **ids}
         if request.sample is None:
             return AppendReply(rows=output.shape[0], data=output.tobytes(), **common)
@@ -177,5 +166,6 @@ class DirectChannel:
         )
 
     def close(self) -> None:
-        del self._abort, self._busy, self._length, self._last_used, self._appends, self._rows, self._busy_since
+        del self._abort
+        self.words.release()
         self.listener.close()

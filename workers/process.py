@@ -72,7 +72,7 @@ class WorkerSpec:
     compute_lock_path: str = ""  # at most compute_slots workers of the daemon compute at once ("": no limit)
     compute_slots: int = 1
     worker_index: int = 0
-    n_seqs: int = 0  # > 0: a batched worker, one context of n_seqs sequences of max_n_ctx positions each
+    seqs_per_worker: int = 0  # > 0: a batched worker, one context of this many sequences of max_n_ctx positions each
 
 
 PARENT_CHECK_INTERVAL_S = 0.2
@@ -126,7 +126,7 @@ def worker_main(connection: Connection, spec: WorkerSpec, cancel_connection: Con
         return
     before = anonymous_bytes()
     try:
-        server = BatchedWorkerServer(model, segment, spec) if spec.n_seqs else WorkerServer(model, segment, spec)
+        server = BatchedWorkerServer(model, segment, spec) if spec.seqs_per_worker else WorkerServer(model, segment, spec)
     except Exception as error:  # noqa: BLE001 - reported to the supervisor, which refuses to start
         connection.send_bytes(encoder.encode(Failed(code="load_failed", message=f"creating the batched context: {error}")))
         model.close()
@@ -138,7 +138,7 @@ def worker_main(connection: Connection, spec: WorkerSpec, cancel_connection: Con
                 pid=os.getpid(),
                 shape=model.layout,
                 kv_bytes_per_position=model.kv_bytes_per_position(),
-                context_bytes=max(anonymous_bytes() - before, 0) if spec.n_seqs else 0,
+                context_bytes=max(anonymous_bytes() - before, 0) if spec.seqs_per_worker else 0,
             )
         )
     )
