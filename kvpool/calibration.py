@@ -2,13 +2,15 @@
 a measurement.
 
 At start-up `calibrate` measures two sizes on free workers: the daemon's largest n_ctx N and a small one
-(SMALL_N_CTX). A measurement creates a context, runs one batch of min(512, n_ctx) rows through it, reads
-the growth of the worker's anonymous memory (the mmap'd weights left out) and frees the context.
+(SMALL_N_CTX). A measurement creates a context, fills it (batches of min(512, n_ctx) rows up to n_ctx: the
+compute buffers' pages are touched as the attention grows), reads the growth of the worker's anonymous
+memory (the mmap'd weights left out) and frees the context.
 
 The fit, `ChargeFit`: a context of n positions holds its KV cache, which grows with n (the theoretical KV
 per position, f16 K and V; llama.cpp may round n up), plus compute buffers, which grow with the batch,
-min(512, n) rows, and not with n beyond it. So a size measured at m bytes bounds every smaller n:
-charge(n) <= m - b x (size - n), with b the theoretical KV per position, the least a position can cost.
+min(512, n) rows, and with the attention's length, n. Both grow with n, at least b per position (b the
+theoretical KV per position), so a size measured at m bytes bounds every smaller n:
+charge(n) <= m - b x (size - n).
 A straight line through the two measured points would not do: below 512 positions the batch shrinks with
 n, so the measured slope overstates b and the line falls under the true cost between the two sizes
 (middle shard of the bundled model, measured at 64, 512 and 2048 positions: 6.1, 30.2 and 43.9 MiB; the
@@ -193,8 +195,12 @@ class Calibrator:
         rows = min(CALIBRATION_ROWS, n_ctx)
         shape = self.shard.shape
         batch = np.zeros(rows, np.int32) if shape.is_first else np.zeros((rows, shape.n_embd), np.float32)
-        async with self.pool.append_slot():
-            await worker.append(0, batch)
+        # Filled to n_ctx: llama.cpp reserves its compute buffers for the longest attention at creation, but
+        # their pages are touched as the cache fills (middle shard, n_ctx 2048: 44 MiB after one 512-row
+        # batch, 90 MiB full), and a session may fill its context.
+        for start in range(0, n_ctx, rows):
+            async with self.pool.append_slot():
+                await worker.append(start, batch[: min(rows, n_ctx - start)])
         after = await self.lifecycle.in_thread(worker.measure_anonymous)
         self.metrics.count("calibrations")
         if self.step_s is None:
@@ -202,7 +208,7 @@ class Calibrator:
         return max(after - before, 0)
 
     async def _time_steps(self, worker, rows: int, row: np.ndarray) -> float:
-        """The median of STEP_SAMPLES one-row appends at the end of the calibration batch."""
+        """The median of STEP_SAMPLES one-row appends at the end of the first calibration batch."""
         samples = []
         for _ in range(STEP_SAMPLES):
             await worker.truncate(rows - 1)

@@ -1,13 +1,18 @@
 """The charge fit: every n_ctx up to the daemon's largest is charged at least what it costs, from two sizes
-measured at start-up (pure; the daemon end to end is in test_daemon.py)."""
+measured at start-up (pure), and one daemon end to end: a full context within its charge (more in
+test_daemon.py)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvpool.calibration import CALIBRATION_ROWS, LLAMA_CTX_PAD, ROUND_BYTES, SMALL_N_CTX, ChargeFit
+from tests.conftest import EVEN_SPLIT
+from tests.daemons import DaemonProcess, private_socket_dir
+from workers.process import anonymous_bytes
 
 MIB = 1 << 20
 
@@ -76,3 +81,26 @@ def test_no_size_up_to_the_largest_is_charged_less_than_it_costs(model) -> None:
         if 1 <= n_ctx <= largest:
             assert fit.charge(n_ctx) >= cost(n_ctx) >= 0, n_ctx
             assert fit.charge(n_ctx) >= n_ctx * kv
+
+
+def test_a_session_that_fills_its_context_uses_no_more_than_its_charge(shard_sets, tmp_path_factory) -> None:
+    """End to end, the point of the fit: a session filled to the daemon's largest n_ctx grows its worker's
+    anonymous memory by no more than it is charged. (Measured after one 512-row batch only, the charge was
+    about half of what a full context touches: llama.cpp's compute buffers fill as the attention grows.)"""
+    shard = shard_sets[EVEN_SPLIT][1]
+    n_ctx = 2048
+    daemon = DaemonProcess(shard.path, private_socket_dir(tmp_path_factory.mktemp("fill")) / "fill.sock",
+                           "--threads", "1", "--n-ctx", str(n_ctx), "--max-sessions", "1", "--spill-budget", "0")
+    try:
+        with daemon.client(direct=False) as client:
+            pid = client.stats().workers[0].pid
+            before = anonymous_bytes(pid)
+            rows = np.zeros((CALIBRATION_ROWS, shard.shape.n_embd), np.float32)  # the largest batch llama.cpp computes at once
+            for start in range(0, n_ctx, len(rows)):
+                client.append("fill", 1, start, hidden=rows)
+            grown = anonymous_bytes(pid) - before
+            charged = client.stats().sessions[0].charged_bytes
+            assert before > 0 and grown > 0
+            assert grown <= charged, f"a full context grew its worker by {grown / MIB:.1f} MiB, charged {charged / MIB:.1f} MiB"
+    finally:
+        daemon.stop()
