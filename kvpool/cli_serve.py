@@ -26,7 +26,8 @@ def add_parser(subcommands: argparse._SubParsersAction) -> None:
         help="serve one shard's per-session KV caches over a Unix socket",
         description=(
             "Run a shard daemon: a supervisor and a pool of warm worker processes, each holding the shard "
-            "and at most one bounded llama context bound to one (route_session_id, route_epoch). Sessions "
+            "and at most one bounded llama context bound to one (route_session_id, route_epoch) (--mode batched: "
+            "one context whose sequences serve --seqs-per-worker sessions, decoded together). Sessions "
             "are admitted against a byte budget; when a place is needed the least recently used idle session "
             "is parked (its state saved to the spill store and restored by its next append) or, with the warm "
             "tier off or full, evicted; sessions expire after --ttl seconds idle in any tier. Stop with SIGTERM, Ctrl-C or `kvpool status --shutdown`."
