@@ -13,6 +13,7 @@ from kvpool.shardcache import cached_shards
 from kvpool.gguf_header import ShardInfo
 from kvpool.layer_ranges import parse_splits
 from kvpool.tokenizer import Tokenizer
+from tests.daemons import private_socket_dir
 
 EVEN_SPLIT = "0:10,10:20,20:30"
 UNEVEN_SPLIT = "0:7,7:22,22:30"
@@ -51,6 +52,18 @@ def tokenizer(model_path: pathlib.Path):
 @pytest.fixture(scope="session")
 def prompt_ids(tokenizer: Tokenizer) -> list[list[int]]:
     return [tokenizer.encode(tokenizer.chat_prompt(prompt)) for prompt in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def shards(shard_sets: dict[str, list[ShardInfo]]) -> list[ShardInfo]:
+    """The even split in 3 shards (the chain most daemon tests run)."""
+    return shard_sets[EVEN_SPLIT]
+
+
+@pytest.fixture(scope="module")
+def socket_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    """A short private directory for one test module's daemon sockets."""
+    return private_socket_dir(tmp_path_factory.mktemp(request.module.__name__.rsplit(".", 1)[-1]))
 
 
 @pytest.fixture(scope="session")

@@ -19,18 +19,13 @@ from kvpool.protocol import PROTOCOL_VERSION, Append, Done, ErrorReply, Hello, H
 from kvpool.server import MAX_IN_FLIGHT_PER_CONNECTION
 from kvpool.shard_shape import ShardShape
 from tests.conftest import EVEN_SPLIT
-from tests.daemons import HANG_GUARD_S, DaemonProcess, exited, private_socket_dir, stopped, wait_until
+from tests.daemons import HANG_GUARD_S, DaemonProcess, exited, stopped, wait_until
 from tests.test_fuzz import RawConnection
 
 pytestmark = pytest.mark.timeout(3600)
 N_CTX = 256
 # Two compute slots: a session whose worker is stopped holds one, the others still compute.
 OPTIONS = ("--threads", "2", "--n-ctx", str(N_CTX), "--max-sessions", "4")
-
-
-@pytest.fixture(scope="module")
-def socket_dir(tmp_path_factory):
-    return private_socket_dir(tmp_path_factory.mktemp("async"))
 
 
 @pytest.fixture(scope="module")

@@ -24,8 +24,7 @@ from kvpool.router import Router
 from kvpool.segments import SegmentLayout
 from kvpool.worker_handle import PoolSpec, WorkerFailed, WorkerLost
 from workers.runtime import ShardModel
-from tests.conftest import EVEN_SPLIT
-from tests.daemons import DaemonProcess, private_socket_dir
+from tests.daemons import DaemonProcess
 from tests.daemons import in_thread, joined, result, stopped, wait_until
 from tests.test_batched_runtime import PROCESS_MODE_TOLERANCE
 
@@ -34,16 +33,6 @@ GREEDY = 8
 HANG_GUARD_S = 600.0
 pytestmark = pytest.mark.timeout(3600)
 BATCHED = ("--mode", "batched", "--seqs-per-worker", "4", "--max-sessions", "4", "--threads", "1", "--n-ctx", str(N_CTX))
-
-
-@pytest.fixture(scope="module")
-def socket_dir(tmp_path_factory):
-    return private_socket_dir(tmp_path_factory.mktemp("batched-sockets"))
-
-
-@pytest.fixture(scope="module")
-def shards(shard_sets):
-    return shard_sets[EVEN_SPLIT]
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvpool.calibration import CALIBRATION_ROWS, LLAMA_CTX_PAD, ROUND_BYTES, SMALL_N_CTX, ChargeFit
-from tests.conftest import EVEN_SPLIT
-from tests.daemons import DaemonProcess, private_socket_dir
+from tests.daemons import DaemonProcess
 from workers.process import anonymous_bytes
 
 MIB = 1 << 20
@@ -83,13 +82,13 @@ def test_no_size_up_to_the_largest_is_charged_less_than_it_costs(model) -> None:
             assert fit.charge(n_ctx) >= n_ctx * kv
 
 
-def test_a_session_that_fills_its_context_uses_no_more_than_its_charge(shard_sets, tmp_path_factory) -> None:
+def test_a_session_that_fills_its_context_uses_no_more_than_its_charge(shards, socket_dir) -> None:
     """End to end, the point of the fit: a session filled to the daemon's largest n_ctx grows its worker's
     anonymous memory by no more than it is charged. (Measured after one 512-row batch only, the charge was
     about half of what a full context touches: llama.cpp's compute buffers fill as the attention grows.)"""
-    shard = shard_sets[EVEN_SPLIT][1]
+    shard = shards[1]
     n_ctx = 2048
-    daemon = DaemonProcess(shard.path, private_socket_dir(tmp_path_factory.mktemp("fill")) / "fill.sock",
+    daemon = DaemonProcess(shard.path, socket_dir / "fill.sock",
                            "--threads", "1", "--n-ctx", str(n_ctx), "--max-sessions", "1", "--spill-budget", "0")
     try:
         with daemon.client(direct=False) as client:

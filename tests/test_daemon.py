@@ -24,8 +24,7 @@ from kvpool.router import Router
 from kvpool.generate import greedy_tokens
 from kvpool.protocol import FRAME_HEADER, PROTOCOL_VERSION, Append, AppendReply, Done, Hello, Release, Stats, decode_reply, encode
 from kvpool.admission import MAX_ADMIT_WAIT_S
-from tests.conftest import EVEN_SPLIT
-from tests.daemons import STOP_HANG_GUARD_S, DaemonProcess, private_socket_dir
+from tests.daemons import STOP_HANG_GUARD_S, DaemonProcess
 from tests.daemons import in_thread as _in_thread, joined as _joined, result as _result, stopped as _stopped, wait_until as _wait_until
 
 N_CTX = 512
@@ -34,16 +33,6 @@ GREEDY = 16
 # No test here passes or fails on how fast the machine is; these only stop a hung daemon hanging the suite.
 HANG_GUARD_S = 600.0
 pytestmark = pytest.mark.timeout(3600)  # the slowest test takes ~15 s on 2 cores with two CPU burners beside it
-
-
-@pytest.fixture(scope="module")
-def socket_dir(tmp_path_factory):
-    return private_socket_dir(tmp_path_factory.mktemp("sockets"))
-
-
-@pytest.fixture(scope="module")
-def shards(shard_sets):
-    return shard_sets[EVEN_SPLIT]
 
 
 @pytest.fixture(scope="module")

@@ -14,17 +14,12 @@ import numpy as np
 import pytest
 
 from kvpool.client import KvpoolError
-from tests.daemons import DaemonProcess, in_thread, joined, private_socket_dir, stopped, wait_until
+from tests.daemons import DaemonProcess, in_thread, joined, stopped, wait_until
 from workers.compute_locks import ComputeLocks
 from workers.runtime import ShardModel
 
 N_CTX = 256
 pytestmark = pytest.mark.timeout(3600)
-
-
-@pytest.fixture(scope="module")
-def socket_dir(tmp_path_factory):
-    return private_socket_dir(tmp_path_factory.mktemp("direct"))
 
 
 def _serve(model_path, socket_dir, name, *options):

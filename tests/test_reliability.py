@@ -48,23 +48,12 @@ from kvpool.shard_shape import ShardShape
 from kvpool.gguf_header import read_shard_info
 from kvpool.supervisor import build_pool
 from kvpool.worker_handle import PoolSpec
-from tests.conftest import EVEN_SPLIT
 from tests.daemons import DaemonProcess, private_socket_dir
 from workers.runtime import ShardModel
 
 HANG_GUARD_S = float(os.environ.get("KVPOOL_TEST_HANG_GUARD_S", "600"))
 pytestmark = pytest.mark.timeout(3600)
 SMALL = ("--threads", "1", "--n-ctx", "64", "--max-sessions", "2")
-
-
-@pytest.fixture(scope="module")
-def socket_dir(tmp_path_factory):
-    return private_socket_dir(tmp_path_factory.mktemp("reliability"))
-
-
-@pytest.fixture(scope="module")
-def shards(shard_sets):
-    return shard_sets[EVEN_SPLIT]
 
 
 def _wait_until(predicate, what: str, guard_s: float = HANG_GUARD_S) -> float:

@@ -18,8 +18,7 @@ from kvpool.protocol import ShardDescription
 from kvpool.route import check_route
 from kvpool.router import Cancelled, RecoveryPolicy, Router
 from kvpool.shard_error import ShardError
-from tests.conftest import EVEN_SPLIT
-from tests.daemons import DaemonProcess, exited, in_thread, joined, private_socket_dir, result, stopped, wait_until
+from tests.daemons import DaemonProcess, exited, in_thread, joined, result, stopped, wait_until
 
 pytestmark = pytest.mark.timeout(3600)
 N_CTX = 512
@@ -27,16 +26,6 @@ GREEDY = 12
 CHUNK = 7
 OPTIONS = ("--threads", "1", "--n-ctx", str(N_CTX), "--max-sessions", "2")
 QUICK = RecoveryPolicy(backoff_base_s=0.01, backoff_max_s=0.1)
-
-
-@pytest.fixture(scope="module")
-def socket_dir(tmp_path_factory):
-    return private_socket_dir(tmp_path_factory.mktemp("router"))
-
-
-@pytest.fixture(scope="module")
-def shards(shard_sets):
-    return shard_sets[EVEN_SPLIT]
 
 
 @pytest.fixture(scope="module")

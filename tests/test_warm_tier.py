@@ -9,16 +9,11 @@ import numpy as np
 import pytest
 
 from kvpool.client import KvpoolError
-from tests.daemons import DaemonProcess, private_socket_dir, wait_until
+from tests.daemons import DaemonProcess, wait_until
 from workers.runtime import ShardModel
 
 N_CTX = 256
 pytestmark = pytest.mark.timeout(3600)
-
-
-@pytest.fixture(scope="module")
-def socket_dir(tmp_path_factory):
-    return private_socket_dir(tmp_path_factory.mktemp("warm"))
 
 
 @pytest.fixture(scope="module")
