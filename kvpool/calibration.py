@@ -31,7 +31,6 @@ import time
 import numpy as np
 
 from kvpool.books import Books
-from kvpool.compute import ComputeSlots
 from kvpool.metrics import Metrics
 from kvpool.pool import WorkerPool
 from kvpool.protocol import CalibrationRow, ShardDescription
@@ -116,14 +115,13 @@ class SharedContextCharge:
 
 class Calibrator:
     def __init__(
-        self, books: Books, pool: WorkerPool, lifecycle: WorkerLifecycle, compute: ComputeSlots, metrics: Metrics,
+        self, books: Books, pool: WorkerPool, lifecycle: WorkerLifecycle, metrics: Metrics,
         shard: ShardDescription, kv_bytes_per_position: int, *, shared_context: tuple[int, int] | None = None,
     ) -> None:
         self.shared_context = shared_context  # batched mode: (one process's context bytes, sequences in it)
         self.books = books
         self.pool = pool
         self.lifecycle = lifecycle
-        self.compute = compute
         self.metrics = metrics
         self.shard = shard
         self.kv_bytes_per_position = kv_bytes_per_position

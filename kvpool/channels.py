@@ -57,7 +57,7 @@ class Channels:
 
     def counts(self) -> dict[str, int]:
         appends = rows = 0
-        for worker in self.pool.workers():
+        for worker in self.pool.processes():  # a batched process's slots share its control words
             done, done_rows = worker.direct.counts()
             appends, rows = appends + done, rows + done_rows
         return {"direct_appends": appends, "direct_append_rows": rows}

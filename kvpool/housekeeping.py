@@ -61,7 +61,10 @@ class Housekeeper:
         await self.lifecycle.replace_dead_free()
 
     async def recycle_drifted(self) -> None:
-        """Recycle workers whose measured memory exceeds their charge by more than the margin, when idle."""
+        """Recycle workers whose measured memory exceeds their charge by more than the margin, when idle.
+        Not in batched mode: a batched process's memory is its one context, allocated whole at start."""
+        if self.pool.batched:
+            return
         margin = self.config.memory_margin_bytes
         for worker in self.pool.workers():
             session = self.books.session_of(worker.name)

@@ -64,16 +64,9 @@ class SequenceSlot:
         return self.process.direct
 
     @property
-    def segment_bytes(self) -> int:
-        return self.process.segment_bytes if self.seq == 0 else 0  # one segment per process
-
-    @property
     def baseline_uss(self) -> int:
+        """This slot's share of the process's start-up USS."""
         return self.process.baseline_uss // len(self.process.slots)
-
-    @baseline_uss.setter
-    def baseline_uss(self, value: int) -> None:
-        pass  # the process's baseline is taken once, at start
 
     def measure_uss(self) -> int:
         """This slot's share of the process's USS (the slots' shares add up to the process's)."""

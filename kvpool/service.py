@@ -53,7 +53,7 @@ class KvService:
         pool.use_compute_slots(self.compute)  # batched workers take one per batch
         self.lifecycle = WorkerLifecycle(self.books, pool, self.metrics, threads=2 * config.max_sessions + 4)
         self.calibrator = Calibrator(
-            self.books, pool, self.lifecycle, self.compute, self.metrics, shard, kv_bytes_per_position,
+            self.books, pool, self.lifecycle, self.metrics, shard, kv_bytes_per_position,
             shared_context=pool.shared_context(),
         )
         self.channels = Channels(self.books, pool, self.lifecycle, enabled=config.uses_direct_channels)

@@ -188,8 +188,7 @@ class Supervisor:
                 await service.housekeeper.kill_stalled_direct()
                 await service.housekeeper.replace_dead_free_workers()
                 if tick % MEMORY_CHECK_EVERY == 0:
-                    if not self.config.batched:  # a batched worker's memory is its one context, fixed at start
-                        await service.housekeeper.recycle_drifted()
+                    await service.housekeeper.recycle_drifted()
             except Exception:  # noqa: BLE001 - housekeeping must outlive any one failure
                 log.error("housekeeping failed:\n%s", traceback.format_exc())
 
