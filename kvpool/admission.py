@@ -16,6 +16,7 @@ from kvpool.calibration import Calibrator
 from kvpool.channels import Channels
 from kvpool.config import ServeConfig
 from kvpool.errors import RequestFailed
+from kvpool.gate import Gate
 from kvpool.metrics import Metrics
 from kvpool.parking import Parking
 from kvpool.pool import WorkerPool
@@ -33,9 +34,10 @@ PARK_RETRY_S = 0.01
 class Admission:
     def __init__(
         self, config: ServeConfig, books: Books, pool: WorkerPool, lifecycle: WorkerLifecycle, calibrator: Calibrator,
-        parking: Parking, channels: Channels, metrics: Metrics,
+        parking: Parking, channels: Channels, gate: Gate, metrics: Metrics,
     ) -> None:
         self.channels = channels
+        self.gate = gate
         self.config = config
         self.books = books
         self.pool = pool
@@ -103,12 +105,14 @@ class Admission:
         charge = self.charge_for(n_ctx)
 
         def not_admitted_meanwhile() -> None:
+            self.gate.require_current(request.session_id, request.epoch)  # a higher epoch seen while this waited
             live = self.books.table.get(request.session_id)
             if live is not None:
                 length = live.length if live.epoch == request.epoch else 0
                 raise RequestFailed(ErrorCode.POSITION_MISMATCH, "the session was admitted by a concurrent request", length=length)
 
         plan = await self.make_room(charge, self.deadline_of(request.admit_timeout_s), still_wanted=not_admitted_meanwhile)
+        not_admitted_meanwhile()  # the books change below in this same step: nothing can come between
         session, evicted_workers = self.books.admit(
             plan, session_id=request.session_id, epoch=request.epoch, n_ctx=n_ctx, charge=charge, now=time.monotonic()
         )
@@ -140,8 +144,7 @@ class Admission:
             self._restore_failed(self.books.forget(session, MissReason.RESTORE_FAILED), str(error))
 
         def still_parked() -> None:
-            if self.books.table.get(session.session_id) is not session:
-                raise RequestFailed(ErrorCode.CACHE_MISS, "the session ended while this request waited", reason=self.books.table.miss_reason(session.session_id, session.epoch))
+            self.gate.check_live(session)
 
         try:
             plan = await self.make_room(charge, deadline, still_wanted=still_parked)

@@ -35,10 +35,11 @@ class AdmissionPlan:
 
 class Books:
     def __init__(
-        self, budget_bytes: int, workers: Iterable[str], *, spill: SpillStore | None = None, on_change: Callable[[Books], None] | None = None
+        self, budget_bytes: int, workers: Iterable[str], *, spill: SpillStore | None = None, on_change: Callable[[Books], None] | None = None,
+        fence_ids: int = 65536,
     ) -> None:
         self._on_change = on_change or (lambda _books: None)  # after every change of a session (gauges)
-        self.table = SessionTable()
+        self.table = SessionTable(remembered_ids=fence_ids)
         self.budget = ByteBudget(budget_bytes)
         self.spill = spill if spill is not None else SpillStore(0)
         self._restoring: dict[tuple[str, int], int] = {}  # parked sessions whose blob left the store to be restored: its size

@@ -46,6 +46,7 @@ def add_parser(subcommands: argparse._SubParsersAction) -> None:
     parser.add_argument("--housekeeping-interval", type=float, help=f"seconds between housekeeping passes: TTL expiry, replacing dead idle workers, memory checks (default {DEFAULTS['housekeeping_interval_s']:g})")
     parser.add_argument("--min-residency", type=float, metavar="S", help="an idle session that appended within the last S seconds is not evicted to admit another: the admission waits for it to lapse instead (default: derived at start-up from the measured decode step, a few of the route's steps; 0 turns it off)")
     parser.add_argument("--admit-queue", type=int, metavar="N", help=f"admissions that may wait for room at once, served first come first served; one more is answered over_budget with retry_after_s (default {DEFAULTS['admit_queue_limit']})")
+    parser.add_argument("--fence-ids", type=int, metavar="N", help=f"session ids whose highest epoch is remembered besides the live sessions' (default {DEFAULTS['fence_ids']}); past N the lowest epoch is forgotten and the daemon's epoch floor rises to it: a request for an id it does not know below the floor is refused stale_epoch (the reply names the floor), never admitted")
     parser.add_argument("--lifeline-fd", type=int, help="an inherited pipe's read end: the daemon shuts down when it reaches end-of-file, i.e. when the program that started it is gone (kvpool's launcher passes it)")
     parser.add_argument("--spill-budget", help="bytes of parked sessions' saved states kept in memory (the warm tier): an evicted or parked session is restored exactly by its next append instead of a cache miss; 0 turns the tier off (default: equal to --budget)")
     parser.add_argument("--park-after", type=float, help=f"park a session idle this many seconds even when nobody needs its place; 0: only when its place is needed (default {DEFAULTS['park_after_s']:g})")
@@ -75,6 +76,7 @@ OPTIONS = {
     "housekeeping_interval": ("housekeeping_interval_s", float),
     "min_residency": ("min_residency_s", float),
     "admit_queue": ("admit_queue_limit", int),
+    "fence_ids": ("fence_ids", int),
     "memory_margin": ("memory_margin_bytes", parse_bytes),
     "spill_budget": ("spill_budget_bytes", lambda text: 0 if text.strip() == "0" else parse_bytes(text)),
     "park_after": ("park_after_s", float),

@@ -91,6 +91,9 @@ class ServeConfig:
     # as sequences of one context and decodes their appends together (kvpool.batched_worker)
     mode: str = "process"
     seqs_per_worker: int = 4
+    # Session ids whose highest epoch is remembered besides the live ones; past it the lowest epoch is
+    # forgotten and the epoch floor rises to it (kvpool.sessions: the fencing rule).
+    fence_ids: int = 65536
 
     def __post_init__(self) -> None:
         problems = []
@@ -108,6 +111,8 @@ class ServeConfig:
             problems.append("--housekeeping-interval must be positive")
         if self.min_residency_s is not None and self.min_residency_s < 0:
             problems.append("--min-residency must be >= 0")
+        if self.fence_ids < 1:
+            problems.append("--fence-ids must be at least 1")
         if self.admit_queue_limit < 1:
             problems.append("--admit-queue must be at least 1")
         if self.n_ctx < 16:

@@ -199,6 +199,7 @@ class ErrorReply(ReplyMessage):
     session_id: str = ""
     epoch: int = 0
     retry_after_s: float | None = None  # over_budget: the daemon's estimate of when to ask again (None: none)
+    epoch_floor: int = 0  # stale_epoch for an id the daemon does not know: its epoch floor (README, "The contract")
 
 
 class SessionRow(Message):

@@ -41,6 +41,7 @@ class RecoveryCounts:
     cache_misses: int = 0  # cache_miss replies that started a replay
     workers_lost: int = 0  # worker_lost replies that started a replay
     connections_lost: int = 0  # ConnectionLost that started a replay
+    epoch_floor_restarts: int = 0  # stale_epoch below a daemon's epoch floor: the session took an epoch at the floor
     replays: int = 0  # replays from position 0 that got through
     replayed_tokens: int = 0
     over_budget_retries: int = 0
@@ -63,4 +64,12 @@ def replay_counter(failure: StageFailed | ConnectionLost) -> str | None:
     """The count a failure adds to when the policy answers it with a replay; None when it does not."""
     if isinstance(failure, ConnectionLost):
         return "connections_lost"
+    if failure.code == ErrorCode.STALE_EPOCH and epoch_floor_of(failure) > 0:
+        return "epoch_floor_restarts"
     return {ErrorCode.CACHE_MISS: "cache_misses", ErrorCode.WORKER_LOST: "workers_lost"}.get(failure.code)
+
+
+def epoch_floor_of(failure: StageFailed | ConnectionLost) -> int:
+    """A stale_epoch reply's epoch floor (kvpool.sessions: below it a daemon refuses ids it does not know); 0 if none."""
+    reply = getattr(failure, "reply", None)
+    return getattr(reply, "epoch_floor", 0) or 0

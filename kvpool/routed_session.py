@@ -3,6 +3,7 @@ means is decided here, in one place:
 
 - cache_miss (any daemon), worker_lost, ConnectionLost: replay. Release the session's epoch on every
   daemon, take epoch + 1, and send the session's token ids again from position 0, then the append.
+  stale_epoch below a daemon's epoch floor (it forgot the id, kvpool.sessions): the same, at the floor.
 - over_budget: back off (the reply's `retry_after_s` when it has one, else exponential with jitter,
   bounded) and ask the same daemon again, until `over_budget_give_up_s`.
 - cancelled at daemon i (a daemon's reply, or `cancel()` seen between daemons): daemons 0..i-1 are
@@ -29,7 +30,7 @@ from kvpool.client import AppendResult, ConnectionLost, KvpoolError
 from kvpool.generate import greedy_tokens
 from kvpool.in_flight_append import InFlightAppend
 from kvpool.protocol import ErrorCode
-from kvpool.recovery import Cancelled, RecoveryCounts, RecoveryFailed, replay_counter
+from kvpool.recovery import Cancelled, RecoveryCounts, RecoveryFailed, epoch_floor_of, replay_counter
 from kvpool.route import StageFailed
 from workers.sampling import Sampling
 
@@ -52,6 +53,7 @@ class RoutedSession:
         self.counts = RecoveryCounts()
         self._history = AppendHistory()
         self._needs_replay = False
+        self._epoch_floor = 0  # the highest epoch floor a daemon named (a stale_epoch for an id it forgot)
         self._rng = router._rng(session_id)
         self._in_flight = InFlightAppend()
 
@@ -141,6 +143,7 @@ class RoutedSession:
                     self._roll_back(start, failure.stage)
                     raise
                 self._count(counter)
+                self._epoch_floor = max(self._epoch_floor, epoch_floor_of(failure))
                 self._needs_replay = True
                 failures += 1
                 if failures > self.policy.max_replays:
@@ -191,7 +194,7 @@ class RoutedSession:
         """Release the epoch everywhere, take the next one, and repeat the session's appends from 0."""
         with contextlib.suppress(KvpoolError, ConnectionLost):
             self.route.release(self.session_id, self.epoch)  # frees room first; a dead daemon is found below
-        self.epoch += 1
+        self.epoch = max(self.epoch + 1, self._epoch_floor)
         position = 0
         for rows in self._history.replay_partition(self.policy.exact_replay):
             self._walk(position, self._history.token_slice(position, rows), "last")

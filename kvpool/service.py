@@ -19,6 +19,7 @@ from kvpool.channels import Channels
 from kvpool.compute import ComputeSlots
 from kvpool.config import ServeConfig
 from kvpool.errors import RequestFailed
+from kvpool.gate import Gate
 from kvpool.gpu import VramMeter
 from kvpool.housekeeping import Housekeeper
 from kvpool.integrity import require
@@ -43,7 +44,7 @@ class KvService:
         self.shard = shard
         self.metrics = Metrics()
         spill = SpillStore(config.spill_limit_bytes, disk_dir=config.spill_dir, disk_limit_bytes=config.spill_disk_budget_bytes)
-        self.books = Books(config.budget_bytes, pool.names(), spill=spill, on_change=self.metrics.show_books)
+        self.books = Books(config.budget_bytes, pool.names(), spill=spill, on_change=self.metrics.show_books, fence_ids=config.fence_ids)
         self.metrics.show_books(self.books)
         self.metrics.limit_bytes.set(config.budget_bytes)
         self.vram = VramMeter()
@@ -58,7 +59,8 @@ class KvService:
         )
         self.channels = Channels(self.books, pool, self.lifecycle, enabled=config.uses_direct_channels)
         self.parking = Parking(self.books, pool, self.lifecycle, self.channels, self.metrics)
-        self.admission = Admission(config, self.books, pool, self.lifecycle, self.calibrator, self.parking, self.channels, self.metrics)
+        self.gate = Gate(self.books, self.channels, self.lifecycle, self.metrics)
+        self.admission = Admission(config, self.books, pool, self.lifecycle, self.calibrator, self.parking, self.channels, self.gate, self.metrics)
         self.warm = WarmRequests(self)
         self.housekeeper = Housekeeper(config, self.books, pool, self.lifecycle, self.parking, self.channels, self.metrics)
 
@@ -73,11 +75,6 @@ class KvService:
             return 0
         self.channels.refresh(session)
         return session.length
-
-    def miss(self, session_id: str, epoch: int, message: str) -> RequestFailed:
-        reason = self.books.table.miss_reason(session_id, epoch)
-        self.metrics.count_miss(reason)
-        return RequestFailed(ErrorCode.CACHE_MISS, message, reason=reason)
 
     # ---- validation and fencing ------------------------------------------------------------------
 
@@ -96,67 +93,28 @@ class KvService:
             raise RequestFailed(ErrorCode.BAD_REQUEST, f"n_ctx must be in [0, {self.config.n_ctx}] (0: the default {self.config.n_ctx})", length=length)
         return append_rows(request, self.shard.shape, max_rows=self.config.n_ctx, length=length)
 
-    async def fence(self, session_id: str, epoch: int) -> None:
-        """Epoch fencing shared by every session request: reject stale, release older state on newer."""
-        table = self.books.table
-        check = table.check_epoch(session_id, epoch)
-        if check is EpochCheck.STALE:
-            self.metrics.count("stale_epoch_rejects")
-            raise RequestFailed(ErrorCode.STALE_EPOCH, f"epoch {epoch} is older than {table.highest_epoch(session_id)}")
-        if check is EpochCheck.NEWER:
-            old = table.get(session_id)
-            table.see_epoch(session_id, epoch)
-            table.note_new_epoch(session_id, epoch)
-            if old is not None:
-                async with old.lock:
-                    if table.get(session_id) is old:
-                        await self.lifecycle.drop(old, MissReason.NEW_EPOCH)
-        else:
-            table.see_epoch(session_id, epoch)
-
-    async def enter(self, session: Session) -> None:
-        """Count a request in flight on the session, take its lock (released by leave) and revoke its
-        direct channel: from here the supervisor alone changes the session."""
-        session.in_flight += 1
-        await session.lock.acquire()
-        try:
-            await self.channels.revoke(session)
-        except BaseException:
-            session.lock.release()
-            session.in_flight -= 1
-            raise
-
-    async def leave(self, session: Session) -> None:
-        session.lock.release()
-        session.in_flight -= 1
-        session.last_used = time.monotonic()
-        if session.in_flight == 0:
-            await self.lifecycle.notify_capacity()  # idle now, so evictable: wake admissions waiting for room
-
     # ---- requests --------------------------------------------------------------------------------
 
     async def append(self, request: Append) -> AppendReply:
         rows = self._validate_append(request)
-        await self.fence(request.session_id, request.epoch)
+        gate = self.gate
+        await gate.fence(request.session_id, request.epoch)
         session = self.books.table.get(request.session_id)
         admitted = session is None
         if session is None:
             if request.start_pos > 0:
-                raise self.miss(request.session_id, request.epoch, f"no state for this session at position {request.start_pos}")
+                raise gate.miss(request.session_id, request.epoch, f"no state for this session at position {request.start_pos}")
             session = await self.admission.admit(request)  # returned entered: lock held, in flight
         else:
             self.metrics.count("hits")
-            await self.enter(session)
-        try:
-            if self.books.table.get(session.session_id) is not session:
-                raise self.miss(session.session_id, session.epoch, "the session ended while this request waited")
+            await gate.enter(session)
+        async with gate.holding(session):
             check_position(request.start_pos, session.length, 0, session.n_ctx)
             restored = not session.hot
             if restored:
                 await self.admission.restore(session, self.admission.deadline_of(request.admit_timeout_s))
+                gate.check_live(session)
             return await self._append_entered(session, request, rows, admitted, restored)
-        finally:
-            await self.leave(session)
 
     async def _append_entered(self, session: Session, request: Append, rows: np.ndarray, admitted: bool, restored: bool) -> AppendReply:
         n_rows = rows.shape[0]
@@ -193,16 +151,13 @@ class KvService:
         self.validate_session_fields(request.session_id, request.epoch, self.length_of(request.session_id, request.epoch))
         if request.length < 0:
             raise RequestFailed(ErrorCode.BAD_REQUEST, "length must be >= 0", length=self.length_of(request.session_id, request.epoch))
-        await self.fence(request.session_id, request.epoch)
+        await self.gate.fence(request.session_id, request.epoch)
         session = self.books.table.get(request.session_id)
         if session is None:
             if request.length == 0:
                 return Done(length=0, session_id=request.session_id, epoch=request.epoch, detail="no state")
-            raise self.miss(request.session_id, request.epoch, "no state for this session")
-        await self.enter(session)
-        try:
-            if self.books.table.get(session.session_id) is not session:
-                raise self.miss(session.session_id, session.epoch, "the session ended while this request waited")
+            raise self.gate.miss(request.session_id, request.epoch, "no state for this session")
+        async with self.gate.entered(session):
             if request.length > session.length:
                 raise RequestFailed(ErrorCode.POSITION_MISMATCH, f"cannot truncate to {request.length}: length is {session.length}", length=session.length)
             if not session.hot:
@@ -218,12 +173,10 @@ class KvService:
                 raise RequestFailed(ErrorCode.INTERNAL, f"truncate failed: {failure}", length=session.length) from None
             self.metrics.count("truncates")
             return Done(length=session.length, session_id=session.session_id, epoch=session.epoch)
-        finally:
-            await self.leave(session)
 
     async def release(self, request: Release) -> Done:
         self.validate_session_fields(request.session_id, request.epoch, 0)
-        await self.fence(request.session_id, request.epoch)
+        await self.gate.fence(request.session_id, request.epoch)
         session = self.books.table.get(request.session_id)
         if session is None:
             return Done(length=0, session_id=request.session_id, epoch=request.epoch, detail="no state")
@@ -240,8 +193,7 @@ class KvService:
     async def cancel(self, request: Cancel) -> Done:
         self.validate_session_fields(request.session_id, request.epoch, self.length_of(request.session_id, request.epoch))
         if self.books.table.check_epoch(request.session_id, request.epoch) is EpochCheck.STALE:
-            self.metrics.count("stale_epoch_rejects")
-            raise RequestFailed(ErrorCode.STALE_EPOCH, "stale epoch")
+            raise self.gate.stale(request.session_id, request.epoch)
         session = self.books.table.get(request.session_id)
         if session is None or session.epoch != request.epoch:
             return Done(length=0, session_id=request.session_id, epoch=request.epoch, detail="no state")
@@ -262,7 +214,8 @@ class KvService:
         return build_stats(
             shard=self.shard, books=self.books, pool=self.pool, metrics=self.metrics, vram=self.vram, workers=workers, usses=usses,
             integrity=integrity_of(self.check_integrity), started=self.started, busy=self.channels.busy,
-            counters=self.metrics.snapshot() | self.channels.counts() | self.pool.batch_counts() | {"peak_concurrent_compute_threads": self.compute.peak * self.config.worker_threads},
+            counters=self.metrics.snapshot() | self.channels.counts() | self.pool.batch_counts() | {"peak_concurrent_compute_threads": self.compute.peak * self.config.worker_threads}
+            | self.books.table.fence_counts() | {"admissions_waiting": len(self.admission.queue)},
             calibration=self.calibrator.rows(),
             mode=self.config.mode, mode_detail=self.mode_detail(),
         )

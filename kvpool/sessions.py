@@ -1,6 +1,13 @@
 """The session table: (route_session_id, route_epoch) -> live session, epoch fencing, miss reasons.
 
 Pure bookkeeping on the supervisor's event loop; the clock is passed in so tests can drive it.
+
+The fencing rule (README, "The contract"): for each session id the table knows the highest epoch seen,
+for every live session and for up to `remembered_ids` others. When more ids than that have been seen, the
+one whose highest epoch is lowest (least recently touched among equals) is forgotten and the table's
+`epoch_floor` rises to that epoch: from then on an id the table does not know is stale below the floor.
+So nothing is forgotten silently: a request that could be stale is refused (`stale_epoch`, the reply
+names the floor), never admitted; a router starts new sessions at an epoch >= the floor.
 """
 
 from __future__ import annotations
@@ -9,6 +16,7 @@ import asyncio
 import collections
 import dataclasses
 import enum
+import heapq
 
 from kvpool.integrity import require
 from kvpool.protocol import MissReason
@@ -47,13 +55,68 @@ class EpochCheck(enum.Enum):
     NEWER = "newer"  # higher: the old epoch's state must be released first
 
 
+class EpochMemory:
+    """The highest epoch seen per session id, in bounded memory, and the floor below which an id it does
+    not know is stale. Forgetting takes the lowest epoch first, so the floor rises as little as it can;
+    an id whose highest epoch is at or below the floor needs no entry (the floor says as much)."""
+
+    def __init__(self, limit: int) -> None:
+        if limit < 1:
+            raise ValueError("the epoch memory needs room for at least one id")
+        self.limit = limit
+        self.floor = 0
+        self._highest: dict[str, int] = {}
+        self._by_epoch: dict[int, collections.OrderedDict[str, None]] = {}  # least recently touched first
+        self._epochs: list[int] = []  # a heap of the epochs in _by_epoch (stale entries skipped)
+
+    def __len__(self) -> int:
+        return len(self._highest)
+
+    def get(self, session_id: str) -> int | None:
+        return self._highest.get(session_id)
+
+    def see(self, session_id: str, epoch: int) -> None:
+        known = self._highest.get(session_id)
+        if known is not None and known >= epoch:
+            self._by_epoch[known].move_to_end(session_id)
+            return
+        if known is not None:
+            self._unfile(session_id, known)
+        if epoch <= self.floor:
+            return
+        self._highest[session_id] = epoch
+        ids = self._by_epoch.get(epoch)
+        if ids is None:
+            ids = self._by_epoch[epoch] = collections.OrderedDict()
+            heapq.heappush(self._epochs, epoch)
+        ids[session_id] = None
+        while len(self._highest) > self.limit:
+            self._forget_one()
+
+    def _forget_one(self) -> None:
+        while self._epochs[0] not in self._by_epoch:
+            heapq.heappop(self._epochs)
+        lowest = self._epochs[0]
+        session_id, _ = self._by_epoch[lowest].popitem(last=False)
+        self._unfile(session_id, lowest, popped=True)
+        self.floor = max(self.floor, lowest)
+
+    def _unfile(self, session_id: str, epoch: int, *, popped: bool = False) -> None:
+        del self._highest[session_id]
+        ids = self._by_epoch[epoch]
+        if not popped:
+            del ids[session_id]
+        if not ids:
+            del self._by_epoch[epoch]
+
+
 class SessionTable:
     """Live sessions, the highest epoch seen per session id, and why a session is gone."""
 
     def __init__(self, *, remembered_ids: int = 65536) -> None:
         self._live: dict[str, Session] = {}
-        # Both bounded, least recently touched first out.
-        self._highest_epoch: collections.OrderedDict[str, int] = collections.OrderedDict()
+        self._epochs = EpochMemory(remembered_ids)
+        # Bounded, least recently touched first out: a forgotten reason reads as `unknown` (still a miss).
         self._gone: collections.OrderedDict[tuple[str, int], MissReason] = collections.OrderedDict()
         self._remembered = remembered_ids
 
@@ -66,25 +129,35 @@ class SessionTable:
     def get(self, session_id: str) -> Session | None:
         return self._live.get(session_id)
 
+    @property
+    def epoch_floor(self) -> int:
+        """Below this epoch, a session id the table does not know is stale."""
+        return self._epochs.floor
+
     def check_epoch(self, session_id: str, epoch: int) -> EpochCheck:
-        highest = self._highest_epoch.get(session_id)
-        live = self._live.get(session_id)
-        if live is not None:  # a live session's epoch is never forgotten, whatever the bound
-            highest = live.epoch if highest is None else max(highest, live.epoch)
-        if highest is None or epoch == highest:
+        highest = self.highest_epoch(session_id)
+        if highest is None:
+            return EpochCheck.STALE if epoch < self._epochs.floor else EpochCheck.CURRENT
+        if epoch == highest:
             return EpochCheck.CURRENT
         return EpochCheck.STALE if epoch < highest else EpochCheck.NEWER
 
+    def fence_counts(self) -> dict[str, int]:
+        """For status: the epoch floor and how many ids the fence remembers (of at most fence_ids)."""
+        return {"epoch_floor": self._epochs.floor, "fenced_ids": len(self._epochs)}
+
+    def is_current(self, session_id: str, epoch: int) -> bool:
+        """Nothing of `epoch` may be created, served or exposed unless this holds (checked after every await)."""
+        return self.check_epoch(session_id, epoch) is EpochCheck.CURRENT
+
     def see_epoch(self, session_id: str, epoch: int) -> None:
         """Record epoch as the highest seen for session_id (callers check it is not stale first)."""
-        self._highest_epoch[session_id] = max(epoch, self._highest_epoch.get(session_id, epoch))
-        self._highest_epoch.move_to_end(session_id)
-        while len(self._highest_epoch) > self._remembered:
-            self._highest_epoch.popitem(last=False)
+        self._epochs.see(session_id, epoch)
 
     def highest_epoch(self, session_id: str) -> int | None:
+        """The highest epoch known for the id (a live session's is never forgotten); None: unknown, see the floor."""
         live = self._live.get(session_id)
-        remembered = self._highest_epoch.get(session_id)
+        remembered = self._epochs.get(session_id)
         if live is None:
             return remembered
         return live.epoch if remembered is None else max(remembered, live.epoch)

@@ -222,6 +222,7 @@ class Supervisor:
             service.metrics.count_error(failure.code)
             return ErrorReply(
                 code=failure.code, message=str(failure), length=failure.length, reason=failure.reason, retry_after_s=failure.retry_after_s,
+                epoch_floor=failure.epoch_floor,
                 session_id=getattr(request, "session_id", ""), epoch=getattr(request, "epoch", 0),
             )
         except Exception as error:  # noqa: BLE001 - a bug must cost one request, never the daemon

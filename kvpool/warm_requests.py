@@ -20,6 +20,7 @@ class WarmRequests:
     def __init__(self, service: KvService) -> None:
         self.service = service
         self.books = service.books
+        self.gate = service.gate
 
     def _require_tier(self, what: str) -> None:
         if not self.books.spill.enabled:
@@ -29,23 +30,18 @@ class WarmRequests:
         service = self.service
         service.validate_session_fields(request.session_id, request.epoch, service.length_of(request.session_id, request.epoch))
         self._require_tier("park")
-        await service.fence(request.session_id, request.epoch)
+        await self.gate.fence(request.session_id, request.epoch)
         session = self.books.table.get(request.session_id)
         if session is None:
-            raise service.miss(request.session_id, request.epoch, "no state for this session")
-        await service.enter(session)
-        try:
-            if self.books.table.get(session.session_id) is not session:
-                raise service.miss(session.session_id, session.epoch, "the session ended while this request waited")
+            raise self.gate.miss(request.session_id, request.epoch, "no state for this session")
+        async with self.gate.entered(session):
             if not session.hot:
                 return Done(length=session.length, session_id=session.session_id, epoch=session.epoch, detail="already parked")
             await service.parking.park(session, entered=True)
             if self.books.table.get(session.session_id) is not session:
-                raise service.miss(session.session_id, session.epoch, "the session's state could not be kept")
+                raise self.gate.miss(session.session_id, session.epoch, "the session's state could not be kept")
             service.metrics.count("parks")
             return Done(length=session.length, session_id=session.session_id, epoch=session.epoch, detail="parked")
-        finally:
-            await service.leave(session)
 
     async def fork(self, request: Fork) -> Done:
         service = self.service
@@ -56,14 +52,15 @@ class WarmRequests:
         if request.length < 0:
             raise RequestFailed(ErrorCode.BAD_REQUEST, "length must be >= 0")
         self._require_tier("fork")
-        await service.fence(request.session_id, request.epoch)
-        await service.fence(request.new_session_id, request.new_epoch)
+        await self.gate.fence(request.session_id, request.epoch)
+        await self.gate.fence(request.new_session_id, request.new_epoch)
         source = self.books.table.get(request.session_id)
         if source is None:
-            raise service.miss(request.session_id, request.epoch, "no state for the source session")
+            raise self.gate.miss(request.session_id, request.epoch, "no state for the source session")
         self._refuse_existing(request)
         blob = await self._state_of(source, request.length)
         self._refuse_existing(request)
+        self.gate.require_current(request.new_session_id, request.new_epoch)  # a higher epoch seen while it waited
         if not self.books.spill.fits(len(blob)):
             raise RequestFailed(ErrorCode.OVER_BUDGET, f"the source's state ({len(blob)} bytes) does not fit in the spill store")
         fork = Session(
@@ -74,7 +71,7 @@ class WarmRequests:
         service.metrics.count("forks")
         service.metrics.count("spill_drops", len(dropped))
         if fork in dropped:
-            raise service.miss(fork.session_id, fork.epoch, "the fork's state could not be kept")
+            raise self.gate.miss(fork.session_id, fork.epoch, "the fork's state could not be kept")
         return Done(length=fork.length, session_id=fork.session_id, epoch=fork.epoch, detail="forked")
 
     def _refuse_existing(self, request: Fork) -> None:
@@ -84,10 +81,7 @@ class WarmRequests:
     async def _state_of(self, source: Session, length: int) -> bytes:
         """The source's saved state (positions [0, its length), cut to `length` when restored)."""
         service = self.service
-        await service.enter(source)
-        try:
-            if self.books.table.get(source.session_id) is not source:
-                raise service.miss(source.session_id, source.epoch, "the source session ended while this request waited")
+        async with self.gate.entered(source, "the source session ended while this request waited"):
             if length > source.length:
                 raise RequestFailed(ErrorCode.POSITION_MISMATCH, f"cannot fork {length} positions: the source holds {source.length}", length=source.length)
             if not source.hot:
@@ -95,6 +89,7 @@ class WarmRequests:
                     return self.books.spill.read(source.key)
                 except CorruptBlob as error:
                     await service.lifecycle.drop(source, MissReason.RESTORE_FAILED)
+                    service.metrics.count("restore_failures")
                     service.metrics.count_miss(MissReason.RESTORE_FAILED)
                     raise RequestFailed(ErrorCode.CACHE_MISS, f"the source's saved state is damaged: {error}", reason=MissReason.RESTORE_FAILED) from None
             try:
@@ -104,5 +99,3 @@ class WarmRequests:
                 raise RequestFailed(ErrorCode.WORKER_LOST, f"the worker serving the source session was lost: {lost}") from None
             except WorkerFailed as failure:
                 raise RequestFailed(ErrorCode.INTERNAL, f"saving the source's state failed: {failure}", length=source.length) from None
-        finally:
-            await service.leave(source)

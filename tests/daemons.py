@@ -5,10 +5,14 @@ kvpool command that starts daemons of its own."""
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import pathlib
 import signal
+import socket
+import struct
 import subprocess
+import termios
 import threading
 import time
 
@@ -16,6 +20,7 @@ import psutil
 import pytest
 
 from kvpool.launcher import Daemon
+from kvpool.protocol import FRAME_HEADER, PROTOCOL_VERSION, Hello, decode_reply, encode
 
 
 # Hang guards only, far above what the slowest, busiest machine needs (a daemon starts in a few seconds
@@ -165,3 +170,46 @@ def run_to_completion(command: list[str], *, timeout_s: float, **kwargs) -> subp
         _kill_group(process.pid)
         pytest.fail(f"{' '.join(command[1:])} exited ({process.returncode}) and left processes running: {described}")
     return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+
+
+# ---- raw frames on a daemon's socket ----------------------------------------------------------------
+
+
+def raw_connection(path) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(HANG_GUARD_S)
+    sock.connect(str(path))
+    return sock
+
+
+def read_reply(sock: socket.socket):
+    header = b""
+    while len(header) < 4:
+        chunk = sock.recv(4 - len(header))
+        if not chunk:
+            assert not header, "connection closed in the middle of a frame header"
+            return None
+        header += chunk
+    (size,) = FRAME_HEADER.unpack(header)
+    payload = b""
+    while len(payload) < size:
+        chunk = sock.recv(size - len(payload))
+        assert chunk, "connection closed in the middle of a reply"
+        payload += chunk
+    return decode_reply(payload)
+
+
+def unread_bytes(sock: socket.socket) -> int:
+    """Bytes sent on this Unix socket that the peer has not read yet (SIOCOUTQ)."""
+    return struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0" * 4))[0]
+
+
+def sent_and_read(path, request) -> socket.socket:
+    """A new connection that has sent `request`, once the daemon has read every byte of it (not only
+    received it): the daemon is then handling it. The reply is the caller's to read."""
+    sock = raw_connection(path)
+    sock.sendall(encode(Hello(version=PROTOCOL_VERSION)))
+    assert read_reply(sock).version == PROTOCOL_VERSION
+    sock.sendall(encode(request))
+    wait_until(lambda: unread_bytes(sock) == 0, f"the daemon to read {type(request).__name__}")
+    return sock

@@ -238,19 +238,58 @@ def test_expired_returns_only_idle_sessions_idle_for_at_least_ttl() -> None:
     assert table.expired(now=30.0, ttl_s=60.0) == []
 
 
-def test_bounded_memories_forget_the_least_recently_touched() -> None:
+# Regression (issue 17, item 2): the highest-epoch memory forgot the least recently touched id, and a request at
+# an epoch below the one it had reached was then admitted as first sight. Forgetting now raises the floor instead.
+def test_forgetting_an_id_raises_the_floor_so_its_old_epochs_stay_stale() -> None:
     table = SessionTable(remembered_ids=3)
+    table.see_epoch("x", 5)
     for session_id in "abc":
-        table.see_epoch(session_id, 5)
-    table.see_epoch("a", 5)  # touching "a" makes "b" the oldest
-    table.see_epoch("d", 5)
-    assert [table.highest_epoch(i) for i in "abcd"] == [5, None, 5, 5]
-    assert table.check_epoch("b", 0) is EpochCheck.CURRENT  # forgotten: first sight again
-    table = SessionTable(remembered_ids=3)  # the tombstones forget the oldest too
+        table.see_epoch(session_id, 1)  # x, at the highest epoch, is kept: the lowest epoch is forgotten first
+    assert (table.highest_epoch("x"), table.highest_epoch("a"), table.epoch_floor) == (5, None, 1)
+    assert table.check_epoch("a", 0) is EpochCheck.STALE  # a forgotten id stays fenced below the floor
+    assert table.check_epoch("a", 1) is EpochCheck.CURRENT  # ... and is a new session at the floor
+    for session_id in "def":
+        table.see_epoch(session_id, 7)
+    assert table.highest_epoch("x") is None and table.epoch_floor == 5  # x forgotten: the floor holds its epoch
+    assert table.check_epoch("x", 3) is EpochCheck.STALE
+    assert table.check_epoch("x", 5) is EpochCheck.CURRENT
+    assert table.check_epoch("new", 4) is EpochCheck.STALE  # named in the reply: start new sessions at >= 5
+    assert len(table._epochs) <= 3
+
+
+def test_ids_at_or_below_the_floor_take_no_room() -> None:
+    table = SessionTable(remembered_ids=2)
+    for session_id in "abc":
+        table.see_epoch(session_id, 2)
+    assert table.epoch_floor == 2
+    table.see_epoch("d", 2)  # what the floor says already: not filed, nothing else forgotten
+    assert [table.highest_epoch(i) for i in "bcd"] == [2, 2, None] and table.epoch_floor == 2
+
+
+def test_the_tombstones_forget_the_least_recently_touched() -> None:
+    table = SessionTable(remembered_ids=3)
     for session_id in "abcd":
         table.add(session := make_session(session_id))
         table.remove(session, MissReason.EVICTED)
     assert [table.miss_reason(i, 0) for i in "abcd"] == [MissReason.UNKNOWN] + [MissReason.EVICTED] * 3
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from("abcdefgh"), st.integers(min_value=0, max_value=6)), max_size=80),
+       st.integers(min_value=1, max_value=4))
+def test_bounded_fence_never_lets_a_stale_epoch_through(sequence: list[tuple[str, int]], bound: int) -> None:
+    """Whatever the traffic, an epoch below the highest seen for its id is refused; memory stays bounded."""
+    table = SessionTable(remembered_ids=bound)
+    highest: dict[str, int] = {}
+    for session_id, epoch in sequence:
+        check = table.check_epoch(session_id, epoch)
+        if session_id in highest and epoch < highest[session_id]:
+            assert check is EpochCheck.STALE
+        if check is not EpochCheck.STALE:
+            table.see_epoch(session_id, epoch)
+            highest[session_id] = max(epoch, highest.get(session_id, epoch))
+        assert len(table._epochs) <= bound
+        assert table.epoch_floor <= max(highest.values(), default=0)
 
 
 # Regression: note_new_epoch once wrote into the bounded tombstone memory without trimming it.

@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import fcntl
 import os
 import signal
 import socket
 import stat
-import struct
-import termios
 import threading
 import time
 import urllib.request
@@ -22,9 +19,9 @@ from kvpool.client import KvpoolError
 from kvpool.route import Route
 from kvpool.router import Router
 from kvpool.generate import greedy_tokens
-from kvpool.protocol import FRAME_HEADER, PROTOCOL_VERSION, Append, AppendReply, Done, Hello, Release, Stats, decode_reply, encode
+from kvpool.protocol import FRAME_HEADER, PROTOCOL_VERSION, Append, AppendReply, Done, Hello, Release, Stats, encode
 from kvpool.admission import MAX_ADMIT_WAIT_S
-from tests.daemons import STOP_HANG_GUARD_S, DaemonProcess
+from tests.daemons import STOP_HANG_GUARD_S, DaemonProcess, raw_connection, read_reply, sent_and_read, unread_bytes
 from tests.daemons import in_thread as _in_thread, joined as _joined, result as _result, stopped as _stopped, wait_until as _wait_until
 
 N_CTX = 512
@@ -448,13 +445,13 @@ def test_budget_admission_over_budget_and_waiting(shards, socket_dir, prompt_ids
                 holder, held = _in_thread(lambda: other.append("second", 1, length, tokens=[5]))
                 _wait_until(lambda: client.stats().sessions[0].in_flight, "the holder's append to be in flight")
                 started = time.monotonic()
-                waiter = _sent_and_read(daemon.socket, Append(session_id="third", epoch=1, start_pos=0, tokens=[1, 2], admit_timeout_s=MAX_ADMIT_WAIT_S))
-                releaser = _sent_and_read(daemon.socket, Release(session_id="second", epoch=1))
+                waiter = sent_and_read(daemon.socket, Append(session_id="third", epoch=1, start_pos=0, tokens=[1, 2], admit_timeout_s=MAX_ADMIT_WAIT_S))
+                releaser = sent_and_read(daemon.socket, Release(session_id="second", epoch=1))
                 assert [row.session_id for row in client.stats().sessions] == ["second"]  # nothing admitted yet
             assert _result(holder, held).length == length + 1
-            released = _read_reply(releaser)
+            released = read_reply(releaser)
             assert isinstance(released, Done) and released.detail == "released", released
-            result = _read_reply(waiter)
+            result = read_reply(waiter)
             waited = time.monotonic() - started
             waiter.close()
             releaser.close()
@@ -491,9 +488,9 @@ def test_over_budget_while_the_only_session_is_busy_then_waiting_admission_wakes
                 assert over.value.reply.retry_after_s > 0  # the daemon's estimate of when to ask again
                 # an admission that may wait, read by the daemon while the holder is still busy: it waits
                 started = time.monotonic()
-                waiter = _sent_and_read(daemon.socket, Append(session_id="waiter", epoch=1, start_pos=0, tokens=[1, 2], admit_timeout_s=MAX_ADMIT_WAIT_S))
+                waiter = sent_and_read(daemon.socket, Append(session_id="waiter", epoch=1, start_pos=0, tokens=[1, 2], admit_timeout_s=MAX_ADMIT_WAIT_S))
                 assert [row.session_id for row in client.stats().sessions] == ["holder"]  # nothing admitted yet
-            result = _read_reply(waiter)  # the holder's worker continues, the holder goes idle, the waiter wakes
+            result = read_reply(waiter)  # the holder's worker continues, the holder goes idle, the waiter wakes
             waited = time.monotonic() - started
             waiter.close()
             assert _result(holder, held).length == len(holder_tokens)  # the busy session finished untouched
@@ -607,46 +604,6 @@ def test_drifted_worker_is_recycled_when_idle(shards, socket_dir):
 # ---- safety and operations ------------------------------------------------------------------------
 
 
-def _raw_connection(path) -> socket.socket:
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.settimeout(HANG_GUARD_S)
-    sock.connect(str(path))
-    return sock
-
-
-def _read_reply(sock: socket.socket):
-    header = b""
-    while len(header) < 4:
-        chunk = sock.recv(4 - len(header))
-        if not chunk:
-            assert not header, "connection closed in the middle of a frame header"
-            return None
-        header += chunk
-    (size,) = FRAME_HEADER.unpack(header)
-    payload = b""
-    while len(payload) < size:
-        chunk = sock.recv(size - len(payload))
-        assert chunk, "connection closed in the middle of a reply"
-        payload += chunk
-    return decode_reply(payload)
-
-
-def _unread_bytes(sock: socket.socket) -> int:
-    """Bytes sent on this Unix socket that the peer has not read yet (SIOCOUTQ)."""
-    return struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0" * 4))[0]
-
-
-def _sent_and_read(path, request) -> socket.socket:
-    """A new connection that has sent `request`, once the daemon has read every byte of it (not only
-    received it): the daemon is then handling it. The reply is the caller's to read."""
-    sock = _raw_connection(path)
-    sock.sendall(encode(Hello(version=PROTOCOL_VERSION)))
-    assert _read_reply(sock).version == PROTOCOL_VERSION
-    sock.sendall(encode(request))
-    _wait_until(lambda: _unread_bytes(sock) == 0, f"the daemon to read {type(request).__name__}")
-    return sock
-
-
 def test_socket_is_private_and_bad_frames_never_hurt_the_daemon(chain_daemons, prompt_ids):
     first = chain_daemons[0]
     mode = os.stat(first.socket).st_mode
@@ -654,23 +611,23 @@ def test_socket_is_private_and_bad_frames_never_hurt_the_daemon(chain_daemons, p
     with first.client() as live:
         live.append("live", 1, 0, tokens=prompt_ids[0][:6])
         # no Hello first
-        sock = _raw_connection(first.socket)
+        sock = raw_connection(first.socket)
         sock.sendall(encode(Stats()))
-        reply = _read_reply(sock)
-        assert reply.code == "bad_request" and _read_reply(sock) is None
+        reply = read_reply(sock)
+        assert reply.code == "bad_request" and read_reply(sock) is None
         sock.close()
         # wrong protocol version
-        sock = _raw_connection(first.socket)
+        sock = raw_connection(first.socket)
         sock.sendall(encode(Hello(version=PROTOCOL_VERSION + 1)))
-        assert _read_reply(sock).code == "bad_request" and _read_reply(sock) is None
+        assert read_reply(sock).code == "bad_request" and read_reply(sock) is None
         sock.close()
         # garbage, unknown tag, wrong types, then an absurd length
-        sock = _raw_connection(first.socket)
+        sock = raw_connection(first.socket)
         sock.sendall(encode(Hello(version=PROTOCOL_VERSION)))
-        assert _read_reply(sock).version == PROTOCOL_VERSION
+        assert read_reply(sock).version == PROTOCOL_VERSION
         for payload in (b"\xc1\xc1\xc1", b"\x81\xa4type\xa4Nope", b"\x82\xa4type\xa6Append\xaasession_id\x05"):
             sock.sendall(FRAME_HEADER.pack(len(payload)) + payload)
-            assert _read_reply(sock).code == "bad_request"
+            assert read_reply(sock).code == "bad_request"
         for bad in (
             Append(session_id="live", epoch=1, start_pos=6, tokens=[-1]),
             Append(session_id="live", epoch=1, start_pos=6, tokens=[49152]),
@@ -681,10 +638,10 @@ def test_socket_is_private_and_bad_frames_never_hurt_the_daemon(chain_daemons, p
             Append(session_id="live", epoch=1, start_pos=-6, tokens=[1]),
         ):
             sock.sendall(encode(bad))
-            reply = _read_reply(sock)
+            reply = read_reply(sock)
             assert reply.code == "bad_request", bad
         sock.sendall(FRAME_HEADER.pack(2**31))
-        assert _read_reply(sock).code == "bad_request" and _read_reply(sock) is None
+        assert read_reply(sock).code == "bad_request" and read_reply(sock) is None
         sock.close()
         # the live session was not touched by any of it
         stats = live.stats()
@@ -708,9 +665,9 @@ def test_other_users_are_refused_by_peer_credentials(chain_daemons):
             try:
                 os.setgid(65534)
                 os.setuid(65534)
-                sock = _raw_connection(first.socket)
+                sock = raw_connection(first.socket)
                 sock.sendall(encode(Hello(version=PROTOCOL_VERSION)))
-                result = b"closed" if _read_reply(sock) is None else b"answered"
+                result = b"closed" if read_reply(sock) is None else b"answered"
             except (BrokenPipeError, ConnectionResetError):
                 result = b"closed"  # the daemon hung up before or while we wrote
             except Exception as error:  # noqa: BLE001
