@@ -7,6 +7,7 @@ import os
 import pathlib
 
 from kvpool.protocol import DEFAULT_MAX_REQUEST_BYTES
+from kvpool.spill import SpillDirRefused, check_disk_dir
 
 WORK_DIR_ENV = "KVPOOL_WORK_DIR"
 DEFAULT_WORK_DIR = ".kvpool"
@@ -125,6 +126,11 @@ class ServeConfig:
             problems.append("--park-after must be >= 0")
         if (self.spill_dir is None) != (self.spill_disk_budget_bytes == 0):
             problems.append("--spill-dir and --spill-disk-budget go together")
+        if self.spill_dir is not None:
+            try:
+                check_disk_dir(self.spill_dir)  # before any worker starts
+            except SpillDirRefused as refused:
+                problems.append(str(refused))
         if self.mode not in MODES:
             problems.append(f"--mode must be one of {', '.join(MODES)}")
         if self.mode in ("batched", "auto") and not (1 <= self.seqs_per_worker <= 256 and self.max_sessions % self.seqs_per_worker == 0):

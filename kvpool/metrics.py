@@ -24,6 +24,7 @@ COUNTERS = (
     "truncates",
     "spills",
     "spill_drops",
+    "spill_disk_failures",  # disk-tier file operations that failed (a failed write drops the state it was to hold)
     "restores",
     "restore_failures",
     "parks",
@@ -70,6 +71,12 @@ class Metrics:
         for tier, held, limit in (("ram", spill.ram_bytes, spill.ram_limit), ("disk", spill.disk_bytes, spill.disk_limit)):
             self.spill_bytes.labels(tier=tier).set(held)
             self.spill_limit_bytes.labels(tier=tier).set(limit)
+        self._catch_up("spill_disk_failures", spill.disk_failures)
+
+    def _catch_up(self, name: str, total: int) -> None:
+        """A counter whose running total a part of the books keeps (the spill store's disk failures)."""
+        if total > self._values[name]:
+            self.count(name, total - self._values[name])
 
     def observe_restore(self, seconds: float) -> None:
         self.count("restores")

@@ -9,7 +9,7 @@ from kvpool.channels import Channels
 from kvpool.errors import RequestFailed
 from kvpool.metrics import Metrics
 from kvpool.pool import WorkerPool
-from kvpool.protocol import MissReason
+from kvpool.protocol import ErrorCode, MissReason
 from kvpool.sessions import Session
 from kvpool.worker_handle import WorkerFailed, WorkerLost
 from kvpool.worker_lifecycle import WorkerLifecycle
@@ -25,7 +25,8 @@ class Parking:
 
     async def park(self, session: Session, *, entered: bool = False) -> bool:
         """Park `session` if it is (still) a live, idle hot session; True if its place was freed (parked,
-        or lost on the way). With `entered` the caller holds the session's lock and counts its request."""
+        or lost on the way). With `entered` the caller (a Park request) holds the session's lock and counts
+        its request, and a worker lost on the way raises RequestFailed(worker_lost): the request's answer."""
         if not entered:
             if not session.idle or session.lock.locked() or not self._live_hot(session):
                 return False
@@ -37,11 +38,15 @@ class Parking:
             try:
                 await self.channels.revoke(session)
             except RequestFailed:
+                if entered:
+                    raise
                 return True  # its worker was lost on the way: the place is free
             try:
                 blob = await self.pool.get(session.worker_name).save_state()
-            except WorkerLost:
+            except WorkerLost as lost:
                 self.lifecycle.lost(session)
+                if entered:
+                    raise RequestFailed(ErrorCode.WORKER_LOST, f"the worker was lost while saving the session's state: {lost}") from None
                 return True
             except WorkerFailed:
                 await self.lifecycle.drop(session, MissReason.EVICTED)

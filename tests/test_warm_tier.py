@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import os
+import signal
 import stat
 
 import numpy as np
 import pytest
 
 from kvpool.client import KvpoolError
-from tests.daemons import DaemonProcess, wait_until
+from kvpool.launcher import Daemon, DaemonStartFailed
+from tests.daemons import START_HANG_GUARD_S, DaemonProcess, in_thread, joined, stopped, wait_until
+from tests.test_spill_store import MAGIC, failing_writes, own_files
 from workers.runtime import ShardModel
 
 N_CTX = 256
@@ -206,10 +209,25 @@ def test_parked_sessions_expire_after_the_ttl_and_park_after_parks_idle_ones(mod
         daemon.stop()
 
 
-def test_the_disk_tier_checks_every_blob_and_leaves_nothing_behind(model_path, socket_dir, tmp_path, whole, prompt_ids):
+# Files a user keeps in the spill dir: names or contents that are not the store's own; start-up leaves them.
+NOT_OURS = {
+    "notes.partial": b"a user's notes",
+    "notes.kvstate": MAGIC + b"a name the store never writes",
+    "kvpool-00000009.kvstate": b"the store's name without its magic",
+}
+
+
+def _own_files(spill_dir):
+    return sorted(path for path in spill_dir.iterdir() if path.name not in NOT_OURS)
+
+
+def test_the_disk_tier_checks_every_blob_and_removes_only_its_own_files(model_path, socket_dir, tmp_path, whole, prompt_ids):
     spill_dir = tmp_path / "spill"
     spill_dir.mkdir(mode=0o700)
-    (spill_dir / "00000001.kvstate").write_bytes(b"left by an earlier run")
+    (spill_dir / "kvpool-00000001.kvstate").write_bytes(MAGIC + b"left by an earlier run")
+    (spill_dir / "kvpool-00000002.kvstate.partial").write_bytes(b"half a write of an earlier run")
+    for name, data in NOT_OURS.items():
+        (spill_dir / name).write_bytes(data)
     prompt = prompt_ids[0][:10]
     daemon = _serve(
         model_path, socket_dir, "disk", "--max-sessions", "1", "--spill-budget", "1000", "--spill-dir", str(spill_dir),
@@ -217,7 +235,8 @@ def test_the_disk_tier_checks_every_blob_and_leaves_nothing_behind(model_path, s
     )
     reference = Reference(whole)
     try:
-        assert not (spill_dir / "00000001.kvstate").exists() or (spill_dir / "00000001.kvstate").read_bytes() != b"left by an earlier run"
+        assert _own_files(spill_dir) == []  # the earlier run's files are gone...
+        assert {name: (spill_dir / name).read_bytes() for name in NOT_OURS} == NOT_OURS  # ...and nothing else
         with daemon.client() as client:
             for name in ("corrupt", "truncated", "intact", "hot"):
                 client.append(name, 1, 0, tokens=prompt)
@@ -225,8 +244,9 @@ def test_the_disk_tier_checks_every_blob_and_leaves_nothing_behind(model_path, s
             stats = _checked(client)
             assert sorted(row.tier for row in stats.sessions) == ["disk", "disk", "disk", "hot"]
             assert stats.budget.spill_bytes == 0 and stats.budget.spill_disk_bytes > 0
-            files = sorted(spill_dir.iterdir())
+            files = _own_files(spill_dir)
             assert len(files) == 3 and stat.S_IMODE(spill_dir.stat().st_mode) == 0o700
+            assert all(path.read_bytes().startswith(MAGIC) for path in files)
             assert all(stat.S_IMODE(path.stat().st_mode) == 0o600 for path in files)
             corrupt, truncated, _intact = files  # written in the order the sessions were parked
             data = bytearray(corrupt.read_bytes())
@@ -245,4 +265,97 @@ def test_the_disk_tier_checks_every_blob_and_leaves_nothing_behind(model_path, s
     finally:
         reference.close()
         daemon.stop()
-    assert list(spill_dir.iterdir()) == []  # removed at shutdown
+    assert sorted(path.name for path in spill_dir.iterdir()) == sorted(NOT_OURS)  # its own removed at shutdown
+
+
+def test_a_full_disk_drops_only_the_pushed_session_and_the_daemon_keeps_serving(model_path, socket_dir, tmp_path, whole, prompt_ids):
+    prompt = prompt_ids[0][:12]
+    with whole.new_context(N_CTX) as probe:
+        probe.append(0, tokens=np.asarray(prompt, np.int32))
+        blob_bytes = len(probe.save_state())
+    spill_dir = tmp_path / "full"
+    with failing_writes(spill_dir) as break_writes:
+        daemon = _serve(
+            model_path, socket_dir, "full-disk", "--max-sessions", "1", "--spill-budget", str(int(blob_bytes * 1.5)),
+            "--spill-dir", str(spill_dir), "--spill-disk-budget", "64MiB",
+        )
+        reference = Reference(whole)
+        try:
+            break_writes()
+            with daemon.client() as client:
+                client.append("pushed", 1, 0, tokens=prompt)
+                client.append("kept", 1, 0, tokens=prompt)  # parks "pushed" in memory
+                reference.append(0, prompt)
+                got = client.append("newest", 1, 0, tokens=prompt)  # parks "kept": "pushed" must go to disk, and cannot
+                assert got.admitted and got.length == len(prompt)
+                stats = _checked(client)
+                assert {row.session_id: row.tier for row in stats.sessions} == {"kept": "ram", "newest": "hot"}
+                assert stats.counters["spill_disk_failures"] >= 1 and stats.budget.spill_disk_bytes == 0
+                assert own_files(spill_dir) == []  # no .partial (nor anything else of the store's) left
+                miss = _miss(lambda: client.append("pushed", 1, 12, tokens=[5]))
+                assert (miss.code, miss.reason) == ("cache_miss", "evicted")
+                got = client.append("kept", 1, 12, tokens=[5])  # the worker came back: "kept" is restored on it
+                assert got.restored and np.array_equal(got.rows, reference.append(12, [5]))
+                assert client.append("later", 1, 0, tokens=prompt).admitted  # and serves a new session too
+                stats = _checked(client)
+                assert {row.session_id for row in stats.sessions} >= {"later"} and stats.counters["spill_disk_failures"] >= 2
+                assert own_files(spill_dir) == []
+        finally:
+            reference.close()
+            daemon.stop()
+        serving = daemon.log().split("kvpool serve: shutting down")[0]  # (the way out is another item's)
+        assert serving.count("spill disk tier") == 1, serving  # one line for the whole burst of failures
+        assert "Traceback" not in serving and ("No space left on device" in serving or "Permission denied" in serving), serving
+
+
+@pytest.mark.parametrize("untrusted", ["symlink", "group-writable"])
+def test_an_untrusted_spill_dir_is_refused_at_start_and_its_files_kept(model_path, socket_dir, tmp_path, untrusted):
+    target = tmp_path / "target"
+    target.mkdir(mode=0o700)
+    files = {"notes.partial": b"a user's notes", "kvpool-00000001.kvstate": MAGIC + b"the store's format"}
+    for name, data in files.items():
+        (target / name).write_bytes(data)
+    spill_dir = target
+    if untrusted == "symlink":
+        spill_dir = tmp_path / "link"
+        spill_dir.symlink_to(target)
+    else:
+        os.chmod(target, 0o770)
+    daemon = Daemon(
+        model_path, socket_dir / f"refused-{untrusted}.sock",
+        ["--threads", "1", "--n-ctx", str(N_CTX), "--max-sessions", "1", "--spill-dir", str(spill_dir), "--spill-disk-budget", "1MiB"],
+    )
+    try:
+        with pytest.raises(DaemonStartFailed):
+            daemon.wait_ready(timeout_s=START_HANG_GUARD_S)
+    finally:
+        code = daemon.stop()
+    log = daemon.log()
+    errors = [line for line in log.splitlines() if "error" in line.lower()]
+    expected = "is a symlink" if untrusted == "symlink" else "writable by group or others"
+    assert code == 2 and len(errors) == 1 and errors[0].startswith("kvpool serve: error: --spill-dir") and expected in errors[0], log
+    assert "Traceback" not in log and "starting" not in log, log  # refused before any worker started
+    assert {name: (target / name).read_bytes() for name in files} == files and len(list(target.iterdir())) == len(files)
+
+
+def test_a_park_whose_worker_dies_mid_save_answers_worker_lost(model_path, socket_dir, prompt_ids):
+    prompt = prompt_ids[0][:8]
+    daemon = _serve(model_path, socket_dir, "park-lost", "--max-sessions", "1")
+    try:
+        # no direct channel: the Park's first command to the worker is the save (a revoke would come first)
+        with daemon.client(direct=False) as client, daemon.client() as observer:
+            client.append("lost", 1, 0, tokens=prompt)
+            worker_pid = observer.stats().sessions[0].worker_pid
+            with stopped(worker_pid):  # the save cannot complete before the worker is killed
+                thread, outcome = in_thread(lambda: client.park("lost", 1))
+                wait_until(lambda: observer.stats().sessions[0].in_flight, "the park to be in flight")
+                os.kill(worker_pid, signal.SIGKILL)
+            error = joined(thread, outcome).get("error")
+            assert isinstance(error, KvpoolError) and error.code == "worker_lost", outcome
+            miss = _miss(lambda: client.append("lost", 1, len(prompt), tokens=[5]))
+            assert (miss.code, miss.reason) == ("cache_miss", "worker_lost")
+            wait_until(lambda: [row.state for row in observer.stats().workers] == ["free"], "the lost worker's replacement")
+            assert client.append("after", 1, 0, tokens=prompt).admitted
+            _checked(client)
+    finally:
+        daemon.stop()

@@ -1,0 +1,233 @@
+"""The spill store alone (no model, no daemon): its disk tier on a real full file system, and the checks of
+its directory at start-up (whose files it removes, which directories it refuses)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import pathlib
+import stat
+import subprocess
+
+import pytest
+
+from kvpool import spill
+from kvpool.integrity import IntegrityError
+from kvpool.spill import CorruptBlob, SpillStore, prepare_disk_dir
+
+MAGIC = b"KVPSPIL1"  # the disk format: every file the store writes starts with these 8 bytes
+FULL_FS_BYTES = 64 * 1024
+BLOB = bytes(range(256)) * 4  # 1 KiB
+
+
+@contextlib.contextmanager
+def failing_writes(directory: pathlib.Path):
+    """`directory` (0700) on a real file system; the yielded `break_writes()` makes every later write there
+    fail with OSError: a 64 KiB tmpfs mounted there and filled to the last byte (ENOSPC; as root, the way
+    this machine and CI run), else the directory made read-only (EACCES, for a user who may not mount)."""
+    directory.mkdir(mode=0o700)
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={FULL_FS_BYTES},mode=0700", "tmpfs", str(directory)], capture_output=True
+    ).returncode == 0
+
+    def break_writes() -> None:
+        if mounted:
+            with contextlib.suppress(OSError), open(directory / "filler", "wb") as filler:
+                while True:
+                    filler.write(b"\0" * 4096)
+                    filler.flush()
+        else:
+            os.chmod(directory, 0o500)
+        with pytest.raises(OSError):  # the premise, checked: a real write there fails
+            (directory / "probe").write_bytes(b"x" * 8192)
+        with contextlib.suppress(OSError):
+            (directory / "probe").unlink()
+
+    try:
+        yield break_writes
+    finally:
+        if mounted:
+            subprocess.run(["umount", str(directory)], check=True)
+        else:
+            os.chmod(directory, 0o700)
+
+
+def room_again(directory: pathlib.Path) -> None:
+    """Undo break_writes (the filler removed, or write permission back)."""
+    with contextlib.suppress(FileNotFoundError):
+        (directory / "filler").unlink()
+    os.chmod(directory, 0o700)
+
+
+def own_files(directory: pathlib.Path) -> list[str]:
+    return sorted(path.name for path in directory.iterdir() if path.name.startswith("kvpool-"))
+
+
+# ---- a full disk ---------------------------------------------------------------------------------
+
+
+def test_a_failing_disk_write_drops_that_blob_alone_and_leaves_no_file(tmp_path, caplog):
+    directory = tmp_path / "spill"
+    with failing_writes(directory) as break_writes:
+        store = SpillStore(len(BLOB) * 3 // 2, disk_dir=directory, disk_limit_bytes=len(BLOB) * 10)
+        assert store.put("a", BLOB) == []
+        break_writes()
+        with caplog.at_level(logging.WARNING, logger="kvpool.serve"):
+            assert store.put("b", BLOB[::-1]) == ["a"]  # "a" had to go to disk and could not
+            assert store.put("c", BLOB) == ["b"]
+        assert "a" not in store and "b" not in store and store.read("c") == BLOB
+        store.check_integrity({"c"})
+        assert (store.ram_bytes, store.disk_bytes, store.disk_failures) == (len(BLOB), 0, 2)
+        assert own_files(directory) == []  # no .partial left
+        warnings = [record for record in caplog.records if "spill disk tier" in record.getMessage()]
+        assert len(warnings) == 1 and warnings[0].exc_info is None  # one line for the burst, no traceback
+        assert "\n" not in warnings[0].getMessage()
+
+        room_again(directory)
+        assert store.put("d", BLOB[::-1]) == []  # "c" goes to disk now
+        assert store.tier_of("c") == "disk" and store.read("c") == BLOB and store.disk_failures == 2
+        store.check_integrity({"c", "d"})
+        (written,) = own_files(directory)
+        assert (directory / written).read_bytes() == MAGIC + BLOB
+
+        caplog.clear()
+        break_writes()
+        with caplog.at_level(logging.WARNING, logger="kvpool.serve"):
+            assert store.put("e", BLOB) == ["d"]
+        assert len([record for record in caplog.records if "spill disk tier" in record.getMessage()]) == 1  # a new burst
+        store.check_integrity({"c", "e"})
+        store.close()
+        store.check_integrity(set())
+        assert own_files(directory) == []
+
+
+def test_a_blob_bigger_than_memory_on_a_full_disk_is_dropped_itself(tmp_path):
+    directory = tmp_path / "spill"
+    with failing_writes(directory) as break_writes:
+        store = SpillStore(len(BLOB) // 2, disk_dir=directory, disk_limit_bytes=len(BLOB) * 10)
+        break_writes()
+        assert store.put("big", BLOB) == ["big"]
+        assert "big" not in store and store.disk_failures == 1 and own_files(directory) == []
+        store.check_integrity(set())
+
+
+def test_a_disk_file_is_magic_then_the_blob_and_read_back_checks_the_magic(tmp_path):
+    store = SpillStore(len(BLOB) // 2, disk_dir=tmp_path / "spill", disk_limit_bytes=len(BLOB) * 10)
+    assert store.put("x", BLOB) == []
+    path = store.path_of("x")
+    assert path.name == "kvpool-00000001.kvstate" and path.read_bytes() == MAGIC + BLOB
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    path.write_bytes(b"XXXXXXXX" + BLOB)  # the blob intact, the magic not
+    with pytest.raises(CorruptBlob, match="not a kvpool spill file"):
+        store.read("x")
+    store.close()
+
+
+def test_the_format_and_the_refusal_are_the_stores():
+    assert spill.MAGIC == MAGIC and issubclass(spill.SpillDirRefused, ValueError)
+
+
+def test_the_books_of_the_store_catch_a_lost_blob(tmp_path):
+    """The check the daemon runs: a parked session whose blob is in no tier is an integrity error."""
+    store = SpillStore(len(BLOB) * 2)
+    store.put("a", BLOB)
+    with pytest.raises(IntegrityError, match="stored blobs != the parked sessions"):
+        store.check_integrity({"a", "lost"})
+
+
+# ---- the spill directory -------------------------------------------------------------------------
+
+
+def ours(directory: pathlib.Path, name: str) -> pathlib.Path:
+    path = directory / name
+    path.write_bytes(MAGIC + b"an earlier run's state")
+    return path
+
+
+def test_start_up_removes_only_the_stores_own_files(tmp_path):
+    directory = tmp_path / "spill"
+    directory.mkdir(mode=0o700)
+    outside = tmp_path / "outside.kvstate"
+    outside.write_bytes(MAGIC + b"someone's file")
+    kept = {
+        "notes.partial": b"a user's notes",
+        "notes.kvstate": MAGIC + b"a name the store never writes",
+        "kvpool-00000003.kvstate": b"our name, not our format",
+        "00000001.kvstate": MAGIC + b"no prefix",
+        "kvpool-1.kvstate.bak": MAGIC,
+    }
+    for name, data in kept.items():
+        (directory / name).write_bytes(data)
+    (directory / "kvpool-00000004.kvstate").symlink_to(outside)
+    (directory / "kvpool-00000005.kvstate").mkdir()
+    removed = [ours(directory, "kvpool-00000001.kvstate"), directory / "kvpool-00000002.kvstate.partial"]
+    removed[1].write_bytes(b"half a write")
+
+    prepare_disk_dir(directory)
+
+    assert not any(path.exists() for path in removed)
+    assert {name: (directory / name).read_bytes() for name in kept} == kept
+    assert (directory / "kvpool-00000004.kvstate").is_symlink() and outside.read_bytes() == MAGIC + b"someone's file"
+    assert (directory / "kvpool-00000005.kvstate").is_dir()
+
+
+def test_a_missing_spill_dir_is_created_private(tmp_path):
+    directory = tmp_path / "a" / "spill"
+    prepare_disk_dir(directory)
+    assert stat.S_IMODE(directory.stat().st_mode) == 0o700
+
+
+def refused(directory: pathlib.Path) -> str:
+    with pytest.raises(ValueError) as raised:  # kvpool.spill.SpillDirRefused; `kvpool serve` prints it as one line
+        prepare_disk_dir(directory)
+    message = str(raised.value)
+    assert "\n" not in message
+    return message
+
+
+def test_a_symlinked_spill_dir_is_refused_and_its_target_untouched(tmp_path):
+    target = tmp_path / "target"
+    target.mkdir(mode=0o700)
+    stale = ours(target, "kvpool-00000001.kvstate")
+    (target / "notes.partial").write_bytes(b"notes")
+    link = tmp_path / "link"
+    link.symlink_to(target)
+    assert "symlink" in refused(link)
+    assert stale.exists() and (target / "notes.partial").read_bytes() == b"notes"
+    dangling = tmp_path / "dangling"
+    dangling.symlink_to(tmp_path / "nowhere")
+    assert "symlink" in refused(dangling) and not (tmp_path / "nowhere").exists()
+
+
+@pytest.mark.parametrize("mode", [0o770, 0o707, 0o777], ids=["0770", "0707", "0777"])
+def test_a_spill_dir_writable_by_group_or_others_is_refused(tmp_path, mode):
+    directory = tmp_path / "spill"
+    directory.mkdir()
+    os.chmod(directory, mode)
+    stale = ours(directory, "kvpool-00000001.kvstate")
+    assert "writable by group or others" in refused(directory)
+    assert stale.exists() and stat.S_IMODE(directory.stat().st_mode) == mode
+
+
+def test_a_parent_writable_by_others_is_refused_unless_sticky(tmp_path):
+    parent = tmp_path / "shared"
+    parent.mkdir()
+    os.chmod(parent, 0o777)
+    assert "writable by others without the sticky bit" in refused(parent / "spill")
+    os.chmod(parent, 0o1777)
+    prepare_disk_dir(parent / "spill")
+    assert (parent / "spill").is_dir()
+
+
+def test_a_spill_dir_or_parent_of_another_user_is_refused(tmp_path):
+    if os.getuid() != 0:
+        assert "not owned by this user" in refused(pathlib.Path("/"))  # root's; a user can make no other user's
+        return
+    other = 54321
+    directory = tmp_path / "theirs"
+    directory.mkdir(mode=0o700)
+    os.chown(directory, other, other)
+    assert "not owned by this user" in refused(directory)
+    assert f"belongs to uid {other}" in refused(directory / "spill")
+    assert not (directory / "spill").exists()  # nothing created under their directory
