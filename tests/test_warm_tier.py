@@ -238,29 +238,33 @@ def test_the_disk_tier_checks_every_blob_and_removes_only_its_own_files(model_pa
         assert _own_files(spill_dir) == []  # the earlier run's files are gone...
         assert {name: (spill_dir / name).read_bytes() for name in NOT_OURS} == NOT_OURS  # ...and nothing else
         with daemon.client() as client:
-            for name in ("corrupt", "truncated", "intact", "hot"):
+            for name in ("corrupt", "truncated", "fork-source", "intact", "hot"):
                 client.append(name, 1, 0, tokens=prompt)
             reference.append(0, prompt)
             stats = _checked(client)
-            assert sorted(row.tier for row in stats.sessions) == ["disk", "disk", "disk", "hot"]
+            assert sorted(row.tier for row in stats.sessions) == ["disk", "disk", "disk", "disk", "hot"]
             assert stats.budget.spill_bytes == 0 and stats.budget.spill_disk_bytes > 0
             files = _own_files(spill_dir)
-            assert len(files) == 3 and stat.S_IMODE(spill_dir.stat().st_mode) == 0o700
+            assert len(files) == 4 and stat.S_IMODE(spill_dir.stat().st_mode) == 0o700
             assert all(path.read_bytes().startswith(MAGIC) for path in files)
             assert all(stat.S_IMODE(path.stat().st_mode) == 0o600 for path in files)
-            corrupt, truncated, _intact = files  # written in the order the sessions were parked
-            data = bytearray(corrupt.read_bytes())
-            data[len(data) // 2] ^= 0xFF
-            corrupt.write_bytes(bytes(data))
+            corrupt, truncated, fork_source, _intact = files  # written in the order the sessions were parked
+            for damaged in (corrupt, fork_source):
+                data = bytearray(damaged.read_bytes())
+                data[len(data) // 2] ^= 0xFF
+                damaged.write_bytes(bytes(data))
             with open(truncated, "r+b") as stream:
                 stream.truncate(os.path.getsize(truncated) // 2)
             for name in ("corrupt", "truncated"):
                 miss = _miss(lambda: client.append(name, 1, 10, tokens=[3]))
                 assert (miss.code, miss.reason) == ("cache_miss", "restore_failed")
+            # a fork reads its source's saved state: damaged, it is a failed restore like the others (counted once)
+            miss = _miss(lambda: client.fork("fork-source", 1, "child", 1, 5))
+            assert (miss.code, miss.reason) == ("cache_miss", "restore_failed")
             got = client.append("intact", 1, 10, tokens=[3])
             assert got.restored and np.array_equal(got.rows, reference.append(10, [3]))
             stats = _checked(client)
-            assert stats.counters["restore_failures"] == 2
+            assert stats.counters["restore_failures"] == 3
             assert {row.session_id for row in stats.sessions} == {"intact", "hot"}
     finally:
         reference.close()
