@@ -1,4 +1,4 @@
-"""What makes an append valid: decided here once, for the supervisor and for a worker's direct channel."""
+"""What makes a request valid: decided here once, for the supervisor and for a worker's direct channel."""
 
 from __future__ import annotations
 
@@ -7,6 +7,16 @@ import numpy as np
 from kvpool.errors import RequestFailed
 from kvpool.protocol import Append, ErrorCode
 from kvpool.shard_shape import ShardShape
+
+MAX_SESSION_ID_BYTES = 256
+
+
+def check_session_fields(session_id: str, epoch: int, length: int) -> None:
+    """bad_request (with the session's `length`) for an id that is empty or too long, or an epoch out of range."""
+    if not session_id or len(session_id.encode()) > MAX_SESSION_ID_BYTES:
+        raise RequestFailed(ErrorCode.BAD_REQUEST, f"session_id must be 1..{MAX_SESSION_ID_BYTES} bytes", length=length)
+    if epoch < 0 or epoch >= 2**63:
+        raise RequestFailed(ErrorCode.BAD_REQUEST, "epoch must be in [0, 2^63)", length=length)
 
 
 def append_rows(request: Append, shape: ShardShape, *, max_rows: int, length: int) -> np.ndarray:

@@ -31,6 +31,14 @@ class Gate:
         self.lifecycle = lifecycle
         self.metrics = metrics
 
+    def length_of(self, session_id: str, epoch: int) -> int:
+        """The session's length as every reply carries it (0 when no live session of that epoch)."""
+        session = self.books.table.get(session_id)
+        if session is None or session.epoch != epoch:
+            return 0
+        self.channels.refresh(session)
+        return session.length
+
     # ---- fencing -----------------------------------------------------------------------------------
 
     def stale(self, session_id: str, epoch: int) -> RequestFailed:

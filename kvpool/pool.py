@@ -14,10 +14,9 @@ import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
-from kvpool.batched_worker import BatchedWorker
+from kvpool.batched_worker import BatchedWorker, SequenceSlot
 from kvpool.compute import ComputeSlots
 from kvpool.integrity import require
-from kvpool.sequence_slot import SequenceSlot
 from kvpool.worker_handle import PoolSpec, WorkerHandle
 from workers.commands import Ready
 

@@ -19,9 +19,9 @@ prefill instead. The knobs are a RecoveryPolicy, and what recovery did is counte
 from __future__ import annotations
 
 import contextlib
+import random
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -31,21 +31,23 @@ from kvpool.generate import greedy_tokens
 from kvpool.in_flight_append import InFlightAppend
 from kvpool.protocol import ErrorCode
 from kvpool.recovery import Cancelled, RecoveryCounts, RecoveryFailed, epoch_floor_of, replay_counter
-from kvpool.route import StageFailed
+from kvpool.recovery import RecoveryPolicy
+from kvpool.route import Route, StageFailed
 from workers.sampling import Sampling
 
-if TYPE_CHECKING:
-    from kvpool.router import Router
+Count = Callable[[str, int], None]  # adds to a count of the router that made the session (all its sessions)
 
 
 class RoutedSession:
     """One session through the router. Between calls, either every daemon holds the session's `tokens`
     under `epoch`, or the next append replays them first. One thread appends; cancel() may come from any."""
 
-    def __init__(self, router: Router, session_id: str, *, epoch: int, n_ctx: int, admit_timeout_s: float) -> None:
-        self.router = router
-        self.route = router.route
-        self.policy = router.policy
+    def __init__(
+        self, route: Route, policy: RecoveryPolicy, session_id: str, *, epoch: int, n_ctx: int, admit_timeout_s: float,
+        rng: random.Random, count: Count,
+    ) -> None:
+        self.route = route
+        self.policy = policy
         self.session_id = session_id
         self.epoch = epoch
         self.n_ctx = n_ctx
@@ -54,7 +56,8 @@ class RoutedSession:
         self._history = AppendHistory()
         self._needs_replay = False
         self._epoch_floor = 0  # the highest epoch floor a daemon named (a stale_epoch for an id it forgot)
-        self._rng = router._rng(session_id)
+        self._rng = rng
+        self._count_in_router = count
         self._in_flight = InFlightAppend()
 
     @property
@@ -253,4 +256,4 @@ class RoutedSession:
 
     def _count(self, field: str, amount: int = 1) -> None:
         setattr(self.counts, field, getattr(self.counts, field) + amount)
-        self.router._count(field, amount)
+        self._count_in_router(field, amount)

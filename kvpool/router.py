@@ -35,7 +35,10 @@ class Router:
         return self.route.clients
 
     def session(self, session_id: str, *, epoch: int = 1, n_ctx: int = 0, admit_timeout_s: float = 0.0) -> RoutedSession:
-        return RoutedSession(self, session_id, epoch=epoch, n_ctx=n_ctx, admit_timeout_s=admit_timeout_s)
+        return RoutedSession(
+            self.route, self.policy, session_id, epoch=epoch, n_ctx=n_ctx, admit_timeout_s=admit_timeout_s,
+            rng=self._rng(session_id), count=self._count,
+        )
 
     @property
     def counts(self) -> RecoveryCounts:

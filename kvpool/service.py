@@ -12,7 +12,7 @@ import time
 import numpy as np
 
 from kvpool.admission import Admission
-from kvpool.append_checks import append_rows, check_position
+from kvpool.append_checks import append_rows, check_position, check_session_fields
 from kvpool.books import Books
 from kvpool.calibration import Calibrator
 from kvpool.channels import Channels
@@ -33,9 +33,6 @@ from kvpool.status import build_stats, integrity_of
 from kvpool.worker_handle import WorkerFailed, WorkerLost
 from kvpool.warm_requests import WarmRequests
 from kvpool.worker_lifecycle import WorkerLifecycle
-
-MAX_SESSION_ID_BYTES = 256
-
 
 class KvService:
     def __init__(self, config: ServeConfig, pool: WorkerPool, shard: ShardDescription, kv_bytes_per_position: int) -> None:
@@ -61,7 +58,7 @@ class KvService:
         self.parking = Parking(self.books, pool, self.lifecycle, self.channels, self.metrics)
         self.gate = Gate(self.books, self.channels, self.lifecycle, self.metrics)
         self.admission = Admission(config, self.books, pool, self.lifecycle, self.calibrator, self.parking, self.channels, self.gate, self.metrics)
-        self.warm = WarmRequests(self)
+        self.warm = WarmRequests(self.books, self.gate, self.parking, pool, self.lifecycle, self.metrics)
         self.housekeeper = Housekeeper(config, self.books, pool, self.lifecycle, self.parking, self.channels, self.metrics)
 
     def check_integrity(self) -> None:
@@ -69,26 +66,12 @@ class KvService:
         self.pool.check_integrity()
         require(self.books.workers() == set(self.pool.names()), "the books' workers != the pool's workers")
 
-    def length_of(self, session_id: str, epoch: int) -> int:
-        session = self.books.table.get(session_id)
-        if session is None or session.epoch != epoch:
-            return 0
-        self.channels.refresh(session)
-        return session.length
-
     # ---- validation and fencing ------------------------------------------------------------------
-
-    @staticmethod
-    def validate_session_fields(session_id: str, epoch: int, length: int) -> None:
-        if not session_id or len(session_id.encode()) > MAX_SESSION_ID_BYTES:
-            raise RequestFailed(ErrorCode.BAD_REQUEST, f"session_id must be 1..{MAX_SESSION_ID_BYTES} bytes", length=length)
-        if epoch < 0 or epoch >= 2**63:
-            raise RequestFailed(ErrorCode.BAD_REQUEST, "epoch must be in [0, 2^63)", length=length)
 
     def _validate_append(self, request: Append) -> np.ndarray:
         """The request's rows as the worker takes them: int32 token ids (first shard) or float32 hidden states."""
-        length = self.length_of(request.session_id, request.epoch)
-        self.validate_session_fields(request.session_id, request.epoch, length)
+        length = self.gate.length_of(request.session_id, request.epoch)
+        check_session_fields(request.session_id, request.epoch, length)
         if not 0 <= request.n_ctx <= self.config.n_ctx:
             raise RequestFailed(ErrorCode.BAD_REQUEST, f"n_ctx must be in [0, {self.config.n_ctx}] (0: the default {self.config.n_ctx})", length=length)
         return append_rows(request, self.shard.shape, max_rows=self.config.n_ctx, length=length)
@@ -148,9 +131,9 @@ class KvService:
         )
 
     async def truncate(self, request: Truncate) -> Done:
-        self.validate_session_fields(request.session_id, request.epoch, self.length_of(request.session_id, request.epoch))
+        check_session_fields(request.session_id, request.epoch, self.gate.length_of(request.session_id, request.epoch))
         if request.length < 0:
-            raise RequestFailed(ErrorCode.BAD_REQUEST, "length must be >= 0", length=self.length_of(request.session_id, request.epoch))
+            raise RequestFailed(ErrorCode.BAD_REQUEST, "length must be >= 0", length=self.gate.length_of(request.session_id, request.epoch))
         await self.gate.fence(request.session_id, request.epoch)
         session = self.books.table.get(request.session_id)
         if session is None:
@@ -175,7 +158,7 @@ class KvService:
             return Done(length=session.length, session_id=session.session_id, epoch=session.epoch)
 
     async def release(self, request: Release) -> Done:
-        self.validate_session_fields(request.session_id, request.epoch, 0)
+        check_session_fields(request.session_id, request.epoch, 0)
         await self.gate.fence(request.session_id, request.epoch)
         session = self.books.table.get(request.session_id)
         if session is None:
@@ -191,7 +174,7 @@ class KvService:
         return Done(length=0, session_id=request.session_id, epoch=request.epoch, detail="released")
 
     async def cancel(self, request: Cancel) -> Done:
-        self.validate_session_fields(request.session_id, request.epoch, self.length_of(request.session_id, request.epoch))
+        check_session_fields(request.session_id, request.epoch, self.gate.length_of(request.session_id, request.epoch))
         if self.books.table.check_epoch(request.session_id, request.epoch) is EpochCheck.STALE:
             raise self.gate.stale(request.session_id, request.epoch)
         session = self.books.table.get(request.session_id)

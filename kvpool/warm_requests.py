@@ -4,31 +4,36 @@ copy it into a new session. Same fencing and typed errors as every other session
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
 
+from kvpool.append_checks import check_session_fields
+from kvpool.books import Books
 from kvpool.errors import RequestFailed
+from kvpool.gate import Gate
+from kvpool.metrics import Metrics
+from kvpool.parking import Parking
+from kvpool.pool import WorkerPool
 from kvpool.protocol import Done, ErrorCode, Fork, MissReason, Park
 from kvpool.sessions import Session
 from kvpool.spill import CorruptBlob
 from kvpool.worker_handle import WorkerFailed, WorkerLost
-
-if TYPE_CHECKING:
-    from kvpool.service import KvService
+from kvpool.worker_lifecycle import WorkerLifecycle
 
 
 class WarmRequests:
-    def __init__(self, service: KvService) -> None:
-        self.service = service
-        self.books = service.books
-        self.gate = service.gate
+    def __init__(self, books: Books, gate: Gate, parking: Parking, pool: WorkerPool, lifecycle: WorkerLifecycle, metrics: Metrics) -> None:
+        self.books = books
+        self.gate = gate
+        self.parking = parking
+        self.pool = pool
+        self.lifecycle = lifecycle
+        self.metrics = metrics
 
     def _require_tier(self, what: str) -> None:
         if not self.books.spill.enabled:
             raise RequestFailed(ErrorCode.OVER_BUDGET, f"{what} needs the warm tier, which is off on this daemon (--spill-budget 0)")
 
     async def park(self, request: Park) -> Done:
-        service = self.service
-        service.validate_session_fields(request.session_id, request.epoch, service.length_of(request.session_id, request.epoch))
+        check_session_fields(request.session_id, request.epoch, self.gate.length_of(request.session_id, request.epoch))
         self._require_tier("park")
         await self.gate.fence(request.session_id, request.epoch)
         session = self.books.table.get(request.session_id)
@@ -37,16 +42,15 @@ class WarmRequests:
         async with self.gate.entered(session):
             if not session.hot:
                 return Done(length=session.length, session_id=session.session_id, epoch=session.epoch, detail="already parked")
-            await service.parking.park(session, entered=True)
+            await self.parking.park(session, entered=True)
             if self.books.table.get(session.session_id) is not session:
                 raise self.gate.miss(session.session_id, session.epoch, "the session's state could not be kept")
-            service.metrics.count("parks")
+            self.metrics.count("parks")
             return Done(length=session.length, session_id=session.session_id, epoch=session.epoch, detail="parked")
 
     async def fork(self, request: Fork) -> Done:
-        service = self.service
-        service.validate_session_fields(request.session_id, request.epoch, service.length_of(request.session_id, request.epoch))
-        service.validate_session_fields(request.new_session_id, request.new_epoch, 0)
+        check_session_fields(request.session_id, request.epoch, self.gate.length_of(request.session_id, request.epoch))
+        check_session_fields(request.new_session_id, request.new_epoch, 0)
         if request.new_session_id == request.session_id:
             raise RequestFailed(ErrorCode.BAD_REQUEST, "a fork needs a new session id")
         if request.length < 0:
@@ -68,8 +72,8 @@ class WarmRequests:
             worker_name="", length=request.length, last_used=time.monotonic(),
         )
         dropped = self.books.add_parked(fork, blob)
-        service.metrics.count("forks")
-        service.metrics.count("spill_drops", len(dropped))
+        self.metrics.count("forks")
+        self.metrics.count("spill_drops", len(dropped))
         if fork in dropped:
             raise self.gate.miss(fork.session_id, fork.epoch, "the fork's state could not be kept")
         return Done(length=fork.length, session_id=fork.session_id, epoch=fork.epoch, detail="forked")
@@ -80,7 +84,6 @@ class WarmRequests:
 
     async def _state_of(self, source: Session, length: int) -> bytes:
         """The source's saved state (positions [0, its length), cut to `length` when restored)."""
-        service = self.service
         async with self.gate.entered(source, "the source session ended while this request waited"):
             if length > source.length:
                 raise RequestFailed(ErrorCode.POSITION_MISMATCH, f"cannot fork {length} positions: the source holds {source.length}", length=source.length)
@@ -88,14 +91,14 @@ class WarmRequests:
                 try:
                     return self.books.spill.read(source.key)
                 except CorruptBlob as error:
-                    await service.lifecycle.drop(source, MissReason.RESTORE_FAILED)
-                    service.metrics.count("restore_failures")
-                    service.metrics.count_miss(MissReason.RESTORE_FAILED)
+                    await self.lifecycle.drop(source, MissReason.RESTORE_FAILED)
+                    self.metrics.count("restore_failures")
+                    self.metrics.count_miss(MissReason.RESTORE_FAILED)
                     raise RequestFailed(ErrorCode.CACHE_MISS, f"the source's saved state is damaged: {error}", reason=MissReason.RESTORE_FAILED) from None
             try:
-                return await service.pool.get(source.worker_name).save_state()
+                return await self.pool.get(source.worker_name).save_state()
             except WorkerLost as lost:
-                service.lifecycle.lost(source)
+                self.lifecycle.lost(source)
                 raise RequestFailed(ErrorCode.WORKER_LOST, f"the worker serving the source session was lost: {lost}") from None
             except WorkerFailed as failure:
                 raise RequestFailed(ErrorCode.INTERNAL, f"saving the source's state failed: {failure}", length=source.length) from None
