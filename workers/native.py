@@ -1,13 +1,17 @@
 """The native pieces a worker needs beside llama-cpp-python: ggml entry points and the C callbacks.
 
-`capture.c` is compiled once per source version into the user's cache directory (an atomic rename
-makes concurrent first starts of several workers safe) and loaded with ctypes.
+`capture.c` is compiled when the package is built or installed (setup.py) into a library beside this
+file, loaded with ctypes: a daemon needs neither a compiler nor a writable home. Only a source checkout
+that was never built falls back to compiling it on first use, once per source version, into the user's
+cache directory (an atomic rename makes concurrent first starts of several workers safe). After editing
+capture.c in a checkout, rebuild it with `pip install -e .`.
 """
 
 from __future__ import annotations
 
 import ctypes
 import hashlib
+import importlib.machinery
 import os
 import pathlib
 import shutil
@@ -18,6 +22,7 @@ from dataclasses import dataclass
 import llama_cpp
 
 CAPTURE_SOURCE = pathlib.Path(__file__).with_name("capture.c")
+BUILT_LIBRARY_STEM = "_capture"  # setup.py builds capture.c under this name, beside this file
 TARGET_NAME_BYTES = 64
 
 
@@ -101,6 +106,30 @@ def _compile_shim() -> pathlib.Path:
     return target
 
 
+def _built_library() -> pathlib.Path | None:
+    """The library the package build compiled beside this file, or None in a checkout never built."""
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        candidate = CAPTURE_SOURCE.with_name(BUILT_LIBRARY_STEM + suffix)
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def _capture_library() -> pathlib.Path:
+    built = _built_library()
+    if built is not None:
+        return built
+    try:
+        return _compile_shim()
+    except (NativeBuildError, OSError) as error:
+        raise NativeBuildError(
+            f"kvpool's capture library was not built with this copy of kvpool (no {BUILT_LIBRARY_STEM}.*.so in "
+            f"{CAPTURE_SOURCE.parent}) and compiling {CAPTURE_SOURCE.name} on first use failed: {error}. "
+            "Install kvpool with pip (`pip install .`, or `pip install -e .` in a checkout): it compiles the "
+            "library once, at install time"
+        ) from error
+
+
 def _ggml_base() -> ctypes.CDLL:
     lib_dir = pathlib.Path(llama_cpp.__file__).parent / "lib"
     for name in ("libggml-base.so", "libggml-base.dylib", "ggml-base.dll"):
@@ -111,7 +140,7 @@ def _ggml_base() -> ctypes.CDLL:
 
 
 def load_native() -> NativeLibrary:
-    shim = ctypes.CDLL(str(_compile_shim()))
+    shim = ctypes.CDLL(str(_capture_library()))
     shim.kvp_capture_struct_size.restype = ctypes.c_size_t
     if shim.kvp_capture_struct_size() != ctypes.sizeof(CaptureState):
         raise NativeBuildError("CaptureState does not match struct kvp_capture in capture.c")
