@@ -11,11 +11,27 @@ from kvpool.spill import SpillDirRefused, check_disk_dir
 
 WORK_DIR_ENV = "KVPOOL_WORK_DIR"
 DEFAULT_WORK_DIR = ".kvpool"
+FRAME_DEADLINE_ENV = "KVPOOL_DIRECT_FRAME_DEADLINE_S"
 
 
 def work_dir() -> pathlib.Path:
     """Where generated shards, sockets and benchmark output go (git-ignored in the repository)."""
     return pathlib.Path(os.environ.get(WORK_DIR_ENV) or DEFAULT_WORK_DIR).resolve()
+
+
+def direct_frame_deadline_s(default: float) -> float:
+    """How long a frame on a worker's direct channel may take to pass whole: `default`, or the seconds
+    KVPOOL_DIRECT_FRAME_DEADLINE_S names (a positive number; anything else is a ValueError)."""
+    text = os.environ.get(FRAME_DEADLINE_ENV, "")
+    if not text:
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < float("inf"):
+        raise ValueError(f"{FRAME_DEADLINE_ENV} must be a positive number of seconds, not {text!r}")
+    return value
 
 
 def available_cores() -> int:

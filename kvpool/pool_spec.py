@@ -5,7 +5,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from kvpool.config import direct_frame_deadline_s
 from kvpool.segments import SegmentLayout
+from workers.direct import FRAME_DEADLINE_S
 from workers.process import WorkerSpec
 
 
@@ -25,6 +27,8 @@ class PoolSpec:
     compute_lock_path: str = ""  # at most compute_slots workers compute at once (across processes)
     compute_slots: int = 1
     seqs_per_worker: int = 0  # > 0: batched workers (kvpool.batched_worker), each serving this many sessions
+    # a frame on a direct channel passes whole within this, or its peer is dropped (workers.direct)
+    frame_deadline_s: float = dataclasses.field(default_factory=lambda: direct_frame_deadline_s(FRAME_DEADLINE_S))
 
     def worker_spec(self, **per_worker) -> WorkerSpec:
         """One worker's WorkerSpec: the settings the pool's workers share (the fields both specs name), and

@@ -4,18 +4,33 @@ the typed error (or restore) the supervisor gives."""
 
 from __future__ import annotations
 
+import fcntl
 import multiprocessing
 import os
+import secrets
+import select
+import selectors
 import signal
+import socket
+import struct
 import tempfile
+import termios
+import threading
 import time
 
 import numpy as np
 import pytest
 
-from kvpool.client import KvpoolError
-from tests.daemons import DaemonProcess, in_thread, joined, stopped, wait_until
+from kvpool.client import KvpoolError, append_request
+from kvpool.client_connection import ClientConnection
+from kvpool.config import FRAME_DEADLINE_ENV, direct_frame_deadline_s
+from kvpool.pool_spec import PoolSpec
+from kvpool.protocol import FRAME_HEADER, Append, AppendReply, ErrorReply, decode_reply, encode, receive_exactly
+from kvpool.segments import SegmentLayout
+from tests.daemons import HANG_GUARD_S, DaemonProcess, in_thread, joined, stopped, wait_until
+from workers.commands import CONTROL_BYTES
 from workers.compute_locks import ComputeLocks
+from workers.direct import FRAME_DEADLINE_S, MAX_FRAME_BYTES, DirectChannel
 from workers.runtime import ShardModel
 
 N_CTX = 256
@@ -182,3 +197,225 @@ def test_an_idle_direct_session_is_the_least_recently_used_only_when_it_is(model
             assert {row.session_id for row in other.stats().sessions} == {"old", "new"}
     finally:
         daemon.stop()
+
+
+# ---- a peer never holds the worker: a frame passes whole within the deadline, or the peer is dropped ---
+
+TRICKLE_INTERVAL_S = 0.25  # a byte this often: each recv is far inside a per-recv limit (today's main: 30 s)
+TRICKLE_S = 90.0  # the trickle's schedule: far longer than a Truncate takes, and than the deadline below
+SHORT_DEADLINE_S = 3.0  # the trickle daemon's frame deadline (KVPOOL_DIRECT_FRAME_DEADLINE_S)
+
+
+def _unsent_bytes(peer: socket.socket) -> int:
+    """Bytes `peer` sent that the other end has not read yet (SIOCOUTQ)."""
+    return struct.unpack("i", fcntl.ioctl(peer, termios.TIOCOUTQ, struct.pack("i", 0)))[0]
+
+
+def _unread_bytes(peer: socket.socket) -> int:
+    """Bytes waiting to be read on `peer` (SIOCINQ)."""
+    return struct.unpack("i", fcntl.ioctl(peer, termios.FIONREAD, struct.pack("i", 0)))[0]
+
+
+def _admit_with_channel(daemon, session_id: str, tokens) -> str:
+    """Admit the session with Append.direct through the daemon; the direct channel's address it names."""
+    connection = ClientConnection(str(daemon.socket), HANG_GUARD_S, "admit")
+    try:
+        reply = connection.request(append_request(session_id, 1, 0, tokens=tokens, direct=True))
+    finally:
+        connection.close()
+    assert isinstance(reply, AppendReply) and reply.channel, reply
+    return reply.channel
+
+
+def _connect(address: str) -> socket.socket:
+    peer = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    peer.settimeout(HANG_GUARD_S)  # a hang guard: every read below waits for an event
+    peer.connect("\0" + address)
+    return peer
+
+
+def _trickle(peer: socket.socket, stop: threading.Event) -> None:
+    """One byte every TRICKLE_INTERVAL_S until TRICKLE_S have passed (or `stop`); a dropped peer's sends
+    fail and the schedule runs on: the test orders events against the schedule, not against the drop."""
+    ends = time.monotonic() + TRICKLE_S
+    while not stop.wait(TRICKLE_INTERVAL_S) and time.monotonic() < ends:
+        try:
+            peer.send(b"\0")
+        except OSError:
+            pass
+
+
+def _reference(model, tokens, then, output_rows="last") -> np.ndarray:
+    with model.new_context(N_CTX) as reference:
+        reference.append(0, tokens=np.asarray(tokens, np.int32))
+        return np.array(reference.append(len(tokens), tokens=np.asarray(then, np.int32), output_rows=output_rows), copy=True)
+
+
+def test_a_peer_trickling_a_frame_holds_neither_the_supervisor_nor_the_session(model_path, socket_dir, prompt_ids, whole_model, monkeypatch):
+    monkeypatch.setenv(FRAME_DEADLINE_ENV, str(SHORT_DEADLINE_S))
+    daemon = _serve(model_path, socket_dir, "trickle", "--max-sessions", "1")
+    prompt = prompt_ids[0][:8]
+    stop = threading.Event()
+    try:
+        address = _admit_with_channel(daemon, "t", prompt)
+        with daemon.client() as client, daemon.client(direct=False) as observer, _connect(address) as peer:
+            started = time.monotonic()
+            peer.sendall(FRAME_HEADER.pack(4096) + b"\0")  # a frame of 4096 bytes, the trickle never completes
+            wait_until(lambda: _unsent_bytes(peer) == 0, "the worker to read the frame's first bytes")
+            trickler = threading.Thread(target=_trickle, args=(peer, stop))
+            trickler.start()
+            assert observer.truncate("t", 1, 4) == 4
+            assert trickler.is_alive(), "the Truncate waited for the trickling peer"
+            direct_before = _direct_appends(observer)
+            got = [client.append("t", 1, 4, tokens=[5]).rows, client.append("t", 1, 5, tokens=[6]).rows]  # the second direct
+            assert _direct_appends(observer) == direct_before + 1
+            assert np.array_equal(got[0], _reference(whole_model, prompt[:4], [5]))
+            assert np.array_equal(got[1], _reference(whole_model, [*prompt[:4], 5], [6]))
+            assert peer.recv(1) == b""  # dropped: the frame did not pass whole within the deadline
+            assert time.monotonic() - started >= SHORT_DEADLINE_S  # and not before it
+            assert trickler.is_alive()
+            assert observer.stats().integrity == "ok"
+    finally:
+        stop.set()
+        daemon.stop()
+
+
+def test_a_peer_not_reading_its_reply_holds_neither_the_supervisor_nor_the_reply(model_path, socket_dir, prompt_ids, whole_model, monkeypatch):
+    monkeypatch.setenv(FRAME_DEADLINE_ENV, str(HANG_GUARD_S))  # the reply waits for its reader (past it: a hang)
+    daemon = _serve(model_path, socket_dir, "slow-reader", "--max-sessions", "1")
+    prompt, more = prompt_ids[0][:8], prompt_ids[1][:16]
+    try:
+        address = _admit_with_channel(daemon, "r", prompt)
+        with daemon.client() as client, daemon.client(direct=False) as observer, _connect(address) as peer:
+            request = append_request("r", 1, 8, tokens=more, output_rows="all")
+            request.request_id = 7
+            peer.sendall(encode(request))  # its reply, 16 rows of 49152 logits, is far larger than the socket's buffer
+            wait_until(lambda: _unread_bytes(peer) > 0, "the worker to start writing the reply")
+            assert observer.truncate("r", 1, 4) == 4  # while the reply is still being written
+            (size,) = FRAME_HEADER.unpack(receive_exactly(peer, FRAME_HEADER.size))
+            payload = receive_exactly(peer, size)
+            assert payload is not None, "the worker dropped the reply half-written"
+            reply = decode_reply(payload)
+            assert isinstance(reply, AppendReply) and (reply.request_id, reply.length, reply.rows) == (7, 24, 16)
+            assert np.array_equal(np.frombuffer(reply.data, "<f4").reshape(16, -1), _reference(whole_model, prompt, more, "all"))
+            assert np.array_equal(client.append("r", 1, 4, tokens=[5]).rows, _reference(whole_model, prompt[:4], [5]))
+            assert observer.stats().integrity == "ok"
+    finally:
+        daemon.stop()
+
+
+class _Segment:
+    """What DirectChannel takes of a worker's segment: its buffer (the control words)."""
+
+    def __init__(self) -> None:
+        self.buf = bytearray(CONTROL_BYTES)
+
+
+class _Channel:
+    """A DirectChannel on a fake segment, without a server; `pump` serves what is ready, as the worker's
+    loop does, without counting the time (the test says how long the worker waited)."""
+
+    def __init__(self, deadline_s: float, reply=None) -> None:
+        self.selector = selectors.DefaultSelector()
+        self._pipe = multiprocessing.Pipe()  # the cancel pipe: nothing is sent on it here
+        self.address = f"kvpool-test-{os.getpid()}-{secrets.token_hex(4)}"
+        self.channel = DirectChannel(self.address, None, _Segment(), self._pipe[1], self.selector, deadline_s)
+        if reply is not None:
+            self.channel._append = lambda request: reply  # the compute is not under test here
+
+    def connect(self) -> socket.socket:
+        peer = _connect(self.address)
+        self.pump()
+        return peer
+
+    def pump(self) -> None:
+        """Serve until nothing is ready (each round waits a little for the kernel to pass bytes on)."""
+        while events := self.selector.select(0.05):
+            for key, ready in events:
+                self.channel.ready(key.data, ready)
+
+    def close(self) -> None:
+        self.channel.close()
+        for end in self._pipe:
+            end.close()
+        self.selector.close()
+
+
+def _open(peer: socket.socket) -> bool:
+    """The worker has not closed `peer` (nothing to read, no EOF)."""
+    readable, _, _ = select.select([peer], [], [], 0)
+    return not readable or peer.recv(1, socket.MSG_PEEK) != b""
+
+
+def test_a_frame_passes_whole_within_the_deadline_of_waiting_for_it_or_its_peer_is_dropped():
+    harness = _Channel(10.0)
+    channel = harness.channel
+    try:
+        idle, partial, late = harness.connect(), harness.connect(), harness.connect()
+        partial.sendall(FRAME_HEADER.pack(10) + b"abc")
+        late.sendall(FRAME_HEADER.pack(10) + b"abc")
+        harness.pump()
+        assert channel.next_wait() == pytest.approx(10.0)
+        channel.waited(9.5)
+        late.sendall(b"defghij")  # the rest, inside the deadline: served (a bad request, answered and closed)
+        harness.pump()
+        (size,) = FRAME_HEADER.unpack(receive_exactly(late, FRAME_HEADER.size))
+        assert decode_reply(receive_exactly(late, size)).code == "bad_request"
+        assert late.recv(1) == b""
+        assert channel.next_wait() == pytest.approx(0.5)
+        assert _open(partial)
+        channel.waited(0.5)  # the deadline, to the second: dropped
+        assert channel.next_wait() is None  # no frame passing any more
+        assert partial.recv(1) == b""
+        channel.waited(1000.0)  # a peer between frames has no deadline
+        assert channel.next_wait() is None and _open(idle)
+        idle.sendall(FRAME_HEADER.pack(MAX_FRAME_BYTES) + b"x")  # the largest frame: read on
+        harness.pump()
+        assert _open(idle)
+        too_large = harness.connect()
+        too_large.sendall(FRAME_HEADER.pack(MAX_FRAME_BYTES + 1))
+        harness.pump()
+        assert too_large.recv(1) == b""
+    finally:
+        harness.close()
+
+
+def test_a_reply_passes_whole_within_the_deadline_or_its_peer_is_dropped():
+    large = AppendReply(request_id=3, session_id="s", epoch=1, length=1, rows=1, width=1, data=b"\0" * (8 * 1024**2))
+    harness = _Channel(10.0, reply=large)
+    channel = harness.channel
+    try:
+        reader, stalled = harness.connect(), harness.connect()
+        frame = encode(Append(session_id="s", epoch=1, start_pos=0, tokens=[1]))
+        reader.sendall(frame)
+        stalled.sendall(frame)
+        harness.pump()
+        assert channel.next_wait() == pytest.approx(10.0)  # both replies are being written
+        channel.waited(9.5)
+        got = bytearray()
+        while len(got) < len(encode(large)):  # the reader takes its reply within the deadline
+            got += reader.recv(1024**2)
+            harness.pump()
+        assert decode_reply(bytes(got[FRAME_HEADER.size :])) == large
+        channel.waited(0.5)
+        assert channel.next_wait() is None
+        received = 0
+        while chunk := stalled.recv(1024**2):  # what was written, then EOF: dropped mid-reply
+            received += len(chunk)
+        assert 0 < received < len(encode(large))
+        assert _open(reader)
+    finally:
+        harness.close()
+
+
+def test_the_frame_deadline_is_the_daemons_setting_and_refuses_what_is_not_a_positive_time(monkeypatch):
+    monkeypatch.delenv(FRAME_DEADLINE_ENV, raising=False)
+    assert direct_frame_deadline_s(FRAME_DEADLINE_S) == FRAME_DEADLINE_S == 30.0
+    for text in ("0", "-1", "nan", "inf", "soon"):
+        monkeypatch.setenv(FRAME_DEADLINE_ENV, text)
+        with pytest.raises(ValueError, match=FRAME_DEADLINE_ENV):
+            direct_frame_deadline_s(FRAME_DEADLINE_S)
+    monkeypatch.setenv(FRAME_DEADLINE_ENV, "0.001")
+    spec = PoolSpec(shard_path="x", size=1, segment=SegmentLayout(input_bytes=4, output_bytes=4), n_threads=1, flash_attn=False,
+                    ready_timeout_s=1, request_timeout_s=1)
+    assert spec.worker_spec(shm_name="m", input_bytes=4, output_bytes=4, parent_pid=1).frame_deadline_s == 0.001

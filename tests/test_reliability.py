@@ -443,3 +443,33 @@ def test_a_worker_stalled_under_a_direct_append_is_killed_at_the_request_timeout
             _wait_until(lambda: (stats := observer.stats()).integrity == "ok" and pid not in {w.pid for w in stats.workers}, "the worker replaced")
     finally:
         daemon.stop()
+
+
+# ---- a clean stop ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", [(), ("--mode", "batched", "--seqs-per-worker", "2")], ids=["process", "batched"])
+def test_a_daemon_stopped_with_sigterm_after_a_busy_run_prints_no_traceback(socket_dir, prompt_ids, mode):
+    """Every view of a worker's segment (the direct channel's control words and abort flag, a batched
+    worker's input and output regions) is released before the segment closes, in the worker and in the
+    supervisor: SharedMemory.close() then succeeds and nothing is printed on the way out."""
+    daemon = DaemonProcess(bundled_model_path(), socket_dir / f"clean-stop-{len(mode)}.sock", *SMALL, *mode)
+    prompt = prompt_ids[0][:8]
+    try:
+        with daemon.client() as client, daemon.client(direct=False) as plain:
+            for session in ("a", "b", "c"):  # three sessions in two places: one is parked for the third
+                client.append(session, 1, 0, tokens=prompt)
+                client.append(session, 1, 8, tokens=[5], output_rows="all")  # on the direct channel in process mode
+            for session in ("a", "b", "c"):  # the parked one is restored
+                client.append(session, 1, 9, tokens=[6])
+            plain.park("c", 1)
+            assert client.append("c", 1, 10, tokens=[7]).restored
+            counters = plain.stats().counters
+            assert counters["restores"] >= 2 and counters["appends"] + counters["direct_appends"] == 10
+            assert counters["direct_appends"] > 0 or mode
+    finally:
+        code = daemon.stop(sig=signal.SIGTERM)
+    log = daemon.log()
+    assert code == 0, log
+    assert "kvpool serve: stopped" in log
+    assert "Traceback" not in log and "Exception ignored" not in log, log

@@ -186,3 +186,5 @@ class BatchedWorkerServer:
 
     def close(self) -> None:
         self.context.close()
+        self._input.release()  # the segment closes next: no view of it may outlive this
+        self._output.release()

@@ -22,7 +22,7 @@ REMEMBERED_DONE = 4096
 class DirectCancels:
     def __init__(self, connection: Connection, abort_flag) -> None:
         self._connection = connection
-        self._abort = abort_flag  # ctypes int32 in the shared segment, read by llama.cpp's abort callback
+        self._abort = abort_flag  # ctypes int32 in the shared segment, read by llama.cpp's abort callback; None once released
         self._lock = threading.Lock()
         self._current: tuple[Key, int] | None = None
         self._pending: dict[Key, int] = {}
@@ -40,6 +40,8 @@ class DirectCancels:
 
     def _cancel(self, key: Key, request_id: int) -> str:
         with self._lock:
+            if self._abort is None:
+                return "nothing in flight"  # released: the worker is stopping
             if self._current == (key, request_id):
                 self._abort.value = 1
                 return "cancel requested"
@@ -64,6 +66,11 @@ class DirectCancels:
             self._current = None
             self._abort.value = 0  # a cancel that arrived as the append finished must not outlive it
             self._remember_done(key, request_id)
+
+    def release(self) -> None:
+        """Drop the view of the abort flag (the segment is about to be closed); later cancels change nothing."""
+        with self._lock:
+            self._abort = None
 
     def _remember_done(self, key: Key, request_id: int) -> None:
         self._done[(key, request_id)] = None

@@ -47,7 +47,7 @@ from workers.commands import (
 )
 from workers.batched_server import BatchedWorkerServer
 from workers.compute_locks import ComputeLocks
-from workers.direct import DirectChannel
+from workers.direct import FRAME_DEADLINE_S, DirectChannel
 from workers.errors import ShardRuntimeError
 from workers.context import ShardContext
 from workers.runtime import ShardModel
@@ -73,6 +73,7 @@ class WorkerSpec:
     compute_slots: int = 1
     worker_index: int = 0
     seqs_per_worker: int = 0  # > 0: a batched worker, one context of this many sequences of max_n_ctx positions each
+    frame_deadline_s: float = FRAME_DEADLINE_S  # a direct channel's frame (request or reply) passes whole within this, or its peer is dropped
 
 
 PARENT_CHECK_INTERVAL_S = 0.2
@@ -109,7 +110,6 @@ def worker_main(connection: Connection, spec: WorkerSpec, cancel_connection: Con
     # The supervisor owns shutdown: a terminal's Ctrl-C reaches the whole process group.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     encoder = msgspec.msgpack.Encoder()
-    decoder = msgspec.msgpack.Decoder(AnyCommand)
     # The supervisor created the segment and unlinks it; a spawned worker shares the supervisor's
     # resource tracker, so attaching here registers nothing new.
     segment = shared_memory.SharedMemory(name=spec.shm_name)
@@ -142,34 +142,44 @@ def worker_main(connection: Connection, spec: WorkerSpec, cancel_connection: Con
             )
         )
     )
-    channel = DirectChannel(spec.direct_address, server, segment, cancel_connection) if spec.direct_address else None
     selector = selectors.DefaultSelector()
     selector.register(connection.fileno(), selectors.EVENT_READ, None)
-    if channel is not None:
-        selector.register(channel.listener, selectors.EVENT_READ, channel.listener)
+    channel = DirectChannel(spec.direct_address, server, segment, cancel_connection, selector, spec.frame_deadline_s) if spec.direct_address else None
     try:
-        while True:
-            for key, _events in selector.select():
-                if key.data is None:
-                    try:
-                        command = decoder.decode(connection.recv_bytes())
-                    except EOFError:
-                        return  # the supervisor is gone
-                    if isinstance(command, Exit):
-                        return
-                    connection.send_bytes(encoder.encode(server.handle(command)))
-                elif key.data is channel.listener:
-                    accepted = channel.accept()
-                    if accepted is not None:
-                        selector.register(accepted, selectors.EVENT_READ, accepted)
-                elif not channel.serve(key.data):
-                    selector.unregister(key.data)
-                    key.data.close()
+        _obey(connection, server, channel, selector)
     finally:
+        # Every view of the segment goes before it closes (a view left over makes close() fail).
         if channel is not None:
             channel.close()
         server.close()
         model.close()
+        selector.close()
+        segment.close()
+
+
+def _obey(connection: Connection, server: WorkerServer | BatchedWorkerServer, channel: DirectChannel | None, selector: selectors.BaseSelector) -> None:
+    """Obey the pipe, and serve the direct channel between its commands, until Exit or the pipe's EOF. The
+    loop never waits on a peer (workers.direct): only in select, where the time counts against the frames
+    passing on the channel."""
+    encoder = msgspec.msgpack.Encoder()
+    decoder = msgspec.msgpack.Decoder(AnyCommand)
+    while True:
+        wait = channel.next_wait() if channel is not None else None
+        before = time.monotonic()
+        events = selector.select(wait)
+        if channel is not None:
+            channel.waited(time.monotonic() - before)
+        for key, ready in events:
+            if key.data is not None:
+                channel.ready(key.data, ready)
+                continue
+            try:
+                command = decoder.decode(connection.recv_bytes())
+            except EOFError:
+                return  # the supervisor is gone
+            if isinstance(command, Exit):
+                return
+            connection.send_bytes(encoder.encode(server.handle(command)))
 
 
 class WorkerServer:
