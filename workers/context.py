@@ -8,17 +8,14 @@ the graph there so the vocabulary head never runs), the final shard returns logi
 from __future__ import annotations
 
 import ctypes
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 import llama_cpp
 import numpy as np
 
-from workers.context_params import GraphHooks, context_params
+from workers.context_params import GraphHooks, LoadedShard, context_params
 from workers.errors import BadInput, Cancelled, ContextFull, DecodeFailed, PositionMismatch, RestoreFailed
 from workers.sequence_state import restore_sequence, save_sequence
-
-if TYPE_CHECKING:
-    from workers.runtime import ShardModel
 
 OutputRows = Literal["last", "all"]
 
@@ -30,7 +27,7 @@ class ShardContext:
     """One bounded llama context holding one sequence's KV cache for this shard's layers."""
 
     def __init__(
-        self, model: ShardModel, n_ctx: int, *, n_batch: int, abort_flag_address: int | None
+        self, model: LoadedShard, n_ctx: int, *, n_batch: int, abort_flag_address: int | None
     ) -> None:
         if n_ctx < 1:
             raise ValueError("n_ctx must be at least 1")

@@ -1,15 +1,37 @@
 """The llama context parameters every kvpool context shares: one place, so a single-sequence context and a
-batched one compute alike (logits are only bit-identical between contexts with the same choices)."""
+batched one compute alike (logits are only bit-identical between contexts with the same choices).
+
+They take the model as a LoadedShard, and so does ShardContext: the model (workers.runtime.ShardModel)
+makes and frees its contexts, so it sits above them and none of them imports it back.
+"""
 
 from __future__ import annotations
 
 import ctypes
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import llama_cpp
 
-if TYPE_CHECKING:
-    from workers.runtime import ShardModel
+from kvpool.shard_shape import ShardShape
+from workers.native import NativeLibrary
+
+
+class LoadedShard(Protocol):
+    """What a context takes of the loaded shard it runs on (workers.runtime.ShardModel)."""
+
+    layout: ShardShape
+    lookahead_layers: int  # loaded after the shard's range, never run
+    n_threads: int
+    flash_attn: bool
+
+    @property
+    def handle(self) -> llama_cpp.llama_model_p: ...
+
+    @property
+    def native(self) -> NativeLibrary: ...
+
+    def _forget(self, context: object) -> None:
+        """A closed context leaves the set the model frees before itself."""
 
 
 class GraphHooks:
@@ -17,14 +39,14 @@ class GraphHooks:
     process, the supervisor, may set through shared memory; the context's own when none is given) and,
     on every shard but the last, the capture state that copies out the last local layer and stops there."""
 
-    def __init__(self, model: ShardModel, abort_flag_address: int | None) -> None:
+    def __init__(self, model: LoadedShard, abort_flag_address: int | None) -> None:
         self.own_abort_flag = ctypes.c_int32(0)
         self.abort_flag_address = abort_flag_address if abort_flag_address is not None else ctypes.addressof(self.own_abort_flag)
         layout = model.layout
         self.capture = None if layout.is_last else model.native.new_capture_state(f"l_out-{layout.n_layers - 1}", stop_after=True)
 
 
-def context_params(model: ShardModel, *, n_ctx: int, n_batch: int, n_seq_max: int, abort_flag_address: int, capture) -> llama_cpp.llama_context_params:
+def context_params(model: LoadedShard, *, n_ctx: int, n_batch: int, n_seq_max: int, abort_flag_address: int, capture) -> llama_cpp.llama_context_params:
     """n_batch = n_ubatch (one llama_decode is one micro-batch); the abort callback reads the int32 at
     abort_flag_address; `capture` (a native capture state, or None on the last shard) stops the graph."""
     native = model.native

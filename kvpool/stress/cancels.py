@@ -20,7 +20,6 @@ import enum
 import threading
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -28,9 +27,7 @@ from kvpool.client import ConnectionLost, KvpoolError
 from kvpool.router import Cancelled
 from kvpool.stress.errors import ContractViolation
 from kvpool.stress.options import LATE_CANCEL
-
-if TYPE_CHECKING:
-    from kvpool.stress.driver import SessionDriver
+from kvpool.stress.state import SessionState
 
 CANCEL_ATTEMPTS = 3  # long prefills per mid-prefill target before it is reported as not exercised
 CANCEL_POLL_S = 0.002  # between two cancels sent while the append is at the target daemon
@@ -58,20 +55,20 @@ class CancelProbe:
 
 
 class CancelDrill:
-    def __init__(self, driver: SessionDriver) -> None:
-        self.driver = driver
+    def __init__(self, state: SessionState) -> None:
+        self.state = state
 
     def run(self, target: int) -> CancelResult:
         return self._late() if target == LATE_CANCEL else self._mid_prefill(target)
 
     def _filler(self) -> tuple[int, ...]:
-        d = self.driver
+        d = self.state
         return d.setup.filler[: min(len(d.setup.filler), d.options.n_ctx - d.length - 1)]
 
     # ---- mid-prefill on one daemon -------------------------------------------------------------------------
 
     def _mid_prefill(self, stage: int) -> CancelResult:
-        d = self.driver
+        d = self.state
         start, filler = d.length, self._filler()
         for _attempt in range(CANCEL_ATTEMPTS):
             probe = CancelProbe(stage, start, len(filler))
@@ -105,12 +102,12 @@ class CancelDrill:
         probe.finished.set()
         canceller.join()
         if probe.problems:
-            raise ContractViolation(f"{self.driver.session_id}: " + "; ".join(probe.problems))
+            raise ContractViolation(f"{self.state.session_id}: " + "; ".join(probe.problems))
 
     def _cancelled(self, probe: CancelProbe, cancelled: Cancelled) -> CancelResult:
         """The router raised Cancelled: a daemon answered cancelled, and the router truncated the daemons
         before it back (or, if it could not, replays from 0 on the next append)."""
-        d = self.driver
+        d = self.state
         stage, length = d.cancelled_reply if d.cancelled_reply is not None else (cancelled.stage, -1)
         if stage != probe.stage or cancelled.stage != probe.stage:
             raise ContractViolation(f"{d.session_id}: daemon {stage} answered cancelled, but cancels went to daemon {probe.stage} only")
@@ -125,7 +122,7 @@ class CancelDrill:
 
     def _cancel_while_at(self, probe: CancelProbe) -> None:
         """The canceller thread: cancel at `probe.stage` for as long as the append is there."""
-        d = self.driver
+        d = self.state
         while not probe.reached.wait(REACH_POLL_S):
             if probe.finished.is_set():
                 return
@@ -155,7 +152,7 @@ class CancelDrill:
     # ---- late: after the append completed ------------------------------------------------------------------
 
     def _late(self) -> CancelResult:
-        d = self.driver
+        d = self.state
         start, filler = d.length, self._filler()
         try:
             last = d.route_append(filler)
@@ -182,7 +179,7 @@ class CancelDrill:
     def _roll_back(self, start: int, filler: Sequence[int], last: np.ndarray) -> bool:
         """The long prefill completed: log it, then truncate it away (positions [0, start) and their
         logits are as before). False when the daemons could not all be truncated (the router replays)."""
-        d = self.driver
+        d = self.state
         d.cancels_completed += 1
         logits_before = d.logits
         d.took_effect(start, filler, last, greedy=False)

@@ -38,7 +38,8 @@ MAX_CLOSING_STEPS = 200
 
 
 class SessionDriver(TappedSession):
-    """The plan of one session run as a thread (`run`): its operations, seeded, then its closing steps."""
+    """The plan of one session run as a thread (`run`): its operations, seeded, then its closing steps. It is
+    the SessionState (kvpool.stress.state) its drills and its schedule take."""
 
     def __init__(self, setup: SessionSetup, clients: Sequence[Client], options: StressOptions, recorder: Recorder, control: ChainControl | None = None) -> None:
         super().__init__(setup, clients, options, recorder, control)

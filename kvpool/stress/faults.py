@@ -18,7 +18,6 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import psutil
 
@@ -27,9 +26,7 @@ from kvpool.protocol import SessionRow
 from kvpool.stress.options import FaultKind
 from kvpool.stress.processes import stopped
 from kvpool.stress.report import KillRecord, StallRecord, SupervisorKillRecord
-
-if TYPE_CHECKING:
-    from kvpool.stress.driver import SessionDriver
+from kvpool.stress.state import SessionState
 
 STALL_GRACE_S = 30.0
 DEAD_WAIT_S = 10.0
@@ -55,9 +52,9 @@ def wait_dead(pid: int, timeout_s: float = DEAD_WAIT_S) -> bool:
 
 
 class FaultInjector:
-    def __init__(self, driver: SessionDriver) -> None:
-        self.driver = driver
-        self.pending = list(driver.setup.plan.faults)
+    def __init__(self, state: SessionState) -> None:
+        self.state = state
+        self.pending = list(state.setup.plan.faults)
         self.kill: KillRecord | None = None
         self.stall: StallRecord | None = None
         self.supervisor_kill: SupervisorKillRecord | None = None
@@ -67,12 +64,12 @@ class FaultInjector:
 
     def hook(self) -> Callable[[int, int, int], None] | None:
         """The hook run before each append of this decode reaches a daemon (kvpool.stress.tap), if a fault is due."""
-        due = any(self.driver.op_index >= fault.from_op for fault in self.pending)
+        due = any(self.state.op_index >= fault.from_op for fault in self.pending)
         return self._before_stage if due else None
 
     def _before_stage(self, stage: int, _start_pos: int, _rows: int) -> None:
         for fault in list(self.pending):
-            if fault.stage != stage or self.driver.op_index < fault.from_op:
+            if fault.stage != stage or self.state.op_index < fault.from_op:
                 continue
             match fault.kind:
                 case FaultKind.KILL_WORKER:
@@ -87,12 +84,12 @@ class FaultInjector:
                     self._awaiting = stage
 
     def _session_row(self, stage: int) -> SessionRow | None:
-        d = self.driver
+        d = self.state
         rows = d.clients[stage].stats().sessions
         return next((r for r in rows if r.session_id == d.session_id and r.epoch == d.epoch), None)
 
     def _kill_worker(self, stage: int) -> bool:
-        d = self.driver
+        d = self.state
         row = self._session_row(stage)
         if row is None:
             return False  # not live there right now (evicted): try again on a later decode
@@ -103,7 +100,7 @@ class FaultInjector:
         return True
 
     def _stall_worker(self, stage: int) -> bool:
-        d = self.driver
+        d = self.state
         row = self._session_row(stage)
         if row is None:
             return False
@@ -124,7 +121,7 @@ class FaultInjector:
                 os.kill(record.pid, signal.SIGCONT)
 
     def _kill_supervisor(self, stage: int) -> bool:
-        d = self.driver
+        d = self.state
         assert d.control is not None, "--kill-supervisor needs the chain's control"
         self.supervisor_kill = d.control.kill_supervisor(stage, d.session_id, min(d.op_index, d.options.ops))
         d.recorder.event("supervisors_killed")

@@ -4,7 +4,6 @@ stale-epoch request must be refused and change nothing, a session idle past the 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -12,12 +11,10 @@ from kvpool.client import KvpoolError
 from kvpool.protocol import ErrorCode, MissReason
 from kvpool.stress.errors import ContractViolation
 from kvpool.stress.options import IDLE_MARGIN_S
-
-if TYPE_CHECKING:
-    from kvpool.stress.driver import SessionDriver
+from kvpool.stress.state import SessionState
 
 
-def bump_epoch(d: SessionDriver) -> None:
+def bump_epoch(d: SessionState) -> None:
     """A re-planned route: epoch + 1. Its first request at position > 0 must miss (new_epoch); then the
     session starts again from 0 under the new epoch (releasing it everywhere drops the old one's state)."""
     epoch = d.epoch + 1
@@ -33,7 +30,7 @@ def bump_epoch(d: SessionDriver) -> None:
     d.start_over()
 
 
-def stale_request(d: SessionDriver) -> None:
+def stale_request(d: SessionState) -> None:
     """A request at epoch - 1 to one daemon: stale_epoch, and the session there unchanged."""
     stage = d.rng.randrange(len(d.clients))
     client = d.clients[stage]
@@ -62,7 +59,7 @@ def stale_request(d: SessionDriver) -> None:
         raise ContractViolation(f"{d.session_id}: stale {kind} changed daemon {stage}: epoch/length {row.epoch}/{row.length}, expected {d.epoch}/{d.length}")
 
 
-def idle_until_expired(d: SessionDriver) -> None:
+def idle_until_expired(d: SessionState) -> None:
     """Stay idle past the TTL; the next request must get cache_miss/expired (the router's next append
     then replays)."""
     assert d.options.ttl_s is not None

@@ -5,14 +5,11 @@ from __future__ import annotations
 
 import random
 from collections import Counter
-from typing import TYPE_CHECKING
 
 from kvpool.stress.cancels import CancelResult
 from kvpool.stress.options import LATE_CANCEL, OpKind
 from kvpool.stress.plans import SessionPlan
-
-if TYPE_CHECKING:
-    from kvpool.stress.driver import SessionDriver
+from kvpool.stress.state import SessionState
 
 MIN_FILLER_ROWS = 64
 MAX_CANCEL_REQUEUES = 3  # a cancel cut short by lost state (eviction, expiry, restart) is tried again later
@@ -33,7 +30,7 @@ def target_name(target: int) -> str:
     return "late cancel (after completion, every daemon)" if target == LATE_CANCEL else f"mid-prefill cancel on daemon {target}"
 
 
-def applicable(d: SessionDriver, kind: OpKind) -> bool:
+def applicable(d: SessionState, kind: OpKind) -> bool:
     match kind:
         case OpKind.PREFILL:
             return d.length < len(d.tokens)
@@ -60,7 +57,7 @@ class OpSchedule:
         self._dropped: list[str] = []  # forced operations that never became applicable
         self.cancel_targets_missed: list[str] = []
 
-    def choose(self, d: SessionDriver) -> OpKind:
+    def choose(self, d: SessionState) -> OpKind:
         for position, (at, kind) in enumerate(self._forced):
             if at <= d.op_index and applicable(d, kind):
                 del self._forced[position]
@@ -74,7 +71,7 @@ class OpSchedule:
     def forced_pending(self) -> bool:
         return bool(self._forced)
 
-    def next_forced(self, d: SessionDriver) -> OpKind | None:
+    def next_forced(self, d: SessionState) -> OpKind | None:
         """At the end of the run: the first pending forced operation that applies, whatever its index.
         None (and the rest dropped, reported) when none applies (a cancel with no room left in n_ctx)."""
         position = next((i for i, (_at, kind) in enumerate(self._forced) if applicable(d, kind)), None)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
@@ -25,23 +25,26 @@ from kvpool.stress.options import StressOptions
 from kvpool.stress.plans import SessionSetup
 from kvpool.stress.recording import Recorder
 from kvpool.stress.restarts import ChainControl
+from kvpool.stress.state import StageHook
 from kvpool.stress.tap import Reconnected, TappedClient
-
-if TYPE_CHECKING:
-    from kvpool.stress.faults import FaultInjector
 
 MAX_CONNECTION_RECOVERIES = 5
 ADMIT_TIMEOUT_S = 60.0  # a session admitted on a full daemon waits in its line, first come first served
 # Recovery is the router's; the stress only bounds it far above what a slow, busy machine needs.
 POLICY = RecoveryPolicy(max_replays=200, over_budget_give_up_s=1800.0)
-StageHook = Callable[[int, int, int], None]  # (stage, start_pos, rows) just before an append goes to a daemon
+
+
+class AnswerWatcher(Protocol):
+    """Told every daemon's answer (the session driver's fault drill, kvpool.stress.faults.FaultInjector)."""
+
+    def answered(self, stage: int, error: KvpoolError | None) -> None: ...
 
 
 class TappedSession:
     """The session as the daemons see it, and what they answered; kvpool.stress.driver.SessionDriver runs
     its plan on it."""
 
-    faults: FaultInjector  # the session driver's fault drill: told every daemon's answer
+    faults: AnswerWatcher  # the session driver's fault drill
 
     def __init__(self, setup: SessionSetup, clients: Sequence[Client], options: StressOptions, recorder: Recorder, control: ChainControl | None = None) -> None:
         self.setup = setup
