@@ -2,7 +2,8 @@
 
 Many requests are in flight on one connection at once; each carries a fresh request id and its reply is
 matched by that id, so replies may come in any order (the daemon answers each request as it completes).
-`cancel()` travels on the same connection as the append it cancels.
+`cancel()` travels on a side connection of its own (opened on first use, like kvpool.Client's), so it never
+queues behind the requests it is meant to interrupt.
 
 Any failure of the connection (end of file, an undecodable reply, a reply to an id no request waits for)
 fails every request in flight with ConnectionLost and closes it; the next call opens a new connection.
@@ -158,6 +159,7 @@ class AsyncClient:
         self.timeout_s = timeout_s  # for one whole request; None: no limit
         self._name = name
         self._connection: _Connection | None = None
+        self._cancel_connection: _Connection | None = None  # cancel()'s own lane
         self._connect_lock = asyncio.Lock()
         self._hello: HelloReply | None = None
         self._closed = False
@@ -178,23 +180,24 @@ class AsyncClient:
     def shard(self) -> ShardDescription:
         return self.hello.shard
 
-    async def _connected(self) -> _Connection:
-        """The open connection, (re)opened if a failure closed it."""
+    async def _connected(self, lane: str = "_connection") -> _Connection:
+        """The open main (or cancel) connection, (re)opened if a failure closed it."""
         async with self._connect_lock:
             if self._closed:
                 raise ConnectionLost("this client is closed")
-            connection = self._connection
+            connection: _Connection | None = getattr(self, lane)
             if connection is None or connection.closed:
                 connection = await _Connection.open(self.socket_path, self._name, self.timeout_s)
                 assert connection.hello is not None
                 if self._hello is not None and connection.hello.shard != self._hello.shard:
                     await connection.close()
                     raise ConnectionLost(f"the daemon on {self.socket_path} now serves another shard")
-                self._connection, self._hello = connection, connection.hello
+                setattr(self, lane, connection)
+                self._hello = connection.hello
             return connection
 
-    async def _call(self, message: RequestMessage, expected: type) -> Reply:
-        connection = await self._connected()
+    async def _call(self, message: RequestMessage, expected: type, lane: str = "_connection") -> Reply:
+        connection = await self._connected(lane)
         return checked_reply(message, await connection.request(message, self.timeout_s), expected)
 
     async def append(self, session_id: str, epoch: int, start_pos: int, **options: Unpack[AppendOptions]) -> AppendResult:
@@ -215,8 +218,8 @@ class AsyncClient:
         return await self._call(Fork(session_id=session_id, epoch=epoch, new_session_id=new_session_id, new_epoch=new_epoch, length=length), Done)
 
     async def cancel(self, session_id: str, epoch: int) -> Done:
-        """Abort the session's in-flight append; goes on the same connection, beside that append."""
-        return await self._call(Cancel(session_id=session_id, epoch=epoch), Done)
+        """Abort the session's in-flight append; goes on the side connection, never behind that append."""
+        return await self._call(Cancel(session_id=session_id, epoch=epoch), Done, "_cancel_connection")
 
     async def stats(self) -> StatsReply:
         return await self._call(Stats(), StatsReply)
@@ -227,9 +230,11 @@ class AsyncClient:
     async def close(self) -> None:
         async with self._connect_lock:
             self._closed = True
-            connection, self._connection = self._connection, None
-        if connection is not None:
-            await connection.close()
+            connections = (self._connection, self._cancel_connection)
+            self._connection = self._cancel_connection = None
+        for connection in connections:
+            if connection is not None:
+                await connection.close()
 
     async def __aenter__(self) -> AsyncClient:
         await self._connected()

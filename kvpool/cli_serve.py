@@ -8,7 +8,7 @@ import pathlib
 import sys
 
 from kvpool.bundled import BundledModelMissing, bundled_model_path
-from kvpool.config import ServeConfig, format_bytes, parse_bytes, work_dir
+from kvpool.config import DEFAULT_MAX_BUFFERED_BYTES, ServeConfig, format_bytes, parse_bytes, work_dir
 from kvpool.lifeline import watch_lifeline
 from kvpool.segments import SharedMemoryTooSmall
 from kvpool.server import SocketSetupError
@@ -55,6 +55,10 @@ def add_parser(subcommands: argparse._SubParsersAction) -> None:
     parser.add_argument("--no-direct", dest="direct", action="store_false", default=None, help="no direct channels: every append goes through the supervisor (by default a client that asks gets its session's worker's channel, and its appends skip the supervisor)")
     parser.add_argument("--mode", choices=("process", "batched", "auto"), help=f"process: one worker process per session (each its own llama context); batched: each worker process holds --seqs-per-worker sessions as isolated sequences of one context and decodes the appends that arrive together in one batch, through the supervisor (no direct channels); auto: measure both schedules on this shard with --threads at start-up (a few seconds) and run the faster (`kvpool status` says which and why) (default {DEFAULTS['mode']})")
     parser.add_argument("--seqs-per-worker", type=int, metavar="N", help=f"batched mode: sessions per worker process; must divide --max-sessions (default {DEFAULTS['seqs_per_worker']})")
+    parser.add_argument("--handshake-timeout", type=float, metavar="S", help=f"a connection whose Hello has not arrived whole S seconds after it connected is closed (default {DEFAULTS['handshake_timeout_s']:g})")
+    parser.add_argument("--frame-timeout", type=float, metavar="S", help=f"a frame must arrive whole within S seconds of its first byte, or its connection is closed; a connection idle between frames stays open (default {DEFAULTS['frame_timeout_s']:g})")
+    parser.add_argument("--max-buffered-bytes", help=f"request bytes held across all connections: a frame that does not fit waits, unread, for room (default {format_bytes(DEFAULT_MAX_BUFFERED_BYTES)}, at least --max-request-bytes)")
+    parser.add_argument("--max-connections", type=int, metavar="N", help="open connections at most; one more is answered over_budget and closed (default: what the open-files limit leaves, at most 1024)")
     parser.add_argument("--memory-margin", help=f"recycle an idle worker whose measured memory exceeds its charge by this (default {format_bytes(DEFAULTS['memory_margin_bytes'])})")
     parser.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on 127.0.0.1:PORT")
     parser.add_argument("--flash-attn", action="store_true", default=None, help="use flash attention (all shards of a route must agree)")
@@ -89,6 +93,10 @@ OPTIONS = {
     "direct": ("direct", bool),
     "mode": ("mode", str),
     "seqs_per_worker": ("seqs_per_worker", int),
+    "handshake_timeout": ("handshake_timeout_s", float),
+    "frame_timeout": ("frame_timeout_s", float),
+    "max_buffered_bytes": ("max_buffered_bytes", parse_bytes),
+    "max_connections": ("max_connections", int),
 }
 
 

@@ -12,6 +12,7 @@ from kvpool.spill import SpillDirRefused, check_disk_dir
 WORK_DIR_ENV = "KVPOOL_WORK_DIR"
 DEFAULT_WORK_DIR = ".kvpool"
 FRAME_DEADLINE_ENV = "KVPOOL_DIRECT_FRAME_DEADLINE_S"
+DEFAULT_MAX_BUFFERED_BYTES = 256 * 1024**2
 
 
 def work_dir() -> pathlib.Path:
@@ -111,6 +112,12 @@ class ServeConfig:
     # Session ids whose highest epoch is remembered besides the live ones; past it the lowest epoch is
     # forgotten and the epoch floor rises to it (kvpool.sessions: the fencing rule).
     fence_ids: int = 65536
+    # The socket transport (kvpool.server): a connection's Hello must arrive whole within handshake_timeout_s
+    # of its accept, and every later frame within frame_timeout_s of its first byte (idle between frames: no limit)
+    handshake_timeout_s: float = 10.0
+    frame_timeout_s: float = 30.0
+    max_buffered_bytes: int | None = None  # request bytes held across all connections; None: DEFAULT_MAX_BUFFERED_BYTES or one largest frame
+    max_connections: int | None = None  # None: derived at start-up from RLIMIT_NOFILE (kvpool.server.derived_max_connections)
 
     def __post_init__(self) -> None:
         problems = []
@@ -151,6 +158,14 @@ class ServeConfig:
             problems.append(f"--mode must be one of {', '.join(MODES)}")
         if self.mode in ("batched", "auto") and not (1 <= self.seqs_per_worker <= 256 and self.max_sessions % self.seqs_per_worker == 0):
             problems.append("--seqs-per-worker must be in [1, 256] and divide --max-sessions")
+        if self.handshake_timeout_s <= 0:
+            problems.append("--handshake-timeout must be positive")
+        if self.frame_timeout_s <= 0:
+            problems.append("--frame-timeout must be positive")
+        if self.max_buffered_bytes is not None and self.max_buffered_bytes < self.max_request_bytes:
+            problems.append("--max-buffered-bytes must be at least --max-request-bytes")
+        if self.max_connections is not None and self.max_connections < 1:
+            problems.append("--max-connections must be at least 1")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             problems.append("--metrics-port must be in [0, 65535]")
         if len(os.fsencode(self.socket)) >= 108:
@@ -172,6 +187,12 @@ class ServeConfig:
     @property
     def spill_limit_bytes(self) -> int:
         return self.budget_bytes if self.spill_budget_bytes is None else self.spill_budget_bytes
+
+    @property
+    def buffered_request_limit_bytes(self) -> int:
+        if self.max_buffered_bytes is not None:
+            return self.max_buffered_bytes
+        return max(DEFAULT_MAX_BUFFERED_BYTES, self.max_request_bytes)
 
     @property
     def batched(self) -> bool:

@@ -42,7 +42,7 @@ from kvpool.protocol import (
 )
 from kvpool.mode_probe import probe_modes
 from kvpool.segments import SegmentLayout, check_room_for
-from kvpool.server import FrameServer, prepare_socket_path
+from kvpool.server import ConnectionLimits, FrameServer, prepare_socket_path
 from kvpool.service import KvService
 from kvpool.worker_handle import PoolSpec
 
@@ -136,7 +136,11 @@ class Supervisor:
                 version=PROTOCOL_VERSION, shard=shard, max_n_ctx=config.n_ctx, default_n_ctx=config.n_ctx,
                 max_request_bytes=config.max_request_bytes,
             )
-            server = FrameServer(config.socket, hello, self.dispatch, max_request_bytes=config.max_request_bytes)
+            limits = ConnectionLimits(
+                handshake_timeout_s=config.handshake_timeout_s, frame_timeout_s=config.frame_timeout_s,
+                buffered_request_bytes=config.buffered_request_limit_bytes, max_connections=config.max_connections,
+            )
+            server = FrameServer(config.socket, hello, self.dispatch, max_request_bytes=config.max_request_bytes, limits=limits)
             await server.start()
             if config.metrics_port is not None:
                 port = service.metrics.serve_http(config.metrics_port)

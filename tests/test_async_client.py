@@ -1,5 +1,6 @@
 """kvpool.AsyncClient on real daemons: many requests in flight on one connection, matched by request id,
-answered in the order they complete; cancel beside the append it cancels; a dead daemon fails every
+answered in the order they complete; cancel on a lane of its own, never behind the requests it is meant
+to interrupt; a dead daemon fails every
 request in flight. And the daemon's side: one connection's memory stays bounded when its client stops
 reading. Waits are hang guards only (a stopped worker keeps a request in flight on any machine)."""
 
@@ -15,17 +16,19 @@ import pytest
 
 from kvpool import AsyncClient
 from kvpool.client import ConnectionLost, KvpoolError
-from kvpool.protocol import PROTOCOL_VERSION, Append, Done, ErrorReply, Hello, HelloReply, ShardDescription, decode_request, encode
+from kvpool.protocol import PROTOCOL_VERSION, Append, Cancel, Done, ErrorReply, Hello, HelloReply, ShardDescription, decode_request, encode
 from kvpool.server import MAX_IN_FLIGHT_PER_CONNECTION
 from kvpool.shard_shape import ShardShape
 from tests.conftest import EVEN_SPLIT
 from tests.daemons import HANG_GUARD_S, DaemonProcess, exited, stopped, wait_until
 from tests.test_fuzz import RawConnection
+from tests.test_transport import admission_line_full
 
 pytestmark = pytest.mark.timeout(3600)
 N_CTX = 256
 # Two compute slots: a session whose worker is stopped holds one, the others still compute.
 OPTIONS = ("--threads", "2", "--n-ctx", str(N_CTX), "--max-sessions", "4")
+CANCEL_GUARD_S = 60.0  # a cancel that is never read would wait for ever: this ends the wait
 
 
 @pytest.fixture(scope="module")
@@ -143,7 +146,7 @@ async def _in_flight(client: AsyncClient, session_id: str) -> bool:
     return any(row.session_id == session_id and row.in_flight for row in (await client.stats()).sessions)
 
 
-def test_cancel_goes_on_the_same_connection_as_the_append_it_cancels(clean, prompt_ids):
+def test_cancel_stops_the_append_in_flight_and_its_connection_goes_on(clean, prompt_ids):
     long_prompt = (prompt_ids[1] * 8)[:200]
 
     async def main():
@@ -293,3 +296,96 @@ def test_a_client_that_stops_reading_stops_the_daemon_reading_and_gets_every_rep
     finally:
         raw.close()
     assert MAX_IN_FLIGHT_PER_CONNECTION < sent
+
+
+# ---- issue 17 item 3: cancel() reaches a connection full of requests ---------------------------------
+
+
+WAITING = MAX_IN_FLIGHT_PER_CONNECTION - 1  # appends waiting for admission beside one prefill: the limit
+
+
+@pytest.fixture
+def one_place(first_shard, socket_dir):
+    """One place, and an admission line of WAITING: a full line shows that all of them wait."""
+    daemon = DaemonProcess(
+        first_shard.path, socket_dir / "one-place.sock", "--threads", "1", "--n-ctx", str(N_CTX), "--max-sessions", "1", "--admit-queue", str(WAITING),
+    )
+    try:
+        yield daemon
+    finally:
+        daemon.stop()
+
+
+def test_cancel_reaches_a_prefill_behind_appends_that_fill_the_connection(one_place, prompt_ids):
+    """One AsyncClient: a prefill held in flight by its stopped worker, and appends waiting for the only
+    place, as many as fill the daemon's in-flight limit for the connection. cancel() is answered "cancel
+    requested" while they all still wait (they give up after kvpool.admission.MAX_ADMIT_WAIT_S at the
+    earliest), and the prefill ends cancelled."""
+    long_prompt = (prompt_ids[1] * 8)[:200]
+    waiting = WAITING
+
+    async def main():
+        async with AsyncClient(one_place.socket) as client:
+            await client.append("long", 1, 0, tokens=long_prompt[:10])
+            with one_place.client(direct=False) as observer:
+                with stopped(_worker_of(one_place, "long")):
+                    prefill = asyncio.create_task(client.append("long", 1, 10, tokens=long_prompt[10:]))
+                    await asyncio.to_thread(wait_until, lambda: any(row.in_flight for row in observer.stats().sessions), "the prefill to be in flight")
+                    appends = [asyncio.create_task(client.append(f"wait-{index}", 1, 0, tokens=[1], admit_timeout_s=HANG_GUARD_S)) for index in range(waiting)]
+                    await asyncio.to_thread(wait_until, lambda: admission_line_full(observer), "the appends to wait for admission")
+                    cancel = await client.cancel("long", 1)
+                    still_waiting = sum(not append.done() for append in appends)
+            with pytest.raises(KvpoolError) as cancelled:
+                await prefill
+            outcomes = await asyncio.gather(*appends, return_exceptions=True)
+            return cancel, still_waiting, cancelled.value, outcomes
+
+    cancel, still_waiting, cancelled, outcomes = run(main())
+    assert still_waiting == waiting, "cancel() was answered only after requests ahead of it were"
+    assert cancel.detail == "cancel requested"
+    assert cancelled.code == "cancelled" and cancelled.length == 10
+    assert all(not isinstance(outcome, BaseException) or isinstance(outcome, KvpoolError) for outcome in outcomes), outcomes
+
+
+def test_cancel_is_sent_on_a_side_connection_opened_on_first_use(socket_dir):
+    """A fake daemon that reads one request per connection and answers only a Cancel: the cancel of an
+    append left unanswered on the main connection is answered (on a connection of its own)."""
+    path = socket_dir / "one-request.sock"
+    shard = ShardDescription(shape=ShardShape(layer_start=0, layer_stop=30, total_layers=30, n_embd=576, n_vocab=49152), model_path="x")
+    writers, received = [], []
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writers.append(writer)
+        for _ in range(2):  # the Hello, then one request
+            size = int.from_bytes(await reader.readexactly(4), "big")
+            request = decode_request(await reader.readexactly(size))
+            received.append(type(request).__name__)
+            if isinstance(request, Hello):
+                reply = HelloReply(version=PROTOCOL_VERSION, shard=shard, max_n_ctx=64, default_n_ctx=64, max_request_bytes=1024)
+            elif isinstance(request, Cancel):
+                reply = Done(length=3, detail="cancel requested")
+            else:
+                await asyncio.Event().wait()  # an append that never completes; nothing more is read
+            reply.request_id = request.request_id
+            writer.write(encode(reply))
+            await writer.drain()
+
+    async def main():
+        server = await asyncio.start_unix_server(serve, path=str(path))
+        try:
+            async with AsyncClient(path) as client:
+                append = asyncio.create_task(client.append("s", 1, 3, tokens=[1]))
+                while "Append" not in received:  # the main connection now reads nothing more
+                    await asyncio.sleep(0.01)
+                async with asyncio.timeout(CANCEL_GUARD_S):  # on the main connection it is never read
+                    done = await client.cancel("s", 1)
+                append.cancel()
+                return done, len(writers)
+        finally:
+            server.close()
+            for writer in writers:
+                writer.close()
+
+    done, connections = run(main())
+    assert done.detail == "cancel requested" and connections == 2
+    path.unlink(missing_ok=True)
