@@ -2,21 +2,17 @@
 
 __version__ = "0.1.0"
 
-__all__ = ["AsyncClient", "Client", "KvpoolError", "Sampling", "__version__"]
+__all__ = ["AsyncClient", "Client", "ConnectionLost", "KvpoolError", "Sampling", "__version__"]
 
 
 def __getattr__(name: str):
     # Lazy: `import kvpool` stays cheap for the worker processes, which never use the clients.
-    if name in ("Client", "KvpoolError"):
-        from kvpool import client
+    if name in ("AsyncClient", "Client", "ConnectionLost", "KvpoolError"):
+        import kvpool.client
 
-        return getattr(client, name)
+        return getattr(kvpool.client, name)
     if name == "Sampling":
-        from workers.sampling import Sampling
+        from kvpool.wire.sampling import Sampling
 
         return Sampling
-    if name == "AsyncClient":
-        from kvpool import async_client
-
-        return async_client.AsyncClient
     raise AttributeError(name)

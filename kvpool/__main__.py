@@ -1,5 +1,5 @@
 import sys
 
-from kvpool.cli import main
+from kvpool.cli.main import main
 
 sys.exit(main())

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import psutil
 
-from kvpool.client import Client, ConnectionLost
+from kvpool.client.client import Client, ConnectionLost
 
 START_TIMEOUT_S = 120.0
 
@@ -26,7 +26,7 @@ class Daemon:
     """One `python -m kvpool serve` child; its log goes to <socket>.log. stop() is idempotent.
 
     The daemon holds the read end of a pipe whose write end only this process holds (its lifeline,
-    see kvpool.lifeline): if this process dies, by any signal, the daemon and its workers stop too.
+    see kvpool.daemon.lifeline): if this process dies, by any signal, the daemon and its workers stop too.
     """
 
     def __init__(self, model: pathlib.Path, socket_path: pathlib.Path, options: Sequence[str] = ()) -> None:

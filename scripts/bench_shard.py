@@ -5,7 +5,7 @@ round by round in one process (the machine is shared and noisy: compare the rati
 
   baseline  llama.cpp context on the shard, no eval callback, output of the last row only
   all-rows  the same, every row marked as output (what a non-final shard must compute; explains the prefill gap)
-  kvpool    workers.context.ShardContext: C eval callback captures l_out-(n-1) of every row and stops the graph
+  kvpool    workers.runtime.context.ShardContext: C eval callback captures l_out-(n-1) of every row and stops the graph
 
 Usage: python scripts/bench_shard.py [--rounds 7] [--decode-steps 64] [--prefill 256] [--json PATH]
 """
@@ -25,11 +25,11 @@ import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from kvpool.bundled import bundled_model_path  # noqa: E402
-from kvpool.gguf_header import file_sha256  # noqa: E402
-from kvpool.shardcache import shards_in_parts  # noqa: E402
-from kvpool.tokenizer import Tokenizer  # noqa: E402
-from workers.runtime import ShardModel  # noqa: E402
+from kvpool.shard.bundled import bundled_model_path  # noqa: E402
+from kvpool.shard.header import file_sha256  # noqa: E402
+from kvpool.shard.cache import shards_in_parts  # noqa: E402
+from kvpool.local.tokenizer import Tokenizer  # noqa: E402
+from workers.runtime.model import ShardModel  # noqa: E402
 
 DECODE_TARGET = 1.05
 PREFILL_TARGET = 1.10

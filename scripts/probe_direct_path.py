@@ -3,7 +3,7 @@ channel, stage by stage on both sides, next to the same step in-process (ShardCo
 
 Part 1 (end to end): a real `kvpool serve` daemon on the middle shard (the bench's mid options), its
 session's decode steps over the direct channel vs an in-process context, in alternating blocks.
-Part 2 (breakdown): a worker started here as the supervisor starts one (workers.process.worker_main,
+Part 2 (breakdown): a worker started here as the supervisor starts one (workers.server.main.worker_main,
 unchanged, spawned), with time stamps (time.perf_counter_ns: CLOCK_MONOTONIC, one clock for every process)
 around each stage of the worker's direct path, and the client's steps stamped here. 1 llama thread.
 
@@ -25,13 +25,13 @@ import time
 
 import numpy as np
 
-from kvpool.bundled import bundled_model_path
-from kvpool.client import AppendResult, Client, append_request
+from kvpool.shard.bundled import bundled_model_path
+from kvpool.client.client import AppendResult, Client, append_request
 from kvpool.launcher import Daemon
-from kvpool.protocol import FRAME_HEADER, decode_reply, encode, receive_exactly
-from kvpool.shardcache import shards_in_parts
-from workers.commands import CONTROL_BYTES, BindChannel, Exit, OpenContext, TruncateContext
-from workers.runtime import ShardModel
+from kvpool.wire.protocol import FRAME_HEADER, decode_reply, encode, receive_exactly
+from kvpool.shard.cache import shards_in_parts
+from workers.server.commands import CONTROL_BYTES, BindChannel, Exit, OpenContext, TruncateContext
+from workers.runtime.model import ShardModel
 
 N_CTX = 1024
 HISTORY = 64
@@ -46,12 +46,12 @@ def median_us(values: list[int | float], scale: float = 1e-3) -> float:
 
 
 def stamped_worker(connection, spec, cancel_connection, stamps_path: str) -> None:
-    """workers.process.worker_main with stamps around the direct path's stages; they are written to
+    """workers.server.main.worker_main with stamps around the direct path's stages; they are written to
     stamps_path when the worker exits."""
-    import workers.compute_locks as compute_locks
-    import workers.context as context_module
-    import workers.direct as direct
-    import workers.process as process
+    import workers.server.compute_locks as compute_locks
+    import workers.runtime.context as context_module
+    import workers.server.direct as direct
+    import workers.server.main as process
 
     stamps: list[tuple[str, int]] = []
     now = time.perf_counter_ns
@@ -91,7 +91,7 @@ class StampedWorker:
     def __init__(self, shard_path: pathlib.Path, lock_path: str, stamps_path: str) -> None:
         from multiprocessing import shared_memory
 
-        from workers.process import WorkerSpec
+        from workers.server.spec import WorkerSpec
 
         self.segment = shared_memory.SharedMemory(create=True, size=CONTROL_BYTES + N_CTX * 576 * 4 * 2)
         context = multiprocessing.get_context("spawn")
@@ -110,7 +110,7 @@ class StampedWorker:
         child_cancel.close()
         import msgspec
 
-        from workers.commands import AnyWorkerReply
+        from workers.server.commands import AnyWorkerReply
 
         self._encoder, self._decoder = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(AnyWorkerReply)
         self._decoder.decode(self.pipe.recv_bytes())  # Ready
@@ -129,7 +129,7 @@ class StampedWorker:
 
 
 def stamped_client_append(sock: socket.socket, start: int, row: np.ndarray, request_id: int, stamps: dict[str, list[int]]) -> np.ndarray:
-    """Client.append's direct path (kvpool.client_channels + kvpool.connection), each step stamped."""
+    """Client.append's direct path (kvpool.client.channels + kvpool.connection), each step stamped."""
     now = time.perf_counter_ns
     t0 = now()
     request = append_request(SESSION, EPOCH, start, hidden=row, direct=True)
@@ -197,7 +197,7 @@ def breakdown(shard_path: pathlib.Path, hidden: np.ndarray, model: ShardModel, s
             lock_file.write(b"\0")
         workers, sockets = {}, {}
         local = model.new_context(N_CTX)
-        import workers.context as context_module
+        import workers.runtime.context as context_module
 
         decode, local_decodes = context_module.llama_cpp.llama_decode, []
 

@@ -8,11 +8,11 @@ from multiprocessing import resource_tracker
 import psutil
 import pytest
 
-from kvpool.bundled import bundled_model_path
-from kvpool.shardcache import cached_shards
-from kvpool.gguf_header import ShardInfo
-from kvpool.layer_ranges import parse_splits
-from kvpool.tokenizer import Tokenizer
+from kvpool.shard.bundled import bundled_model_path
+from kvpool.shard.cache import cached_shards
+from kvpool.shard.header import ShardInfo
+from kvpool.shard.ranges import parse_splits
+from kvpool.local.tokenizer import Tokenizer
 from tests.daemons import private_socket_dir
 
 EVEN_SPLIT = "0:10,10:20,20:30"

@@ -20,7 +20,7 @@ import psutil
 import pytest
 
 from kvpool.launcher import Daemon
-from kvpool.protocol import FRAME_HEADER, PROTOCOL_VERSION, Hello, decode_reply, encode
+from kvpool.wire.protocol import FRAME_HEADER, PROTOCOL_VERSION, Hello, decode_reply, encode
 
 
 # Hang guards only, far above what the slowest, busiest machine needs (a daemon starts in a few seconds

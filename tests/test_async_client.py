@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 
 from kvpool import AsyncClient
-from kvpool.client import ConnectionLost, KvpoolError
-from kvpool.protocol import PROTOCOL_VERSION, Append, Cancel, Done, ErrorReply, Hello, HelloReply, ShardDescription, decode_request, encode
-from kvpool.server import MAX_IN_FLIGHT_PER_CONNECTION
-from kvpool.shard_shape import ShardShape
+from kvpool.client.client import ConnectionLost, KvpoolError
+from kvpool.wire.protocol import PROTOCOL_VERSION, Append, Cancel, Done, ErrorReply, Hello, HelloReply, ShardDescription, decode_request, encode
+from kvpool.daemon.transport.frames import MAX_IN_FLIGHT_PER_CONNECTION
+from kvpool.wire.shape import ShardShape
 from tests.conftest import EVEN_SPLIT
 from tests.daemons import HANG_GUARD_S, DaemonProcess, exited, stopped, wait_until
 from tests.test_fuzz import RawConnection
@@ -319,7 +319,7 @@ def one_place(first_shard, socket_dir):
 def test_cancel_reaches_a_prefill_behind_appends_that_fill_the_connection(one_place, prompt_ids):
     """One AsyncClient: a prefill held in flight by its stopped worker, and appends waiting for the only
     place, as many as fill the daemon's in-flight limit for the connection. cancel() is answered "cancel
-    requested" while they all still wait (they give up after kvpool.admission.MAX_ADMIT_WAIT_S at the
+    requested" while they all still wait (they give up after kvpool.daemon.admission.admission.MAX_ADMIT_WAIT_S at the
     earliest), and the prefill ends cancelled."""
     long_prompt = (prompt_ids[1] * 8)[:200]
     waiting = WAITING

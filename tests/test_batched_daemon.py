@@ -15,15 +15,15 @@ import threading
 import numpy as np
 import pytest
 
-from kvpool.batched_worker import BatchedWorker
-from kvpool.chain import LocalChain
-from kvpool.client import KvpoolError
-from kvpool.compute import ComputeSlots
-from kvpool.generate import greedy_tokens
-from kvpool.router import Router
-from kvpool.segments import SegmentLayout
-from kvpool.worker_handle import PoolSpec, WorkerFailed, WorkerLost
-from workers.runtime import ShardModel
+from kvpool.daemon.pool.batched import BatchedWorker
+from kvpool.local.chain import LocalChain
+from kvpool.client.client import KvpoolError
+from kvpool.daemon.pool.compute import ComputeSlots
+from kvpool.local.generate import greedy_tokens
+from kvpool.router.router import Router
+from kvpool.daemon.pool.segments import SegmentLayout
+from kvpool.daemon.pool.handle import PoolSpec, WorkerFailed, WorkerLost
+from workers.runtime.model import ShardModel
 from tests.daemons import DaemonProcess
 from tests.daemons import in_thread, joined, result, stopped, wait_until
 from tests.test_batched_runtime import PROCESS_MODE_TOLERANCE

@@ -15,11 +15,11 @@ import time
 import numpy as np
 import pytest
 
-from kvpool.generate import greedy_tokens
+from kvpool.local.generate import greedy_tokens
 from tests.conftest import EVEN_SPLIT
-from workers.batched import BatchedShardContext, SeqAppend, plan_ubatches
-from workers.errors import BadInput, Cancelled, ContextFull, PositionMismatch
-from workers.runtime import ShardModel
+from workers.runtime.batched import BatchedShardContext, SeqAppend, plan_ubatches
+from workers.runtime.errors import BadInput, Cancelled, ContextFull, PositionMismatch
+from workers.runtime.model import ShardModel
 
 N_SEQS = 4
 N_CTX = 128

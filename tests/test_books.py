@@ -11,11 +11,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from kvpool.books import Books
-from kvpool.budget import ByteBudget, OverBudget
-from kvpool.integrity import IntegrityError
-from kvpool.protocol import MissReason
-from kvpool.sessions import EpochCheck, Session, SessionTable
+from kvpool.daemon.books.books import Books
+from kvpool.daemon.books.budget import ByteBudget, OverBudget
+from kvpool.daemon.books.integrity import IntegrityError
+from kvpool.wire.protocol import MissReason
+from kvpool.daemon.books.sessions import EpochCheck, Session, SessionTable
 
 # ---- ByteBudget -----------------------------------------------------------------------------------
 
@@ -341,8 +341,8 @@ def test_fencing_rule_remembers_the_highest_epoch_per_id(sequence: list[tuple[st
 def test_integrity_checks_hold_under_python_optimize() -> None:
     """`python -O` strips asserts: the books' checks must raise all the same."""
     program = (
-        "from kvpool.budget import ByteBudget\n"
-        "from kvpool.integrity import IntegrityError\n"
+        "from kvpool.daemon.books.budget import ByteBudget\n"
+        "from kvpool.daemon.books.integrity import IntegrityError\n"
         "budget = ByteBudget(1000)\n"
         "budget.reserve('a', 10)\n"
         "try:\n"
@@ -379,7 +379,7 @@ class BooksMachine(RuleBasedStateMachine):
 
     @rule(session_id=ids, charge=st.integers(min_value=1, max_value=700), residency=st.sampled_from([0.0, 1.5, 4.5]))
     def admit(self, session_id: str, charge: int, residency: float) -> None:
-        """`residency` in clock ticks: sessions used within it are never victims (kvpool.residency)."""
+        """`residency` in clock ticks: sessions used within it are never victims (kvpool.daemon.admission.residency)."""
         if self.books.table.get(session_id) is not None:
             return
         protected_after = self.clock - residency

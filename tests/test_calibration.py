@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpool.calibration import CALIBRATION_ROWS, LLAMA_CTX_PAD, ROUND_BYTES, SMALL_N_CTX, ChargeFit
+from kvpool.daemon.admission.calibration import CALIBRATION_ROWS, LLAMA_CTX_PAD, ROUND_BYTES, SMALL_N_CTX, ChargeFit
 from tests.daemons import DaemonProcess
-from workers.process import anonymous_bytes
+from workers.server.main import anonymous_bytes
 
 MIB = 1 << 20
 

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from kvpool.chain import LocalChain
-from kvpool.generate import greedy_tokens
+from kvpool.local.chain import LocalChain
+from kvpool.local.generate import greedy_tokens
 from tests.conftest import EVEN_SPLIT
 from tests.daemons import run_to_completion
 

@@ -14,14 +14,14 @@ import numpy as np
 import psutil
 import pytest
 
-from kvpool.chain import LocalChain
-from kvpool.client import KvpoolError
-from kvpool.route import Route
-from kvpool.router import Router
-from kvpool.generate import greedy_tokens
-from kvpool.protocol import FRAME_HEADER, PROTOCOL_VERSION, Append, AppendReply, Done, Hello, Release, Stats, encode
-from kvpool.admission import MAX_ADMIT_WAIT_S
-from tests.daemons import STOP_HANG_GUARD_S, DaemonProcess, raw_connection, read_reply, sent_and_read, unread_bytes
+from kvpool.local.chain import LocalChain
+from kvpool.client.client import KvpoolError
+from kvpool.router.route import Route
+from kvpool.router.router import Router
+from kvpool.local.generate import greedy_tokens
+from kvpool.wire.protocol import FRAME_HEADER, PROTOCOL_VERSION, Append, AppendReply, Done, Hello, Release, Stats, encode
+from kvpool.daemon.admission.admission import MAX_ADMIT_WAIT_S
+from tests.daemons import STOP_HANG_GUARD_S, DaemonProcess, raw_connection, read_reply, sent_and_read
 from tests.daemons import in_thread as _in_thread, joined as _joined, result as _result, stopped as _stopped, wait_until as _wait_until
 
 N_CTX = 512
@@ -86,7 +86,7 @@ def _alone(local_chain, prompt, count=GREEDY, chunk=0):
 
 
 def _through(clients, session_id, epoch, prompt, count=GREEDY, chunk=0):
-    """The same run through the daemons, as kvpool.router walks it."""
+    """The same run through the daemons, as kvpool.router.router walks it."""
     session = Router(clients).session(session_id, epoch=epoch)
     rows = []
 

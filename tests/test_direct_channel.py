@@ -21,17 +21,18 @@ import time
 import numpy as np
 import pytest
 
-from kvpool.client import KvpoolError, append_request
-from kvpool.client_connection import ClientConnection
-from kvpool.config import FRAME_DEADLINE_ENV, direct_frame_deadline_s
-from kvpool.pool_spec import PoolSpec
-from kvpool.protocol import FRAME_HEADER, Append, AppendReply, ErrorReply, decode_reply, encode, receive_exactly
-from kvpool.segments import SegmentLayout
+from kvpool.client.client import KvpoolError, append_request
+from kvpool.client.connection import ClientConnection
+from kvpool.host import FRAME_DEADLINE_ENV, direct_frame_deadline_s
+from kvpool.daemon.pool.spec import PoolSpec
+from kvpool.wire.protocol import FRAME_HEADER, Append, AppendReply, decode_reply, encode, receive_exactly
+from kvpool.daemon.pool.segments import SegmentLayout
 from tests.daemons import HANG_GUARD_S, DaemonProcess, in_thread, joined, stopped, wait_until
-from workers.commands import CONTROL_BYTES
-from workers.compute_locks import ComputeLocks
-from workers.direct import FRAME_DEADLINE_S, MAX_FRAME_BYTES, DirectChannel
-from workers.runtime import ShardModel
+from workers.server.commands import CONTROL_BYTES
+from workers.server.compute_locks import ComputeLocks
+from workers.server.direct import MAX_FRAME_BYTES, DirectChannel
+from workers.server.spec import FRAME_DEADLINE_S
+from workers.runtime.model import ShardModel
 
 N_CTX = 256
 pytestmark = pytest.mark.timeout(3600)

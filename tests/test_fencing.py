@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import pytest
 
-from kvpool.admission import MAX_ADMIT_WAIT_S
-from kvpool.client import KvpoolError
-from kvpool.protocol import ErrorReply, Fork
-from kvpool.router import Router
+from kvpool.daemon.admission.admission import MAX_ADMIT_WAIT_S
+from kvpool.client.client import KvpoolError
+from kvpool.wire.protocol import ErrorReply, Fork
+from kvpool.router.router import Router
 from tests.daemons import DaemonProcess, in_thread, joined, read_reply, result, sent_and_read, stopped, wait_until
 
 pytestmark = pytest.mark.timeout(3600)
@@ -145,7 +145,7 @@ def test_the_fence_does_not_forget_with_traffic(shards, socket_dir, prompt_ids, 
 
 
 def test_the_router_starts_at_the_floor_a_daemon_names(model_path, socket_dir, prompt_ids):
-    """kvpool.router: a new session's first append refused below the daemon's epoch floor takes the floor's epoch
+    """kvpool.router.router: a new session's first append refused below the daemon's epoch floor takes the floor's epoch
     and goes through, counted in RecoveryCounts.epoch_floor_restarts."""
     daemon = DaemonProcess(model_path, socket_dir / "floor-router.sock", "--threads", "1", "--n-ctx", "64", "--max-sessions", "1", "--fence-ids", "2")
     try:

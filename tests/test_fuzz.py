@@ -21,8 +21,8 @@ import pytest
 from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
-from kvpool.client import Client
-from kvpool.protocol import (
+from kvpool.client.client import Client
+from kvpool.wire.protocol import (
     DEFAULT_MAX_REQUEST_BYTES,
     FRAME_HEADER,
     PROTOCOL_VERSION,
@@ -42,7 +42,7 @@ from kvpool.protocol import (
 )
 from tests.conftest import EVEN_SPLIT
 from tests.daemons import DaemonProcess, private_socket_dir
-from workers.runtime import ShardModel
+from workers.runtime.model import ShardModel
 
 N_CTX = 512
 N_VOCAB = 49152

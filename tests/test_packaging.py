@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import pytest
 
-import workers.native as native
-from kvpool.gguf_header import read_shard_info
+import workers.runtime.native as native
+from kvpool.shard.header import read_shard_info
 from tests.daemons import run_to_completion
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -35,7 +35,7 @@ TOP_LEVEL_LEFTOVERS = {".git", ".venv", "build", "dist", "evidence", ".kvpool", 
 LEFTOVERS_ANYWHERE = shutil.ignore_patterns("__pycache__", "*.egg-info", "*.so", "*.gguf")
 # What the installed copy reports about itself: where kvpool and workers come from and which library loaded.
 WHERE_FROM = """
-import json, kvpool, workers.native as native
+import json, kvpool, workers.runtime.native as native
 library = native.load_native()
 print(json.dumps({"kvpool": kvpool.__file__, "native": native.__file__, "library": library.shim._name}))
 """

@@ -22,12 +22,12 @@ import numpy as np
 import psutil
 import pytest
 
-from kvpool.bundled import bundled_model_path
-from kvpool.client import Client, ConnectionLost, KvpoolError
-from kvpool.config import ServeConfig
+from kvpool.shard.bundled import bundled_model_path
+from kvpool.client.client import Client, ConnectionLost, KvpoolError
+from kvpool.daemon.config import ServeConfig
 from kvpool.launcher import Daemon, start_daemons
-from kvpool.pool import WorkerPool
-from kvpool.protocol import (
+from kvpool.daemon.pool.pool import WorkerPool
+from kvpool.wire.protocol import (
     FRAME_HEADER,
     PROTOCOL_VERSION,
     Append,
@@ -42,14 +42,14 @@ from kvpool.protocol import (
     decode_request,
     encode,
 )
-from kvpool.segments import LOGIT_ROWS_IN_SEGMENT, SegmentLayout, free_shared_memory_bytes
-from kvpool.service import KvService
-from kvpool.shard_shape import ShardShape
-from kvpool.gguf_header import read_shard_info
-from kvpool.supervisor import build_pool
-from kvpool.worker_handle import PoolSpec
+from kvpool.daemon.pool.segments import LOGIT_ROWS_IN_SEGMENT, SegmentLayout, free_shared_memory_bytes
+from kvpool.daemon.service import KvService
+from kvpool.wire.shape import ShardShape
+from kvpool.shard.header import read_shard_info
+from kvpool.daemon.supervisor import build_pool
+from kvpool.daemon.pool.handle import PoolSpec
 from tests.daemons import DaemonProcess, private_socket_dir
-from workers.runtime import ShardModel
+from workers.runtime.model import ShardModel
 
 HANG_GUARD_S = float(os.environ.get("KVPOOL_TEST_HANG_GUARD_S", "600"))
 pytestmark = pytest.mark.timeout(3600)

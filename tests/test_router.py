@@ -1,5 +1,5 @@
-"""kvpool.router on real daemons: every recovery of the policy, each followed by a continuation that is bit
-for bit what an uninterrupted run gives (same append partition, in process: kvpool.chain.LocalChain).
+"""kvpool.router.router on real daemons: every recovery of the policy, each followed by a continuation that is bit
+for bit what an uninterrupted run gives (same append partition, in process: kvpool.local.chain.LocalChain).
 Waits are hang guards only; a stopped worker keeps a request in flight on any machine."""
 
 from __future__ import annotations
@@ -11,13 +11,13 @@ import signal
 import numpy as np
 import pytest
 
-from kvpool.chain import LocalChain
-from kvpool.client import Client
-from kvpool.generate import greedy_tokens
-from kvpool.protocol import ShardDescription
-from kvpool.route import check_route
-from kvpool.router import Cancelled, RecoveryPolicy, Router
-from kvpool.shard_error import ShardError
+from kvpool.local.chain import LocalChain
+from kvpool.client.client import Client
+from kvpool.local.generate import greedy_tokens
+from kvpool.wire.protocol import ShardDescription
+from kvpool.shard.route import check_route
+from kvpool.router.router import Cancelled, RecoveryPolicy, Router
+from kvpool.shard.errors import ShardError
 from tests.daemons import DaemonProcess, exited, in_thread, joined, result, stopped, wait_until
 
 pytestmark = pytest.mark.timeout(3600)

@@ -8,11 +8,11 @@ import llama_cpp
 import numpy as np
 import pytest
 
-from kvpool.chain import LocalChain
-from kvpool.generate import greedy_tokens
+from kvpool.local.chain import LocalChain
+from kvpool.local.generate import greedy_tokens
 from tests.conftest import EVEN_SPLIT, UNEVEN_SPLIT
-from workers.errors import BadInput, Cancelled, ContextFull, PositionMismatch
-from workers.runtime import ShardModel
+from workers.runtime.errors import BadInput, Cancelled, ContextFull, PositionMismatch
+from workers.runtime.model import ShardModel
 
 N_CTX = 256
 GREEDY_TOKENS = 32

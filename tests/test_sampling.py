@@ -6,11 +6,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvpool.client import KvpoolError
+from kvpool.client.client import KvpoolError
 from tests.conftest import EVEN_SPLIT
 from tests.daemons import DaemonProcess, private_socket_dir
-from workers.runtime import ShardModel
-from workers.sampling import Sampling, sample
+from workers.runtime.model import ShardModel
+from kvpool.wire.sampling import Sampling
+from workers.runtime.sampling import sample
 
 pytestmark = pytest.mark.timeout(1800)
 
@@ -85,9 +86,9 @@ def test_a_daemon_samples_on_the_last_shard_only(model_path, shard_sets, tmp_pat
 
 
 def test_generation_through_three_daemons_sampling_on_the_last_equals_the_in_process_greedy(shard_sets, tmp_path, prompt_ids):
-    from kvpool.chain import LocalChain
-    from kvpool.generate import greedy_tokens
-    from kvpool.router import Router
+    from kvpool.local.chain import LocalChain
+    from kvpool.local.generate import greedy_tokens
+    from kvpool.router.router import Router
 
     socket_dir = private_socket_dir(tmp_path)
     shards = shard_sets[EVEN_SPLIT]

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from tests.conftest import EVEN_SPLIT
-from workers.errors import BadInput, RestoreFailed
-from workers.runtime import ShardModel
+from workers.runtime.errors import BadInput, RestoreFailed
+from workers.runtime.model import ShardModel
 
 N_CTX = 128
 

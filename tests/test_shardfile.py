@@ -15,9 +15,11 @@ import llama_cpp
 import numpy as np
 import pytest
 
-from kvpool import cli_shard, shard_contents
-from kvpool.bundled import bundled_model_path
-from kvpool.gguf_header import (
+from kvpool.cli import shard as cli_shard
+
+from kvpool.shard import contents as shard_contents
+from kvpool.shard.bundled import bundled_model_path
+from kvpool.shard.header import (
     KEY_FORMAT,
     KEY_LAYER_START,
     KEY_LAYER_STOP,
@@ -28,12 +30,12 @@ from kvpool.gguf_header import (
     file_sha256,
     read_shard_info,
 )
-from kvpool.layer_ranges import LayerRange
-from kvpool.shard_error import ShardError
-from kvpool.shard_shape import ShardShape
-from kvpool.shard_writer import write_shard, write_shards
-from kvpool.shardcache import cached_shards
-from workers.runtime import ShardModel
+from kvpool.shard.ranges import LayerRange
+from kvpool.shard.errors import ShardError
+from kvpool.wire.shape import ShardShape
+from kvpool.shard.writer import write_shard, write_shards
+from kvpool.shard.cache import cached_shards
+from workers.runtime.model import ShardModel
 
 TOTAL_LAYERS = 30
 N_EMBD = 576

@@ -12,9 +12,9 @@ import subprocess
 
 import pytest
 
-from kvpool import spill
-from kvpool.integrity import IntegrityError
-from kvpool.spill import CorruptBlob, SpillStore, prepare_disk_dir
+from kvpool.daemon.books import spill
+from kvpool.daemon.books.integrity import IntegrityError
+from kvpool.daemon.books.spill import CorruptBlob, SpillStore, prepare_disk_dir
 
 MAGIC = b"KVPSPIL1"  # the disk format: every file the store writes starts with these 8 bytes
 FULL_FS_BYTES = 64 * 1024
@@ -179,7 +179,7 @@ def test_a_missing_spill_dir_is_created_private(tmp_path):
 
 
 def refused(directory: pathlib.Path) -> str:
-    with pytest.raises(ValueError) as raised:  # kvpool.spill.SpillDirRefused; `kvpool serve` prints it as one line
+    with pytest.raises(ValueError) as raised:  # kvpool.daemon.books.spill.SpillDirRefused; `kvpool serve` prints it as one line
         prepare_disk_dir(directory)
     message = str(raised.value)
     assert "\n" not in message

@@ -20,8 +20,8 @@ import msgspec
 import numpy as np
 import pytest
 
-from kvpool.client import Client, ConnectionLost
-from kvpool.shardcache import shards_in_parts
+from kvpool.client.client import Client, ConnectionLost
+from kvpool.shard.cache import shards_in_parts
 from kvpool.stress import (
     LATE_CANCEL,
     FaultKind,
@@ -215,7 +215,7 @@ def test_a_connection_that_never_reads_keeps_the_daemon_bounded_and_the_others_e
 
 UNDRAINED_SERVE = """
 import sys
-import kvpool.server as server
+import kvpool.daemon.transport.frames as server
 
 def replies_without_backpressure(writer):
     async def send(message):
@@ -223,7 +223,7 @@ def replies_without_backpressure(writer):
     return send
 
 server._replies_to = replies_without_backpressure
-from kvpool.cli import main
+from kvpool.cli.main import main
 sys.exit(main())
 """
 

@@ -1,4 +1,4 @@
-"""The daemon's socket transport (kvpool.server) at its limits, on real daemons unless said otherwise:
+"""The daemon's socket transport (kvpool.daemon.transport.frames) at its limits, on real daemons unless said otherwise:
 control requests (Cancel, Stats) are read on a connection whose in-flight limit is reached; a Hello must
 arrive within the handshake deadline and every frame within the frame deadline (an idle connection stays
 open); request bytes held across all connections stay within --max-buffered-bytes; one connection past
@@ -19,9 +19,9 @@ import time
 import psutil
 import pytest
 
-from kvpool.client import Client, KvpoolError
-from kvpool.config import ServeConfig
-from kvpool.protocol import (
+from kvpool.client.client import Client, KvpoolError
+from kvpool.daemon.config import ServeConfig
+from kvpool.wire.protocol import (
     FRAME_HEADER,
     PROTOCOL_VERSION,
     Append,
@@ -35,8 +35,8 @@ from kvpool.protocol import (
     StatsReply,
     encode,
 )
-from kvpool import server
-from kvpool.shard_shape import ShardShape
+from kvpool.daemon.transport import frames as server
+from kvpool.wire.shape import ShardShape
 from tests.conftest import EVEN_SPLIT
 from tests.daemons import HANG_GUARD_S, DaemonProcess, stopped, wait_until
 from tests.test_fuzz import RawConnection
@@ -71,7 +71,7 @@ def _session_with_a_place(daemon, session_id: str) -> Client:
 
 
 def test_byte_allowance_takes_what_fits_at_once_queues_the_rest_and_gives_back_exactly():
-    from kvpool.byte_allowance import ByteAllowance  # here: the module must import where this one does not exist
+    from kvpool.daemon.transport.allowance import ByteAllowance  # here: the module must import where this one does not exist
 
     async def main():
         allowance = ByteAllowance(100)
@@ -207,7 +207,7 @@ def one_place(first_shard, socket_dir):
 def test_cancel_and_stats_are_read_on_a_connection_at_its_in_flight_limit(one_place, prompt_ids):
     """One raw connection: a prefill held in flight by its stopped worker plus appends waiting for the
     only place fill the connection's limit; Cancel and Stats sent behind them are answered before any of
-    those (the waiting admissions give up after kvpool.admission.MAX_ADMIT_WAIT_S at the earliest), and
+    those (the waiting admissions give up after kvpool.daemon.admission.admission.MAX_ADMIT_WAIT_S at the earliest), and
     the prefill ends cancelled."""
     long_prompt = (prompt_ids[1] * 8)[:200]
     waiting = WAITING

@@ -9,11 +9,11 @@ import stat
 import numpy as np
 import pytest
 
-from kvpool.client import KvpoolError
+from kvpool.client.client import KvpoolError
 from kvpool.launcher import Daemon, DaemonStartFailed
 from tests.daemons import START_HANG_GUARD_S, DaemonProcess, in_thread, joined, stopped, wait_until
 from tests.test_spill_store import MAGIC, failing_writes, own_files
-from workers.runtime import ShardModel
+from workers.runtime.model import ShardModel
 
 N_CTX = 256
 pytestmark = pytest.mark.timeout(3600)

@@ -28,11 +28,11 @@ from kvpool.bench.report import summarize
 from kvpool.bench.rig import Rig
 from kvpool.bench.table import render_table
 from kvpool.bench.warm import measure_warm
-from kvpool.bundled import bundled_model_path
-from kvpool.config import work_dir
-from kvpool.gguf_header import file_sha256
-from kvpool.shardcache import shards_in_parts
-from kvpool.tokenizer import Tokenizer
+from kvpool.shard.bundled import bundled_model_path
+from kvpool.host import work_dir
+from kvpool.shard.header import file_sha256
+from kvpool.shard.cache import shards_in_parts
+from kvpool.local.tokenizer import Tokenizer
 
 
 def environment(source: pathlib.Path) -> dict:

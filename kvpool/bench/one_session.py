@@ -11,9 +11,9 @@ import numpy as np
 from kvpool.bench.options import EPOCH, ROUTE_N_CTX, SINGLE_THREADS, bench_say
 from kvpool.bench.reference import PlainContext
 from kvpool.bench.rig import Rig, Variant, run_interleaved, time_call, payload_seconds, round_trips
-from kvpool.client import Client
-from kvpool.router import Router
-from workers.sampling import Sampling
+from kvpool.client.client import Client
+from kvpool.router.router import Router
+from kvpool.wire.sampling import Sampling
 
 MID_SESSION = "bench-mid"
 IDLE_MID_S = 0.002  # a middle-shard decode step: the mid daemon's threads sleep this long per append

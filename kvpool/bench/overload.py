@@ -1,7 +1,7 @@
 """Section 7: overload. Eight sessions through a chain of 3 shard daemons with 2 places each, all at once
-(the daemons queue, protect and evict: kvpool.admission_queue, kvpool.residency), against the same eight
+(the daemons queue, protect and evict: kvpool.daemon.admission.queue, kvpool.daemon.admission.residency), against the same eight
 sessions run 2 at a time by the router (no session ever waits or is evicted: the best any scheduler could
-do with 2 places). Each session: its prompt, then `steps` greedy decode steps through kvpool.router, then
+do with 2 places). Each session: its prompt, then `steps` greedy decode steps through kvpool.router.router, then
 release. Throughput is the sessions' decoded tokens over the wall time from the common start to the last
 finish; variants alternate round by round on the same daemons; the ratio of medians is the figure.
 
@@ -21,10 +21,10 @@ from collections.abc import Sequence
 from kvpool.bench.options import median_of
 from kvpool.bench.rig import run_interleaved
 from kvpool.bench.table import Row, headline
-from kvpool.client import Client
+from kvpool.client.client import Client
 from kvpool.launcher import Daemon
-from kvpool.router import RecoveryPolicy, Router
-from kvpool.tokenizer import Tokenizer
+from kvpool.router.router import RecoveryPolicy, Router
+from kvpool.local.tokenizer import Tokenizer
 
 OVERLOAD_SESSIONS = 8
 PLACES = 2

@@ -18,11 +18,11 @@ import psutil
 from kvpool.bench.options import EPOCH, PARALLEL_THREADS, ROUTE_N_CTX, SESSIONS, bench_say
 from kvpool.bench.reference import BatchedContext, PlainContext
 from kvpool.bench.rig import Rig, run_interleaved
-from kvpool.client import Client
+from kvpool.client.client import Client
 from kvpool.launcher import Daemon
-from kvpool.mode_probe import probe_modes
-from workers.runtime import ShardModel
-from workers.sampling import Sampling
+from kvpool.daemon.mode_probe import probe_modes
+from workers.runtime.model import ShardModel
+from kvpool.wire.sampling import Sampling
 
 BATCHED_WHOLE = "kvpool whole model, 1 daemon, --mode batched"
 BATCHED_CHAIN = "kvpool 3-shard chain, --mode batched, capped at 2 in flight"
@@ -258,7 +258,7 @@ def measure_parallel(rig: Rig) -> dict:
             bench_say(f"four sessions: round {round_index + 1}/{options.parallel_rounds}")
     finally:
         ceiling.close()
-    bench_say("four sessions: what --mode auto picks for the whole model (kvpool.mode_probe)")
+    bench_say("four sessions: what --mode auto picks for the whole model (kvpool.daemon.mode_probe)")
     choice = probe_modes(str(rig.options.model), sessions=SESSIONS, threads=PARALLEL_THREADS, n_ctx=64)
     auto = {"mode": choice.mode, "probe_process_tok_s": choice.process_tok_s, "probe_batched_tok_s": choice.batched_tok_s}
     return {"tokens_per_s": rates, "whole_daemon_cpu_s_per_token": whole_cpu[1:], "auto": auto}  # [0] is the warm-up

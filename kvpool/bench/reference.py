@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import llama_cpp
 import numpy as np
 
-from workers.runtime import ShardModel
+from workers.runtime.model import ShardModel
 
 
 # ---- llama.cpp in-process, no kvpool code: the references -------------------------------------------

@@ -15,14 +15,14 @@ import numpy as np
 import psutil
 
 from kvpool.bench.options import EPOCH, PARALLEL_THREADS, ROUTE_N_CTX, SESSIONS, SINGLE_THREADS, BenchOptions, median_of, bench_say
-from kvpool.chain import LocalChain
-from kvpool.client import Client
+from kvpool.local.chain import LocalChain
+from kvpool.client.client import Client
 from kvpool.launcher import Daemon
-from kvpool.protocol import Append, AppendReply, decode_reply, decode_request, encode
-from kvpool.shardcache import shards_in_parts
-from kvpool.gguf_header import ShardInfo
-from kvpool.tokenizer import Tokenizer
-from workers.runtime import ShardModel
+from kvpool.wire.protocol import Append, AppendReply, decode_reply, decode_request, encode
+from kvpool.shard.cache import shards_in_parts
+from kvpool.shard.header import ShardInfo
+from kvpool.local.tokenizer import Tokenizer
+from workers.runtime.model import ShardModel
 
 PROMPTS = (
     "Write a short story about a lighthouse keeper.",

@@ -3,7 +3,7 @@ that a cache miss costs, and how many sessions a GiB holds hot and parked.
 
 The section starts its own three daemons (one per shard of the rig's route) with --n-ctx WARM_N_CTX, so
 that a 2048-token session and its decodes fit, and stops them at its end. Its walks go through
-kvpool.route.Route, which has no recovery: a cache miss raises instead of being replayed silently, so
+kvpool.router.route.Route, which has no recovery: a cache miss raises instead of being replayed silently, so
 a "restore" timed here is never a re-prefill in disguise.
 """
 
@@ -18,9 +18,9 @@ import numpy as np
 from kvpool.bench.options import EPOCH, WARM_N_CTX, as_mib, bench_say, median_of
 from kvpool.bench.rig import FILLER_TEXT, Rig, run_interleaved, start_daemons, time_call
 from kvpool.bench.table import Row, headline, ms, verdict
-from kvpool.client import Client
-from kvpool.protocol import StatsReply
-from kvpool.route import Route
+from kvpool.client.client import Client
+from kvpool.wire.protocol import StatsReply
+from kvpool.router.route import Route
 
 WARM_SESSIONS = 2  # workers per daemon: the parked session's restore and a fresh session never wait for one
 PARKED_TOKENS = 256

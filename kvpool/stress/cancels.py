@@ -1,6 +1,6 @@
 """The cancel drills of one session, each aimed so that it does not depend on the machine's speed.
 
-- Mid-prefill on daemon k: a long prefill goes down the route (kvpool.router); a canceller thread waits
+- Mid-prefill on daemon k: a long prefill goes down the route (kvpool.router.router); a canceller thread waits
   until the append is at daemon k and then sends `cancel` there again and again (a few ms apart) until
   the append leaves daemon k. The prefill of the filler takes far longer on any machine than a cancel's
   round trip, so the cancel lands; if the append still completes first (or a cancel answered "cancel
@@ -23,8 +23,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvpool.client import ConnectionLost, KvpoolError
-from kvpool.router import Cancelled
+from kvpool.client.client import ConnectionLost, KvpoolError
+from kvpool.router.router import Cancelled
 from kvpool.stress.errors import ContractViolation
 from kvpool.stress.options import LATE_CANCEL
 from kvpool.stress.state import SessionState

@@ -8,9 +8,9 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 
-from kvpool.client import Client
-from kvpool.config import format_bytes
-from kvpool.protocol import StatsReply
+from kvpool.client.client import Client
+from kvpool.host import format_bytes
+from kvpool.wire.protocol import StatsReply
 from kvpool.stress import drill_checks
 from kvpool.stress.daemons import Chain
 from kvpool.stress.driver import SessionDriver

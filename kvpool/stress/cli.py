@@ -6,11 +6,11 @@ import argparse
 import pathlib
 import sys
 
-from kvpool.bundled import BundledModelMissing
-from kvpool.client import ConnectionLost
-from kvpool.config import parse_bytes
+from kvpool.shard.bundled import BundledModelMissing
+from kvpool.client.client import ConnectionLost
+from kvpool.host import parse_bytes
 from kvpool.launcher import DaemonStartFailed
-from kvpool.shard_error import ShardError
+from kvpool.shard.errors import ShardError
 from kvpool.stress.options import StressOptions
 from kvpool.stress.report import render
 from kvpool.stress.runner import Say, say_on_stderr, run_stress

@@ -6,9 +6,9 @@ import dataclasses
 import pathlib
 from collections.abc import Callable, Sequence
 
-from kvpool.config import format_bytes
+from kvpool.host import format_bytes
 from kvpool.launcher import Daemon, start_daemons
-from kvpool.route import Route
+from kvpool.router.route import Route
 from kvpool.stress.options import SPILL_PLACES, UNLIMITED_BUDGET, FaultKind, StressOptions
 from kvpool.stress.plans import SessionPlan, fault_stage
 

@@ -8,7 +8,7 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from kvpool.config import format_bytes
+from kvpool.host import format_bytes
 from kvpool.stress.options import FORCED_KINDS, OpKind, StressOptions
 from kvpool.stress.processes import ORPHAN_DEADLINE_S
 from kvpool.stress.report import DaemonSummary, Sample, SessionSummary, SlowReaderRecord, StallRecord, SupervisorKillRecord, Verdict
@@ -130,7 +130,7 @@ def slow_reader_verdict(record: SlowReaderRecord | None, exact: bool) -> tuple[V
 def progress_verdict(options: StressOptions, sessions: Sequence[SessionSummary], daemons: Sequence[DaemonSummary], exact: bool) -> Verdict:
     """Overload (more sessions than places): every session finished all its operations, exactly. The waits
     are shown: each admission waited in its daemon's line behind at most the admissions that came before it
-    (kvpool.admission_queue), so no session waits on a later one."""
+    (kvpool.daemon.admission.queue), so no session waits on a later one."""
     done = [s for s in sessions if s.completed_s is not None]
     waits = sorted(sessions, key=lambda s: s.max_admission_wait_s)
     longest = waits[-1] if waits else None

@@ -18,9 +18,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvpool.client import Client, ConnectionLost
-from kvpool.route import StageFailed
-from kvpool.router import RecoveryFailed
+from kvpool.client.client import Client, ConnectionLost
+from kvpool.router.route import StageFailed
+from kvpool.router.router import RecoveryFailed
 from kvpool.stress import probes
 from kvpool.stress.cancels import CancelDrill, CancelResult
 from kvpool.stress.errors import ContractViolation

@@ -21,8 +21,8 @@ from collections.abc import Callable
 
 import psutil
 
-from kvpool.client import KvpoolError
-from kvpool.protocol import SessionRow
+from kvpool.client.client import KvpoolError
+from kvpool.wire.protocol import SessionRow
 from kvpool.stress.options import FaultKind
 from kvpool.stress.processes import stopped
 from kvpool.stress.report import KillRecord, StallRecord, SupervisorKillRecord

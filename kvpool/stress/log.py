@@ -11,9 +11,9 @@ from typing import Protocol
 
 import numpy as np
 
-from kvpool.chain import LocalChain
-from kvpool.client import Client
-from kvpool.route import Route
+from kvpool.local.chain import LocalChain
+from kvpool.client.client import Client
+from kvpool.router.route import Route
 
 
 # ---- what a session did: the log that is replayed alone ---------------------------------------------------
@@ -88,7 +88,7 @@ class DaemonReference:
 
 
 class LocalReference:
-    """kvpool.chain.LocalChain in this process (same numerics as the daemons)."""
+    """kvpool.local.chain.LocalChain in this process (same numerics as the daemons)."""
 
     def __init__(self, shard_paths: Sequence[pathlib.Path], n_ctx: int) -> None:
         self.chain = LocalChain(shard_paths)

@@ -63,7 +63,7 @@ class StressOptions:
     model: pathlib.Path | None = None
     parts: int = 3
     n_ctx: int = 512
-    reference: str = "daemon"  # "daemon": a fresh chain of daemons; "local": kvpool.chain.LocalChain
+    reference: str = "daemon"  # "daemon": a fresh chain of daemons; "local": kvpool.local.chain.LocalChain
     final_tokens: int = 4
     sample_interval_s: float = 0.1
     # Measured here: a worker's USS ends up to ~30 MiB above its pre-run value after many context

@@ -7,8 +7,8 @@ import time
 
 import numpy as np
 
-from kvpool.client import KvpoolError
-from kvpool.protocol import ErrorCode, MissReason
+from kvpool.client.client import KvpoolError
+from kvpool.wire.protocol import ErrorCode, MissReason
 from kvpool.stress.errors import ContractViolation
 from kvpool.stress.options import IDLE_MARGIN_S
 from kvpool.stress.state import SessionState

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
-from kvpool.client import Client, ConnectionLost, KvpoolError
+from kvpool.client.client import Client, ConnectionLost, KvpoolError
 from kvpool.stress.report import Latency, Sample
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
-from kvpool.config import format_bytes
+from kvpool.host import format_bytes
 
 
 # ---- the report (also the --json document) --------------------------------------------------------------

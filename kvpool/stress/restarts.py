@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from kvpool.client import Client
+from kvpool.client.client import Client
 from kvpool.launcher import Daemon, DaemonStartFailed
 from kvpool.stress.daemons import Chain
 from kvpool.stress.processes import ORPHAN_DEADLINE_S, existing, kill_all, mapped_segments, process_tree, unlink_all, wait_gone

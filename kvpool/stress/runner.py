@@ -16,11 +16,11 @@ from collections.abc import Callable, Sequence
 import msgspec
 import numpy as np
 
-from kvpool.bundled import bundled_model_path
-from kvpool.client import Client
-from kvpool.config import format_bytes
+from kvpool.shard.bundled import bundled_model_path
+from kvpool.client.client import Client
+from kvpool.host import format_bytes
 from kvpool.launcher import start_daemons
-from kvpool.shardcache import shards_in_parts
+from kvpool.shard.cache import shards_in_parts
 from kvpool.stress.checks import DrillFacts, daemon_summaries, settle_daemons, take_snapshot, build_verdicts
 from kvpool.stress.daemons import Chain, open_chain, serve_options, stop_all
 from kvpool.stress.driver import SessionDriver
@@ -33,7 +33,7 @@ from kvpool.stress.recording import Recorder, Sampler
 from kvpool.stress.report import SessionSummary, StressReport
 from kvpool.stress.restarts import ChainControl
 from kvpool.stress.slow_reader import SlowReader
-from kvpool.tokenizer import Tokenizer
+from kvpool.local.tokenizer import Tokenizer
 
 FILLER_ROWS = 192  # rows of the long prefill that gets cancelled
 PROGRESS_EVERY_S = 2.0

@@ -1,6 +1,6 @@
 """--slow-reader: a connection to the last daemon that sends appends of its own session and never reads.
 
-It speaks the protocol by hand (kvpool.protocol): Hello, then appends of ROWS_PER_APPEND rows each at
+It speaks the protocol by hand (kvpool.wire.protocol): Hello, then appends of ROWS_PER_APPEND rows each at
 consecutive positions until the session's n_ctx is full, ROUNDS times (epoch 1, 2, ...: each round
 starts over at position 0 under the next epoch), every one asking for all rows of logits back
 (ROWS_PER_APPEND x n_vocab x 4 bytes per reply: 3 MiB on the bundled model, ~288 MiB for all of them).
@@ -25,8 +25,8 @@ import time
 import numpy as np
 import psutil
 
-from kvpool.client import Client, ConnectionLost, KvpoolError
-from kvpool.protocol import FRAME_HEADER, PROTOCOL_VERSION, Append, Hello, HelloReply, OutputRows, decode_reply, encode
+from kvpool.client.client import Client, ConnectionLost, KvpoolError
+from kvpool.wire.protocol import FRAME_HEADER, PROTOCOL_VERSION, Append, Hello, HelloReply, OutputRows, decode_reply, encode
 from kvpool.stress.options import MiB
 from kvpool.stress.report import SlowReaderRecord
 

@@ -12,7 +12,7 @@ from typing import Protocol
 
 import numpy as np
 
-from kvpool.router import RoutedSession
+from kvpool.router.router import RoutedSession
 from kvpool.stress.options import StressOptions
 from kvpool.stress.plans import SessionSetup
 from kvpool.stress.recording import Recorder

@@ -1,4 +1,4 @@
-"""The stress's client of one daemon, as kvpool.router uses it: every request passes through to a plain
+"""The stress's client of one daemon, as kvpool.router.router uses it: every request passes through to a plain
 Client, and the session driver sees each append, truncate and release go out and come back (faults and
 cancels are aimed there, error replies and admission waits counted there), a lost connection explained
 by a drill is reconnected there, and a truncate or release answered with the wrong length is a contract
@@ -9,8 +9,8 @@ from __future__ import annotations
 import time
 from typing import Protocol
 
-from kvpool.client import AppendResult, Client, ConnectionLost, KvpoolError
-from kvpool.protocol import Done, ErrorCode, StatsReply
+from kvpool.client.client import AppendResult, Client, ConnectionLost, KvpoolError
+from kvpool.wire.protocol import Done, ErrorCode, StatsReply
 from kvpool.stress.errors import ContractViolation
 
 

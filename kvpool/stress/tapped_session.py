@@ -1,4 +1,4 @@
-"""One stress session's hold on the route: its kvpool.router session over tapped clients, the log of what
+"""One stress session's hold on the route: its kvpool.router.router session over tapped clients, the log of what
 the daemons were made to hold, and what each request to a daemon came back with (the Tap of
 kvpool.stress.tap).
 
@@ -16,9 +16,9 @@ from typing import Protocol
 
 import numpy as np
 
-from kvpool.client import Client, ConnectionLost, KvpoolError
-from kvpool.protocol import ErrorCode, MissReason
-from kvpool.router import RecoveryPolicy, Router
+from kvpool.client.client import Client, ConnectionLost, KvpoolError
+from kvpool.wire.protocol import ErrorCode, MissReason
+from kvpool.router.router import RecoveryPolicy, Router
 from kvpool.stress.errors import ContractViolation
 from kvpool.stress.log import LogEntry, LoggedAppend, LoggedReset, LoggedTruncate, replayed, row_digest
 from kvpool.stress.options import StressOptions

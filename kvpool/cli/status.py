@@ -1,0 +1,87 @@
+"""`kvpool status`: the session table and the budget of a running daemon."""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+
+import msgspec
+
+from kvpool.client.client import Client, ConnectionLost, KvpoolError
+from kvpool.host import format_bytes
+from kvpool.wire.protocol import BudgetRow, StatsReply
+
+
+def add_parser(subcommands: argparse._SubParsersAction) -> None:
+    parser = subcommands.add_parser(
+        "status",
+        help="show a daemon's sessions, workers and budget",
+        description="Print the session table (session, epoch, length, n_ctx, bytes, idle time, worker pid), the workers and the budget of a running `kvpool serve`.",
+    )
+    parser.add_argument("--socket", type=pathlib.Path, required=True, help="the daemon's Unix socket")
+    parser.add_argument("--json", action="store_true", help="print the raw stats as JSON")
+    parser.add_argument("--shutdown", action="store_true", help="ask the daemon to shut down after printing")
+    parser.set_defaults(func=run)
+
+
+def render(stats: StatsReply) -> str:
+    shard = stats.shard
+    budget = stats.budget
+    lines = [
+        f"shard   {shard.shape}  {shard.model_path}",
+        f"uptime  {stats.uptime_s:.0f} s   books: {stats.integrity}",
+        f"mode    {stats.mode_detail or stats.mode}",
+        f"budget  reserved {format_bytes(budget.reserved_bytes)} / limit {format_bytes(budget.limit_bytes)}   "
+        f"measured USS {format_bytes(budget.measured_uss_bytes)}"
+        + (f"   VRAM {format_bytes(budget.measured_vram_bytes)}" if budget.measured_vram_bytes is not None else "   VRAM n/a (no GPU)"),
+        _spill_line(budget),
+        "",
+        f"{'SESSION':<24} {'EPOCH':>5} {'LENGTH':>6} {'N_CTX':>6} {'BYTES':>10} {'IDLE_S':>7} {'PID':>7} {'TIER':<4}  STATE",
+    ]
+    for row in stats.sessions:
+        lines.append(
+            f"{row.session_id[:24]:<24} {row.epoch:>5} {row.length:>6} {row.n_ctx:>6} {format_bytes(row.charged_bytes):>10} "
+            f"{row.idle_s:>7.1f} {row.worker_pid:>7} {row.tier:<4}  {'busy' if row.in_flight else 'idle'}"
+        )
+    if not stats.sessions:
+        lines.append("(no sessions)")
+    lines += ["", f"{'WORKER':<18} {'PID':>7} {'STATE':<6} {'USS':>10} {'BASELINE':>10}  SESSION"]
+    for worker in stats.workers:
+        lines.append(
+            f"{worker.name:<18} {worker.pid:>7} {worker.state:<6} {format_bytes(worker.uss_bytes):>10} "
+            f"{format_bytes(worker.baseline_uss_bytes):>10}  {worker.session_id}"
+        )
+    if stats.calibration:
+        lines += ["", f"{'CALIBRATED N_CTX':<18} {'MEASURED':>10} {'CHARGED':>10} {'THEORY KV':>10}  (every other n_ctx is fitted)"]
+        for row in stats.calibration:
+            lines.append(
+                f"{row.n_ctx:<18} {format_bytes(row.measured_bytes):>10} {format_bytes(row.charged_bytes):>10} "
+                f"{format_bytes(row.theoretical_kv_bytes):>10}"
+            )
+    counters = "  ".join(f"{name}={value}" for name, value in sorted(stats.counters.items()) if value)
+    lines += ["", f"counters  {counters or '(none yet)'}"]
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def _spill_line(budget: BudgetRow) -> str:
+    if not budget.spill_limit_bytes:
+        return "spill   off (--spill-budget 0)"
+    line = f"spill   memory {format_bytes(budget.spill_bytes)} / {format_bytes(budget.spill_limit_bytes)}"
+    if budget.spill_disk_limit_bytes:
+        line += f"   disk {format_bytes(budget.spill_disk_bytes)} / {format_bytes(budget.spill_disk_limit_bytes)}"
+    return line
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        with Client(args.socket, timeout_s=30) as client:
+            stats = client.stats()
+            print(msgspec.json.format(msgspec.json.encode(stats)).decode() if args.json else render(stats))
+            if args.shutdown:
+                client.shutdown()
+                print("shutdown requested", file=sys.stderr)
+    except (ConnectionLost, KvpoolError) as error:
+        print(f"kvpool status: error: {error}", file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,180 @@
+"""Admission: a session that becomes hot (a new one, or a parked one restored) gets its whole charge
+reserved and a worker before any compute. Room comes from free workers and budget, then from the least
+recently used idle hot sessions: parked (their state saved to the spill store) when the warm tier is on,
+evicted otherwise; or the request waits up to its admit_timeout_s for room to free up, in line with the
+other admissions (kvpool.daemon.admission.queue). Recently used sessions are neither parked nor evicted
+(kvpool.daemon.admission.residency)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from kvpool.daemon.admission.queue import AdmissionQueue
+from kvpool.daemon.books.books import AdmissionPlan, Books
+from kvpool.daemon.admission.calibration import Calibrator
+from kvpool.daemon.pool.channels import Channels
+from kvpool.daemon.config import ServeConfig
+from kvpool.wire.errors import RequestFailed
+from kvpool.daemon.gate import Gate
+from kvpool.daemon.metrics import Metrics
+from kvpool.daemon.admission.parking import Parking
+from kvpool.daemon.pool.pool import WorkerPool
+from kvpool.wire.protocol import Append, ErrorCode, MissReason
+from kvpool.daemon.admission.residency import Residency, derived_min_residency_s
+from kvpool.daemon.books.sessions import Session
+from kvpool.daemon.books.spill import CorruptBlob
+from kvpool.daemon.pool.handle import WorkerFailed, WorkerLost
+from kvpool.daemon.pool.lifecycle import WorkerLifecycle
+
+MAX_ADMIT_WAIT_S = 60.0
+PARK_RETRY_S = 0.01
+
+
+class Admission:
+    def __init__(
+        self, config: ServeConfig, books: Books, pool: WorkerPool, lifecycle: WorkerLifecycle, calibrator: Calibrator,
+        parking: Parking, channels: Channels, gate: Gate, metrics: Metrics,
+    ) -> None:
+        self.channels = channels
+        self.gate = gate
+        self.config = config
+        self.books = books
+        self.pool = pool
+        self.lifecycle = lifecycle
+        self.calibrator = calibrator
+        self.parking = parking
+        self.metrics = metrics
+        self.queue = AdmissionQueue(books, pool.usable, lifecycle, metrics, limit=config.admit_queue_limit, residency=self.residency)
+        self._residency: Residency | None = None
+
+    def residency(self) -> Residency:
+        """--min-residency, or the default derived from the step measured at start-up (fixed once known)."""
+        if self._residency is None:
+            if self.config.min_residency_s is not None:
+                self._residency = Residency(self.config.min_residency_s)
+            elif self.calibrator.step_s is not None:
+                self._residency = Residency(derived_min_residency_s(self.calibrator.step_s, self.calibrator.shard.shape))
+            else:
+                return Residency(derived_min_residency_s(None, self.calibrator.shard.shape))  # before start-up calibration
+            self.metrics.note("min_residency_ms", round(self._residency.min_s * 1000))
+        return self._residency
+
+    def charge_for(self, n_ctx: int) -> int:
+        charge = self.calibrator.charge_for(n_ctx)  # fitted at start-up: an admission never measures
+        if charge > self.books.budget.limit:
+            self.metrics.count("over_budget_rejects")
+            raise RequestFailed(ErrorCode.OVER_BUDGET, f"a context of n_ctx {n_ctx} needs {charge} bytes, the budget is {self.books.budget.limit}")
+        return charge
+
+    @staticmethod
+    def deadline_of(admit_timeout_s: float) -> float:
+        return time.monotonic() + min(max(admit_timeout_s, 0.0), MAX_ADMIT_WAIT_S)
+
+    async def make_room(self, charge: int, deadline: float, *, still_wanted=lambda: None) -> AdmissionPlan:
+        """A plan that places `charge` bytes on a worker, taken in turn (kvpool.daemon.admission.queue: over_budget
+        with retry_after_s past the deadline). With the warm tier on, victims are parked one at a time (each
+        a save and a context freed) until a plan needs none, the turn kept meanwhile. `still_wanted` raises
+        when the request no longer makes sense (it is checked after every wait)."""
+
+        def before_each_try() -> None:
+            still_wanted()
+            if any(not self.pool.usable(worker) for worker in self.books.free_workers()):
+                self.lifecycle.spawn(self.lifecycle.replace_dead_free())
+            self.channels.refresh()  # direct appends count as uses: the least recently used is chosen right, residency too
+
+        async with self.queue.turn(deadline) as ticket:
+            while True:
+                plan = await self.queue.plan(ticket, charge, before_each_try)
+                if plan.victims and self.books.spill.enabled:
+                    if not await self.parking.park(plan.victims[0]):
+                        await asyncio.sleep(PARK_RETRY_S)  # the victim got busy (or is being dropped): plan again
+                    continue
+                return plan
+
+    def carry_out(self, plan: AdmissionPlan, evicted_workers: list[str]) -> None:
+        if plan.victims:
+            self.metrics.count("evictions", len(plan.victims))
+        for worker in evicted_workers:
+            self.lifecycle.spawn(self.lifecycle.free(worker))
+
+    async def admit(self, request: Append) -> Session:
+        """The new session, its context open, returned with its lock held and one request in flight
+        (the admitting append's): nothing can come between admission and that append."""
+        n_ctx = request.n_ctx or self.config.n_ctx
+        charge = self.charge_for(n_ctx)
+
+        def not_admitted_meanwhile() -> None:
+            self.gate.require_current(request.session_id, request.epoch)  # a higher epoch seen while this waited
+            live = self.books.table.get(request.session_id)
+            if live is not None:
+                length = live.length if live.epoch == request.epoch else 0
+                raise RequestFailed(ErrorCode.POSITION_MISMATCH, "the session was admitted by a concurrent request", length=length)
+
+        plan = await self.make_room(charge, self.deadline_of(request.admit_timeout_s), still_wanted=not_admitted_meanwhile)
+        not_admitted_meanwhile()  # the books change below in this same step: nothing can come between
+        session, evicted_workers = self.books.admit(
+            plan, session_id=request.session_id, epoch=request.epoch, n_ctx=n_ctx, charge=charge, now=time.monotonic()
+        )
+        self.carry_out(plan, evicted_workers)
+        session.in_flight += 1
+        await session.lock.acquire()  # a new session: uncontended
+        try:
+            await self.pool.get(session.worker_name).open(n_ctx)
+        except WorkerLost as lost:
+            self._abandon(session)
+            self.lifecycle.lost(session)
+            raise RequestFailed(ErrorCode.WORKER_LOST, f"lost while creating the context: {lost}") from None
+        except WorkerFailed as failure:
+            self._abandon(session)
+            self._free_later(self.books.forget(session, MissReason.UNKNOWN))
+            raise RequestFailed(ErrorCode.OVER_BUDGET, f"could not create the context: {failure}") from None
+        self.metrics.count("admissions")
+        return session
+
+    async def restore(self, session: Session, deadline: float) -> None:
+        """Make a parked session hot again, its lock held by the caller: a worker and the charge, a fresh
+        context loaded with the saved state. A blob that fails its check or that llama.cpp refuses ends
+        the session alone (cache_miss, restore_failed); that context is freed, never reused."""
+        charge = self.charge_for(session.n_ctx)
+        started = time.monotonic()
+        try:
+            blob = self.books.take_blob(session)
+        except CorruptBlob as error:
+            self._restore_failed(self.books.forget(session, MissReason.RESTORE_FAILED), str(error))
+
+        def still_parked() -> None:
+            self.gate.check_live(session)
+
+        try:
+            plan = await self.make_room(charge, deadline, still_wanted=still_parked)
+        except BaseException:  # a cancelled request too: the blob never stays out of the store
+            if self.books.table.get(session.session_id) is session:
+                self.metrics.count("spill_drops", len(self.books.put_back_blob(session, blob)))
+            raise
+        evicted_workers = self.books.unpark(plan, session, charge)
+        self.carry_out(plan, evicted_workers)
+        try:
+            await self.pool.get(session.worker_name).restore_state(session.n_ctx, blob, session.length)
+        except WorkerLost as lost:
+            self.lifecycle.lost(session)
+            raise RequestFailed(ErrorCode.WORKER_LOST, f"lost while restoring the session: {lost}") from None
+        except WorkerFailed as failure:
+            self._restore_failed(self.books.forget(session, MissReason.RESTORE_FAILED), str(failure))
+        self.metrics.observe_restore(time.monotonic() - started)
+
+    def _restore_failed(self, worker: str | None, why: str) -> None:
+        """The session is forgotten already; `worker` (if any) holds the refused context."""
+        self._free_later(worker)
+        self.metrics.count("restore_failures")
+        self.metrics.count_miss(MissReason.RESTORE_FAILED)
+        raise RequestFailed(ErrorCode.CACHE_MISS, f"the session's saved state could not be restored: {why}", reason=MissReason.RESTORE_FAILED)
+
+    def _free_later(self, worker: str | None) -> None:
+        if worker is not None:
+            self.lifecycle.spawn(self.lifecycle.free(worker))
+
+    @staticmethod
+    def _abandon(session: Session) -> None:
+        session.lock.release()
+        session.in_flight -= 1

@@ -1,0 +1,66 @@
+"""Parking: an idle hot session's state is saved by its worker into the spill store, then the context is
+freed and its charge goes back to the hot budget. Used for eviction (the warm tier on), for sessions idle
+past --park-after, and for the Park request."""
+
+from __future__ import annotations
+
+from kvpool.daemon.books.books import Books
+from kvpool.daemon.pool.channels import Channels
+from kvpool.wire.errors import RequestFailed
+from kvpool.daemon.metrics import Metrics
+from kvpool.daemon.pool.pool import WorkerPool
+from kvpool.wire.protocol import ErrorCode, MissReason
+from kvpool.daemon.books.sessions import Session
+from kvpool.daemon.pool.handle import WorkerFailed, WorkerLost
+from kvpool.daemon.pool.lifecycle import WorkerLifecycle
+
+
+class Parking:
+    def __init__(self, books: Books, pool: WorkerPool, lifecycle: WorkerLifecycle, channels: Channels, metrics: Metrics) -> None:
+        self.books = books
+        self.channels = channels
+        self.pool = pool
+        self.lifecycle = lifecycle
+        self.metrics = metrics
+
+    async def park(self, session: Session, *, entered: bool = False) -> bool:
+        """Park `session` if it is (still) a live, idle hot session; True if its place was freed (parked,
+        or lost on the way). With `entered` the caller (a Park request) holds the session's lock and counts
+        its request, and a worker lost on the way raises RequestFailed(worker_lost): the request's answer."""
+        if not entered:
+            if not session.idle or session.lock.locked() or not self._live_hot(session):
+                return False
+            session.in_flight += 1
+            await session.lock.acquire()
+        try:
+            if not self._live_hot(session):
+                return False
+            try:
+                await self.channels.revoke(session)
+            except RequestFailed:
+                if entered:
+                    raise
+                return True  # its worker was lost on the way: the place is free
+            try:
+                blob = await self.pool.get(session.worker_name).save_state()
+            except WorkerLost as lost:
+                self.lifecycle.lost(session)
+                if entered:
+                    raise RequestFailed(ErrorCode.WORKER_LOST, f"the worker was lost while saving the session's state: {lost}") from None
+                return True
+            except WorkerFailed:
+                await self.lifecycle.drop(session, MissReason.EVICTED)
+                self.metrics.count("evictions")
+                return True
+            worker, dropped = self.books.park(session, blob)
+            self.metrics.count("spills")
+            self.metrics.count("spill_drops", len(dropped))
+            await self.lifecycle.free(worker)
+            return True
+        finally:
+            if not entered:
+                session.lock.release()
+                session.in_flight -= 1
+
+    def _live_hot(self, session: Session) -> bool:
+        return session.hot and self.books.table.get(session.session_id) is session

@@ -1,0 +1,231 @@
+"""The daemon's books: the session table, the byte budget and which worker serves which session, kept as
+one synchronous set (no awaits, no processes), so every decision about them is made in one step.
+
+A live session is hot (bound to a worker, its charge reserved in the hot budget) or parked (no worker,
+its saved state in the spill store, charged to that store's limits). A worker is in exactly one state:
+free (no session, usable), bound (serving one hot session), or in transit (taken out of the books'
+hands: its context being freed, a calibration, a replacement). check_integrity() raises IntegrityError
+unless: every worker is in one state; the bound workers are exactly the hot sessions' workers; the
+reserved bytes are exactly the hot sessions' charges; the stored blobs are exactly the parked sessions'.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from kvpool.daemon.books.budget import ByteBudget
+from kvpool.daemon.books.integrity import require
+from kvpool.wire.protocol import MissReason
+from kvpool.daemon.books.sessions import Session, SessionTable
+from kvpool.daemon.books.spill import SpillStore
+
+Usable = Callable[[str], bool]
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionPlan:
+    """Evict `victims` (idle, least recently used first), then serve the new session on `worker`:
+    a free worker, or the first victim's worker taken over directly when `worker` is None."""
+
+    victims: tuple[Session, ...]
+    worker: str | None
+
+
+class Books:
+    def __init__(
+        self, budget_bytes: int, workers: Iterable[str], *, spill: SpillStore | None = None, on_change: Callable[[Books], None] | None = None,
+        fence_ids: int = 65536,
+    ) -> None:
+        self._on_change = on_change or (lambda _books: None)  # after every change of a session (gauges)
+        self.table = SessionTable(remembered_ids=fence_ids)
+        self.budget = ByteBudget(budget_bytes)
+        self.spill = spill if spill is not None else SpillStore(0)
+        self._restoring: dict[tuple[str, int], int] = {}  # parked sessions whose blob left the store to be restored: its size
+        self._free: list[str] = list(workers)
+        self._bound: dict[str, Session] = {}
+        self._in_transit: set[str] = set()
+
+    # ---- workers ---------------------------------------------------------------------------------
+
+    def state_of(self, worker: str) -> str:
+        if worker in self._bound:
+            return "bound"
+        return "in transit" if worker in self._in_transit else "free"
+
+    def session_of(self, worker: str) -> Session | None:
+        return self._bound.get(worker)
+
+    def free_workers(self) -> list[str]:
+        return list(self._free)
+
+    def add_worker(self, worker: str) -> None:
+        """A new worker joins, free."""
+        require(worker not in self._free and worker not in self._bound and worker not in self._in_transit, f"{worker} is already known")
+        self._free.append(worker)
+
+    def remove_worker(self, worker: str) -> None:
+        """An in-transit worker that is gone for good (stopped, replaced)."""
+        require(worker in self._in_transit, f"{worker} is not in transit")
+        self._in_transit.discard(worker)
+
+    def take(self, usable: Usable, worker: str | None = None) -> str | None:
+        """A free worker (the given one, or the most recently freed usable one) into transit; None if none."""
+        candidates = [worker] if worker is not None else list(reversed(self._free))
+        for name in candidates:
+            if name in self._free and usable(name):
+                self._free.remove(name)
+                self._in_transit.add(name)
+                return name
+        return None
+
+    def take_unusable(self, usable: Usable) -> list[str]:
+        """Every free worker that can no longer be used (its process died) into transit, for replacement."""
+        dead = [name for name in self._free if not usable(name)]
+        for name in dead:
+            self._free.remove(name)
+            self._in_transit.add(name)
+        return dead
+
+    def give_back(self, worker: str) -> None:
+        """An in-transit worker is free again."""
+        require(worker in self._in_transit, f"{worker} is not in transit")
+        self._in_transit.discard(worker)
+        self._free.append(worker)
+
+    # ---- sessions --------------------------------------------------------------------------------
+
+    def plan_admission(self, charge: int, usable: Usable, *, protected_after: float = math.inf) -> AdmissionPlan | None:
+        """Least recently used idle sessions whose eviction makes room for `charge` bytes and a worker;
+        None when even evicting every idle session would not. Sessions last used after `protected_after`
+        are never victims (residency, kvpool.daemon.admission.residency)."""
+        free = next((name for name in reversed(self._free) if usable(name)), None)
+        available = self.budget.available
+        victims: list[Session] = []
+        for session in self.table.least_recently_used_idle():
+            if available >= charge and (free is not None or victims):
+                break
+            if session.last_used > protected_after:
+                break  # least recently used first: every later one is protected too
+            victims.append(session)
+            available += session.charged_bytes
+        if available >= charge and (free is not None or victims):
+            return AdmissionPlan(tuple(victims), free)
+        return None
+
+    def admit(self, plan: AdmissionPlan, *, session_id: str, epoch: int, n_ctx: int, charge: int, now: float) -> tuple[Session, list[str]]:
+        """Carry out `plan` in one step: evict, reserve, bind. Returns the new session and the evicted
+        sessions' workers now in transit (to be freed by the caller), the taken-over one excluded."""
+        session = Session(session_id=session_id, epoch=epoch, n_ctx=n_ctx, charged_bytes=charge, worker_name="", last_used=now)
+        self.table.add(session)
+        return session, self._bind(plan, session, charge)
+
+    def take_blob(self, session: Session) -> bytes:
+        """A parked session's blob leaves the store for its restore (so making room for the restore never
+        drops it); raises CorruptBlob (the blob is then gone too). put_back_blob or unpark follows."""
+        require(not session.hot and session.key not in self._restoring, "only a parked session's blob is taken")
+        try:
+            blob = self.spill.read(session.key)
+        finally:
+            self.spill.discard(session.key)
+        self._restoring[session.key] = len(blob)
+        return blob
+
+    def put_back_blob(self, session: Session, blob: bytes) -> list[Session]:
+        """A restore that could not start: the blob goes back (newest); returns the sessions dropped for room."""
+        del self._restoring[session.key]
+        dropped = self._drop_spilled(self.spill.put(session.key, blob))
+        self._on_change(self)
+        return dropped
+
+    def unpark(self, plan: AdmissionPlan, session: Session, charge: int) -> list[str]:
+        """A parked session whose blob was taken becomes hot on the plan's worker. Returns the evicted
+        sessions' workers now in transit, as admit does."""
+        require(not session.hot and self.table.get(session.session_id) is session, "only a live parked session is unparked")
+        self._restoring.pop(session.key, None)
+        return self._bind(plan, session, charge)
+
+    def _bind(self, plan: AdmissionPlan, session: Session, charge: int) -> list[str]:
+        released: list[str] = [worker for victim in plan.victims if (worker := self.forget(victim, MissReason.EVICTED))]
+        if plan.worker is not None:
+            worker = self.take(lambda _name: True, plan.worker)
+            require(worker is not None, f"planned worker {plan.worker} is not free")
+        else:
+            worker = released.pop(0)
+        self._in_transit.discard(worker)
+        session.worker_name = worker
+        session.charged_bytes = charge
+        self.budget.reserve(session.key, charge)
+        self._bound[worker] = session
+        self._on_change(self)
+        return released
+
+    def park(self, session: Session, blob: bytes) -> tuple[str, list[Session]]:
+        """A hot session's saved state goes to the spill store and its worker into transit (its context
+        to be freed), its charge back to the hot budget. Returns the worker and the sessions whose blobs
+        were dropped to make room (gone: evicted), this one included when its blob fits nowhere."""
+        require(session.hot and self._bound.get(session.worker_name) is session, "only a bound hot session is parked")
+        worker = session.worker_name
+        del self._bound[worker]
+        self._in_transit.add(worker)
+        self.budget.release(session.key)
+        session.worker_name = ""
+        dropped = self._drop_spilled(self.spill.put(session.key, blob))
+        self._on_change(self)
+        return worker, dropped
+
+    def add_parked(self, session: Session, blob: bytes) -> list[Session]:
+        """A new live session that starts parked (a fork); returns the sessions dropped for room."""
+        require(not session.hot and self.spill.fits(len(blob)), "a parked session needs a blob the store can hold")
+        self.table.add(session)
+        dropped = self._drop_spilled(self.spill.put(session.key, blob))
+        self._on_change(self)
+        return dropped
+
+    def _drop_spilled(self, keys: list) -> list[Session]:
+        dropped = []
+        for session_id, epoch in keys:
+            session = self.table.get(session_id)
+            if session is not None and session.epoch == epoch:
+                self.table.remove(session, MissReason.EVICTED)
+                self._restoring.pop(session.key, None)
+                dropped.append(session)
+        return dropped
+
+    def forget(self, session: Session, reason: MissReason) -> str | None:
+        """Drop a live session: table (remembering why), budget or stored blob, binding. Returns its
+        worker, now in transit (None for a parked session)."""
+        self.table.remove(session, reason)
+        self.budget.release(session.key)
+        self.spill.discard(session.key)
+        self._restoring.pop(session.key, None)
+        worker = None
+        if session.hot and self._bound.get(session.worker_name) is session:
+            worker = session.worker_name
+            del self._bound[worker]
+            self._in_transit.add(worker)
+        self._on_change(self)
+        return worker
+
+    # ---- integrity -------------------------------------------------------------------------------
+
+    def check_integrity(self) -> None:
+        everyone = self.table.sessions()
+        live = [session for session in everyone if session.hot]
+        parked = {session.key for session in everyone if not session.hot}
+        require(set(self._restoring) <= parked, "a blob being restored belongs to no parked session")
+        self.spill.check_integrity(parked - set(self._restoring))
+        self.budget.check_integrity(session.key for session in live)
+        require(all(self.budget.charge_of(s.key) == s.charged_bytes for s in live), "a charge differs from its session's")
+        require({s.worker_name for s in live} == set(self._bound), "bound workers != the live sessions' workers")
+        require(all(self._bound[s.worker_name] is s for s in live), "a worker is bound to another session object")
+        free = set(self._free)
+        require(len(free) == len(self._free), "a worker is free twice")
+        states = [free, set(self._bound), self._in_transit]
+        for index, left in enumerate(states):
+            for right in states[index + 1 :]:
+                require(not left & right, f"workers in two states: {sorted(left & right)}")
+
+    def workers(self) -> set[str]:
+        return set(self._free) | set(self._bound) | self._in_transit

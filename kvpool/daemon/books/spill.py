@@ -1,0 +1,308 @@
+"""The spill store: saved session states (blobs) of parked sessions, in memory and optionally on disk.
+
+Each tier has a byte limit and keeps its blobs least recently stored first. A blob that does not fit in
+memory pushes the oldest memory blobs to disk (when the disk tier is on and has room) or drops them; a
+dropped blob's session is gone (the caller turns it into a cache miss). Every blob carries a CRC-32
+checked when it is read back. A disk file is MAGIC then the blob, written under a temporary name, then
+renamed; a write that fails (the file system full, an I/O error) drops that blob alone, leaves no file
+behind, and is counted in `disk_failures` (logged once per run of failures).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import os
+import pathlib
+import re
+import stat
+import zlib
+from collections.abc import Hashable
+
+from kvpool.daemon.books.integrity import require
+
+RAM = "ram"
+DISK = "disk"
+MAGIC = b"KVPSPIL1"  # the first bytes of every disk file: start-up removes only .kvstate files that carry it
+FILE_PREFIX, FILE_SUFFIX, PARTIAL_SUFFIX = "kvpool-", ".kvstate", ".partial"
+OWN_FILE = re.compile(re.escape(FILE_PREFIX) + r"\d+" + re.escape(FILE_SUFFIX))  # every name the store writes, `.partial` aside
+
+log = logging.getLogger("kvpool.serve")
+
+
+class CorruptBlob(Exception):
+    """A stored blob could not be read back intact (checksum, size, magic, or the file is gone)."""
+
+
+class SpillDirRefused(ValueError):
+    """The --spill-dir cannot be trusted (a symlink, not the user's, writable by others) or used."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Stored:
+    nbytes: int
+    crc32: int
+    data: bytes | None  # None: on disk
+    path: pathlib.Path | None = None
+
+
+class SpillStore:
+    def __init__(self, ram_limit_bytes: int, *, disk_dir: pathlib.Path | None = None, disk_limit_bytes: int = 0) -> None:
+        self.ram_limit = max(0, ram_limit_bytes)
+        self.disk_limit = max(0, disk_limit_bytes) if disk_dir is not None else 0
+        self.disk_dir = disk_dir
+        self._ram: collections.OrderedDict[Hashable, Stored] = collections.OrderedDict()
+        self._disk: collections.OrderedDict[Hashable, Stored] = collections.OrderedDict()
+        self._file_number = 0
+        self._tier_bytes = {RAM: 0, DISK: 0}
+        self.disk_failures = 0  # disk operations that raised OSError, since start
+        self._disk_failing = False  # the last disk write failed: further failures are counted, not logged
+        if disk_dir is not None:
+            prepare_disk_dir(disk_dir)
+
+    @property
+    def enabled(self) -> bool:
+        return self.ram_limit > 0
+
+    @property
+    def ram_bytes(self) -> int:
+        return self._tier_bytes[RAM]
+
+    @property
+    def disk_bytes(self) -> int:
+        return self._tier_bytes[DISK]
+
+    def _add(self, tier: str, key: Hashable, item: Stored) -> None:
+        (self._ram if tier == RAM else self._disk)[key] = item
+        self._tier_bytes[tier] += item.nbytes
+
+    def _pop_oldest(self, tier: str) -> tuple[Hashable, Stored]:
+        key, item = (self._ram if tier == RAM else self._disk).popitem(last=False)
+        self._tier_bytes[tier] -= item.nbytes
+        return key, item
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._ram or key in self._disk
+
+    def tier_of(self, key: Hashable) -> str:
+        return RAM if key in self._ram else DISK
+
+    def fits(self, nbytes: int) -> bool:
+        return self.enabled and (nbytes <= self.ram_limit or nbytes <= self.disk_limit)
+
+    def put(self, key: Hashable, blob: bytes) -> list[Hashable]:
+        """Store `blob` (newest); returns the keys whose blobs were dropped to make room (`key` itself
+        when it fits in no tier or its disk write failed). Never raises for a failing disk."""
+        require(key not in self, f"{key!r} is already stored")
+        if not self.fits(len(blob)):
+            return [key]
+        stored = Stored(len(blob), zlib.crc32(blob), blob)
+        dropped: list[Hashable] = []
+        if len(blob) > self.ram_limit:
+            dropped += self._to_disk(key, stored)
+            return dropped
+        self._add(RAM, key, stored)
+        while self.ram_bytes > self.ram_limit:
+            oldest, item = self._pop_oldest(RAM)
+            dropped += self._to_disk(oldest, item)
+        return dropped
+
+    def _to_disk(self, key: Hashable, item: Stored) -> list[Hashable]:
+        """Move one memory blob to disk, dropping the oldest disk blobs for room; `key` is among the
+        returned (dropped) keys if it cannot go."""
+        if self.disk_dir is None or item.nbytes > self.disk_limit:
+            return [key]
+        dropped: list[Hashable] = []
+        while self.disk_bytes + item.nbytes > self.disk_limit:
+            oldest, old = self._pop_oldest(DISK)
+            self._remove_file(old.path)
+            dropped.append(oldest)
+        self._file_number += 1
+        path = self.disk_dir / f"{FILE_PREFIX}{self._file_number:08d}{FILE_SUFFIX}"
+        try:
+            _write_file(path, item.data or b"")
+        except OSError as error:
+            self._disk_failed(f"writing {path}", error, "that state is dropped (its session: cache_miss evicted)")
+            return dropped + [key]
+        self._disk_failing = False
+        self._add(DISK, key, Stored(item.nbytes, item.crc32, None, path))
+        return dropped
+
+    def _disk_failed(self, what: str, error: OSError, outcome: str) -> None:
+        """Count every failure; log one line for the first of a burst (until a disk write succeeds)."""
+        self.disk_failures += 1
+        if not self._disk_failing:
+            self._disk_failing = True
+            log.warning(
+                "spill disk tier: %s failed: %s; %s. Further failures are counted in spill_disk_failures, "
+                "not logged, until a disk write succeeds", what, error.strerror or error, outcome,
+            )
+
+    def _remove_file(self, path: pathlib.Path | None) -> None:
+        try:
+            _unlink(path)
+        except OSError as error:
+            self._disk_failed(f"removing {path}", error, "the file stays (the store no longer counts it)")
+
+    def read(self, key: Hashable) -> bytes:
+        """The blob, checked; raises CorruptBlob. The blob stays stored."""
+        item = self._ram.get(key) or self._disk[key]
+        data = item.data
+        if data is None:
+            try:
+                data = _read_file(item.path)
+            except OSError as error:
+                raise CorruptBlob(f"cannot read {item.path}: {error.strerror or error}") from None
+        if len(data) != item.nbytes or zlib.crc32(data) != item.crc32:
+            raise CorruptBlob(f"the stored state of {key!r} fails its checksum ({len(data)} of {item.nbytes} bytes)")
+        return data
+
+    def discard(self, key: Hashable) -> int:
+        """Drop a blob if stored (idempotent); returns its size."""
+        for tier, items in ((RAM, self._ram), (DISK, self._disk)):
+            item = items.pop(key, None)
+            if item is not None:
+                self._tier_bytes[tier] -= item.nbytes
+                self._remove_file(item.path)
+                return item.nbytes
+        return 0
+
+    def path_of(self, key: Hashable) -> pathlib.Path | None:
+        item = self._disk.get(key)
+        return item.path if item is not None else None
+
+    def close(self) -> None:
+        for key in list(self._disk):
+            self.discard(key)
+        self._ram.clear()
+        self._tier_bytes[RAM] = 0
+
+    def check_integrity(self, parked_keys: set[Hashable]) -> None:
+        require(set(self._ram) | set(self._disk) == parked_keys, "stored blobs != the parked sessions")
+        require(not set(self._ram) & set(self._disk), "a blob in two tiers")
+        require(self.ram_bytes == sum(item.nbytes for item in self._ram.values()), "memory tier bytes != its blobs")
+        require(self.disk_bytes == sum(item.nbytes for item in self._disk.values()), "disk tier bytes != its blobs")
+        require(self.ram_bytes <= self.ram_limit, f"memory tier holds {self.ram_bytes} > {self.ram_limit} bytes")
+        require(self.disk_bytes <= self.disk_limit, f"disk tier holds {self.disk_bytes} > {self.disk_limit} bytes")
+
+
+# ---- disk files ------------------------------------------------------------------------------------
+
+
+def _write_file(path: pathlib.Path, data: bytes) -> None:
+    """MAGIC + data at `path`, complete or not at all: on any failure the temporary file is removed."""
+    partial = path.with_name(path.name + PARTIAL_SUFFIX)
+    descriptor = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with os.fdopen(descriptor, "wb") as stream:
+            stream.write(MAGIC)
+            stream.write(data)
+        os.replace(partial, path)
+    except BaseException:
+        _unlink(partial)
+        raise
+
+
+def _read_file(path: pathlib.Path) -> bytes:
+    with open(path, "rb") as stream:
+        if stream.read(len(MAGIC)) != MAGIC:
+            raise CorruptBlob(f"{path} is not a kvpool spill file")
+        return stream.read()
+
+
+def _unlink(path: pathlib.Path | None) -> None:
+    if path is not None:
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            pass
+
+
+# ---- the spill directory ---------------------------------------------------------------------------
+
+
+def check_disk_dir(directory: pathlib.Path) -> None:
+    """Refuse (SpillDirRefused, one line) a spill directory that is not the user's alone: a symlink, owned
+    by someone else, writable by group or others, or under a parent others can change. Creates nothing
+    (the configuration checks this before any worker starts); a directory not there yet passes."""
+    directory = directory.absolute()
+    if directory.is_symlink():
+        raise SpillDirRefused(f"--spill-dir {directory} is a symlink: give the directory itself")
+    _check_parents(directory)
+    try:
+        info = directory.stat()
+    except FileNotFoundError:
+        return
+    except OSError as error:
+        raise SpillDirRefused(f"--spill-dir {directory}: {error.strerror or error}") from None
+    _check_private(directory, info)
+
+
+def prepare_disk_dir(directory: pathlib.Path) -> None:
+    """Check (check_disk_dir) and create (0700) the user's spill directory, then delete the files an
+    earlier run of a store left there (never trusted); every other file stays. Raises SpillDirRefused."""
+    directory = directory.absolute()
+    check_disk_dir(directory)
+    try:
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        _check_parents(directory)  # the ones just created too
+        descriptor = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)  # ELOOP: swapped for a symlink
+    except OSError as error:
+        raise SpillDirRefused(f"--spill-dir {directory}: {error.strerror or error}") from None
+    try:
+        _check_private(directory, os.fstat(descriptor))  # the directory opened, not the name checked
+        os.fchmod(descriptor, 0o700)
+        _remove_own_leftovers(descriptor)
+    except OSError as error:
+        raise SpillDirRefused(f"--spill-dir {directory}: {error.strerror or error}") from None
+    finally:
+        os.close(descriptor)
+
+
+def _check_private(directory: pathlib.Path, info: os.stat_result) -> None:
+    if not stat.S_ISDIR(info.st_mode):
+        raise SpillDirRefused(f"--spill-dir {directory} is not a directory")
+    if info.st_uid != os.getuid():
+        raise SpillDirRefused(f"--spill-dir {directory} is not owned by this user (uid {os.getuid()}) but by uid {info.st_uid}")
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise SpillDirRefused(f"--spill-dir {directory} is writable by group or others (mode {stat.S_IMODE(info.st_mode):o}): use a private directory")
+
+
+def _check_parents(directory: pathlib.Path) -> None:
+    """Nobody but the user and root can rename or replace anything on the way to `directory`: every
+    parent, as given and as resolved, belongs to one of them and is not writable by others unless sticky."""
+    real_parent = directory.parent.resolve()
+    for parent in {*directory.parents, real_parent, *real_parent.parents}:
+        try:
+            info = parent.lstat()
+        except FileNotFoundError:
+            continue  # not created yet
+        if info.st_uid not in (os.getuid(), 0):
+            raise SpillDirRefused(f"--spill-dir {directory}: its parent {parent} belongs to uid {info.st_uid}, neither this user nor root")
+        writable_by_anyone = info.st_mode & stat.S_IWOTH and not info.st_mode & stat.S_ISVTX
+        if writable_by_anyone and not stat.S_ISLNK(info.st_mode):
+            raise SpillDirRefused(f"--spill-dir {directory}: its parent {parent} is writable by others without the sticky bit")
+
+
+def _remove_own_leftovers(directory_fd: int) -> None:
+    """Delete what a store wrote: `kvpool-N.kvstate.partial` files, and `kvpool-N.kvstate` files that
+    start with MAGIC. Anything else (another name, another format, a link, a directory) stays."""
+    with os.scandir(directory_fd) as entries:
+        candidates = [
+            entry.name for entry in entries
+            if OWN_FILE.fullmatch(entry.name.removesuffix(PARTIAL_SUFFIX)) and entry.is_file(follow_symlinks=False)
+        ]
+    for name in candidates:
+        if name.endswith(PARTIAL_SUFFIX) or _starts_with_magic(name, directory_fd):
+            os.unlink(name, dir_fd=directory_fd)
+
+
+def _starts_with_magic(name: str, directory_fd: int) -> bool:
+    """False for a file that cannot be read: not identified as the store's, it stays."""
+    try:
+        descriptor = os.open(name, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=directory_fd)
+    except OSError:
+        return False
+    with os.fdopen(descriptor, "rb") as stream:
+        return stream.read(len(MAGIC)) == MAGIC

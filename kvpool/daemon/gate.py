@@ -1,0 +1,125 @@
+"""The gate every session request passes: epoch fencing, entering a session (its lock, its request count,
+its direct channel revoked) and the check, after every await, that what the request is about to create,
+serve or expose is still the live session at the highest epoch seen for its id.
+
+The rule it keeps (README, "The contract"): once epoch e is seen for a session id, nothing of an epoch
+below e is created, served or exposed. A request waits (for admission, a lock, a worker); while it waits,
+another request may see a higher epoch. So a request checks again after each wait, not only on arrival.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import AsyncIterator
+
+from kvpool.daemon.books.books import Books
+from kvpool.daemon.pool.channels import Channels
+from kvpool.wire.errors import RequestFailed
+from kvpool.daemon.metrics import Metrics
+from kvpool.wire.protocol import ErrorCode, MissReason
+from kvpool.daemon.books.sessions import EpochCheck, Session
+from kvpool.daemon.pool.lifecycle import WorkerLifecycle
+
+ENDED_WHILE_WAITING = "the session ended while this request waited"
+
+
+class Gate:
+    def __init__(self, books: Books, channels: Channels, lifecycle: WorkerLifecycle, metrics: Metrics) -> None:
+        self.books = books
+        self.channels = channels
+        self.lifecycle = lifecycle
+        self.metrics = metrics
+
+    def length_of(self, session_id: str, epoch: int) -> int:
+        """The session's length as every reply carries it (0 when no live session of that epoch)."""
+        session = self.books.table.get(session_id)
+        if session is None or session.epoch != epoch:
+            return 0
+        self.channels.refresh(session)
+        return session.length
+
+    # ---- fencing -----------------------------------------------------------------------------------
+
+    def stale(self, session_id: str, epoch: int) -> RequestFailed:
+        table = self.books.table
+        self.metrics.count("stale_epoch_rejects")
+        highest = table.highest_epoch(session_id)
+        if highest is None:  # forgotten, or never seen: the floor fences it (sessions.EpochMemory)
+            return RequestFailed(
+                ErrorCode.STALE_EPOCH, f"epoch {epoch} is below this daemon's epoch floor {table.epoch_floor}: "
+                f"start new sessions at epoch >= {table.epoch_floor}", epoch_floor=table.epoch_floor,
+            )
+        return RequestFailed(ErrorCode.STALE_EPOCH, f"epoch {epoch} is older than {highest}")
+
+    def require_current(self, session_id: str, epoch: int) -> None:
+        """Raise stale_epoch unless `epoch` is (still) the highest seen for the id."""
+        if not self.books.table.is_current(session_id, epoch):
+            raise self.stale(session_id, epoch)
+
+    async def fence(self, session_id: str, epoch: int) -> None:
+        """On arrival: reject a stale epoch; on a newer one, release the old epoch's state first."""
+        table = self.books.table
+        check = table.check_epoch(session_id, epoch)
+        if check is EpochCheck.STALE:
+            raise self.stale(session_id, epoch)
+        table.see_epoch(session_id, epoch)
+        if check is EpochCheck.NEWER:
+            table.note_new_epoch(session_id, epoch)
+            old = table.get(session_id)
+            if old is not None:
+                async with old.lock:
+                    if table.get(session_id) is old:
+                        await self.lifecycle.drop(old, MissReason.NEW_EPOCH)
+
+    def miss(self, session_id: str, epoch: int, message: str) -> RequestFailed:
+        reason = self.books.table.miss_reason(session_id, epoch)
+        self.metrics.count_miss(reason)
+        return RequestFailed(ErrorCode.CACHE_MISS, message, reason=reason)
+
+    def check_live(self, session: Session, what: str = ENDED_WHILE_WAITING) -> None:
+        """The session is still the live one for its id, at the highest epoch seen (else: cache_miss or
+        stale_epoch). Called after every wait, before the session's state is touched or shown."""
+        if self.books.table.get(session.session_id) is not session:
+            raise self.miss(session.session_id, session.epoch, what)
+        self.require_current(session.session_id, session.epoch)
+
+    # ---- entering a session ------------------------------------------------------------------------
+
+    async def enter(self, session: Session) -> None:
+        """Count a request in flight on the session, take its lock (released by leave) and revoke its
+        direct channel: from here the supervisor alone changes the session."""
+        session.in_flight += 1
+        await session.lock.acquire()
+        try:
+            await self.channels.revoke(session)
+        except BaseException:
+            session.lock.release()
+            session.in_flight -= 1
+            raise
+
+    async def leave(self, session: Session) -> None:
+        session.lock.release()
+        session.in_flight -= 1
+        session.last_used = time.monotonic()
+        if session.in_flight == 0:
+            await self.lifecycle.notify_capacity()  # idle now, so evictable: wake admissions waiting for room
+
+    @contextlib.asynccontextmanager
+    async def entered(self, session: Session, what: str = ENDED_WHILE_WAITING) -> AsyncIterator[Session]:
+        """`async with gate.entered(session):` the session entered and checked live and current, left after."""
+        await self.enter(session)
+        try:
+            self.check_live(session, what)
+            yield session
+        finally:
+            await self.leave(session)
+
+    @contextlib.asynccontextmanager
+    async def holding(self, session: Session) -> AsyncIterator[Session]:
+        """A session already entered (an admission returns it so), checked live and current, left after."""
+        try:
+            self.check_live(session)
+            yield session
+        finally:
+            await self.leave(session)

@@ -1,0 +1,300 @@
+"""The supervisor's side of a batched worker (workers.server.batched_server): one process, one context, and one
+SequenceSlot per sequence (below: one sequence lent by the pool as a worker, the WorkerHandle calls on its
+sequence only; what belongs to the process, pid, lost, memory, segment, is the process's). To the books and the service a slot is a worker like any other (it has the
+WorkerHandle calls); the slots of one process share its pipe, and their appends are decoded together.
+
+The batcher: appends of a process's slots wait in one queue; whenever the pipe is free, everything
+queued (what fits the shared-memory regions, one append per sequence) goes as one RunBatch, under one
+compute slot. While a batch computes, the next one gathers; before sending, it waits a little (a
+quarter of the last batch's compute at most) for the sessions that were in the last batch to queue
+again, so sessions stepping together stay in one batch.
+
+Cancel is per session: a queued append is taken out and answered cancelled; a computing one is marked,
+and the shared decode is aborted only when every session in it is cancelled, otherwise the cancelled
+session's rows are rolled back when the batch ends and the others keep theirs. An append whose awaiting
+request is gone (its client left) is rolled back the same way, so the books' length stays the worker's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import time
+
+import numpy as np
+
+from kvpool.daemon.pool.compute import ComputeSlots
+from kvpool.daemon.pool.handle import PoolSpec, WorkerFailed, WorkerHandle, WorkerLost, WorkerOutput
+from workers.server.commands import (
+    Appended,
+    BatchDone,
+    BatchItem,
+    CloseContext,
+    Closed,
+    Failed,
+    Opened,
+    OpenContext,
+    Restored,
+    RestoreState,
+    RunBatch,
+    Saved,
+    SaveState,
+    Truncated,
+    TruncateContext,
+)
+from kvpool.wire.sampling import Sampling
+
+MIN_GATHER_S = 0.002  # how long a batch may wait for the last batch's other sessions to queue again
+MAX_GATHER_S = 0.05
+
+
+@dataclasses.dataclass(eq=False)
+class PendingAppend:
+    seq: int
+    start_pos: int
+    rows: np.ndarray
+    output_rows: str
+    sample: Sampling | None
+    future: asyncio.Future
+    cancelled: bool = False
+
+
+class BatchedWorker(WorkerHandle):
+    """One batched worker process; `slots` are what the pool lends."""
+
+    def __init__(self, name: str, spec: PoolSpec, index: int = 0, *, compute: ComputeSlots | None = None) -> None:
+        super().__init__(name, spec, index)
+        self.compute = compute or ComputeSlots(1)
+        self.slots = [SequenceSlot(self, seq) for seq in range(spec.seqs_per_worker)]
+        self.batches = 0  # RunBatch calls so far, and their items (for stats and tests)
+        self.batched_items = 0
+        self._queue: list[PendingAppend] = []
+        self._computing: list[PendingAppend] = []
+        self._last_batch_seqs: set[int] = set()
+        self._batcher: asyncio.Task | None = None
+        self._arrived = asyncio.Event()
+        self._last_batch_s = 0.0  # how long the last RunBatch took
+
+    async def append_seq(self, seq: int, start_pos: int, rows: np.ndarray, output_rows: str, sample: Sampling | None) -> WorkerOutput:
+        if self.lost:
+            raise WorkerLost(f"{self.name} is lost")
+        future = asyncio.get_running_loop().create_future()
+        future.add_done_callback(lambda done: done.cancelled() or done.exception())  # read even when nobody awaits it
+        pending = PendingAppend(seq, start_pos, rows, output_rows, sample, future)
+        self._queue.append(pending)
+        self._arrived.set()
+        if self._batcher is None or self._batcher.done():
+            self._batcher = asyncio.get_running_loop().create_task(self._run_batches())
+        try:
+            return await asyncio.shield(pending.future)
+        except asyncio.CancelledError:
+            pending.cancelled = True  # rolled back when its batch ends; taken out if it has not started
+            if pending in self._queue:
+                self._queue.remove(pending)
+            raise
+
+    def cancel_seq(self, seq: int, value: bool) -> None:
+        """A cancel of the session on `seq` (value False: a stale cancel mark is cleared)."""
+        if not value:
+            return
+        for pending in list(self._queue):
+            if pending.seq == seq:
+                self._queue.remove(pending)
+                _fail(pending.future, WorkerFailed("cancelled", "append cancelled", pending.start_pos))
+        for pending in self._computing:
+            if pending.seq == seq:
+                pending.cancelled = True
+        if self._computing and all(p.cancelled for p in self._computing):
+            super().set_abort(True)
+
+    def forget_seq(self, seq: int) -> None:
+        """The sequence's session is gone: the next batch does not wait for it."""
+        self._last_batch_seqs.discard(seq)
+
+    async def _gather(self) -> None:
+        """Wait for the last batch's sessions to queue again, up to a quarter of the last batch's compute
+        (within [MIN_GATHER_S, MAX_GATHER_S]): a session that misses the batch costs a decode of its own."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + min(max(self._last_batch_s / 4, MIN_GATHER_S), MAX_GATHER_S)
+        while not self._last_batch_seqs <= {pending.seq for pending in self._queue}:
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return
+            self._arrived.clear()
+            try:
+                await asyncio.wait_for(self._arrived.wait(), remaining)
+            except TimeoutError:
+                return
+
+    def _take_batch(self) -> list[tuple[PendingAppend, BatchItem]]:
+        """Queued appends that fit the regions, one per sequence, oldest first."""
+        taken: list[tuple[PendingAppend, BatchItem]] = []
+        seqs: set[int] = set()
+        input_used = output_used = 0
+        width = self.ready.shape.output_width if self.ready else 0
+        for pending in list(self._queue):
+            input_bytes = pending.rows.nbytes
+            if pending.seq in seqs or (taken and input_used + input_bytes > self.input_bytes):
+                continue
+            out_rows = pending.rows.shape[0] if pending.output_rows == "all" or not (self.ready and self.ready.shape.is_last) else 1
+            out_bytes = out_rows * width * 4
+            room = out_bytes if output_used + out_bytes <= self.output_bytes else 0
+            self._queue.remove(pending)
+            view = np.frombuffer(self.segment.buf, pending.rows.dtype, pending.rows.size, self.input_offset + input_used)
+            view[:] = pending.rows.reshape(-1)
+            taken.append((pending, BatchItem(
+                seq=pending.seq, start_pos=pending.start_pos, n_rows=pending.rows.shape[0], input_offset=input_used,
+                output_offset=output_used if room else 0, output_capacity=room, output_rows=pending.output_rows, sample=pending.sample,
+            )))
+            seqs.add(pending.seq)
+            input_used += input_bytes
+            output_used += room
+        return taken
+
+    async def _run_batches(self) -> None:
+        while self._queue:
+            async with self.compute.slot():
+                await self._gather()
+                batch = self._take_batch()
+                if not batch:
+                    continue
+                self._computing = [pending for pending, _item in batch]
+                self._last_batch_seqs = {pending.seq for pending in self._computing}
+                super().set_abort(False)
+                started = time.perf_counter()
+                try:
+                    done = await self._expect(RunBatch(items=[item for _pending, item in batch]), BatchDone)
+                except (WorkerLost, WorkerFailed) as error:
+                    for pending, _item in batch:
+                        _fail(pending.future, error)
+                    self._computing = []
+                    continue
+                finally:
+                    super().set_abort(False)
+                self._last_batch_s = time.perf_counter() - started
+                self.batches += 1
+                self.batched_items += len(batch)
+                rollbacks = self._answer(batch, done)
+                self._computing = []
+            for seq, length in rollbacks:
+                with contextlib.suppress(WorkerLost, WorkerFailed):
+                    await self._expect(TruncateContext(length=length, seq=seq), Truncated)
+
+    def _answer(self, batch: list[tuple[PendingAppend, BatchItem]], done: BatchDone) -> list[tuple[int, int]]:
+        rollbacks = []
+        for (pending, item), result in zip(batch, done.results):
+            if isinstance(result, Failed):
+                _fail(pending.future, WorkerFailed(result.code, result.message, result.length))
+            elif pending.cancelled or pending.future.done():
+                rollbacks.append((pending.seq, pending.start_pos))
+                _fail(pending.future, WorkerFailed("cancelled", "append cancelled", pending.start_pos))
+            else:
+                pending.future.set_result(self._output_of(result))
+        return rollbacks
+
+    def _output_of(self, appended: Appended) -> WorkerOutput:
+        if appended.inline or not appended.rows:
+            data = appended.inline
+        else:
+            start = self.output_offset + appended.output_offset
+            data = bytes(self.segment.buf[start : start + appended.rows * appended.width * 4])
+        return WorkerOutput(
+            length=appended.length, rows=appended.rows, width=appended.width, data=data,
+            token=appended.token, top_ids=appended.top_ids, top_logprobs=appended.top_logprobs,
+        )
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """As WorkerHandle.stop; appends still waiting are answered WorkerLost (on their loop: stop may run
+        in a thread)."""
+        for pending in self._queue + self._computing:
+            pending.future.get_loop().call_soon_threadsafe(_fail, pending.future, WorkerLost(f"{self.name} stopped"))
+        self._queue = []
+        super().stop(timeout_s)
+
+
+def _fail(future: asyncio.Future, error: BaseException) -> None:
+    if not future.done():
+        future.set_exception(error)
+
+
+class SequenceSlot:
+    """One sequence of a batched worker, lent by the pool as a worker: the WorkerHandle calls, on its
+    sequence only. Its process's life (lost, exited, stopped) is the slot's."""
+
+    def __init__(self, process: BatchedWorker, seq: int) -> None:
+        self.process = process
+        self.seq = seq
+        self.name = f"{process.name}/seq{seq}"
+        self.direct_address = ""
+
+    # ---- the process, shared by the slots --------------------------------------------------------
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    @property
+    def lost(self) -> bool:
+        return self.process.lost
+
+    @lost.setter
+    def lost(self, value: bool) -> None:
+        self.process.lost = value
+
+    @property
+    def exited(self) -> bool:
+        return self.process.exited
+
+    @property
+    def ready(self):
+        return self.process.ready
+
+    @property
+    def direct(self):
+        return self.process.direct
+
+    @property
+    def baseline_uss(self) -> int:
+        """This slot's share of the process's start-up USS."""
+        return self.process.baseline_uss // len(self.process.slots)
+
+    def measure_uss(self) -> int:
+        """This slot's share of the process's USS (the slots' shares add up to the process's)."""
+        return self.process.measure_uss() // len(self.process.slots)
+
+    def measure_anonymous(self) -> int:
+        return self.process.measure_anonymous()
+
+    # ---- the sequence ------------------------------------------------------------------------------
+
+    async def open(self, n_ctx: int) -> None:
+        await self.process._expect(OpenContext(n_ctx=n_ctx, seq=self.seq), Opened)
+
+    async def append(self, start_pos: int, rows: np.ndarray, output_rows: str = "last", sample: Sampling | None = None) -> WorkerOutput:
+        return await self.process.append_seq(self.seq, start_pos, rows, output_rows, sample)
+
+    async def truncate(self, length: int) -> int:
+        return (await self.process._expect(TruncateContext(length=length, seq=self.seq), Truncated)).length
+
+    async def close_context(self) -> None:
+        self.process.forget_seq(self.seq)
+        await self.process._expect(CloseContext(seq=self.seq), Closed)
+
+    async def save_state(self) -> bytes:
+        return (await self.process._expect(SaveState(seq=self.seq), Saved)).blob
+
+    async def restore_state(self, n_ctx: int, blob: bytes, length: int) -> int:
+        return (await self.process._expect(RestoreState(n_ctx=n_ctx, blob=blob, length=length, seq=self.seq), Restored)).length
+
+    async def bind_channel(self, session_id: str, epoch: int) -> int:
+        raise WorkerFailed("internal", "a batched worker has no direct channel", 0)
+
+    async def revoke_channel(self) -> int:
+        raise WorkerFailed("internal", "a batched worker has no direct channel", 0)
+
+    def cancel_direct(self, session_id: str, epoch: int, request_id: int) -> None:
+        pass  # no direct channel: nothing is in flight there
+
+    def set_abort(self, value: bool) -> None:
+        self.process.cancel_seq(self.seq, value)

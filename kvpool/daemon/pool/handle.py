@@ -1,0 +1,108 @@
+"""The supervisor's side of one worker process: a typed facade over its pipe and shared-memory segment.
+
+Each call returns a value or raises WorkerFailed (the worker refused: code, length) or WorkerLost; nothing
+else of the pipe protocol leaves this module. The process itself (start, pipe, stop) is
+kvpool.daemon.pool.process; the segment's reads and writes are kvpool.daemon.pool.segment.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvpool.daemon.pool.spec import PoolSpec
+from kvpool.daemon.pool.errors import WorkerFailed, WorkerLost, WorkerStartFailed
+from kvpool.daemon.pool.process import WorkerProcess
+from workers.server.commands import (
+    AnyCommand,
+    Appended,
+    BindChannel,
+    CancelDirect,
+    ChannelState,
+    CloseContext,
+    Closed,
+    Failed,
+    Opened,
+    OpenContext,
+    Restored,
+    RestoreState,
+    RevokeChannel,
+    RunAppend,
+    Saved,
+    SaveState,
+    Truncated,
+    TruncateContext,
+)
+from kvpool.wire.sampling import Sampling
+
+__all__ = ["PoolSpec", "WorkerFailed", "WorkerHandle", "WorkerLost", "WorkerOutput", "WorkerStartFailed"]
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerOutput:
+    length: int
+    rows: int
+    width: int
+    data: bytes  # float32 little-endian [rows, width]
+    token: int = -1  # with sampling: the token picked on the last shard
+    top_ids: list[int] = dataclasses.field(default_factory=list)
+    top_logprobs: list[float] = dataclasses.field(default_factory=list)
+
+
+class WorkerHandle(WorkerProcess):
+    """The supervisor's side of one worker process: open / append / truncate / close_context return
+    values or raise WorkerFailed (the worker refused: code, length) or WorkerLost."""
+
+    async def _expect(self, command: AnyCommand, expected: type):
+        reply = await self.call(command)
+        if isinstance(reply, Failed):
+            raise WorkerFailed(reply.code, reply.message, reply.length)
+        if not isinstance(reply, expected):
+            raise WorkerFailed("internal", f"{self.name} answered {type(command).__name__} with {type(reply).__name__}", 0)
+        return reply
+
+    async def open(self, n_ctx: int) -> None:
+        """A fresh context of n_ctx positions (the previous one, if any, is freed first)."""
+        await self._expect(OpenContext(n_ctx=n_ctx), Opened)
+
+    async def append(self, start_pos: int, rows: np.ndarray, output_rows: str = "last", sample: Sampling | None = None) -> WorkerOutput:
+        """Append rows (int32 token ids on a first shard, float32 [n, n_embd] hidden states elsewhere);
+        with `sample` (last shard) the worker picks the next token."""
+        self.shared.write_input(rows)
+        command = RunAppend(start_pos=start_pos, n_rows=len(rows), output_rows=output_rows, sample=sample)
+        appended = await self._expect(command, Appended)
+        return WorkerOutput(
+            length=appended.length, rows=appended.rows, width=appended.width, data=self.shared.read_output(appended),
+            token=appended.token, top_ids=appended.top_ids, top_logprobs=appended.top_logprobs,
+        )
+
+    async def truncate(self, length: int) -> int:
+        return (await self._expect(TruncateContext(length=length), Truncated)).length
+
+    async def close_context(self) -> None:
+        await self._expect(CloseContext(), Closed)
+
+    async def save_state(self) -> bytes:
+        """The open context's sequence state (positions [0, length))."""
+        return (await self._expect(SaveState(), Saved)).blob
+
+    async def restore_state(self, n_ctx: int, blob: bytes, length: int) -> int:
+        """A fresh context loaded with `blob`, cut to `length`; WorkerFailed code restore_failed if refused."""
+        return (await self._expect(RestoreState(n_ctx=n_ctx, blob=blob, length=length), Restored)).length
+
+    async def bind_channel(self, session_id: str, epoch: int) -> int:
+        """The direct channel serves (session_id, epoch) until the next command; returns the length."""
+        return (await self._expect(BindChannel(session_id=session_id, epoch=epoch), ChannelState)).length
+
+    async def revoke_channel(self) -> int:
+        """No more direct appends (one in flight completes first); returns the context's length."""
+        return (await self._expect(RevokeChannel(), ChannelState)).length
+
+    def cancel_direct(self, session_id: str, epoch: int, request_id: int) -> None:
+        """Forward a cancel of the direct append `request_id` to the worker's cancel thread (no reply awaited)."""
+        self.send_cancel(CancelDirect(session_id=session_id, epoch=epoch, request_id=request_id))
+
+    def set_abort(self, value: bool) -> None:
+        self.shared.set_abort(value)

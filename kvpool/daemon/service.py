@@ -1,0 +1,225 @@
+"""Request semantics of one shard daemon: the contract routers rely on (see README, "The contract").
+
+Runs on the supervisor's event loop and composes the parts: the books (sessions, budget, binding), the
+worker pool and its lifecycle, calibration, admission, compute slots, housekeeping. Every decision about
+sessions is made on the loop between awaits, so the books change atomically.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from kvpool.daemon.admission.admission import Admission
+from kvpool.wire.checks import append_rows, check_position, check_session_fields
+from kvpool.daemon.books.books import Books
+from kvpool.daemon.admission.calibration import Calibrator
+from kvpool.daemon.pool.channels import Channels
+from kvpool.daemon.pool.compute import ComputeSlots
+from kvpool.daemon.config import ServeConfig
+from kvpool.wire.errors import RequestFailed
+from kvpool.daemon.gate import Gate
+from kvpool.daemon.gpu import VramMeter
+from kvpool.daemon.housekeeping import Housekeeper
+from kvpool.daemon.books.integrity import require
+from kvpool.daemon.metrics import Metrics
+from kvpool.daemon.admission.parking import Parking
+from kvpool.daemon.pool.pool import WorkerPool
+from kvpool.wire.protocol import Append, AppendReply, Cancel, Done, ErrorCode, Fork, MissReason, Park, Release, ShardDescription, StatsReply, Truncate
+from kvpool.daemon.books.sessions import EpochCheck, Session
+from kvpool.daemon.books.spill import SpillStore
+from kvpool.daemon.status import build_stats, integrity_of
+from kvpool.daemon.pool.handle import WorkerFailed, WorkerLost
+from kvpool.daemon.warm import WarmRequests
+from kvpool.daemon.pool.lifecycle import WorkerLifecycle
+
+class KvService:
+    def __init__(self, config: ServeConfig, pool: WorkerPool, shard: ShardDescription, kv_bytes_per_position: int) -> None:
+        self.config = config
+        self.pool = pool
+        self.shard = shard
+        self.metrics = Metrics()
+        spill = SpillStore(config.spill_limit_bytes, disk_dir=config.spill_dir, disk_limit_bytes=config.spill_disk_budget_bytes)
+        self.books = Books(config.budget_bytes, pool.names(), spill=spill, on_change=self.metrics.show_books, fence_ids=config.fence_ids)
+        self.metrics.show_books(self.books)
+        self.metrics.limit_bytes.set(config.budget_bytes)
+        self.vram = VramMeter()
+        self.started = time.monotonic()
+        self.mode_reason = ""  # --mode auto: why this mode (set by the supervisor)
+        self.compute = ComputeSlots(config.concurrent_workers)
+        pool.use_compute_slots(self.compute)  # batched workers take one per batch
+        self.lifecycle = WorkerLifecycle(self.books, pool, self.metrics, threads=2 * config.max_sessions + 4)
+        self.calibrator = Calibrator(
+            self.books, pool, self.lifecycle, self.metrics, shard, kv_bytes_per_position,
+            shared_context=pool.shared_context(),
+        )
+        self.channels = Channels(self.books, pool, self.lifecycle, enabled=config.uses_direct_channels)
+        self.parking = Parking(self.books, pool, self.lifecycle, self.channels, self.metrics)
+        self.gate = Gate(self.books, self.channels, self.lifecycle, self.metrics)
+        self.admission = Admission(config, self.books, pool, self.lifecycle, self.calibrator, self.parking, self.channels, self.gate, self.metrics)
+        self.warm = WarmRequests(self.books, self.gate, self.parking, pool, self.lifecycle, self.metrics)
+        self.housekeeper = Housekeeper(config, self.books, pool, self.lifecycle, self.parking, self.channels, self.metrics)
+
+    def check_integrity(self) -> None:
+        self.books.check_integrity()
+        self.pool.check_integrity()
+        require(self.books.workers() == set(self.pool.names()), "the books' workers != the pool's workers")
+
+    # ---- validation and fencing ------------------------------------------------------------------
+
+    def _validate_append(self, request: Append) -> np.ndarray:
+        """The request's rows as the worker takes them: int32 token ids (first shard) or float32 hidden states."""
+        length = self.gate.length_of(request.session_id, request.epoch)
+        check_session_fields(request.session_id, request.epoch, length)
+        if not 0 <= request.n_ctx <= self.config.n_ctx:
+            raise RequestFailed(ErrorCode.BAD_REQUEST, f"n_ctx must be in [0, {self.config.n_ctx}] (0: the default {self.config.n_ctx})", length=length)
+        return append_rows(request, self.shard.shape, max_rows=self.config.n_ctx, length=length)
+
+    # ---- requests --------------------------------------------------------------------------------
+
+    async def append(self, request: Append) -> AppendReply:
+        rows = self._validate_append(request)
+        gate = self.gate
+        await gate.fence(request.session_id, request.epoch)
+        session = self.books.table.get(request.session_id)
+        admitted = session is None
+        if session is None:
+            if request.start_pos > 0:
+                raise gate.miss(request.session_id, request.epoch, f"no state for this session at position {request.start_pos}")
+            session = await self.admission.admit(request)  # returned entered: lock held, in flight
+        else:
+            self.metrics.count("hits")
+            await gate.enter(session)
+        async with gate.holding(session):
+            check_position(request.start_pos, session.length, 0, session.n_ctx)
+            restored = not session.hot
+            if restored:
+                await self.admission.restore(session, self.admission.deadline_of(request.admit_timeout_s))
+                gate.check_live(session)
+            return await self._append_entered(session, request, rows, admitted, restored)
+
+    async def _append_entered(self, session: Session, request: Append, rows: np.ndarray, admitted: bool, restored: bool) -> AppendReply:
+        n_rows = rows.shape[0]
+        check_position(request.start_pos, session.length, n_rows, session.n_ctx)
+        worker = self.pool.get(session.worker_name)
+        worker.set_abort(False)
+        session.appending = True
+        try:
+            async with self.pool.append_slot():
+                output = await worker.append(request.start_pos, rows, str(request.output_rows), request.sample)
+        except WorkerLost as lost:
+            self.lifecycle.lost(session)
+            raise RequestFailed(ErrorCode.WORKER_LOST, f"the worker serving this session was lost: {lost}") from None
+        except WorkerFailed as failure:
+            session.length = failure.length
+            code = ErrorCode(failure.code) if failure.code in set(ErrorCode) else ErrorCode.INTERNAL
+            if code is ErrorCode.CANCELLED:
+                self.metrics.count("cancels")
+            raise RequestFailed(code, str(failure), length=session.length) from None
+        finally:
+            session.appending = False
+            worker.set_abort(False)  # a cancel that arrived as the append finished must not outlive it
+        session.length = output.length
+        self.metrics.count("appends")
+        self.metrics.count("append_rows", n_rows)
+        channel = await self.channels.bind(session) if request.direct else ""
+        return AppendReply(
+            session_id=session.session_id, epoch=session.epoch, length=session.length,
+            rows=output.rows, width=output.width, data=output.data, admitted=admitted, restored=restored,
+            token=output.token, top_ids=output.top_ids, top_logprobs=output.top_logprobs, channel=channel,
+        )
+
+    async def truncate(self, request: Truncate) -> Done:
+        check_session_fields(request.session_id, request.epoch, self.gate.length_of(request.session_id, request.epoch))
+        if request.length < 0:
+            raise RequestFailed(ErrorCode.BAD_REQUEST, "length must be >= 0", length=self.gate.length_of(request.session_id, request.epoch))
+        await self.gate.fence(request.session_id, request.epoch)
+        session = self.books.table.get(request.session_id)
+        if session is None:
+            if request.length == 0:
+                return Done(length=0, session_id=request.session_id, epoch=request.epoch, detail="no state")
+            raise self.gate.miss(request.session_id, request.epoch, "no state for this session")
+        async with self.gate.entered(session):
+            if request.length > session.length:
+                raise RequestFailed(ErrorCode.POSITION_MISMATCH, f"cannot truncate to {request.length}: length is {session.length}", length=session.length)
+            if not session.hot:
+                session.length = request.length  # the saved state is cut to this length when restored
+                self.metrics.count("truncates")
+                return Done(length=session.length, session_id=session.session_id, epoch=session.epoch, detail="parked")
+            try:
+                session.length = await self.pool.get(session.worker_name).truncate(request.length)
+            except WorkerLost as lost:
+                self.lifecycle.lost(session)
+                raise RequestFailed(ErrorCode.WORKER_LOST, f"the worker serving this session was lost: {lost}") from None
+            except WorkerFailed as failure:
+                raise RequestFailed(ErrorCode.INTERNAL, f"truncate failed: {failure}", length=session.length) from None
+            self.metrics.count("truncates")
+            return Done(length=session.length, session_id=session.session_id, epoch=session.epoch)
+
+    async def release(self, request: Release) -> Done:
+        check_session_fields(request.session_id, request.epoch, 0)
+        await self.gate.fence(request.session_id, request.epoch)
+        session = self.books.table.get(request.session_id)
+        if session is None:
+            return Done(length=0, session_id=request.session_id, epoch=request.epoch, detail="no state")
+        session.in_flight += 1
+        try:
+            async with session.lock:
+                if self.books.table.get(session.session_id) is session:
+                    await self.lifecycle.drop(session, MissReason.RELEASED)
+                    self.metrics.count("releases")
+        finally:
+            session.in_flight -= 1
+        return Done(length=0, session_id=request.session_id, epoch=request.epoch, detail="released")
+
+    async def cancel(self, request: Cancel) -> Done:
+        check_session_fields(request.session_id, request.epoch, self.gate.length_of(request.session_id, request.epoch))
+        if self.books.table.check_epoch(request.session_id, request.epoch) is EpochCheck.STALE:
+            raise self.gate.stale(request.session_id, request.epoch)
+        session = self.books.table.get(request.session_id)
+        if session is None or session.epoch != request.epoch:
+            return Done(length=0, session_id=request.session_id, epoch=request.epoch, detail="no state")
+        self.channels.refresh(session)
+        if not session.appending and request.direct_request_id and session.channel and session.hot:
+            self.metrics.count("direct_cancels_forwarded")
+            self.pool.get(session.worker_name).cancel_direct(session.session_id, session.epoch, request.direct_request_id)
+            return Done(length=session.length, session_id=session.session_id, epoch=session.epoch, detail="cancel requested")
+        if not session.appending:
+            return Done(length=session.length, session_id=session.session_id, epoch=session.epoch, detail="nothing in flight")
+        self.pool.get(session.worker_name).set_abort(True)
+        return Done(length=session.length, session_id=session.session_id, epoch=session.epoch, detail="cancel requested")
+
+    async def stats(self) -> StatsReply:
+        self.channels.refresh()
+        workers = self.pool.workers()
+        usses = await self.lifecycle.in_thread(lambda: [worker.measure_uss() for worker in workers])
+        return build_stats(
+            shard=self.shard, books=self.books, pool=self.pool, metrics=self.metrics, vram=self.vram, workers=workers, usses=usses,
+            integrity=integrity_of(self.check_integrity), started=self.started, busy=self.channels.busy,
+            counters=self.metrics.snapshot() | self.channels.counts() | self.pool.batch_counts() | {"peak_concurrent_compute_threads": self.compute.peak * self.config.worker_threads}
+            | self.books.table.fence_counts() | {"admissions_waiting": len(self.admission.queue)},
+            calibration=self.calibrator.rows(),
+            mode=self.config.mode, mode_detail=self.mode_detail(),
+        )
+
+    def mode_detail(self) -> str:
+        return f"{self.mode_reason}; " * bool(self.mode_reason) + self._mode_shape()
+
+    def _mode_shape(self) -> str:
+        config = self.config
+        if config.batched:
+            return (f"--mode batched: {config.worker_processes} worker process(es), {config.seqs_per_worker} sessions each as sequences "
+                    f"of one context, {config.worker_threads} llama thread(s) per process; appends that arrive together are decoded together")
+        return f"--mode process: one worker process per session ({config.max_sessions}), {config.worker_threads} llama thread(s) each"
+
+    async def park(self, request: Park) -> Done:
+        return await self.warm.park(request)
+
+    async def fork(self, request: Fork) -> Done:
+        return await self.warm.fork(request)
+
+    def close(self) -> None:
+        self.lifecycle.close()
+        self.books.spill.close()
+        self.vram.close()

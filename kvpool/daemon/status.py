@@ -1,0 +1,69 @@
+"""The daemon's status: the session table, the workers, the budget and the counters as one StatsReply."""
+
+from __future__ import annotations
+
+import time
+
+from kvpool.daemon.books.books import Books
+from kvpool.daemon.gpu import VramMeter
+from kvpool.daemon.books.integrity import IntegrityError
+from kvpool.daemon.metrics import Metrics
+from kvpool.daemon.pool.pool import WorkerPool
+from kvpool.wire.protocol import BudgetRow, CalibrationRow, SessionRow, ShardDescription, StatsReply, WorkerRow
+from kvpool.daemon.pool.handle import WorkerHandle
+
+
+def integrity_of(check) -> str:
+    try:
+        check()
+    except IntegrityError as error:
+        return f"books do not balance: {error}"
+    return "ok"
+
+
+def build_stats(
+    *, shard: ShardDescription, books: Books, pool: WorkerPool, metrics: Metrics, vram: VramMeter,
+    workers: list[WorkerHandle], usses: list[int], integrity: str, counters: dict[str, int], started: float,
+    busy=lambda session: False,
+    calibration: list[CalibrationRow],
+    mode: str = "process",
+    mode_detail: str = "",
+) -> StatsReply:
+    """`usses` are the measured USS of `workers`, in that order."""
+    now = time.monotonic()
+    measured = sum(usses)
+    metrics.measured_bytes.set(measured)
+    metrics.shared_memory_bytes.set(pool.segment_bytes)
+    sessions = sorted(books.table.sessions(), key=lambda s: s.session_id)
+    return StatsReply(
+        integrity=integrity,
+        shard=shard,
+        sessions=[
+            SessionRow(
+                session_id=s.session_id, epoch=s.epoch, length=s.length, n_ctx=s.n_ctx,
+                charged_bytes=s.charged_bytes if s.hot else 0, idle_s=round(now - s.last_used, 3),
+                worker_pid=pool.get(s.worker_name).pid if s.hot else 0, in_flight=s.in_flight > 0 or busy(s),
+                tier="hot" if s.hot else books.spill.tier_of(s.key),
+            )
+            for s in sessions
+        ],
+        workers=[
+            WorkerRow(
+                name=w.name, pid=w.pid, state=books.state_of(w.name), uss_bytes=uss, baseline_uss_bytes=w.baseline_uss,
+                session_id=bound.session_id if (bound := books.session_of(w.name)) is not None else "",
+            )
+            for w, uss in zip(workers, usses)
+        ],
+        budget=BudgetRow(
+            limit_bytes=books.budget.limit, reserved_bytes=books.budget.reserved,
+            measured_uss_bytes=measured, measured_vram_bytes=vram.used_by({w.pid for w in workers}),
+            shared_memory_bytes=pool.segment_bytes,
+            spill_limit_bytes=books.spill.ram_limit, spill_bytes=books.spill.ram_bytes,
+            spill_disk_limit_bytes=books.spill.disk_limit, spill_disk_bytes=books.spill.disk_bytes,
+        ),
+        counters=counters,
+        uptime_s=round(now - started, 3),
+        calibration=calibration,
+        mode=mode,
+        mode_detail=mode_detail,
+    )

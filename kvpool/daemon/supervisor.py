@@ -1,0 +1,238 @@
+"""`kvpool serve`: wires the worker pool, the service and the socket together, and tears them down.
+
+Start order: workers (ready acknowledgements), calibration (the charge of every n_ctx, fitted from two
+measured sizes), socket, metrics endpoint, housekeeping. Teardown runs in reverse; a partial start is
+cleaned up the same way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import contextlib
+import logging
+import pathlib
+import signal
+import sys
+import traceback
+from collections.abc import Callable
+
+from kvpool.daemon.config import ServeConfig
+
+from kvpool.host import format_bytes
+from kvpool.wire.errors import RequestFailed
+from kvpool.shard.header import ShardInfo, read_shard_info
+from kvpool.daemon.pool.pool import WorkerPool
+from kvpool.wire.protocol import (
+    PROTOCOL_VERSION,
+    Append,
+    Cancel,
+    Done,
+    ErrorCode,
+    ErrorReply,
+    Fork,
+    Hello,
+    HelloReply,
+    Message,
+    Park,
+    Release,
+    Request,
+    ShardDescription,
+    Shutdown,
+    Stats,
+    Truncate,
+)
+from kvpool.daemon.mode_probe import probe_modes
+from kvpool.daemon.pool.segments import SegmentLayout, check_room_for
+from kvpool.daemon.transport.frames import ConnectionLimits, FrameServer
+from kvpool.daemon.transport.listener import prepare_socket_path
+from kvpool.daemon.service import KvService
+from kvpool.daemon.pool.handle import PoolSpec
+
+MEMORY_CHECK_EVERY = 4
+MODE_PROBE_N_CTX = 64  # per probe session: its sessions hold a few rows  # housekeeping ticks between measured-memory checks
+
+log = logging.getLogger("kvpool.serve")
+
+
+def build_pool(config: ServeConfig, info: ShardInfo) -> WorkerPool:
+    """The daemon's worker pool (not started): one worker per session place, segments sized for the shard."""
+    segment = SegmentLayout.for_shard(info.shape, n_ctx=config.n_ctx, max_request_bytes=config.max_request_bytes)
+    return WorkerPool(
+        PoolSpec(
+            shard_path=str(config.model),
+            size=config.max_sessions,
+            segment=segment,
+            n_threads=config.worker_threads,
+            flash_attn=config.flash_attn,
+            ready_timeout_s=config.ready_timeout_s,
+            request_timeout_s=config.request_timeout_s,
+            n_gpu_layers=config.n_gpu_layers,
+            verbose=config.verbose,
+            direct=config.uses_direct_channels,
+            max_n_ctx=config.n_ctx,
+            # Locks only where the bound can be exceeded: fewer compute slots than worker processes.
+            compute_lock_path=str(compute_lock_path(config)) if config.concurrent_workers < config.worker_processes else "",
+            compute_slots=config.concurrent_workers,
+            seqs_per_worker=config.seqs_per_worker if config.batched else 0,
+        )
+    )
+
+
+def compute_lock_path(config: ServeConfig) -> pathlib.Path:
+    """The file whose byte-range locks bound the workers computing at once (beside the socket, private)."""
+    return config.socket.with_name(f".{config.socket.name}.compute")
+
+
+
+class Supervisor:
+    def __init__(self, config: ServeConfig, *, announce: Callable[[str], None] | None = None) -> None:
+        self.config = config
+        self._announce = announce or (lambda message: print(f"kvpool serve: {message}", file=sys.stderr, flush=True))
+        self._stop = asyncio.Event()
+        self.service: KvService | None = None
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    async def run(self) -> None:
+        prepare_socket_path(self.config.socket)  # refuse at once when a live daemon serves there
+        mode_reason = await self._resolve_mode()
+        config = self.config
+        info = read_shard_info(config.model)
+        pool = build_pool(config, info)
+        check_room_for(config.worker_processes, pool.spec.segment)
+        self._announce(
+            f"starting {config.worker_processes} workers on {config.model.name} "
+            + (f"(batched: {config.seqs_per_worker} sessions each, one context of {config.seqs_per_worker} x {config.n_ctx} positions; " if config.batched else "(")
+            + f"shared memory {format_bytes(pool.spec.segment.total_bytes)} each)"
+        )
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, self.request_stop)
+        server: FrameServer | None = None
+        housekeeping: asyncio.Task | None = None
+        try:
+            ready = await asyncio.to_thread(pool.start)
+            if self._stop.is_set():
+                return
+            shard = ShardDescription(shape=ready.shape, model_path=str(config.model), source_sha256=info.source_sha256 or "")
+            self.service = service = KvService(config, pool, shard, ready.kv_bytes_per_position)
+            service.mode_reason = mode_reason
+            fit = await service.calibrator.calibrate(config.n_ctx)
+            if self._stop.is_set():
+                return
+            self._announce(
+                "charges fitted from start-up measurements: "
+                + ", ".join(
+                    f"n_ctx {n_ctx}: {format_bytes(fit.charge(n_ctx))} (measured {format_bytes(size)}, "
+                    f"theoretical KV {format_bytes(fit.theoretical_kv_bytes(n_ctx))})"
+                    for n_ctx, size in reversed(fit.measured)
+                )
+            )
+            step_s = service.calibrator.step_s
+            self._announce(
+                f"min residency {service.admission.residency().min_s * 1000:.0f} ms"
+                + (" (--min-residency)" if config.min_residency_s is not None else f" (derived from a decode step of {(step_s or 0) * 1000:.1f} ms)")
+            )
+            hello = HelloReply(
+                version=PROTOCOL_VERSION, shard=shard, max_n_ctx=config.n_ctx, default_n_ctx=config.n_ctx,
+                max_request_bytes=config.max_request_bytes,
+            )
+            limits = ConnectionLimits(
+                handshake_timeout_s=config.handshake_timeout_s, frame_timeout_s=config.frame_timeout_s,
+                buffered_request_bytes=config.buffered_request_limit_bytes, max_connections=config.max_connections,
+            )
+            server = FrameServer(config.socket, hello, self.dispatch, max_request_bytes=config.max_request_bytes, limits=limits)
+            await server.start()
+            if config.metrics_port is not None:
+                port = service.metrics.serve_http(config.metrics_port)
+                self._announce(f"Prometheus metrics on http://127.0.0.1:{port}/metrics")
+            housekeeping = asyncio.create_task(self._housekeeping(service))
+            self._announce(
+                f"ready on {config.socket}: {shard.shape}, "
+                f"{config.worker_processes} worker processes for {config.max_sessions} sessions ({config.mode} mode), budget {format_bytes(config.budget_bytes)}, ttl {config.ttl_s:g} s, "
+                f"{config.threads} compute thread(s)"
+            )
+            await self._stop.wait()
+            self._announce("shutting down")
+        finally:
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                loop.remove_signal_handler(signum)
+            if housekeeping is not None:
+                housekeeping.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await housekeeping
+            if server is not None:
+                await server.close()
+            for worker in pool.workers():
+                worker.set_abort(True)  # interrupt in-flight appends so workers can exit promptly
+            await asyncio.to_thread(pool.close)
+            if self.service is not None:
+                self.service.close()
+            self._announce("stopped")
+
+    async def _resolve_mode(self) -> str:
+        """--mode auto: measure both schedules (kvpool.daemon.mode_probe) and run the faster; why, for status."""
+        if self.config.mode != "auto":
+            return ""
+        self._announce(f"--mode auto: measuring the process and batched schedules for {self.config.seqs_per_worker} sessions on {self.config.threads} thread(s)")
+        choice = await asyncio.to_thread(
+            probe_modes, str(self.config.model), sessions=self.config.seqs_per_worker, threads=self.config.threads, n_ctx=MODE_PROBE_N_CTX
+        )
+        self.config = dataclasses.replace(self.config, mode=choice.mode)
+        self._announce(choice.reason)
+        return choice.reason
+
+    async def _housekeeping(self, service: KvService) -> None:
+        tick = 0
+        while True:
+            await asyncio.sleep(self.config.housekeeping_interval_s)
+            tick += 1
+            try:
+                await service.housekeeper.expire_idle()
+                await service.housekeeper.park_idle()
+                await service.housekeeper.kill_stalled_direct()
+                await service.housekeeper.replace_dead_free_workers()
+                if tick % MEMORY_CHECK_EVERY == 0:
+                    await service.housekeeper.recycle_drifted()
+            except Exception:  # noqa: BLE001 - housekeeping must outlive any one failure
+                log.error("housekeeping failed:\n%s", traceback.format_exc())
+
+    async def dispatch(self, request: Request) -> Message:
+        service = self.service
+        assert service is not None
+        try:
+            match request:
+                case Append():
+                    return await service.append(request)
+                case Truncate():
+                    return await service.truncate(request)
+                case Release():
+                    return await service.release(request)
+                case Cancel():
+                    return await service.cancel(request)
+                case Park():
+                    return await service.park(request)
+                case Fork():
+                    return await service.fork(request)
+                case Stats():
+                    return await service.stats()
+                case Shutdown():
+                    self.request_stop()
+                    return Done(length=0, detail="shutting down")
+                case Hello():
+                    raise RequestFailed(ErrorCode.BAD_REQUEST, "Hello is only valid as the first frame")
+        except RequestFailed as failure:
+            if failure.code is ErrorCode.BAD_REQUEST:
+                service.metrics.count("bad_requests")
+            service.metrics.count_error(failure.code)
+            return ErrorReply(
+                code=failure.code, message=str(failure), length=failure.length, reason=failure.reason, retry_after_s=failure.retry_after_s,
+                epoch_floor=failure.epoch_floor,
+                session_id=getattr(request, "session_id", ""), epoch=getattr(request, "epoch", 0),
+            )
+        except Exception as error:  # noqa: BLE001 - a bug must cost one request, never the daemon
+            log.error("request %s failed:\n%s", type(request).__name__, traceback.format_exc())
+            return ErrorReply(code=ErrorCode.INTERNAL, message=f"internal error: {error}")
+        raise AssertionError(f"unhandled request {request!r}")

@@ -1,0 +1,104 @@
+"""Park and Fork: the requests that move a session's state into the spill store (see kvpool.daemon.admission.parking) or
+copy it into a new session. Same fencing and typed errors as every other session request."""
+
+from __future__ import annotations
+
+import time
+
+from kvpool.wire.checks import check_session_fields
+from kvpool.daemon.books.books import Books
+from kvpool.wire.errors import RequestFailed
+from kvpool.daemon.gate import Gate
+from kvpool.daemon.metrics import Metrics
+from kvpool.daemon.admission.parking import Parking
+from kvpool.daemon.pool.pool import WorkerPool
+from kvpool.wire.protocol import Done, ErrorCode, Fork, MissReason, Park
+from kvpool.daemon.books.sessions import Session
+from kvpool.daemon.books.spill import CorruptBlob
+from kvpool.daemon.pool.handle import WorkerFailed, WorkerLost
+from kvpool.daemon.pool.lifecycle import WorkerLifecycle
+
+
+class WarmRequests:
+    def __init__(self, books: Books, gate: Gate, parking: Parking, pool: WorkerPool, lifecycle: WorkerLifecycle, metrics: Metrics) -> None:
+        self.books = books
+        self.gate = gate
+        self.parking = parking
+        self.pool = pool
+        self.lifecycle = lifecycle
+        self.metrics = metrics
+
+    def _require_tier(self, what: str) -> None:
+        if not self.books.spill.enabled:
+            raise RequestFailed(ErrorCode.OVER_BUDGET, f"{what} needs the warm tier, which is off on this daemon (--spill-budget 0)")
+
+    async def park(self, request: Park) -> Done:
+        check_session_fields(request.session_id, request.epoch, self.gate.length_of(request.session_id, request.epoch))
+        self._require_tier("park")
+        await self.gate.fence(request.session_id, request.epoch)
+        session = self.books.table.get(request.session_id)
+        if session is None:
+            raise self.gate.miss(request.session_id, request.epoch, "no state for this session")
+        async with self.gate.entered(session):
+            if not session.hot:
+                return Done(length=session.length, session_id=session.session_id, epoch=session.epoch, detail="already parked")
+            await self.parking.park(session, entered=True)
+            if self.books.table.get(session.session_id) is not session:
+                raise self.gate.miss(session.session_id, session.epoch, "the session's state could not be kept")
+            self.metrics.count("parks")
+            return Done(length=session.length, session_id=session.session_id, epoch=session.epoch, detail="parked")
+
+    async def fork(self, request: Fork) -> Done:
+        check_session_fields(request.session_id, request.epoch, self.gate.length_of(request.session_id, request.epoch))
+        check_session_fields(request.new_session_id, request.new_epoch, 0)
+        if request.new_session_id == request.session_id:
+            raise RequestFailed(ErrorCode.BAD_REQUEST, "a fork needs a new session id")
+        if request.length < 0:
+            raise RequestFailed(ErrorCode.BAD_REQUEST, "length must be >= 0")
+        self._require_tier("fork")
+        await self.gate.fence(request.session_id, request.epoch)
+        await self.gate.fence(request.new_session_id, request.new_epoch)
+        source = self.books.table.get(request.session_id)
+        if source is None:
+            raise self.gate.miss(request.session_id, request.epoch, "no state for the source session")
+        self._refuse_existing(request)
+        blob = await self._state_of(source, request.length)
+        self._refuse_existing(request)
+        self.gate.require_current(request.new_session_id, request.new_epoch)  # a higher epoch seen while it waited
+        if not self.books.spill.fits(len(blob)):
+            raise RequestFailed(ErrorCode.OVER_BUDGET, f"the source's state ({len(blob)} bytes) does not fit in the spill store")
+        fork = Session(
+            session_id=request.new_session_id, epoch=request.new_epoch, n_ctx=source.n_ctx, charged_bytes=source.charged_bytes,
+            worker_name="", length=request.length, last_used=time.monotonic(),
+        )
+        dropped = self.books.add_parked(fork, blob)
+        self.metrics.count("forks")
+        self.metrics.count("spill_drops", len(dropped))
+        if fork in dropped:
+            raise self.gate.miss(fork.session_id, fork.epoch, "the fork's state could not be kept")
+        return Done(length=fork.length, session_id=fork.session_id, epoch=fork.epoch, detail="forked")
+
+    def _refuse_existing(self, request: Fork) -> None:
+        if self.books.table.get(request.new_session_id) is not None:
+            raise RequestFailed(ErrorCode.BAD_REQUEST, f"session {request.new_session_id!r} already holds state at epoch {request.new_epoch}: release it first")
+
+    async def _state_of(self, source: Session, length: int) -> bytes:
+        """The source's saved state (positions [0, its length), cut to `length` when restored)."""
+        async with self.gate.entered(source, "the source session ended while this request waited"):
+            if length > source.length:
+                raise RequestFailed(ErrorCode.POSITION_MISMATCH, f"cannot fork {length} positions: the source holds {source.length}", length=source.length)
+            if not source.hot:
+                try:
+                    return self.books.spill.read(source.key)
+                except CorruptBlob as error:
+                    await self.lifecycle.drop(source, MissReason.RESTORE_FAILED)
+                    self.metrics.count("restore_failures")
+                    self.metrics.count_miss(MissReason.RESTORE_FAILED)
+                    raise RequestFailed(ErrorCode.CACHE_MISS, f"the source's saved state is damaged: {error}", reason=MissReason.RESTORE_FAILED) from None
+            try:
+                return await self.pool.get(source.worker_name).save_state()
+            except WorkerLost as lost:
+                self.lifecycle.lost(source)
+                raise RequestFailed(ErrorCode.WORKER_LOST, f"the worker serving the source session was lost: {lost}") from None
+            except WorkerFailed as failure:
+                raise RequestFailed(ErrorCode.INTERNAL, f"saving the source's state failed: {failure}", length=source.length) from None

@@ -1,0 +1,79 @@
+"""A route: the shards that together make the whole model, checked once, and one walk of a request
+through the daemons that serve them (no recovery: kvpool.router.router decides what a failure means)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from kvpool.client.client import AppendResult, Client, ConnectionLost, KvpoolError
+from kvpool.shard.route import check_route
+from kvpool.wire.sampling import Sampling
+
+class StageFailed(KvpoolError):
+    """A daemon of the route answered an error; `stage` is its place in the route (0: the first shard)."""
+
+    def __init__(self, stage: int, error: KvpoolError) -> None:
+        super().__init__(error.reply)
+        self.stage = stage
+
+
+class Route:
+    """Clients of the daemons serving the shards of one model, first to last, checked by check_route
+    (not owned: the caller closes them). Each call walks the route once and raises StageFailed (a
+    KvpoolError) or ConnectionLost at the first daemon that fails, leaving the daemons before it as they
+    are: what to do then is kvpool.router.router's policy."""
+
+    def __init__(self, clients: Sequence[Client]) -> None:
+        self.clients = list(clients)
+        check_route([client.shard for client in self.clients])
+
+    def __len__(self) -> int:
+        return len(self.clients)
+
+    def append_at(
+        self, stage: int, session_id: str, epoch: int, start_pos: int, rows: Sequence[int] | np.ndarray, *,
+        output_rows: str = "last", n_ctx: int = 0, admit_timeout_s: float = 0.0, sample: Sampling | None = None,
+    ) -> AppendResult:
+        """One daemon's part of an append: token ids into the first, the previous daemon's rows elsewhere;
+        `sample` goes to the last daemon only (it picks the next token there)."""
+        client = self.clients[stage]
+        inputs = {"tokens": list(rows)} if stage == 0 else {"hidden": rows}
+        try:
+            return client.append(
+                session_id, epoch, start_pos, **inputs, output_rows=output_rows, n_ctx=n_ctx, admit_timeout_s=admit_timeout_s,
+                sample=sample if stage == len(self.clients) - 1 else None,
+            )
+        except KvpoolError as error:
+            raise StageFailed(stage, error) from None
+
+    def append(
+        self, session_id: str, epoch: int, start_pos: int, tokens: Sequence[int], *, output_rows: str = "last", n_ctx: int = 0
+    ) -> np.ndarray:
+        """The whole walk: token ids in, the last daemon's rows (logits) out."""
+        rows: Sequence[int] | np.ndarray = tokens
+        for stage in range(len(self)):
+            rows = self.append_at(stage, session_id, epoch, start_pos, rows, output_rows=output_rows, n_ctx=n_ctx).rows
+        assert isinstance(rows, np.ndarray)
+        return rows
+
+    def truncate(self, session_id: str, epoch: int, length: int, *, stages: Sequence[int] | None = None) -> None:
+        for stage in range(len(self)) if stages is None else stages:
+            try:
+                self.clients[stage].truncate(session_id, epoch, length)
+            except KvpoolError as error:
+                raise StageFailed(stage, error) from None
+
+    def release(self, session_id: str, epoch: int) -> None:
+        """Release on every daemon, also past one that fails; then raise the first failure, if any."""
+        first_failure: Exception | None = None
+        for stage, client in enumerate(self.clients):
+            try:
+                client.release(session_id, epoch)
+            except KvpoolError as error:
+                first_failure = first_failure or StageFailed(stage, error)
+            except ConnectionLost as error:
+                first_failure = first_failure or error
+        if first_failure is not None:
+            raise first_failure

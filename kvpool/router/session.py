@@ -1,0 +1,259 @@
+"""One session through kvpool.router.router: its appends walk a route of shard daemons, and what a failure
+means is decided here, in one place:
+
+- cache_miss (any daemon), worker_lost, ConnectionLost: replay. Release the session's epoch on every
+  daemon, take epoch + 1, and send the session's token ids again from position 0, then the append.
+  stale_epoch below a daemon's epoch floor (it forgot the id, kvpool.daemon.books.sessions): the same, at the floor.
+- over_budget: back off (the reply's `retry_after_s` when it has one, else exponential with jitter,
+  bounded) and ask the same daemon again, until `over_budget_give_up_s`.
+- cancelled at daemon i (a daemon's reply, or `cancel()` seen between daemons): daemons 0..i-1 are
+  truncated back to the length before the append, and `Cancelled` is raised.
+- anything else a daemon answers (stale_epoch, context_full, ...) is raised as a StageFailed after the
+  same roll-back; a timeout or an interrupt leaves the session to be replayed by its next append.
+
+A replay is exact: it repeats the session's appends with the same partition (kvpool.router.history), so
+what follows a recovery is bit for bit what an uninterrupted run gives; `exact_replay=False` sends one
+prefill instead. The knobs are a RecoveryPolicy, and what recovery did is counted in RecoveryCounts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import time
+from collections.abc import Callable, Iterator, Sequence
+
+import numpy as np
+
+from kvpool.router.history import AppendHistory
+from kvpool.client.client import AppendResult, ConnectionLost, KvpoolError
+from kvpool.local.generate import greedy_tokens
+from kvpool.router.in_flight import InFlightAppend
+from kvpool.wire.protocol import ErrorCode
+from kvpool.router.recovery import Cancelled, RecoveryCounts, RecoveryFailed, epoch_floor_of, replay_counter
+from kvpool.router.recovery import RecoveryPolicy
+from kvpool.router.route import Route, StageFailed
+from kvpool.wire.sampling import Sampling
+
+Count = Callable[[str, int], None]  # adds to a count of the router that made the session (all its sessions)
+
+
+class RoutedSession:
+    """One session through the router. Between calls, either every daemon holds the session's `tokens`
+    under `epoch`, or the next append replays them first. One thread appends; cancel() may come from any."""
+
+    def __init__(
+        self, route: Route, policy: RecoveryPolicy, session_id: str, *, epoch: int, n_ctx: int, admit_timeout_s: float,
+        rng: random.Random, count: Count,
+    ) -> None:
+        self.route = route
+        self.policy = policy
+        self.session_id = session_id
+        self.epoch = epoch
+        self.n_ctx = n_ctx
+        self.admit_timeout_s = admit_timeout_s
+        self.counts = RecoveryCounts()
+        self._history = AppendHistory()
+        self._needs_replay = False
+        self._epoch_floor = 0  # the highest epoch floor a daemon named (a stale_epoch for an id it forgot)
+        self._rng = rng
+        self._count_in_router = count
+        self._in_flight = InFlightAppend()
+
+    @property
+    def tokens(self) -> tuple[int, ...]:
+        return self._history.tokens
+
+    @property
+    def length(self) -> int:
+        return self._history.length
+
+    @property
+    def partition(self) -> tuple[int, ...]:
+        """The row count of each append that built `tokens`, in order: what a replay repeats."""
+        return self._history.partition
+
+    @property
+    def needs_replay(self) -> bool:
+        """The daemons may not hold `tokens` (a failed truncate or roll-back): the next append replays first."""
+        return self._needs_replay
+
+    # ---- appends ---------------------------------------------------------------------------------
+
+    def append(self, tokens: Sequence[int], *, output_rows: str = "last") -> np.ndarray:
+        """Append token ids after the session's tokens; the last daemon's rows (logits) come back."""
+        tokens = [int(token) for token in tokens]
+        if not tokens:
+            raise ValueError("an append needs at least one token")
+        return self._guarded_append(tokens, output_rows, None).rows
+
+    def sample(self, tokens: Sequence[int], sampling: Sampling) -> AppendResult:
+        """Append token ids; the last daemon picks the next token (`.token`; `.top_ids`/`.top_logprobs`
+        with sampling.logprobs; logits in `.rows` only with sampling.logits). The picked token is not
+        appended: pass it to the next call."""
+        tokens = [int(token) for token in tokens]
+        if not tokens:
+            raise ValueError("an append needs at least one token")
+        return self._guarded_append(tokens, "last", sampling)
+
+    def generate(
+        self, prompt: Sequence[int], max_new_tokens: int, sampling: Sampling | None = None, *, is_end: Callable[[int], bool] = lambda token: False
+    ) -> Iterator[int]:
+        """Append the prompt, then yield up to max_new_tokens tokens picked on the last shard (greedy by
+        default): a few bytes per token cross the route's last hop instead of n_vocab floats."""
+        sampling = sampling or Sampling()
+        pending = [int(token) for token in prompt]
+        for _ in range(max_new_tokens):
+            token = self.sample(pending, sampling).token
+            assert token is not None
+            yield token
+            if is_end(token):
+                return
+            pending = [token]
+
+    def _guarded_append(self, tokens: list[int], output_rows: str, sampling: Sampling | None) -> AppendResult:
+        with self._in_flight.running():
+            return self._append(tokens, output_rows, sampling)
+
+    def append_at(self, start_pos: int, tokens: Sequence[int]) -> np.ndarray:
+        """append() for callers that name the position (kvpool.local.generate); it must be the session's length."""
+        if start_pos != self.length:
+            raise ValueError(f"start_pos {start_pos} != the session's length {self.length}")
+        return self.append(tokens)
+
+    def greedy(
+        self, prompt: Sequence[int], max_new_tokens: int, *, is_end: Callable[[int], bool] = lambda token: False, prefill_chunk: int = 0
+    ) -> Iterator[int]:
+        """Append the prompt after the session's tokens, then yield greedy tokens (see kvpool.local.generate)."""
+        offset = self.length
+
+        def append(start: int, tokens: Sequence[int]) -> np.ndarray:
+            return self.append_at(offset + start, tokens)
+
+        return greedy_tokens(append, prompt, max_new_tokens, is_end=is_end, prefill_chunk=prefill_chunk)
+
+    def _append(self, tokens: list[int], output_rows: str, sampling: Sampling | None) -> AppendResult:
+        start = self.length
+        failures = 0
+        while True:
+            try:
+                if self._needs_replay:
+                    self._replay()
+                result = self._walk(start, tokens, output_rows, sampling)
+            except (StageFailed, ConnectionLost) as failure:
+                counter = replay_counter(failure)
+                if counter is None:
+                    self._roll_back(start, failure.stage)
+                    raise
+                self._count(counter)
+                self._epoch_floor = max(self._epoch_floor, epoch_floor_of(failure))
+                self._needs_replay = True
+                failures += 1
+                if failures > self.policy.max_replays:
+                    raise RecoveryFailed(f"{self.session_id}: {failures} failures in a row, the last: {failure}") from failure
+                if failures > 1:
+                    self._in_flight.pause(self.policy.delay_s(failures - 2, self._rng))
+                continue
+            except Cancelled as cancelled:
+                self._roll_back(start, cancelled.stage)
+                raise
+            except BaseException:
+                self._needs_replay = True  # a timeout, an interrupt: what the daemons hold is unknown
+                raise
+            self._history.record(tokens)
+            return result
+
+    def _walk(self, start: int, tokens: list[int], output_rows: str, sampling: Sampling | None = None) -> AppendResult:
+        rows: list[int] | np.ndarray = tokens
+        result: AppendResult | None = None
+        for stage in range(len(self.route)):
+            self._in_flight.reach(stage)
+            result = self._append_at_stage(stage, start, rows, output_rows, sampling)
+            rows = result.rows
+        assert result is not None
+        return result
+
+    def _append_at_stage(self, stage: int, start: int, rows: list[int] | np.ndarray, output_rows: str, sampling: Sampling | None) -> AppendResult:
+        """One daemon's part; over_budget is answered here by backing off and asking that daemon again."""
+        give_up_at = time.monotonic() + self.policy.over_budget_give_up_s
+        attempt = 0
+        while True:
+            try:
+                return self.route.append_at(
+                    stage, self.session_id, self.epoch, start, rows, output_rows=output_rows, n_ctx=self.n_ctx,
+                    admit_timeout_s=self.admit_timeout_s, sample=sampling,
+                )
+            except StageFailed as failure:
+                if failure.code == ErrorCode.CANCELLED:
+                    raise Cancelled(stage) from None
+                left = give_up_at - time.monotonic()
+                if failure.code != ErrorCode.OVER_BUDGET or left <= 0:
+                    raise
+                self._count("over_budget_retries")
+                self._in_flight.pause(min(left, self.policy.delay_s(attempt, self._rng, getattr(failure.reply, "retry_after_s", None))))
+                attempt += 1
+
+    def _replay(self) -> None:
+        """Release the epoch everywhere, take the next one, and repeat the session's appends from 0."""
+        with contextlib.suppress(KvpoolError, ConnectionLost):
+            self.route.release(self.session_id, self.epoch)  # frees room first; a dead daemon is found below
+        self.epoch = max(self.epoch + 1, self._epoch_floor)
+        position = 0
+        for rows in self._history.replay_partition(self.policy.exact_replay):
+            self._walk(position, self._history.token_slice(position, rows), "last")
+            position += rows
+        self._needs_replay = False
+        if position:
+            self._count("replays")
+            self._count("replayed_tokens", position)
+
+    def _roll_back(self, start: int, stage: int) -> None:
+        """The append failed at `stage`: daemons before it took its rows; take them back to `start`."""
+        if self._needs_replay or stage == 0:
+            return
+        try:
+            self.route.truncate(self.session_id, self.epoch, start, stages=range(stage))
+            self._count("rollbacks")
+        except (KvpoolError, ConnectionLost):
+            self._needs_replay = True
+
+    # ---- the rest of a session's life ---------------------------------------------------------------
+
+    def cancel(self) -> bool:
+        """Cancel the append in flight (from another thread): the daemon computing it is told at once, and
+        the walk stops before the next daemon. Returns False when no append was in flight."""
+        cancelled = self._in_flight.cancel(lambda: self.epoch)
+        if cancelled is None:
+            return False
+        stage, epoch = cancelled
+        if stage >= 0:
+            with contextlib.suppress(KvpoolError, ConnectionLost):
+                self.route.clients[stage].cancel(self.session_id, epoch)
+        return True
+
+    def truncate(self, length: int) -> None:
+        """Keep positions [0, length). A daemon that lost the session is caught up by the next append."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot truncate to {length}: the session holds {self.length} tokens")
+        if not self._needs_replay:
+            try:
+                self.route.truncate(self.session_id, self.epoch, length)
+            except (StageFailed, ConnectionLost) as failure:
+                self._needs_replay = True
+                if replay_counter(failure) is None:
+                    raise
+        self._history.truncate(length)
+
+    def release(self) -> None:
+        """Release the session on every daemon; it may start again from an empty append history."""
+        self._history.clear()
+        self._needs_replay = False
+        try:
+            self.route.release(self.session_id, self.epoch)
+        except BaseException:
+            self._needs_replay = True  # the next append releases again, under the next epoch
+            raise
+
+    def _count(self, field: str, amount: int = 1) -> None:
+        setattr(self.counts, field, getattr(self.counts, field) + amount)
+        self._count_in_router(field, amount)

@@ -1,0 +1,291 @@
+"""The wire protocol between routers and a shard daemon: every frame type, the codecs, and the framing.
+
+A frame is a 4-byte big-endian length followed by one MessagePack-encoded tagged struct. A connection
+starts with Hello (the protocol version is checked there), then carries requests, each answered by
+exactly one reply frame as it completes: requests in flight at the same time on one connection may be
+answered in any order. Every request carries a `request_id` chosen by the client and every reply echoes
+the id of the request it answers (0 for a frame that could not be decoded), so a client matches each
+reply to its request. New fields always get defaults so older peers keep
+decoding.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+
+import msgspec
+
+from kvpool.wire.shape import ShardShape
+from kvpool.wire.sampling import Sampling
+
+PROTOCOL_VERSION = 3  # 2: request_id on every request and reply; 3: ShardDescription.shape, Park, Fork, tiers, sampling
+FRAME_HEADER = struct.Struct(">I")
+DEFAULT_MAX_REQUEST_BYTES = 64 * 1024 * 1024
+MAX_REPLY_BYTES = 2 * 1024 * 1024 * 1024 - 1
+
+
+class Message(msgspec.Struct, tag=True, forbid_unknown_fields=True, omit_defaults=True, kw_only=True):
+    """Base of every frame; the tag is the class name."""
+
+
+class RequestMessage(Message, kw_only=True):
+    """Base of every request: `request_id` is the client's, echoed in the reply."""
+
+    request_id: int = 0
+
+
+class ReplyMessage(Message, kw_only=True):
+    """Base of every reply: `request_id` of the request it answers."""
+
+    request_id: int = 0
+
+
+class ErrorCode(enum.StrEnum):
+    STALE_EPOCH = "stale_epoch"
+    CACHE_MISS = "cache_miss"
+    POSITION_MISMATCH = "position_mismatch"
+    OVER_BUDGET = "over_budget"
+    CONTEXT_FULL = "context_full"
+    CANCELLED = "cancelled"
+    WORKER_LOST = "worker_lost"
+    BAD_REQUEST = "bad_request"
+    CHANNEL_REVOKED = "channel_revoked"  # a worker's direct channel only: ask the daemon (the client does)
+    SHUTTING_DOWN = "shutting_down"
+    INTERNAL = "internal"
+
+
+class MissReason(enum.StrEnum):
+    UNKNOWN = "unknown"
+    EVICTED = "evicted"
+    EXPIRED = "expired"
+    WORKER_LOST = "worker_lost"
+    NEW_EPOCH = "new_epoch"
+    RELEASED = "released"
+    RESTORE_FAILED = "restore_failed"
+
+
+class OutputRows(enum.StrEnum):
+    LAST = "last"
+    ALL = "all"
+
+
+# ---- requests -------------------------------------------------------------------------------------
+
+
+class Hello(RequestMessage):
+    version: int
+    client: str = ""
+
+
+class Append(RequestMessage):
+    """Prefill (many rows) or decode (one row) at start_pos, which must equal the session's length.
+
+    Exactly one of `tokens` (first shard) or `hidden` (float32 little-endian, n_rows x n_embd) is set.
+    `n_ctx` 0 means the daemon's default; it matters only when this append admits a new session.
+    """
+
+    session_id: str
+    epoch: int
+    start_pos: int
+    tokens: list[int] | None = None
+    hidden: bytes | None = None
+    output_rows: OutputRows = OutputRows.LAST
+    n_ctx: int = 0
+    admit_timeout_s: float = 0.0
+    sample: Sampling | None = None  # last shard only: pick the next token here instead of returning logits
+    direct: bool = False  # bind the session to its worker's direct channel (the reply names it)
+
+
+class Truncate(RequestMessage):
+    """Keep positions [0, length)."""
+
+    session_id: str
+    epoch: int
+    length: int
+
+
+class Release(RequestMessage):
+    session_id: str
+    epoch: int
+
+
+class Cancel(RequestMessage):
+    """Abort the session's in-flight append; the session rolls back to its length before that append."""
+
+    session_id: str
+    epoch: int
+    direct_request_id: int = 0  # the request id of the append in flight on the session's direct channel, if any
+
+
+class Park(RequestMessage):
+    """Save an idle hot session's state to the spill store now and free its context (it is restored,
+    exactly, by its next append)."""
+
+    session_id: str
+    epoch: int
+
+
+class Fork(RequestMessage):
+    """A new session (new_session_id, new_epoch) holding the source's first `length` positions, parked;
+    independent of the source afterwards."""
+
+    session_id: str
+    epoch: int
+    new_session_id: str
+    new_epoch: int
+    length: int
+
+
+class Stats(RequestMessage):
+    pass
+
+
+class Shutdown(RequestMessage):
+    pass
+
+
+Request = Hello | Append | Truncate | Release | Cancel | Park | Fork | Stats | Shutdown
+
+
+# ---- replies --------------------------------------------------------------------------------------
+
+
+class ShardDescription(Message):
+    shape: ShardShape
+    model_path: str
+    source_sha256: str = ""
+
+
+class HelloReply(ReplyMessage):
+    version: int
+    shard: ShardDescription
+    max_n_ctx: int
+    default_n_ctx: int
+    max_request_bytes: int
+
+
+class AppendReply(ReplyMessage):
+    """`data` holds float32 little-endian rows x width: hidden states (non-final shard) or logits."""
+
+    session_id: str
+    epoch: int
+    length: int
+    rows: int
+    width: int
+    data: bytes
+    admitted: bool = False
+    restored: bool = False  # the session was parked and its saved state restored for this append
+    token: int = -1  # with Append.sample: the token picked (data then holds logits only if asked)
+    top_ids: list[int] = msgspec.field(default_factory=list)
+    top_logprobs: list[float] = msgspec.field(default_factory=list)
+    channel: str = ""  # with Append.direct: the worker's direct channel (an abstract Unix socket name)
+
+
+class Done(ReplyMessage):
+    """Reply to truncate, release, cancel and shutdown."""
+
+    length: int
+    session_id: str = ""
+    epoch: int = 0
+    detail: str = ""
+
+
+class ErrorReply(ReplyMessage):
+    code: ErrorCode
+    message: str
+    length: int = 0
+    reason: MissReason | None = None
+    session_id: str = ""
+    epoch: int = 0
+    retry_after_s: float | None = None  # over_budget: the daemon's estimate of when to ask again (None: none)
+    epoch_floor: int = 0  # stale_epoch for an id the daemon does not know: its epoch floor (README, "The contract")
+
+
+class SessionRow(Message):
+    session_id: str
+    epoch: int
+    length: int
+    n_ctx: int
+    charged_bytes: int
+    idle_s: float
+    worker_pid: int  # 0 while parked
+    in_flight: bool
+    tier: str = "hot"  # hot (a worker's context), ram or disk (parked in the spill store)
+
+
+class WorkerRow(Message):
+    name: str
+    pid: int
+    state: str
+    uss_bytes: int
+    baseline_uss_bytes: int
+    session_id: str = ""
+
+
+class BudgetRow(Message):
+    limit_bytes: int
+    reserved_bytes: int
+    measured_uss_bytes: int
+    measured_vram_bytes: int | None = None
+    shared_memory_bytes: int = 0  # the workers' segments: fixed, outside the session budget
+    spill_limit_bytes: int = 0  # the spill store's memory tier (0: the warm tier is off)
+    spill_bytes: int = 0
+    spill_disk_limit_bytes: int = 0
+    spill_disk_bytes: int = 0
+
+
+class CalibrationRow(Message):
+    """One start-up measurement: the memory a context of n_ctx took, and what a session of n_ctx is charged."""
+
+    n_ctx: int
+    measured_bytes: int
+    charged_bytes: int
+    theoretical_kv_bytes: int = 0  # f16 K and V of every layer llama.cpp allocates a cache for
+
+
+class StatsReply(ReplyMessage):
+    shard: ShardDescription
+    sessions: list[SessionRow]
+    workers: list[WorkerRow]
+    budget: BudgetRow
+    counters: dict[str, int]
+    uptime_s: float
+    integrity: str = "ok"  # the books' check_integrity(): "ok" or what does not balance
+    calibration: list[CalibrationRow] = []  # the measurements every session's charge is fitted from
+    mode: str = "process"  # how workers hold sessions: "process" (one each) or "batched" (sequences of one context)
+    mode_detail: str = ""  # why this mode, and its shape (sessions per worker process)
+
+
+Reply = HelloReply | AppendReply | Done | ErrorReply | StatsReply
+
+_request_encoder = msgspec.msgpack.Encoder()
+_request_decoder = msgspec.msgpack.Decoder(Request)
+_reply_decoder = msgspec.msgpack.Decoder(Reply)
+
+
+def encode(message: Message) -> bytes:
+    """One whole frame: header plus payload."""
+    payload = _request_encoder.encode(message)
+    return FRAME_HEADER.pack(len(payload)) + payload
+
+
+def receive_exactly(sock, size: int) -> bytes | None:
+    """`size` bytes from a blocking socket, or None when the peer closed it first."""
+    buffer = bytearray(size)
+    view = memoryview(buffer)
+    received = 0
+    while received < size:
+        count = sock.recv_into(view[received:])
+        if count == 0:
+            return None
+        received += count
+    return bytes(buffer)
+
+
+def decode_request(payload: bytes) -> Request:
+    return _request_decoder.decode(payload)
+
+
+def decode_reply(payload: bytes) -> Reply:
+    return _reply_decoder.decode(payload)

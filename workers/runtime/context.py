@@ -1,0 +1,250 @@
+"""One bounded llama context on a loaded shard: one sequence's KV cache for the shard's layers.
+
+The first shard takes token ids, later shards take the previous shard's hidden states; non-final shards
+return the residual stream after their last local layer (captured by the C eval callback, which stops
+the graph there so the vocabulary head never runs), the final shard returns logits.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Literal
+
+import llama_cpp
+import numpy as np
+
+from workers.runtime.params import GraphHooks, LoadedShard, context_params
+from workers.runtime.errors import BadInput, Cancelled, ContextFull, DecodeFailed, PositionMismatch, RestoreFailed
+from workers.runtime.state import restore_sequence, save_sequence
+
+OutputRows = Literal["last", "all"]
+
+SEQUENCE = 0
+DECODE_ABORTED = 2
+
+
+class ShardContext:
+    """One bounded llama context holding one sequence's KV cache for this shard's layers."""
+
+    def __init__(
+        self, model: LoadedShard, n_ctx: int, *, n_batch: int, abort_flag_address: int | None
+    ) -> None:
+        if n_ctx < 1:
+            raise ValueError("n_ctx must be at least 1")
+        self._model = model
+        self.layout = model.layout
+        self.n_ctx = n_ctx
+        self.n_batch = max(1, min(n_batch, n_ctx))
+        self._length = 0
+        self._ctx: llama_cpp.llama_context_p | None = None
+        self._batch: llama_cpp.llama_batch | None = None
+        self._hooks = GraphHooks(model, abort_flag_address)
+        self.abort_flag_address = self._hooks.abort_flag_address
+        self._capture = self._hooks.capture
+
+        params = context_params(
+            model, n_ctx=n_ctx, n_batch=self.n_batch, n_seq_max=1, abort_flag_address=self.abort_flag_address, capture=self._capture
+        )
+        ctx = llama_cpp.llama_init_from_model(model.handle, params)
+        if not ctx:
+            raise MemoryError(f"llama.cpp could not create a context with n_ctx={n_ctx}")
+        self._ctx = ctx
+        self._memory = llama_cpp.llama_get_memory(ctx)
+
+        takes_tokens = self.layout.is_first
+        embd_width = 0 if takes_tokens else self.layout.n_embd
+        self._batch = llama_cpp.llama_batch_init(self.n_batch, embd_width, 1)
+        batch = self._batch
+        self._batch_pos = np.ctypeslib.as_array(batch.pos, shape=(self.n_batch,))
+        self._batch_outputs = np.ctypeslib.as_array(batch.logits, shape=(self.n_batch,))
+        n_seq_id = np.ctypeslib.as_array(batch.n_seq_id, shape=(self.n_batch,))
+        n_seq_id[:] = 1
+        for row in range(self.n_batch):
+            batch.seq_id[row][0] = SEQUENCE
+        if takes_tokens:
+            self._batch_tokens = np.ctypeslib.as_array(batch.token, shape=(self.n_batch,))
+        else:
+            self._batch_embd = np.ctypeslib.as_array(batch.embd, shape=(self.n_batch, self.layout.n_embd))
+
+    @property
+    def length(self) -> int:
+        return self._length
+
+    @property
+    def closed(self) -> bool:
+        return self._ctx is None
+
+    def _handle(self) -> llama_cpp.llama_context_p:
+        if self._ctx is None:
+            raise RuntimeError("context is closed")
+        return self._ctx
+
+    def _validate_rows(self, tokens: object, hidden: object) -> np.ndarray:
+        length = self._length
+        if (tokens is None) == (hidden is None):
+            raise BadInput("give exactly one of tokens or hidden", length=length)
+        if self.layout.is_first:
+            if tokens is None:
+                raise BadInput("the first shard takes token ids, not hidden states", length=length)
+            rows = np.asarray(tokens)
+            if rows.ndim != 1 or rows.dtype.kind not in "iu":
+                raise BadInput("tokens must be a 1-D sequence of integers", length=length)
+            if rows.size and (rows.min() < 0 or rows.max() >= self.layout.n_vocab):
+                raise BadInput(f"token ids must be in [0, {self.layout.n_vocab})", length=length)
+            return rows.astype(np.int32, copy=False)
+        if hidden is None:
+            raise BadInput("this shard takes hidden states, not token ids", length=length)
+        rows = np.asarray(hidden)
+        if rows.dtype != np.float32 or rows.ndim != 2 or rows.shape[1] != self.layout.n_embd:
+            raise BadInput(
+                f"hidden states must be float32 [n_rows, {self.layout.n_embd}], got {rows.dtype} {rows.shape}",
+                length=length,
+            )
+        return np.ascontiguousarray(rows)
+
+    def append(
+        self,
+        start_pos: int,
+        *,
+        tokens: object = None,
+        hidden: object = None,
+        output_rows: OutputRows = "last",
+        out: np.ndarray | None = None,
+    ) -> np.ndarray:
+        """Append rows at start_pos (must equal length). Returns hidden states of every row
+        (non-final shard) or logits of the last row / all rows (final shard), written into `out`
+        when given (float32, C-contiguous, exactly the result's shape: e.g. a view of shared memory).
+
+        On any failure the context is rolled back to its length before this call.
+        """
+        ctx = self._handle()
+        if start_pos != self._length:
+            raise PositionMismatch(
+                f"start_pos {start_pos} != session length {self._length}", length=self._length
+            )
+        rows = self._validate_rows(tokens, hidden)
+        n_rows = rows.shape[0]
+        if n_rows == 0:
+            raise BadInput("append needs at least one row", length=self._length)
+        if output_rows not in ("last", "all"):
+            raise BadInput(f"output_rows must be 'last' or 'all', not {output_rows!r}", length=self._length)
+        if start_pos + n_rows > self.n_ctx:
+            raise ContextFull(
+                f"{start_pos} + {n_rows} rows exceed n_ctx {self.n_ctx}", length=self._length
+            )
+
+        layout = self.layout
+        if layout.is_last:
+            out_shape = (n_rows if output_rows == "all" else 1, layout.n_vocab)
+        else:
+            out_shape = (n_rows, layout.n_embd)
+        if out is None:
+            out = np.empty(out_shape, dtype=np.float32)
+        elif out.shape != out_shape or out.dtype != np.float32 or not out.flags.c_contiguous:
+            raise BadInput(f"output buffer must be float32 C-contiguous {out_shape}", length=self._length)
+        batch = self._batch
+        assert batch is not None
+        for chunk_start in range(0, n_rows, self.n_batch):
+            chunk_stop = min(n_rows, chunk_start + self.n_batch)
+            chunk_rows = chunk_stop - chunk_start
+            if layout.is_first:
+                self._batch_tokens[:chunk_rows] = rows[chunk_start:chunk_stop]
+            else:
+                self._batch_embd[:chunk_rows] = rows[chunk_start:chunk_stop]
+            self._batch_pos[:chunk_rows] = np.arange(
+                start_pos + chunk_start, start_pos + chunk_stop, dtype=np.int32
+            )
+            if layout.is_last and output_rows == "last":
+                self._batch_outputs[:chunk_rows] = 0
+                if chunk_stop == n_rows:
+                    self._batch_outputs[chunk_rows - 1] = 1
+            elif not layout.is_last and self._model.lookahead_layers:
+                # llama.cpp prunes unmarked rows in the model's last layer, here the lookahead layer, which
+                # never runs: one output per batch keeps its output buffer at one row of logits.
+                self._batch_outputs[:chunk_rows] = 0
+                self._batch_outputs[chunk_rows - 1] = 1
+            else:
+                # Non-final shards mark every row: llama.cpp prunes unmarked rows in the last layer.
+                self._batch_outputs[:chunk_rows] = 1
+            batch.n_tokens = chunk_rows
+            capture = self._capture
+            if capture is not None:
+                row_bytes = layout.n_embd * 4
+                capture.dst = out.ctypes.data + chunk_start * row_bytes
+                capture.dst_capacity = chunk_rows * row_bytes
+                capture.captured_bytes = 0
+                capture.overflow = 0
+            status = llama_cpp.llama_decode(ctx, batch)
+            if status != 0:
+                self._roll_back(start_pos)
+                if status == DECODE_ABORTED:
+                    raise Cancelled("append cancelled", length=self._length)
+                raise DecodeFailed(f"llama_decode returned {status}", length=self._length)
+            if capture is not None:
+                if capture.overflow or capture.captured_bytes != chunk_rows * layout.n_embd * 4:
+                    self._roll_back(start_pos)
+                    raise DecodeFailed(
+                        f"captured {capture.captured_bytes} bytes for {chunk_rows} rows", length=self._length
+                    )
+            elif output_rows == "all":
+                for row in range(chunk_rows):
+                    source = llama_cpp.llama_get_logits_ith(ctx, row)
+                    ctypes.memmove(out[chunk_start + row].ctypes.data, source, layout.n_vocab * 4)
+            elif chunk_stop == n_rows:
+                source = llama_cpp.llama_get_logits_ith(ctx, -1)
+                ctypes.memmove(out.ctypes.data, source, layout.n_vocab * 4)
+        self._length = start_pos + n_rows
+        return out
+
+    def _roll_back(self, length: int) -> None:
+        # Micro-batches finished before a failure stay in the KV cache: remove them.
+        llama_cpp.llama_memory_seq_rm(self._memory, SEQUENCE, length, -1)
+        self._length = llama_cpp.llama_memory_seq_pos_max(self._memory, SEQUENCE) + 1
+        assert self._length == length, (self._length, length)
+
+    def truncate(self, n: int) -> int:
+        """Keep positions [0, n). Returns the new length."""
+        self._handle()
+        if not 0 <= n <= self._length:
+            raise PositionMismatch(
+                f"cannot truncate to {n}: session length is {self._length}", length=self._length
+            )
+        if n < self._length:
+            self._roll_back(n)
+        return self._length
+
+    def save_state(self) -> bytes:
+        """The sequence's KV state, positions [0, length), as restore_state takes it."""
+        return save_sequence(self._handle(), SEQUENCE)
+
+    def restore_state(self, blob: bytes, length: int) -> int:
+        """Load a saved state into this empty context and keep its positions [0, length). Raises
+        RestoreFailed (the context must then be freed, never reused: its KV may be corrupt)."""
+        ctx = self._handle()
+        if self._length:
+            raise BadInput("restore needs an empty context", length=self._length)
+        if not restore_sequence(ctx, SEQUENCE, blob):
+            raise RestoreFailed("llama.cpp refused the saved state", length=0)
+        held = llama_cpp.llama_memory_seq_pos_max(self._memory, SEQUENCE) + 1
+        if held < length or length > self.n_ctx:
+            raise RestoreFailed(f"the saved state holds {held} positions, {length} expected", length=0)
+        self._length = held
+        if held > length:
+            self._roll_back(length)
+        return self._length
+
+    def close(self) -> None:
+        """Idempotent; frees the batch and the context (the model stays)."""
+        if self._batch is not None:
+            llama_cpp.llama_batch_free(self._batch)
+            self._batch = None
+        if self._ctx is not None:
+            llama_cpp.llama_free(self._ctx)
+            self._ctx = None
+        self._model._forget(self)
+
+    def __enter__(self) -> ShardContext:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

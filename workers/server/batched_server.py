@@ -1,0 +1,190 @@
+"""A batched worker: one loaded shard, one context of `n_seqs` isolated sequences (workers.runtime.batched), each
+serving one session; the supervisor's RunBatch decodes the appends of several sequences in one go.
+
+Every command names its sequence and touches no other: open empties it and sets its session's n_ctx,
+truncate and close act on it alone, save and restore move its state only. A RunBatch item that fails its
+own checks fails alone; the others are decoded together, and a failed or cancelled decode leaves each of
+its sequences as it was (BatchedShardContext rolls them back).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from multiprocessing import shared_memory
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from workers.runtime.batch_plan import SeqAppend
+from workers.runtime.batched import BatchedShardContext
+from workers.server.commands import (
+    ABORT_FLAG_OFFSET,
+    CONTROL_BYTES,
+    AnyCommand,
+    Appended,
+    BatchDone,
+    BatchItem,
+    ChannelState,
+    CloseContext,
+    Closed,
+    Failed,
+    Opened,
+    OpenContext,
+    Restored,
+    RestoreState,
+    RevokeChannel,
+    RunBatch,
+    Saved,
+    SaveState,
+    Truncated,
+    TruncateContext,
+)
+from workers.runtime.errors import ShardRuntimeError
+from workers.runtime.model import ShardModel
+from workers.runtime.sampling import sample
+
+if TYPE_CHECKING:
+    from workers.server.spec import WorkerSpec
+
+BATCH_ROWS = 512  # llama.cpp's n_batch for the shared context, as a single context uses
+
+
+class BatchedWorkerServer:
+    def __init__(self, model: ShardModel, segment: shared_memory.SharedMemory, spec: WorkerSpec) -> None:
+        self.model = model
+        self.spec = spec
+        self._buffer = segment.buf
+        abort_flag_address = ctypes.addressof(ctypes.c_char.from_buffer(segment.buf, ABORT_FLAG_OFFSET))
+        self.context = BatchedShardContext(
+            model, spec.max_n_ctx, spec.seqs_per_worker, n_batch=BATCH_ROWS, abort_flag_address=abort_flag_address
+        )
+        self._limits = [0] * spec.seqs_per_worker  # each sequence's session n_ctx (0: no session)
+        self._input = memoryview(segment.buf)[CONTROL_BYTES : CONTROL_BYTES + spec.input_bytes]
+        self._output = memoryview(segment.buf)[CONTROL_BYTES + spec.input_bytes : CONTROL_BYTES + spec.input_bytes + spec.output_bytes]
+
+    def _seq(self, seq: int) -> Failed | None:
+        if not 0 <= seq < self.spec.seqs_per_worker:
+            return Failed(code="bad_command", message=f"no sequence {seq} in this worker")
+        return None
+
+    def handle(self, command: AnyCommand):
+        seq = getattr(command, "seq", 0)
+        if (bad := self._seq(seq)) is not None:
+            return bad
+        match command:
+            case RevokeChannel():
+                return ChannelState(length=0)
+            case OpenContext(n_ctx=n_ctx):
+                if not 1 <= n_ctx <= self.context.n_ctx_per_seq:
+                    return Failed(code="open_failed", message=f"n_ctx {n_ctx} is beyond this worker's {self.context.n_ctx_per_seq} per sequence")
+                self.context.clear(seq)
+                self._limits[seq] = n_ctx
+                return Opened(n_ctx=n_ctx)
+            case RunBatch(items=items):
+                return BatchDone(results=self._run_batch(items))
+            case TruncateContext(length=length):
+                try:
+                    return Truncated(length=self.context.truncate(seq, length))
+                except ShardRuntimeError as error:
+                    return Failed(code=error.code, message=str(error), length=error.length)
+            case CloseContext():
+                self.context.clear(seq)
+                self._limits[seq] = 0
+                return Closed()
+            case SaveState():
+                if not self._limits[seq]:
+                    return Failed(code="no_context", message=f"sequence {seq} serves no session")
+                return Saved(length=self.context.length(seq), blob=self.context.save_state(seq))
+            case RestoreState(n_ctx=n_ctx, blob=blob, length=length):
+                return self._restore(seq, n_ctx, blob, length)
+        return Failed(code="bad_command", message=f"a batched worker does not take {type(command).__name__}")
+
+    def _restore(self, seq: int, n_ctx: int, blob: bytes, length: int):
+        self.context.clear(seq)
+        self._limits[seq] = 0
+        try:
+            held = self.context.restore_state(seq, blob)
+            if held < length or length > n_ctx:
+                raise ValueError(f"the saved state holds {held} positions, {length} expected")
+            self.context.truncate(seq, length)
+        except (ShardRuntimeError, ValueError) as error:
+            self.context.clear(seq)  # per-sequence KV streams keep a refused restore away from the others
+            return Failed(code="restore_failed", message=str(error), length=0)
+        self._limits[seq] = n_ctx
+        return Restored(length=length)
+
+    def _item_rows(self, item: BatchItem) -> np.ndarray | Failed:
+        layout = self.model.layout
+        width = 1 if layout.is_first else layout.n_embd
+        if item.n_rows < 1 or item.input_offset < 0 or item.input_offset + item.n_rows * width * 4 > len(self._input):
+            return Failed(code="bad_request", message="rows outside the input region", length=self.context.length(item.seq))
+        if layout.is_first:
+            return np.frombuffer(self._input, np.int32, item.n_rows, item.input_offset)
+        return np.frombuffer(self._input, np.float32, item.n_rows * width, item.input_offset).reshape(item.n_rows, width)
+
+    def _check(self, item: BatchItem, seen: set[int]) -> Failed | None:
+        if (bad := self._seq(item.seq)) is not None:
+            return bad
+        length = self.context.length(item.seq)
+        if item.seq in seen:
+            return Failed(code="bad_command", message=f"sequence {item.seq} named twice in one batch", length=length)
+        if not self._limits[item.seq]:
+            return Failed(code="no_context", message=f"sequence {item.seq} serves no session", length=length)
+        if item.start_pos != length:
+            return Failed(code="position_mismatch", message=f"start_pos {item.start_pos} != session length {length}", length=length)
+        if length + item.n_rows > self._limits[item.seq]:
+            return Failed(code="context_full", message=f"{length} + {item.n_rows} rows exceed n_ctx {self._limits[item.seq]}", length=length)
+        return None
+
+    def _run_batch(self, items: list[BatchItem]) -> list[Appended | Failed]:
+        results: list[Appended | Failed | None] = [None] * len(items)
+        seen: set[int] = set()
+        runnable: list[tuple[int, BatchItem, np.ndarray]] = []
+        for index, item in enumerate(items):
+            failure = self._check(item, seen)
+            rows = self._item_rows(item) if failure is None else failure
+            if isinstance(rows, Failed):
+                results[index] = rows
+                continue
+            seen.add(item.seq)
+            runnable.append((index, item, rows))
+        if runnable:
+            try:
+                outputs = self.context.append_many(SeqAppend(item.seq, item.start_pos, rows, item.output_rows) for _i, item, rows in runnable)
+            except ShardRuntimeError as error:
+                lengths = getattr(error, "lengths", {})
+                for index, item, _rows in runnable:
+                    results[index] = Failed(code=error.code, message=str(error), length=lengths.get(item.seq, self.context.length(item.seq)))
+            else:
+                for (index, item, _rows), out in zip(runnable, outputs):
+                    results[index] = self._reply(item, out)
+        return results  # type: ignore[return-value]
+
+    def _reply(self, item: BatchItem, out: np.ndarray) -> Appended:
+        length = self.context.length(item.seq)
+        width = out.shape[1]
+        returned = out.shape[0]
+        picked = None
+        if item.sample is not None:
+            picked = sample(out[-1], item.sample, length)
+            returned = returned if item.sample.logits else 0
+        data = out[:returned]
+        inline = b""
+        if data.nbytes > item.output_capacity or item.output_offset < 0 or item.output_offset + data.nbytes > len(self._output):
+            inline = data.tobytes()
+        elif data.nbytes:
+            np.frombuffer(self._output, np.float32, data.size, item.output_offset)[:] = data.reshape(-1)
+        if picked is None:
+            return Appended(length=length, rows=returned, width=width, inline=inline, output_offset=item.output_offset)
+        return Appended(
+            length=length, rows=returned, width=width, inline=inline, output_offset=item.output_offset,
+            token=picked.token, top_ids=picked.top_ids, top_logprobs=picked.top_logprobs,
+        )
+
+    def release_free_heap(self) -> None:
+        pass  # the one context lives as long as the worker
+
+    def close(self) -> None:
+        self.context.close()
+        self._input.release()  # the segment closes next: no view of it may outlive this
+        self._output.release()

@@ -1,0 +1,176 @@
+"""Messages between the supervisor and one worker process, over a pipe (bulk rows go through shared memory).
+
+Shared memory layout of a worker's segment: [0, CONTROL_BYTES) control words (the int32 abort flag at
+offset 0, set by the supervisor to cancel an in-flight append), then the input region, then the output
+region. A worker serves one command at a time and answers each with exactly one reply.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from kvpool.wire.shape import ShardShape
+from kvpool.wire.sampling import Sampling
+
+CONTROL_BYTES = 64
+ABORT_FLAG_OFFSET = 0  # int32, set by the supervisor: abort the append in flight
+DIRECT_BUSY_OFFSET = 4  # int32, set by the worker while an append from its direct channel computes
+DIRECT_LENGTH_OFFSET = 8  # int64, by the worker: the context's length after the last direct append
+DIRECT_LAST_USED_OFFSET = 16  # float64, by the worker: time.monotonic() when that append ended
+DIRECT_APPENDS_OFFSET = 24  # int64, by the worker: appends served from the direct channel
+DIRECT_ROWS_OFFSET = 32  # int64, by the worker: their rows
+DIRECT_BUSY_SINCE_OFFSET = 40  # float64, by the worker: time.monotonic() when the running direct append began
+
+
+class Command(msgspec.Struct, tag=True, forbid_unknown_fields=True, kw_only=True):
+    pass
+
+
+class OpenContext(Command):
+    n_ctx: int
+    seq: int = 0  # a batched worker: the sequence (emptied, then limited to n_ctx positions)
+
+
+class RunAppend(Command):
+    """Input rows are in the input region: int32 token ids on a first shard, float32 [n_rows, n_embd]
+    hidden states on any other (the worker knows which shard it runs)."""
+
+    start_pos: int
+    n_rows: int
+    output_rows: str = "last"
+    sample: Sampling | None = None  # last shard: pick the next token (rows come back only with sample.logits)
+
+
+class TruncateContext(Command):
+    length: int
+    seq: int = 0
+
+
+class BatchItem(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """One sequence's append in a RunBatch: its rows at `input_offset` of the input region; its result
+    rows written at `output_offset` of the output region when they fit in `output_capacity` bytes."""
+
+    seq: int
+    start_pos: int
+    n_rows: int
+    input_offset: int
+    output_offset: int
+    output_capacity: int
+    output_rows: str = "last"
+    sample: Sampling | None = None
+
+
+class RunBatch(Command):
+    """A batched worker: the items' appends (one per sequence) decoded together; one reply, BatchDone."""
+
+    items: list[BatchItem]
+
+
+class CloseContext(Command):
+    seq: int = 0
+
+
+class SaveState(Command):
+    """The open context's sequence state, as bytes in the reply (Saved)."""
+
+    seq: int = 0
+
+
+class RestoreState(Command):
+    """A fresh context of n_ctx positions loaded with `blob` (from SaveState) and cut to `length`.
+    On failure that context is freed (Failed, code restore_failed)."""
+
+    n_ctx: int
+    blob: bytes
+    length: int
+    seq: int = 0
+
+
+class BindChannel(Command):
+    """Serve (session_id, epoch)'s appends from the worker's direct channel too, until any other
+    command from the supervisor (every one of them revokes the channel first)."""
+
+    session_id: str
+    epoch: int
+
+
+class RevokeChannel(Command):
+    """End the direct channel's binding; the reply carries the context's length."""
+
+
+class Exit(Command):
+    pass
+
+
+class CancelDirect(Command):
+    """On the cancel pipe: abort (session_id, epoch)'s direct append `request_id`, running or not started."""
+
+    session_id: str
+    epoch: int
+    request_id: int
+
+
+class WorkerReply(msgspec.Struct, tag=True, forbid_unknown_fields=True, kw_only=True):
+    pass
+
+
+class Ready(WorkerReply):
+    pid: int
+    shape: ShardShape
+    kv_bytes_per_position: int
+    context_bytes: int = 0  # a batched worker: what its one context of every sequence took (anonymous memory)
+
+
+class Opened(WorkerReply):
+    n_ctx: int
+
+
+class Appended(WorkerReply):
+    """The result rows, float32 [rows, width], are in the output region, or in `inline` when they are
+    larger than that region (every row's logits of a long prefill on the last shard)."""
+
+    length: int
+    rows: int
+    width: int
+    inline: bytes = b""
+    output_offset: int = 0  # a batched worker: where in the output region the rows are
+    token: int = -1
+    top_ids: list[int] = msgspec.field(default_factory=list)
+    top_logprobs: list[float] = msgspec.field(default_factory=list)
+
+
+class Truncated(WorkerReply):
+    length: int
+
+
+class Closed(WorkerReply):
+    pass
+
+
+class Saved(WorkerReply):
+    length: int
+    blob: bytes
+
+
+class Restored(WorkerReply):
+    length: int
+
+
+class ChannelState(WorkerReply):
+    length: int
+
+
+class Failed(WorkerReply):
+    code: str
+    message: str
+    length: int = 0
+
+
+class BatchDone(WorkerReply):
+    """RunBatch's reply: per item, in order, Appended or Failed (a failed item changed nothing)."""
+
+    results: list[Appended | Failed]
+
+
+AnyCommand = OpenContext | RunAppend | RunBatch | TruncateContext | CloseContext | SaveState | RestoreState | BindChannel | RevokeChannel | Exit
+AnyWorkerReply = Ready | Opened | Appended | BatchDone | Truncated | Closed | Saved | Restored | ChannelState | Failed

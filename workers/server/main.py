@@ -1,0 +1,131 @@
+"""The worker process: loads one shard once, holds at most one live context, obeys the supervisor's pipe.
+
+Started with the `spawn` method by kvpool.daemon.pool.pool; knows nothing of budgets, sessions or other workers.
+A worker never outlives its supervisor: it exits when the pipe reaches EOF (while idle) and, from a
+watchdog thread, as soon as its parent process changes (the supervisor died, even mid-decode).
+"""
+
+from __future__ import annotations
+
+import os
+import selectors
+import signal
+import threading
+import time
+from multiprocessing import shared_memory
+from multiprocessing.connection import Connection
+
+import msgspec
+
+from workers.server.commands import AnyCommand, Exit, Failed, Ready
+from workers.server.batched_server import BatchedWorkerServer
+from workers.server.direct import DirectChannel
+from workers.server.single import WorkerServer
+from workers.server.spec import WorkerSpec
+from workers.runtime.model import ShardModel
+
+
+PARENT_CHECK_INTERVAL_S = 0.2
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    """Exit the whole process as soon as `parent_pid` is no longer our parent (it died: we were re-parented)."""
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(PARENT_CHECK_INTERVAL_S)
+        os._exit(1)
+
+    if os.getppid() != parent_pid:
+        os._exit(1)
+    threading.Thread(target=watch, name="kvpool-parent-watch", daemon=True).start()
+
+
+def anonymous_bytes(pid: int | str = "self") -> int:
+    """A process's anonymous memory (what contexts allocate; the mmap'd weights left out), from
+    /proc/<pid>/smaps_rollup; 0 where it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup", encoding="ascii") as rollup:
+            for line in rollup:
+                if line.startswith("Anonymous:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+def worker_main(connection: Connection, spec: WorkerSpec, cancel_connection: Connection | None = None) -> None:
+    _exit_with_parent(spec.parent_pid)
+    # The supervisor owns shutdown: a terminal's Ctrl-C reaches the whole process group.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    encoder = msgspec.msgpack.Encoder()
+    # The supervisor created the segment and unlinks it; a spawned worker shares the supervisor's
+    # resource tracker, so attaching here registers nothing new.
+    segment = shared_memory.SharedMemory(name=spec.shm_name)
+    try:
+        model = ShardModel(
+            spec.shard_path,
+            n_threads=spec.n_threads,
+            flash_attn=spec.flash_attn,
+            n_gpu_layers=spec.n_gpu_layers,
+            verbose=spec.verbose,
+        )
+    except Exception as error:  # noqa: BLE001 - reported to the supervisor, which refuses to start
+        connection.send_bytes(encoder.encode(Failed(code="load_failed", message=str(error))))
+        return
+    before = anonymous_bytes()
+    try:
+        server = BatchedWorkerServer(model, segment, spec) if spec.seqs_per_worker else WorkerServer(model, segment, spec)
+    except Exception as error:  # noqa: BLE001 - reported to the supervisor, which refuses to start
+        connection.send_bytes(encoder.encode(Failed(code="load_failed", message=f"creating the batched context: {error}")))
+        model.close()
+        return
+    server.release_free_heap()  # so the supervisor's baseline reading is the settled one
+    connection.send_bytes(
+        encoder.encode(
+            Ready(
+                pid=os.getpid(),
+                shape=model.layout,
+                kv_bytes_per_position=model.kv_bytes_per_position(),
+                context_bytes=max(anonymous_bytes() - before, 0) if spec.seqs_per_worker else 0,
+            )
+        )
+    )
+    selector = selectors.DefaultSelector()
+    selector.register(connection.fileno(), selectors.EVENT_READ, None)
+    channel = DirectChannel(spec.direct_address, server, segment, cancel_connection, selector, spec.frame_deadline_s) if spec.direct_address else None
+    try:
+        _obey(connection, server, channel, selector)
+    finally:
+        # Every view of the segment goes before it closes (a view left over makes close() fail).
+        if channel is not None:
+            channel.close()
+        server.close()
+        model.close()
+        selector.close()
+        segment.close()
+
+
+def _obey(connection: Connection, server: WorkerServer | BatchedWorkerServer, channel: DirectChannel | None, selector: selectors.BaseSelector) -> None:
+    """Obey the pipe, and serve the direct channel between its commands, until Exit or the pipe's EOF. The
+    loop never waits on a peer (workers.server.direct): only in select, where the time counts against the frames
+    passing on the channel."""
+    encoder = msgspec.msgpack.Encoder()
+    decoder = msgspec.msgpack.Decoder(AnyCommand)
+    while True:
+        wait = channel.next_wait() if channel is not None else None
+        before = time.monotonic()
+        events = selector.select(wait)
+        if channel is not None:
+            channel.waited(time.monotonic() - before)
+        for key, ready in events:
+            if key.data is not None:
+                channel.ready(key.data, ready)
+                continue
+            try:
+                command = decoder.decode(connection.recv_bytes())
+            except EOFError:
+                return  # the supervisor is gone
+            if isinstance(command, Exit):
+                return
+            connection.send_bytes(encoder.encode(server.handle(command)))

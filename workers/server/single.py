@@ -1,0 +1,161 @@
+"""A worker that serves one session's context: the commands of the supervisor's pipe, on one llama context."""
+
+from __future__ import annotations
+
+import ctypes
+import contextlib
+import ctypes.util
+from multiprocessing import shared_memory
+
+import numpy as np
+
+from workers.server.commands import (
+    ABORT_FLAG_OFFSET,
+    CONTROL_BYTES,
+    AnyCommand,
+    Appended,
+    BindChannel,
+    ChannelState,
+    CloseContext,
+    Closed,
+    Failed,
+    Opened,
+    OpenContext,
+    Restored,
+    RestoreState,
+    RevokeChannel,
+    RunAppend,
+    Saved,
+    SaveState,
+    Truncated,
+    TruncateContext,
+)
+from workers.server.compute_locks import ComputeLocks
+from workers.server.spec import WorkerSpec
+from workers.runtime.errors import ShardRuntimeError
+from workers.runtime.context import ShardContext
+from workers.runtime.model import ShardModel
+from workers.runtime.sampling import sample
+
+
+
+class WorkerServer:
+    """Executes commands against the model and its one optional context."""
+
+    def __init__(self, model: ShardModel, segment: shared_memory.SharedMemory, spec: WorkerSpec) -> None:
+        self.model = model
+        self.spec = spec
+        self.context: ShardContext | None = None
+        self._buffer = segment.buf
+        self._abort_flag_address = ctypes.addressof(ctypes.c_char.from_buffer(segment.buf, ABORT_FLAG_OFFSET))
+        libc_name = ctypes.util.find_library("c")
+        self._malloc_trim = getattr(ctypes.CDLL(libc_name), "malloc_trim", None) if libc_name else None
+        self.bound: tuple[str, int] | None = None  # the session the direct channel serves
+        self.compute = (
+            ComputeLocks(spec.compute_lock_path, spec.compute_slots, spec.worker_index) if spec.compute_lock_path else contextlib.nullcontext()
+        )
+
+    def release_free_heap(self) -> None:
+        """Hand freed heap pages back to the OS (glibc keeps them otherwise): measured memory then
+        falls back after a context is freed, instead of creeping up context after context."""
+        if self._malloc_trim is not None:
+            self._malloc_trim(0)
+
+    def handle(self, command: AnyCommand):
+        if not isinstance(command, BindChannel):
+            self.bound = None  # every supervisor command revokes the direct channel first
+        match command:
+            case BindChannel(session_id=session_id, epoch=epoch):
+                if self.context is None:
+                    return Failed(code="no_context", message="no open context")
+                self.bound = (session_id, epoch)
+                return ChannelState(length=self.context.length)
+            case RevokeChannel():
+                return ChannelState(length=self.context.length if self.context is not None else 0)
+            case OpenContext(n_ctx=n_ctx):
+                return self._open(n_ctx)
+            case RunAppend():
+                return self._append(command)
+            case TruncateContext(length=length):
+                if self.context is None:
+                    return Failed(code="no_context", message="no open context")
+                try:
+                    return Truncated(length=self.context.truncate(length))
+                except ShardRuntimeError as error:
+                    return Failed(code=error.code, message=str(error), length=error.length)
+            case CloseContext():
+                self._close_context()
+                return Closed()
+            case SaveState():
+                if self.context is None:
+                    return Failed(code="no_context", message="no open context")
+                return Saved(length=self.context.length, blob=self.context.save_state())
+            case RestoreState():
+                return self._restore(command)
+        return Failed(code="bad_command", message=f"unknown command {type(command).__name__}")
+
+    def _open(self, n_ctx: int):
+        self._close_context()
+        try:
+            self.context = self.model.new_context(n_ctx, abort_flag_address=self._abort_flag_address)
+        except (MemoryError, ValueError) as error:
+            return Failed(code="open_failed", message=str(error))
+        return Opened(n_ctx=n_ctx)
+
+    def _restore(self, command: RestoreState):
+        opened = self._open(command.n_ctx)
+        if isinstance(opened, Failed):
+            return opened
+        try:
+            return Restored(length=self.context.restore_state(command.blob, command.length))
+        except ShardRuntimeError as error:
+            self._close_context()  # a refused restore may leave corrupt KV: never reuse this context
+            return Failed(code="restore_failed", message=str(error), length=0)
+
+    def _append(self, command: RunAppend):
+        context = self.context
+        if context is None:
+            return Failed(code="no_context", message="no open context")
+        layout = self.model.layout
+        n_rows = command.n_rows
+        try:
+            if layout.is_first:
+                if n_rows * 4 > self.spec.input_bytes:
+                    return Failed(code="bad_request", message="too many rows", length=context.length)
+                rows = np.frombuffer(self._buffer, np.int32, n_rows, CONTROL_BYTES)
+                kwargs = {"tokens": rows}
+            else:
+                if n_rows * layout.n_embd * 4 > self.spec.input_bytes:
+                    return Failed(code="bad_request", message="too many rows", length=context.length)
+                rows = np.frombuffer(self._buffer, np.float32, n_rows * layout.n_embd, CONTROL_BYTES)
+                kwargs = {"hidden": rows.reshape(n_rows, layout.n_embd)}
+            out_rows = 1 if layout.is_last and command.output_rows != "all" else n_rows
+            width = layout.output_width
+            inline = out_rows * width * 4 > self.spec.output_bytes
+            if inline:
+                out = np.empty((out_rows, width), np.float32)
+            else:
+                out = np.frombuffer(
+                    self._buffer, np.float32, out_rows * width, CONTROL_BYTES + self.spec.input_bytes
+                ).reshape(out_rows, width)
+            with self.compute:
+                context.append(command.start_pos, output_rows=command.output_rows, out=out, **kwargs)
+        except ShardRuntimeError as error:
+            return Failed(code=error.code, message=str(error), length=error.length)
+        if command.sample is not None:
+            picked = sample(out[-1], command.sample, context.length)
+            returned = out_rows if command.sample.logits else 0
+            return Appended(
+                length=context.length, rows=returned, width=width, inline=out.tobytes() if inline and returned else b"",
+                token=picked.token, top_ids=picked.top_ids, top_logprobs=picked.top_logprobs,
+            )
+        return Appended(length=context.length, rows=out_rows, width=width, inline=out.tobytes() if inline else b"")
+
+    def _close_context(self) -> None:
+        if self.context is not None:
+            self.context.close()
+            self.context = None
+            self.release_free_heap()
+
+    def close(self) -> None:
+        self._close_context()
