@@ -15,7 +15,14 @@ import psutil
 
 from kvpool.client.client import Client, ConnectionLost
 
-START_TIMEOUT_S = 120.0
+# A hang guard, never a verdict on speed: a daemon's start-up (its workers, its measurements) takes seconds on
+# a quiet machine and may take minutes on a slow, busy one; while it is waited for, progress is printed.
+START_HANG_GUARD_S = 1800.0
+PROGRESS_EVERY_S = 15.0
+
+
+def _to_stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
 
 
 class DaemonStartFailed(RuntimeError):
@@ -51,9 +58,17 @@ class Daemon:
             os.close(lifeline_read)
         self.exit_code: int | None = None
 
-    def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> None:
-        deadline = time.monotonic() + timeout_s
+    def wait_ready(self, timeout_s: float = START_HANG_GUARD_S, *, say=_to_stderr) -> None:
+        """Until the daemon answers on its socket; every PROGRESS_EVERY_S, `say` where its start-up stands
+        (its last log line). DaemonStartFailed if it exits, or if it hangs past the guard `timeout_s`."""
+        started = time.monotonic()
+        deadline = started + timeout_s
+        next_note = started + PROGRESS_EVERY_S
         while time.monotonic() < deadline:
+            if time.monotonic() >= next_note:
+                next_note += PROGRESS_EVERY_S
+                last = (self.log().strip().splitlines() or ["(nothing logged yet)"])[-1]
+                say(f"kvpool: waiting for the daemon of {self.model.name} to start ({time.monotonic() - started:.0f} s): {last}")
             if self.process.poll() is not None:
                 raise DaemonStartFailed(f"daemon for {self.model.name} exited with {self.process.returncode}:\n{self.log()}")
             if self.socket.exists():
@@ -64,7 +79,7 @@ class Daemon:
                     pass
             time.sleep(0.05)
         self.stop(sig=signal.SIGKILL)
-        raise DaemonStartFailed(f"daemon for {self.model.name} did not start within {timeout_s:.0f} s:\n{self.log()}")
+        raise DaemonStartFailed(f"daemon for {self.model.name} did not start within the hang guard of {timeout_s:.0f} s:\n{self.log()}")
 
     def log(self) -> str:
         if not self._log.closed:
