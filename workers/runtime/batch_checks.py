@@ -1,6 +1,7 @@
-"""What makes a call to a BatchedShardContext (workers.runtime.batched) valid: a sequence id in range, rows of the
-shard's kind and width, and a batched append naming each sequence once, at its length, within its
-n_ctx_per_seq. Every refusal is a typed error carrying the length of the sequence it is about."""
+"""What makes a call to a BatchedShardContext (workers.runtime.batched) valid: a sequence id in range, and a
+batched append naming each sequence once, each item passing the append's rules of kvpool.wire.checks (rows of
+the shard's kind and width, at its sequence's length, within n_ctx_per_seq). Every refusal is a typed error
+carrying the length of the sequence it is about."""
 
 from __future__ import annotations
 
@@ -8,9 +9,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from kvpool.wire.checks import check_output_rows, check_position, shard_rows
 from kvpool.wire.shape import ShardShape
 from workers.runtime.batch_plan import SeqAppend
-from workers.runtime.errors import BadInput, ContextFull, PositionMismatch
+from workers.runtime.errors import BadInput, wire_checks
 
 
 def check_seq(seq: object, n_seqs: int) -> int:
@@ -30,28 +32,11 @@ def named_seqs(items: Sequence[SeqAppend], n_seqs: int) -> list[int]:
     return named
 
 
-def validated_rows(rows: object, layout: ShardShape, length: int) -> np.ndarray:
-    if layout.is_first:
-        array = np.asarray(rows)
-        if array.ndim != 1 or array.dtype.kind not in "iu":
-            raise BadInput("the first shard takes a 1-D sequence of token ids", length=length)
-        if array.size and (array.min() < 0 or array.max() >= layout.n_vocab):
-            raise BadInput(f"token ids must be in [0, {layout.n_vocab})", length=length)
-        return array.astype(np.int32, copy=False)
-    array = np.asarray(rows)
-    if array.dtype != np.float32 or array.ndim != 2 or array.shape[1] != layout.n_embd:
-        raise BadInput(
-            f"hidden states must be float32 [n_rows, {layout.n_embd}], got {array.dtype} {array.shape}",
-            length=length,
-        )
-    return np.ascontiguousarray(array)
-
-
 def validated_appends(
     items: Sequence[SeqAppend], lengths: Sequence[int], n_ctx_per_seq: int, layout: ShardShape
 ) -> list[np.ndarray]:
-    """Each item's rows, validated against `lengths` (every sequence's, by id); the first invalid item
-    raises."""
+    """Each item's rows, validated against `lengths` (every sequence's, by id) by the rules of kvpool.wire.checks;
+    the first invalid item raises."""
     seen: set[int] = set()
     validated = []
     for item in items:
@@ -60,17 +45,9 @@ def validated_appends(
         if seq in seen:
             raise BadInput(f"sequence {seq} named twice in one call", length=length)
         seen.add(seq)
-        if item.start_pos != length:
-            raise PositionMismatch(f"sequence {seq}: start_pos {item.start_pos} != length {length}", length=length)
-        if item.output_rows not in ("last", "all"):
-            raise BadInput(f"output_rows must be 'last' or 'all', not {item.output_rows!r}", length=length)
-        rows = validated_rows(item.rows, layout, length)
-        if rows.shape[0] == 0:
-            raise BadInput("an append needs at least one row", length=length)
-        if length + rows.shape[0] > n_ctx_per_seq:
-            raise ContextFull(
-                f"sequence {seq}: {length} + {rows.shape[0]} rows exceed n_ctx_per_seq {n_ctx_per_seq}",
-                length=length,
-            )
+        with wire_checks(about=f"sequence {seq}: "):
+            rows = shard_rows(layout, item.rows, length=length)
+            check_output_rows(item.output_rows, length=length)
+            check_position(item.start_pos, length, rows.shape[0], n_ctx_per_seq)
         validated.append(rows)
     return validated

@@ -22,19 +22,15 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
 
 import llama_cpp
 import numpy as np
 
 from workers.runtime.batch_plan import SeqAppend, plan_ubatches
 from workers.runtime.batch_checks import check_seq, named_seqs, validated_appends
-from workers.runtime.params import GraphHooks, context_params
+from workers.runtime.params import LoadedShard
 from workers.runtime.errors import BadInput, Cancelled, DecodeFailed, PositionMismatch, ShardRuntimeError
 from workers.runtime.ubatch import UbatchDecoder
-
-if TYPE_CHECKING:
-    from workers.runtime.model import ShardModel
 
 MAX_SEQUENCES = 256  # LLAMA_MAX_SEQ in llama.cpp
 
@@ -54,7 +50,7 @@ class BatchedShardContext:
 
     def __init__(
         self,
-        model: ShardModel,
+        model: LoadedShard,
         n_ctx_per_seq: int,
         n_seqs: int,
         *,
@@ -71,29 +67,20 @@ class BatchedShardContext:
         self.n_seqs = n_seqs
         self.n_batch = max(1, min(n_batch, n_ctx_per_seq * n_seqs))
         self._lengths = [0] * n_seqs
-        self._ctx: llama_cpp.llama_context_p | None = None
         self._decoder: UbatchDecoder | None = None
-        self._hooks = GraphHooks(model, abort_flag_address)
-        self.abort_flag_address = self._hooks.abort_flag_address
-        self._capture = self._hooks.capture
-
         # llama.cpp gives each of the n_seq_max streams n_ctx / n_seq_max cells, padded up to 256.
-        params = context_params(
-            model, n_ctx=n_ctx_per_seq * n_seqs, n_batch=self.n_batch, n_seq_max=n_seqs,
-            abort_flag_address=self.abort_flag_address, capture=self._capture,
+        self._llama = model.open_context(
+            self, n_ctx=n_ctx_per_seq * n_seqs, n_batch=self.n_batch, n_seq_max=n_seqs, abort_flag_address=abort_flag_address
         )
-        ctx = llama_cpp.llama_init_from_model(model.handle, params)
-        if not ctx:
-            raise MemoryError(f"llama.cpp could not create a context of {n_seqs} x {n_ctx_per_seq} positions")
-        self._ctx = ctx
-        self._memory = llama_cpp.llama_get_memory(ctx)
-        self.n_ctx_seq_allocated = llama_cpp.llama_n_ctx_seq(ctx)
-        model._live_contexts.add(self)  # type: ignore[arg-type]  # freed before the model, like ShardContext
+        self.abort_flag_address = self._llama.hooks.abort_flag_address
+        self._capture = self._llama.hooks.capture
+        self._memory = self._llama.memory
+        self.n_ctx_seq_allocated = llama_cpp.llama_n_ctx_seq(self._llama.handle)
         self._decoder = UbatchDecoder(model, self.n_batch, self._capture)
 
     @property
     def closed(self) -> bool:
-        return self._ctx is None
+        return self._llama.closed
 
     @property
     def decode_calls(self) -> int:
@@ -109,9 +96,7 @@ class BatchedShardContext:
         return self._lengths[seq]
 
     def _handle(self) -> llama_cpp.llama_context_p:
-        if self._ctx is None:
-            raise RuntimeError("context is closed")
-        return self._ctx
+        return self._llama.handle
 
     def append_many(self, items: Iterable[SeqAppend | tuple]) -> list[np.ndarray]:
         """Append each item's rows to its sequence (one item per sequence), in the calls of `plan_ubatches`.
@@ -212,10 +197,8 @@ class BatchedShardContext:
         """Idempotent; frees the batch and the context (the model stays)."""
         if self._decoder is not None:
             self._decoder.close()
-        if self._ctx is not None:
-            llama_cpp.llama_free(self._ctx)
-            self._ctx = None
-        self._model._forget(self)  # type: ignore[arg-type]
+        self._llama.close()
+        self._model.forget(self)
 
     def __enter__(self) -> BatchedShardContext:
         return self

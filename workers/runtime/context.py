@@ -13,8 +13,9 @@ from typing import Literal
 import llama_cpp
 import numpy as np
 
-from workers.runtime.params import GraphHooks, LoadedShard, context_params
-from workers.runtime.errors import BadInput, Cancelled, ContextFull, DecodeFailed, PositionMismatch, RestoreFailed
+from kvpool.wire.checks import check_input_kind, check_output_rows, check_position, shard_rows
+from workers.runtime.params import LoadedShard
+from workers.runtime.errors import BadInput, Cancelled, DecodeFailed, PositionMismatch, RestoreFailed, wire_checks
 from workers.runtime.state import restore_sequence, save_sequence
 
 OutputRows = Literal["last", "all"]
@@ -36,20 +37,11 @@ class ShardContext:
         self.n_ctx = n_ctx
         self.n_batch = max(1, min(n_batch, n_ctx))
         self._length = 0
-        self._ctx: llama_cpp.llama_context_p | None = None
         self._batch: llama_cpp.llama_batch | None = None
-        self._hooks = GraphHooks(model, abort_flag_address)
-        self.abort_flag_address = self._hooks.abort_flag_address
-        self._capture = self._hooks.capture
-
-        params = context_params(
-            model, n_ctx=n_ctx, n_batch=self.n_batch, n_seq_max=1, abort_flag_address=self.abort_flag_address, capture=self._capture
-        )
-        ctx = llama_cpp.llama_init_from_model(model.handle, params)
-        if not ctx:
-            raise MemoryError(f"llama.cpp could not create a context with n_ctx={n_ctx}")
-        self._ctx = ctx
-        self._memory = llama_cpp.llama_get_memory(ctx)
+        self._llama = model.open_context(self, n_ctx=n_ctx, n_batch=self.n_batch, n_seq_max=1, abort_flag_address=abort_flag_address)
+        self.abort_flag_address = self._llama.hooks.abort_flag_address
+        self._capture = self._llama.hooks.capture
+        self._memory = self._llama.memory
 
         takes_tokens = self.layout.is_first
         embd_width = 0 if takes_tokens else self.layout.n_embd
@@ -72,35 +64,21 @@ class ShardContext:
 
     @property
     def closed(self) -> bool:
-        return self._ctx is None
+        return self._llama.closed
 
     def _handle(self) -> llama_cpp.llama_context_p:
-        if self._ctx is None:
-            raise RuntimeError("context is closed")
-        return self._ctx
+        return self._llama.handle
 
-    def _validate_rows(self, tokens: object, hidden: object) -> np.ndarray:
+    def _checked_rows(self, start_pos: int, tokens: object, hidden: object, output_rows: object) -> np.ndarray:
+        """The append's rows, checked by kvpool.wire.checks as the daemon checks them (BadInput,
+        PositionMismatch, ContextFull)."""
         length = self._length
-        if (tokens is None) == (hidden is None):
-            raise BadInput("give exactly one of tokens or hidden", length=length)
-        if self.layout.is_first:
-            if tokens is None:
-                raise BadInput("the first shard takes token ids, not hidden states", length=length)
-            rows = np.asarray(tokens)
-            if rows.ndim != 1 or rows.dtype.kind not in "iu":
-                raise BadInput("tokens must be a 1-D sequence of integers", length=length)
-            if rows.size and (rows.min() < 0 or rows.max() >= self.layout.n_vocab):
-                raise BadInput(f"token ids must be in [0, {self.layout.n_vocab})", length=length)
-            return rows.astype(np.int32, copy=False)
-        if hidden is None:
-            raise BadInput("this shard takes hidden states, not token ids", length=length)
-        rows = np.asarray(hidden)
-        if rows.dtype != np.float32 or rows.ndim != 2 or rows.shape[1] != self.layout.n_embd:
-            raise BadInput(
-                f"hidden states must be float32 [n_rows, {self.layout.n_embd}], got {rows.dtype} {rows.shape}",
-                length=length,
-            )
-        return np.ascontiguousarray(rows)
+        with wire_checks():
+            check_input_kind(self.layout, tokens, hidden, length=length)
+            rows = shard_rows(self.layout, tokens if self.layout.is_first else hidden, length=length)
+            check_output_rows(output_rows, length=length)
+            check_position(start_pos, length, rows.shape[0], self.n_ctx)
+        return rows
 
     def append(
         self,
@@ -118,20 +96,8 @@ class ShardContext:
         On any failure the context is rolled back to its length before this call.
         """
         ctx = self._handle()
-        if start_pos != self._length:
-            raise PositionMismatch(
-                f"start_pos {start_pos} != session length {self._length}", length=self._length
-            )
-        rows = self._validate_rows(tokens, hidden)
+        rows = self._checked_rows(start_pos, tokens, hidden, output_rows)
         n_rows = rows.shape[0]
-        if n_rows == 0:
-            raise BadInput("append needs at least one row", length=self._length)
-        if output_rows not in ("last", "all"):
-            raise BadInput(f"output_rows must be 'last' or 'all', not {output_rows!r}", length=self._length)
-        if start_pos + n_rows > self.n_ctx:
-            raise ContextFull(
-                f"{start_pos} + {n_rows} rows exceed n_ctx {self.n_ctx}", length=self._length
-            )
 
         layout = self.layout
         if layout.is_last:
@@ -238,10 +204,8 @@ class ShardContext:
         if self._batch is not None:
             llama_cpp.llama_batch_free(self._batch)
             self._batch = None
-        if self._ctx is not None:
-            llama_cpp.llama_free(self._ctx)
-            self._ctx = None
-        self._model._forget(self)
+        self._llama.close()
+        self._model.forget(self)
 
     def __enter__(self) -> ShardContext:
         return self

@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
+from kvpool.wire.errors import RequestFailed
+from kvpool.wire.protocol import ErrorCode
+
 
 class ShardRuntimeError(Exception):
     """Base class; `length` is the context's length after the failed call (nothing half-applied)."""
@@ -35,3 +41,20 @@ class DecodeFailed(ShardRuntimeError):
 
 class RestoreFailed(ShardRuntimeError):
     code = "restore_failed"
+
+
+_BY_WIRE_CODE: dict[ErrorCode, type[ShardRuntimeError]] = {
+    ErrorCode.BAD_REQUEST: BadInput,
+    ErrorCode.POSITION_MISMATCH: PositionMismatch,
+    ErrorCode.CONTEXT_FULL: ContextFull,
+}
+
+
+@contextlib.contextmanager
+def wire_checks(about: str = "") -> Iterator[None]:
+    """Run the checks of kvpool.wire.checks (the one place an append's rules are written): the RequestFailed one
+    raises leaves as this runtime's typed error of the same code, with its message (after `about`) and length."""
+    try:
+        yield
+    except RequestFailed as failure:
+        raise _BY_WIRE_CODE.get(failure.code, ShardRuntimeError)(f"{about}{failure}", length=failure.length) from None

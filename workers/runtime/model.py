@@ -15,6 +15,7 @@ import pathlib
 import llama_cpp
 
 from workers.runtime.context import ShardContext
+from workers.runtime.params import Closable, LlamaContext
 from workers.runtime.shard import read_layout, read_lookahead_layers
 from workers.runtime.native import NativeLibrary, load_native
 
@@ -56,7 +57,7 @@ class ShardModel:
         except Exception:
             self.close()
             raise
-        self._live_contexts: set[ShardContext] = set()
+        self._live_contexts: set[Closable] = set()  # the owners of the llama contexts open on this model
 
     @property
     def handle(self) -> llama_cpp.llama_model_p:
@@ -80,12 +81,20 @@ class ShardModel:
     def new_context(
         self, n_ctx: int, *, n_batch: int = 512, abort_flag_address: int | None = None
     ) -> ShardContext:
-        context = ShardContext(self, n_ctx, n_batch=n_batch, abort_flag_address=abort_flag_address)
-        self._live_contexts.add(context)
+        return ShardContext(self, n_ctx, n_batch=n_batch, abort_flag_address=abort_flag_address)
+
+    def open_context(
+        self, owner: Closable, *, n_ctx: int, n_batch: int, n_seq_max: int, abort_flag_address: int | None
+    ) -> LlamaContext:
+        """The one way a context (ShardContext, BatchedShardContext) gets its llama context: made with the
+        parameters of workers.runtime.params, and `owner` closed by this model before it frees itself."""
+        context = LlamaContext(self, n_ctx=n_ctx, n_batch=n_batch, n_seq_max=n_seq_max, abort_flag_address=abort_flag_address)
+        self._live_contexts.add(owner)
         return context
 
-    def _forget(self, context: ShardContext) -> None:
-        self._live_contexts.discard(context)
+    def forget(self, owner: Closable) -> None:
+        """`owner` freed its llama context itself."""
+        self._live_contexts.discard(owner)
 
     def close(self) -> None:
         """Idempotent; frees every context on this model before the model itself."""

@@ -1,8 +1,10 @@
-"""The llama context parameters every kvpool context shares: one place, so a single-sequence context and a
-batched one compute alike (logits are only bit-identical between contexts with the same choices).
+"""A llama context as every kvpool context creates it: one place for its parameters and its creation, so a
+single-sequence context and a batched one compute alike (logits are only bit-identical between contexts with
+the same choices).
 
-They take the model as a LoadedShard, and so does ShardContext: the model (workers.runtime.model.ShardModel)
-makes and frees its contexts, so it sits above them and none of them imports it back.
+They take the model as a LoadedShard, and so do ShardContext and BatchedShardContext: the model
+(workers.runtime.model.ShardModel) opens their llama contexts and frees them before itself, so it sits above
+them and none of them imports it back.
 """
 
 from __future__ import annotations
@@ -30,8 +32,15 @@ class LoadedShard(Protocol):
     @property
     def native(self) -> NativeLibrary: ...
 
-    def _forget(self, context: object) -> None:
-        """A closed context leaves the set the model frees before itself."""
+    def open_context(self, owner: Closable, *, n_ctx: int, n_batch: int, n_seq_max: int, abort_flag_address: int | None) -> LlamaContext:
+        """A LlamaContext for `owner`, which the model closes before it frees itself."""
+
+    def forget(self, owner: Closable) -> None:
+        """`owner` closed its LlamaContext: the model no longer closes it."""
+
+
+class Closable(Protocol):
+    def close(self) -> None: ...
 
 
 class GraphHooks:
@@ -68,3 +77,35 @@ def context_params(model: LoadedShard, *, n_ctx: int, n_batch: int, n_seq_max: i
         params.cb_eval = llama_cpp.ggml_backend_sched_eval_callback(native.eval_callback.value)
         params.cb_eval_user_data = ctypes.cast(ctypes.pointer(capture), ctypes.c_void_p)
     return params
+
+
+class LlamaContext:
+    """One llama context handle of kvpool's parameters on a loaded shard, with the graph hooks it runs with
+    (kept alive as long as the handle). `close()` is idempotent."""
+
+    def __init__(self, model: LoadedShard, *, n_ctx: int, n_batch: int, n_seq_max: int, abort_flag_address: int | None) -> None:
+        self.hooks = GraphHooks(model, abort_flag_address)
+        params = context_params(
+            model, n_ctx=n_ctx, n_batch=n_batch, n_seq_max=n_seq_max,
+            abort_flag_address=self.hooks.abort_flag_address, capture=self.hooks.capture,
+        )
+        handle = llama_cpp.llama_init_from_model(model.handle, params)
+        if not handle:
+            raise MemoryError(f"llama.cpp could not create a context of {n_ctx} positions for {n_seq_max} sequence(s)")
+        self._handle: llama_cpp.llama_context_p | None = handle
+        self.memory = llama_cpp.llama_get_memory(handle)
+
+    @property
+    def handle(self) -> llama_cpp.llama_context_p:
+        if self._handle is None:
+            raise RuntimeError("context is closed")
+        return self._handle
+
+    @property
+    def closed(self) -> bool:
+        return self._handle is None
+
+    def close(self) -> None:
+        if self._handle is not None:
+            llama_cpp.llama_free(self._handle)
+            self._handle = None

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from kvpool.wire.checks import check_position, input_rows
 from workers.runtime.batch_plan import SeqAppend
 from workers.runtime.batched import BatchedShardContext
 from workers.server.commands import (
@@ -39,9 +40,9 @@ from workers.server.commands import (
     Truncated,
     TruncateContext,
 )
-from workers.runtime.errors import ShardRuntimeError
+from workers.runtime.errors import ShardRuntimeError, wire_checks
 from workers.runtime.model import ShardModel
-from workers.runtime.sampling import sample
+from workers.runtime.sampling import answer
 
 if TYPE_CHECKING:
     from workers.server.spec import WorkerSpec
@@ -113,16 +114,8 @@ class BatchedWorkerServer:
         self._limits[seq] = n_ctx
         return Restored(length=length)
 
-    def _item_rows(self, item: BatchItem) -> np.ndarray | Failed:
-        layout = self.model.layout
-        width = 1 if layout.is_first else layout.n_embd
-        if item.n_rows < 1 or item.input_offset < 0 or item.input_offset + item.n_rows * width * 4 > len(self._input):
-            return Failed(code="bad_request", message="rows outside the input region", length=self.context.length(item.seq))
-        if layout.is_first:
-            return np.frombuffer(self._input, np.int32, item.n_rows, item.input_offset)
-        return np.frombuffer(self._input, np.float32, item.n_rows * width, item.input_offset).reshape(item.n_rows, width)
-
-    def _check(self, item: BatchItem, seen: set[int]) -> Failed | None:
+    def _item_rows(self, item: BatchItem, seen: set[int]) -> np.ndarray | Failed:
+        """The item's rows in the input region, or why it fails alone (the others still run)."""
         if (bad := self._seq(item.seq)) is not None:
             return bad
         length = self.context.length(item.seq)
@@ -130,19 +123,19 @@ class BatchedWorkerServer:
             return Failed(code="bad_command", message=f"sequence {item.seq} named twice in one batch", length=length)
         if not self._limits[item.seq]:
             return Failed(code="no_context", message=f"sequence {item.seq} serves no session", length=length)
-        if item.start_pos != length:
-            return Failed(code="position_mismatch", message=f"start_pos {item.start_pos} != session length {length}", length=length)
-        if length + item.n_rows > self._limits[item.seq]:
-            return Failed(code="context_full", message=f"{length} + {item.n_rows} rows exceed n_ctx {self._limits[item.seq]}", length=length)
-        return None
+        try:
+            with wire_checks():
+                check_position(item.start_pos, length, item.n_rows, self._limits[item.seq])
+                return input_rows(self._input, self.model.layout, item.n_rows, item.input_offset, length=length)
+        except ShardRuntimeError as error:
+            return Failed(code=error.code, message=str(error), length=error.length)
 
     def _run_batch(self, items: list[BatchItem]) -> list[Appended | Failed]:
         results: list[Appended | Failed | None] = [None] * len(items)
         seen: set[int] = set()
         runnable: list[tuple[int, BatchItem, np.ndarray]] = []
         for index, item in enumerate(items):
-            failure = self._check(item, seen)
-            rows = self._item_rows(item) if failure is None else failure
+            rows = self._item_rows(item, seen)
             if isinstance(rows, Failed):
                 results[index] = rows
                 continue
@@ -162,23 +155,16 @@ class BatchedWorkerServer:
 
     def _reply(self, item: BatchItem, out: np.ndarray) -> Appended:
         length = self.context.length(item.seq)
-        width = out.shape[1]
-        returned = out.shape[0]
-        picked = None
-        if item.sample is not None:
-            picked = sample(out[-1], item.sample, length)
-            returned = returned if item.sample.logits else 0
-        data = out[:returned]
+        reply = answer(out, item.sample, length)
+        data = reply.rows
         inline = b""
         if data.nbytes > item.output_capacity or item.output_offset < 0 or item.output_offset + data.nbytes > len(self._output):
             inline = data.tobytes()
         elif data.nbytes:
             np.frombuffer(self._output, np.float32, data.size, item.output_offset)[:] = data.reshape(-1)
-        if picked is None:
-            return Appended(length=length, rows=returned, width=width, inline=inline, output_offset=item.output_offset)
         return Appended(
-            length=length, rows=returned, width=width, inline=inline, output_offset=item.output_offset,
-            token=picked.token, top_ids=picked.top_ids, top_logprobs=picked.top_logprobs,
+            length=length, rows=data.shape[0], width=out.shape[1], inline=inline, output_offset=item.output_offset,
+            **reply.reply_fields,
         )
 
     def release_free_heap(self) -> None:

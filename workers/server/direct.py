@@ -31,7 +31,7 @@ from workers.server.direct_cancels import DirectCancels
 from workers.server.direct_words import DirectWords
 from workers.server.spec import FRAME_DEADLINE_S
 from workers.runtime.errors import ShardRuntimeError
-from workers.runtime.sampling import sample
+from workers.runtime.sampling import answer
 
 if TYPE_CHECKING:
     from workers.server.single import WorkerServer
@@ -273,13 +273,10 @@ class DirectChannel:
             words.last_used.value = time.monotonic()
         words.appends.value += 1
         words.rows.value += rows.shape[0]
-        common = {"length": context.length, "width": output.shape[1], **ids}
-        if request.sample is None:
-            return AppendReply(rows=output.shape[0], data=output.tobytes(), **common)
-        picked = sample(output[-1], request.sample, context.length)
+        reply = answer(output, request.sample, context.length)
         return AppendReply(
-            rows=output.shape[0] if request.sample.logits else 0, data=output.tobytes() if request.sample.logits else b"",
-            token=picked.token, top_ids=picked.top_ids, top_logprobs=picked.top_logprobs, **common,
+            length=context.length, rows=reply.rows.shape[0], width=output.shape[1], data=reply.rows.tobytes(),
+            **reply.reply_fields, **ids,
         )
 
     def close(self) -> None:

@@ -9,6 +9,7 @@ from multiprocessing import shared_memory
 
 import numpy as np
 
+from kvpool.wire.checks import input_rows
 from workers.server.commands import (
     ABORT_FLAG_OFFSET,
     CONTROL_BYTES,
@@ -32,11 +33,10 @@ from workers.server.commands import (
 )
 from workers.server.compute_locks import ComputeLocks
 from workers.server.spec import WorkerSpec
-from workers.runtime.errors import ShardRuntimeError
+from workers.runtime.errors import ShardRuntimeError, wire_checks
 from workers.runtime.context import ShardContext
 from workers.runtime.model import ShardModel
-from workers.runtime.sampling import sample
-
+from workers.runtime.sampling import answer
 
 
 class WorkerServer:
@@ -47,6 +47,7 @@ class WorkerServer:
         self.spec = spec
         self.context: ShardContext | None = None
         self._buffer = segment.buf
+        self._input = memoryview(segment.buf)[CONTROL_BYTES : CONTROL_BYTES + spec.input_bytes]
         self._abort_flag_address = ctypes.addressof(ctypes.c_char.from_buffer(segment.buf, ABORT_FLAG_OFFSET))
         libc_name = ctypes.util.find_library("c")
         self._malloc_trim = getattr(ctypes.CDLL(libc_name), "malloc_trim", None) if libc_name else None
@@ -119,16 +120,9 @@ class WorkerServer:
         layout = self.model.layout
         n_rows = command.n_rows
         try:
-            if layout.is_first:
-                if n_rows * 4 > self.spec.input_bytes:
-                    return Failed(code="bad_request", message="too many rows", length=context.length)
-                rows = np.frombuffer(self._buffer, np.int32, n_rows, CONTROL_BYTES)
-                kwargs = {"tokens": rows}
-            else:
-                if n_rows * layout.n_embd * 4 > self.spec.input_bytes:
-                    return Failed(code="bad_request", message="too many rows", length=context.length)
-                rows = np.frombuffer(self._buffer, np.float32, n_rows * layout.n_embd, CONTROL_BYTES)
-                kwargs = {"hidden": rows.reshape(n_rows, layout.n_embd)}
+            with wire_checks():
+                rows = input_rows(self._input, layout, n_rows, 0, length=context.length)
+            kwargs = {"tokens": rows} if layout.is_first else {"hidden": rows}
             out_rows = 1 if layout.is_last and command.output_rows != "all" else n_rows
             width = layout.output_width
             inline = out_rows * width * 4 > self.spec.output_bytes
@@ -142,14 +136,11 @@ class WorkerServer:
                 context.append(command.start_pos, output_rows=command.output_rows, out=out, **kwargs)
         except ShardRuntimeError as error:
             return Failed(code=error.code, message=str(error), length=error.length)
-        if command.sample is not None:
-            picked = sample(out[-1], command.sample, context.length)
-            returned = out_rows if command.sample.logits else 0
-            return Appended(
-                length=context.length, rows=returned, width=width, inline=out.tobytes() if inline and returned else b"",
-                token=picked.token, top_ids=picked.top_ids, top_logprobs=picked.top_logprobs,
-            )
-        return Appended(length=context.length, rows=out_rows, width=width, inline=out.tobytes() if inline else b"")
+        reply = answer(out, command.sample, context.length)
+        return Appended(
+            length=context.length, rows=reply.rows.shape[0], width=width, inline=reply.rows.tobytes() if inline else b"",
+            **reply.reply_fields,
+        )
 
     def _close_context(self) -> None:
         if self.context is not None:
@@ -159,3 +150,4 @@ class WorkerServer:
 
     def close(self) -> None:
         self._close_context()
+        self._input.release()  # the segment closes next: no view of it may outlive this
