@@ -21,10 +21,10 @@ from typing import Unpack
 
 import msgspec
 
-from kvpool.client.messages import AppendOptions, AppendResult, ConnectionLost, KvpoolError, append_request, checked_reply
-from kvpool.wire.protocol import FRAME_HEADER, MAX_REPLY_BYTES, PROTOCOL_VERSION, AppendReply, Cancel, Done, ErrorReply, Hello
-from kvpool.wire.protocol import Fork, HelloReply, Park, Release, Reply, RequestMessage, ShardDescription, Shutdown, Stats, StatsReply, Truncate
-from kvpool.wire.protocol import decode_reply, encode
+from kvpool.client.messages import AppendOptions, AppendResult, Call, ConnectionLost, Result, append_call, cancel_call, fork_call
+from kvpool.client.messages import hello_call, park_call, release_call, shutdown_call, stats_call, truncate_call
+from kvpool.wire.framing import FrameError, read_frame
+from kvpool.wire.protocol import MAX_REPLY_BYTES, Done, HelloReply, Reply, RequestMessage, ShardDescription, StatsReply, decode_reply, encode
 
 
 class _Connection:
@@ -62,24 +62,26 @@ class _Connection:
         return self.failure is not None
 
     async def _handshake(self, name: str) -> HelloReply:
-        request_id = next(self._ids)
-        self._writer.write(encode(Hello(version=PROTOCOL_VERSION, client=name, request_id=request_id)))
+        call = hello_call(name)
+        call.request.request_id = request_id = next(self._ids)
+        self._writer.write(encode(call.request))
         await self._writer.drain()
-        reply = await self._read_reply()
-        if isinstance(reply, ErrorReply):
-            raise KvpoolError(reply)
-        if not isinstance(reply, HelloReply) or reply.request_id != request_id:
-            raise ConnectionLost(f"the daemon answered Hello with {type(reply).__name__} {reply.request_id}")
+        reply = call.outcome(await self._read_reply())
+        if reply.request_id != request_id:
+            raise ConnectionLost(f"the daemon answered Hello {request_id} with HelloReply {reply.request_id}")
         return reply
 
     async def _read_reply(self) -> Reply:
         try:
-            (size,) = FRAME_HEADER.unpack(await self._reader.readexactly(FRAME_HEADER.size))
-            if size > MAX_REPLY_BYTES:
-                raise ConnectionLost(f"reply of {size} bytes is larger than any valid reply")
-            return decode_reply(await self._reader.readexactly(size))
-        except (asyncio.IncompleteReadError, ConnectionError) as error:
+            payload = await read_frame(self._reader, MAX_REPLY_BYTES)
+        except ConnectionError as error:
             raise ConnectionLost(f"the daemon closed the connection ({type(error).__name__})") from error
+        except FrameError as error:
+            raise ConnectionLost(f"unreadable reply: {error}") from error
+        if payload is None:
+            raise ConnectionLost("the daemon closed the connection (end of file)")
+        try:
+            return decode_reply(payload)
         except (msgspec.DecodeError, msgspec.ValidationError) as error:
             raise ConnectionLost(f"undecodable reply: {error}") from error
 
@@ -196,36 +198,36 @@ class AsyncClient:
                 self._hello = connection.hello
             return connection
 
-    async def _call(self, message: RequestMessage, expected: type, lane: str = "_connection") -> Reply:
+    async def _call(self, call: Call[Result], lane: str = "_connection") -> Result:
         connection = await self._connected(lane)
-        return checked_reply(message, await connection.request(message, self.timeout_s), expected)
+        return call.outcome(await connection.request(call.request, self.timeout_s))
 
     async def append(self, session_id: str, epoch: int, start_pos: int, **options: Unpack[AppendOptions]) -> AppendResult:
-        return AppendResult.of(await self._call(append_request(session_id, epoch, start_pos, **options), AppendReply))
+        return await self._call(append_call(session_id, epoch, start_pos, **options))
 
     async def truncate(self, session_id: str, epoch: int, length: int) -> int:
-        return (await self._call(Truncate(session_id=session_id, epoch=epoch, length=length), Done)).length
+        return await self._call(truncate_call(session_id, epoch, length))
 
     async def release(self, session_id: str, epoch: int) -> Done:
-        return await self._call(Release(session_id=session_id, epoch=epoch), Done)
+        return await self._call(release_call(session_id, epoch))
 
     async def park(self, session_id: str, epoch: int) -> Done:
         """Save the idle session's state to the daemon's spill store and free its context now."""
-        return await self._call(Park(session_id=session_id, epoch=epoch), Done)
+        return await self._call(park_call(session_id, epoch))
 
     async def fork(self, session_id: str, epoch: int, new_session_id: str, new_epoch: int, length: int) -> Done:
         """A new session holding the source's first `length` positions (parked until its first append)."""
-        return await self._call(Fork(session_id=session_id, epoch=epoch, new_session_id=new_session_id, new_epoch=new_epoch, length=length), Done)
+        return await self._call(fork_call(session_id, epoch, new_session_id, new_epoch, length))
 
     async def cancel(self, session_id: str, epoch: int) -> Done:
         """Abort the session's in-flight append; goes on the side connection, never behind that append."""
-        return await self._call(Cancel(session_id=session_id, epoch=epoch), Done, "_cancel_connection")
+        return await self._call(cancel_call(session_id, epoch), "_cancel_connection")
 
     async def stats(self) -> StatsReply:
-        return await self._call(Stats(), StatsReply)
+        return await self._call(stats_call())
 
     async def shutdown(self) -> None:
-        await self._call(Shutdown(), Done)
+        await self._call(shutdown_call())
 
     async def close(self) -> None:
         async with self._connect_lock:

@@ -17,26 +17,22 @@ from kvpool.client.connection import ClientConnection
 from kvpool.client.messages import (
     AppendOptions,
     AppendResult,
+    Call,
     ConnectionLost,
     KvpoolError,
+    Result,
+    append_call,
     append_request,
+    cancel_call,
     checked_reply,
+    fork_call,
+    park_call,
+    release_call,
+    shutdown_call,
+    stats_call,
+    truncate_call,
 )
-from kvpool.wire.protocol import (
-    AppendReply,
-    Cancel,
-    Done,
-    Fork,
-    HelloReply,
-    Park,
-    Release,
-    Reply,
-    RequestMessage,
-    Shutdown,
-    Stats,
-    StatsReply,
-    Truncate,
-)
+from kvpool.wire.protocol import Done, HelloReply, StatsReply
 
 __all__ = ["AppendOptions", "AppendResult", "Client", "ConnectionLost", "KvpoolError", "append_request", "checked_reply"]
 
@@ -92,35 +88,35 @@ class Client:
                     connection.sock.settimeout(value)
         self._channels.set_timeout(value)
 
-    def _call(self, message: RequestMessage, expected: type) -> Reply:
-        return checked_reply(message, self._connection("main").request(message), expected)
+    def _call(self, call: Call[Result], which: str = "main") -> Result:
+        return call.outcome(self._connection(which).request(call.request))
 
     def append(self, session_id: str, epoch: int, start_pos: int, **options: Unpack[AppendOptions]) -> AppendResult:
-        request = append_request(session_id, epoch, start_pos, direct=self.direct, **options)
+        call = append_call(session_id, epoch, start_pos, direct=self.direct, **options)
         if self.direct:
-            reply = self._channels.request(request)
+            reply = self._channels.request(call.request)
             if reply is not None:
-                return AppendResult.of(checked_reply(request, reply, AppendReply))
-        reply = self._call(request, AppendReply)
+                return call.outcome(reply)
+        reply = call.checked(self._connection("main").request(call.request))
         self._channels.remember(session_id, epoch, reply.channel)
-        return AppendResult.of(reply)
+        return call.result(reply)
 
     def truncate(self, session_id: str, epoch: int, length: int) -> int:
         self._channels.forget(session_id, epoch)
-        return self._call(Truncate(session_id=session_id, epoch=epoch, length=length), Done).length
+        return self._call(truncate_call(session_id, epoch, length))
 
     def release(self, session_id: str, epoch: int) -> Done:
         self._channels.forget(session_id, epoch)
-        return self._call(Release(session_id=session_id, epoch=epoch), Done)
+        return self._call(release_call(session_id, epoch))
 
     def park(self, session_id: str, epoch: int) -> Done:
         """Save the idle session's state to the daemon's spill store and free its context now."""
         self._channels.forget(session_id, epoch)
-        return self._call(Park(session_id=session_id, epoch=epoch), Done)
+        return self._call(park_call(session_id, epoch))
 
     def fork(self, session_id: str, epoch: int, new_session_id: str, new_epoch: int, length: int) -> Done:
         """A new session holding the source's first `length` positions (parked until its first append)."""
-        return self._call(Fork(session_id=session_id, epoch=epoch, new_session_id=new_session_id, new_epoch=new_epoch, length=length), Done)
+        return self._call(fork_call(session_id, epoch, new_session_id, new_epoch, length))
 
     def direct_in_flight(self, session_id: str, epoch: int) -> bool:
         """An append of this session was sent on its direct channel and is not answered yet."""
@@ -128,14 +124,13 @@ class Client:
 
     def cancel(self, session_id: str, epoch: int) -> Done:
         """Abort the session's in-flight append (sent on a side connection; safe from another thread)."""
-        request = Cancel(session_id=session_id, epoch=epoch, direct_request_id=self._channels.in_flight(session_id, epoch))
-        return checked_reply(request, self._connection("cancel").request(request), Done)
+        return self._call(cancel_call(session_id, epoch, self._channels.in_flight(session_id, epoch)), "cancel")
 
     def stats(self) -> StatsReply:
-        return self._call(Stats(), StatsReply)
+        return self._call(stats_call())
 
     def shutdown(self) -> None:
-        self._call(Shutdown(), Done)
+        self._call(shutdown_call())
 
     def close(self) -> None:
         self._channels.close()

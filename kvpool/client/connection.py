@@ -1,5 +1,5 @@
 """One socket of the synchronous client (kvpool.client.client): to a daemon, after the Hello handshake, or to a
-worker's direct channel, without one. Requests are framed by kvpool.wire.protocol and go one at a time.
+worker's direct channel, without one. Requests are framed by kvpool.wire.framing and go one at a time.
 
 A reply is returned only to the request that produced it: every request carries a fresh request id that
 the reply must echo, and any failure inside a request (a timeout, KeyboardInterrupt, a broken or
@@ -13,27 +13,19 @@ import itertools
 import socket
 import threading
 
-from kvpool.client.messages import ConnectionLost, KvpoolError
-from kvpool.wire.protocol import (
-    FRAME_HEADER,
-    MAX_REPLY_BYTES,
-    PROTOCOL_VERSION,
-    ErrorReply,
-    Hello,
-    HelloReply,
-    Reply,
-    RequestMessage,
-    decode_reply,
-    encode,
-    receive_exactly,
-)
+from kvpool.client.messages import ConnectionLost, hello_call
+from kvpool.wire.framing import FrameError, receive_frame
+from kvpool.wire.protocol import MAX_REPLY_BYTES, HelloReply, Reply, RequestMessage, decode_reply, encode
 
 
-def _receive_exactly(sock: socket.socket, size: int) -> bytes:
-    data = receive_exactly(sock, size)
-    if data is None:
+def _receive_reply(sock: socket.socket) -> Reply:
+    try:
+        payload = receive_frame(sock, MAX_REPLY_BYTES)
+    except FrameError as error:
+        raise ConnectionLost(f"unreadable reply: {error}") from error
+    if payload is None:
         raise ConnectionLost("the daemon closed the connection")
-    return data
+    return decode_reply(payload)
 
 
 class ClientConnection:
@@ -52,14 +44,12 @@ class ClientConnection:
         self.hello: HelloReply | None = None
         if not handshake:
             return  # a worker's direct channel: no handshake (the daemon's Hello vouched for the protocol)
-        reply = self.request(Hello(version=PROTOCOL_VERSION, client=name))
-        if isinstance(reply, ErrorReply):
+        call = hello_call(name)
+        try:
+            self.hello = call.outcome(self.request(call.request))
+        except BaseException:
             self.close()
-            raise KvpoolError(reply)
-        if not isinstance(reply, HelloReply):
-            self.close()
-            raise ConnectionLost(f"the daemon answered Hello with {type(reply).__name__}")
-        self.hello = reply
+            raise
 
     @property
     def closed(self) -> bool:
@@ -76,10 +66,7 @@ class ClientConnection:
             message.request_id = request_id
             try:
                 sock.sendall(encode(message))
-                (size,) = FRAME_HEADER.unpack(_receive_exactly(sock, FRAME_HEADER.size))
-                if size > MAX_REPLY_BYTES:
-                    raise ConnectionLost(f"reply of {size} bytes is larger than any valid reply")
-                reply = decode_reply(_receive_exactly(sock, size))
+                reply = _receive_reply(sock)
             except (BrokenPipeError, ConnectionResetError) as error:
                 self.close()
                 raise ConnectionLost(f"connection lost: {error}") from error

@@ -1,26 +1,42 @@
 """What a kvpool client sends and gets back, shared by the synchronous client (kvpool.client.client) and the
-asyncio one (kvpool.client.aio): the append request and its options, the result of an append, and the
-errors a request raises (a typed error reply: KvpoolError; a connection gone or answering nonsense:
-ConnectionLost)."""
+asyncio one (kvpool.client.aio): one `Call` per request (the request, the reply that answers it and what the
+caller gets of that reply), the options and the result of an append, and the errors a request raises (a
+typed error reply: KvpoolError; a connection gone or answering nonsense: ConnectionLost). The clients only
+carry calls: every message is built here, every reply checked here."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypedDict
+from typing import Any, Generic, TypedDict, TypeVar, Unpack
 
 import numpy as np
 
 from kvpool.wire.protocol import (
+    PROTOCOL_VERSION,
     Append,
     AppendReply,
+    Cancel,
+    Done,
     ErrorCode,
     ErrorReply,
+    Fork,
+    Hello,
+    HelloReply,
     MissReason,
     OutputRows,
+    Park,
+    Release,
     Reply,
     RequestMessage,
+    Shutdown,
+    Stats,
+    StatsReply,
+    Truncate,
 )
 from kvpool.wire.sampling import Sampling
+
+Result = TypeVar("Result")
 
 
 class KvpoolError(Exception):
@@ -89,3 +105,62 @@ def checked_reply(request: RequestMessage, reply: Reply, expected: type) -> Repl
     if not isinstance(reply, expected):
         raise ConnectionLost(f"the daemon answered {type(request).__name__} with {type(reply).__name__}")
     return reply
+
+
+def _the_reply(reply: Any) -> Any:
+    return reply
+
+
+@dataclass(frozen=True, slots=True)
+class Call(Generic[Result]):
+    """One request, the type of the reply that answers it, and what the caller gets of that reply."""
+
+    request: RequestMessage
+    expects: type
+    result: Callable[[Any], Result] = _the_reply
+
+    def checked(self, reply: Reply) -> Any:
+        """The reply if it is the one expected (checked_reply)."""
+        return checked_reply(self.request, reply, self.expects)
+
+    def outcome(self, reply: Reply) -> Result:
+        """What the caller gets of the reply, once checked."""
+        return self.result(self.checked(reply))
+
+
+def hello_call(name: str) -> Call[HelloReply]:
+    return Call(Hello(version=PROTOCOL_VERSION, client=name), HelloReply)
+
+
+def append_call(session_id: str, epoch: int, start_pos: int, *, direct: bool = False, **options: Unpack[AppendOptions]) -> Call[AppendResult]:
+    return Call(append_request(session_id, epoch, start_pos, direct=direct, **options), AppendReply, AppendResult.of)
+
+
+def truncate_call(session_id: str, epoch: int, length: int) -> Call[int]:
+    """Its result: the session's length after the truncate."""
+    return Call(Truncate(session_id=session_id, epoch=epoch, length=length), Done, lambda done: done.length)
+
+
+def release_call(session_id: str, epoch: int) -> Call[Done]:
+    return Call(Release(session_id=session_id, epoch=epoch), Done)
+
+
+def park_call(session_id: str, epoch: int) -> Call[Done]:
+    return Call(Park(session_id=session_id, epoch=epoch), Done)
+
+
+def fork_call(session_id: str, epoch: int, new_session_id: str, new_epoch: int, length: int) -> Call[Done]:
+    return Call(Fork(session_id=session_id, epoch=epoch, new_session_id=new_session_id, new_epoch=new_epoch, length=length), Done)
+
+
+def cancel_call(session_id: str, epoch: int, direct_request_id: int = 0) -> Call[Done]:
+    """`direct_request_id`: the session's append in flight on its direct channel (0: none)."""
+    return Call(Cancel(session_id=session_id, epoch=epoch, direct_request_id=direct_request_id), Done)
+
+
+def stats_call() -> Call[StatsReply]:
+    return Call(Stats(), StatsReply)
+
+
+def shutdown_call() -> Call[Done]:
+    return Call(Shutdown(), Done)

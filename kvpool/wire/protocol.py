@@ -1,6 +1,6 @@
-"""The wire protocol between routers and a shard daemon: every frame type, the codecs, and the framing.
+"""The wire protocol between routers and a shard daemon: every frame type and the codecs.
 
-A frame is a 4-byte big-endian length followed by one MessagePack-encoded tagged struct. A connection
+A frame (kvpool.wire.framing) carries one MessagePack-encoded tagged struct. A connection
 starts with Hello (the protocol version is checked there), then carries requests, each answered by
 exactly one reply frame as it completes: requests in flight at the same time on one connection may be
 answered in any order. Every request carries a `request_id` chosen by the client and every reply echoes
@@ -12,17 +12,16 @@ decoding.
 from __future__ import annotations
 
 import enum
-import struct
 
 import msgspec
 
+from kvpool.wire.framing import FRAME_HEADER, framed, receive_exactly  # noqa: F401 - FRAME_HEADER, receive_exactly: importable from here too
 from kvpool.wire.shape import ShardShape
 from kvpool.wire.sampling import Sampling
 
 PROTOCOL_VERSION = 3  # 2: request_id on every request and reply; 3: ShardDescription.shape, Park, Fork, tiers, sampling
-FRAME_HEADER = struct.Struct(">I")
 DEFAULT_MAX_REQUEST_BYTES = 64 * 1024 * 1024
-MAX_REPLY_BYTES = 2 * 1024 * 1024 * 1024 - 1
+MAX_REPLY_BYTES = 2 * 1024 * 1024 * 1024 - 1  # a client's frame limit: larger than any valid reply
 
 
 class Message(msgspec.Struct, tag=True, forbid_unknown_fields=True, omit_defaults=True, kw_only=True):
@@ -266,21 +265,7 @@ _reply_decoder = msgspec.msgpack.Decoder(Reply)
 
 def encode(message: Message) -> bytes:
     """One whole frame: header plus payload."""
-    payload = _request_encoder.encode(message)
-    return FRAME_HEADER.pack(len(payload)) + payload
-
-
-def receive_exactly(sock, size: int) -> bytes | None:
-    """`size` bytes from a blocking socket, or None when the peer closed it first."""
-    buffer = bytearray(size)
-    view = memoryview(buffer)
-    received = 0
-    while received < size:
-        count = sock.recv_into(view[received:])
-        if count == 0:
-            return None
-        received += count
-    return bytes(buffer)
+    return framed(_request_encoder.encode(message))
 
 
 def decode_request(payload: bytes) -> Request:

@@ -14,10 +14,8 @@ claims."""
 from __future__ import annotations
 
 import ctypes
-import os
 import selectors
 import socket
-import struct
 import time
 from typing import TYPE_CHECKING
 
@@ -25,6 +23,8 @@ import msgspec
 
 from kvpool.wire.checks import append_rows, check_position
 from kvpool.wire.errors import RequestFailed
+from kvpool.wire.framing import FrameTooLarge, FrameTruncated, frame_size
+from kvpool.wire.peers import same_user
 from kvpool.wire.protocol import FRAME_HEADER, Append, AppendReply, ErrorCode, ErrorReply, Message, encode
 from workers.server.commands import ABORT_FLAG_OFFSET
 from workers.server.direct_cancels import DirectCancels
@@ -41,7 +41,8 @@ FIRST_PAYLOAD_BYTES = 64 * 1024  # a payload's buffer starts at this size (or th
 
 
 class PeerGone(Exception):
-    """The peer closed or broke its socket, or announced a frame over MAX_FRAME_BYTES: drop it."""
+    """The peer closed or broke its socket, or broke the framing rule (kvpool.wire.framing) with a frame over
+    MAX_FRAME_BYTES or cut short: drop it."""
 
 
 def listen(address: str) -> socket.socket:
@@ -57,9 +58,7 @@ def accept_same_uid(listener: socket.socket) -> socket.socket | None:
         connection, _ = listener.accept()
     except BlockingIOError:
         return None
-    credentials = connection.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    _pid, uid, _gid = struct.unpack("3i", credentials)
-    if uid != os.getuid():
+    if not same_user(connection):
         connection.close()
         return None
     connection.setblocking(False)
@@ -92,9 +91,10 @@ class Peer:
             if self._received == self._expected:
                 if not self._in_header:
                     return self._finish_frame()
-                (size,) = FRAME_HEADER.unpack(self._buffer)
-                if size > MAX_FRAME_BYTES:
-                    raise PeerGone(f"a frame of {size} bytes")
+                try:
+                    size = frame_size(self._buffer, MAX_FRAME_BYTES)
+                except FrameTooLarge as error:
+                    raise PeerGone(str(error)) from None
                 self._start_part(size, in_header=False)
                 continue
             if self._received == len(self._buffer):
@@ -107,7 +107,8 @@ class Peer:
                 except OSError as error:
                     raise PeerGone(str(error)) from None
             if count == 0:
-                raise PeerGone("closed")
+                part = "header" if self._in_header else "payload"
+                raise PeerGone("closed" if self.idle else str(FrameTruncated(part, self._received, self._expected)))
             self._received += count
 
     def write(self, frame: bytes) -> None:

@@ -1,6 +1,7 @@
 """The Unix-socket transport of a daemon: framing, the handshake, one reply per request, the requests of
-one connection handled concurrently, and what any one client may hold of the daemon (the listening socket,
-the peer check and the connection limit are kvpool.daemon.transport.listener's).
+one connection handled concurrently, and what any one client may hold of the daemon (the listening socket
+and the connection limit are kvpool.daemon.transport.listener's; the framing rule and the peer check, the
+wire's: kvpool.wire.framing, kvpool.wire.peers).
 
 Limits (ConnectionLimits): at most `max_connections` connections (one more is answered over_budget and
 closed); a Hello that arrives whole within `handshake_timeout_s`; every later frame whole within
@@ -22,9 +23,10 @@ from collections.abc import Awaitable, Callable
 import msgspec
 
 from kvpool.daemon.transport.allowance import ByteAllowance, HeldBytes
-from kvpool.daemon.transport.listener import Listener, peer_allowed, prepare_socket_path
+from kvpool.daemon.transport.listener import Listener, prepare_socket_path
+from kvpool.wire.framing import FRAME_HEADER, FrameTooLarge, frame_size
+from kvpool.wire.peers import same_user
 from kvpool.wire.protocol import (
-    FRAME_HEADER,
     ReplyMessage,
     PROTOCOL_VERSION,
     Cancel,
@@ -143,7 +145,7 @@ class FrameServer:
     async def _on_connection(self, sock: socket.socket) -> None:
         writer: asyncio.StreamWriter | None = None
         try:
-            if not peer_allowed(sock):
+            if not same_user(sock):
                 return
             loop = asyncio.get_running_loop()
             reader = asyncio.StreamReader()
@@ -183,10 +185,10 @@ class FrameServer:
         first = await reader.readexactly(1)
         deadline = loop.time() + self.limits.frame_timeout_s
         header = first + await self._before(deadline, reader.readexactly(FRAME_HEADER.size - 1))
-        (size,) = FRAME_HEADER.unpack(header)
-        limit = min(self.max_request_bytes, self.allowance.limit)
-        if size > limit:
-            await send(ErrorReply(code=ErrorCode.BAD_REQUEST, message=f"frame of {size} bytes exceeds the limit of {limit}"))
+        try:
+            size = frame_size(header, min(self.max_request_bytes, self.allowance.limit))
+        except FrameTooLarge as refused:
+            await send(ErrorReply(code=ErrorCode.BAD_REQUEST, message=str(refused)))
             return None
         waiting_since = loop.time()
         held = await self.allowance.take(size)

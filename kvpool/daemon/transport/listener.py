@@ -1,4 +1,5 @@
-"""The daemon's listening Unix socket: the socket path's safety, the peer check, and the connection limit.
+"""The daemon's listening Unix socket: the socket path's safety and the connection limit (the peer check,
+applied to each connection by its server, is kvpool.wire.peers').
 
 Connections are accepted one at a time and at most `max_connections` are open at once; one more is
 answered over_budget ("too many connections (N)", with retry_after_s) and closed, with one log line per
@@ -17,15 +18,14 @@ import pathlib
 import resource
 import socket
 import stat
-import struct
 import time
 from collections.abc import Awaitable, Callable
 
 import msgspec
 
-from kvpool.wire.protocol import FRAME_HEADER, ErrorCode, ErrorReply, Hello, decode_request, encode
+from kvpool.wire.framing import FRAME_HEADER, FrameTooLarge, frame_size
+from kvpool.wire.protocol import ErrorCode, ErrorReply, Hello, decode_request, encode
 
-PEER_CREDENTIALS = struct.Struct("3i")  # pid, uid, gid
 MAX_CONNECTIONS_CAP = 1024
 RESERVED_FDS = 16  # beyond those held at start: worker replacements, spill files, /proc reads, metrics
 MAX_REFUSING = 8  # refused connections kept open at once until their Hello is read (each holds an fd)
@@ -83,12 +83,6 @@ def listening_socket(path: pathlib.Path) -> socket.socket:
     return listener
 
 
-def peer_allowed(sock: socket.socket) -> bool:
-    credentials = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, PEER_CREDENTIALS.size)
-    _pid, uid, _gid = PEER_CREDENTIALS.unpack(credentials)
-    return uid == os.getuid()
-
-
 def derived_max_connections() -> int:
     """What RLIMIT_NOFILE leaves after the descriptors held now, a reserve, and the refusals in progress
     (one connection holds one descriptor), at most MAX_CONNECTIONS_CAP and at least 1."""
@@ -130,7 +124,10 @@ async def _hello_request_id(sock: socket.socket) -> int:
             return 0
         data += chunk
         if len(data) >= FRAME_HEADER.size:
-            (size,) = FRAME_HEADER.unpack_from(data)
+            try:
+                size = frame_size(data, MAX_REFUSED_HELLO_BYTES - FRAME_HEADER.size)
+            except FrameTooLarge:
+                return 0  # not a Hello: it would not fit
             if len(data) >= FRAME_HEADER.size + size:
                 try:
                     hello = decode_request(data[FRAME_HEADER.size : FRAME_HEADER.size + size])

@@ -1,0 +1,138 @@
+"""The wire's framing rule and peer check (kvpool.wire.framing, kvpool.wire.peers), which the daemon, both
+clients and a worker's direct channel share: the size limit at its edge, a frame cut short, a clean close."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+
+import pytest
+
+from kvpool.wire.framing import FRAME_HEADER, FrameTooLarge, FrameTruncated, frame_size, framed, read_frame, receive_frame
+from kvpool.wire.peers import peer_credentials, same_user
+
+LIMIT = 16
+
+
+def test_a_header_announcing_the_limit_passes_and_one_byte_more_is_refused():
+    assert frame_size(FRAME_HEADER.pack(LIMIT), LIMIT) == LIMIT
+    with pytest.raises(FrameTooLarge) as refused:
+        frame_size(FRAME_HEADER.pack(LIMIT + 1), LIMIT)
+    assert (refused.value.size, refused.value.limit) == (LIMIT + 1, LIMIT)
+    assert str(refused.value) == f"frame of {LIMIT + 1} bytes exceeds the limit of {LIMIT}"
+
+
+def test_the_header_is_four_bytes_big_endian():
+    assert framed(b"abc") == b"\x00\x00\x00\x03abc"
+    assert frame_size(b"\x00\x00\x01\x00 and more", 2**32 - 1) == 256  # the header is read from the start
+
+
+def _pair():
+    return socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+
+
+def test_blocking_reads_frames_up_to_the_limit_then_none_at_a_clean_close():
+    sender, receiver = _pair()
+    with sender, receiver:
+        sender.sendall(framed(b"x" * LIMIT) + framed(b""))
+        sender.close()
+        assert receive_frame(receiver, LIMIT) == b"x" * LIMIT
+        assert receive_frame(receiver, LIMIT) == b""
+        assert receive_frame(receiver, LIMIT) is None
+
+
+def test_blocking_refuses_a_frame_over_the_limit_before_reading_its_payload():
+    sender, receiver = _pair()
+    with sender, receiver:
+        sender.sendall(FRAME_HEADER.pack(LIMIT + 1))  # no payload follows: a read of it would hang
+        with pytest.raises(FrameTooLarge):
+            receive_frame(receiver, LIMIT)
+
+
+@pytest.mark.parametrize(("sent", "part", "received", "expected"), [(b"\x00\x00", "header", 2, 4), (framed(b"abcd")[:6], "payload", 2, 4)])
+def test_blocking_a_frame_cut_short_is_truncated(sent, part, received, expected):
+    sender, receiver = _pair()
+    with sender, receiver:
+        sender.sendall(sent)
+        sender.close()
+        with pytest.raises(FrameTruncated) as cut:
+            receive_frame(receiver, LIMIT)
+        assert (cut.value.part, cut.value.received, cut.value.expected) == (part, received, expected)
+
+
+def _stream(data: bytes) -> asyncio.StreamReader:
+    reader = asyncio.StreamReader()
+    reader.feed_data(data)
+    reader.feed_eof()
+    return reader
+
+
+def test_asyncio_reads_the_same_frames_and_raises_the_same_errors():
+    async def scenario():
+        reader = _stream(framed(b"x" * LIMIT) + framed(b"ab"))
+        assert await read_frame(reader, LIMIT) == b"x" * LIMIT
+        assert await read_frame(reader, LIMIT) == b"ab"
+        assert await read_frame(reader, LIMIT) is None
+        with pytest.raises(FrameTooLarge):
+            await read_frame(_stream(FRAME_HEADER.pack(LIMIT + 1)), LIMIT)
+        with pytest.raises(FrameTruncated) as header:
+            await read_frame(_stream(b"\x00"), LIMIT)
+        with pytest.raises(FrameTruncated) as payload:
+            await read_frame(_stream(framed(b"abcd")[:5]), LIMIT)
+        return header.value, payload.value
+
+    header, payload = asyncio.run(scenario())
+    assert (header.part, header.received, payload.part, payload.received, payload.expected) == ("header", 1, "payload", 1, 4)
+
+
+def test_a_peer_of_this_user_is_allowed():
+    left, right = _pair()
+    with left, right:
+        pid, uid, _gid = peer_credentials(left)
+        assert (pid, uid) == (os.getpid(), os.getuid())
+        assert same_user(left)
+
+
+def _connect_as_nobody(address: str) -> int:
+    """A child process, as uid 65534, connected to the abstract socket `address` until the parent closes
+    it (or a hang guard passes); its pid."""
+    child = os.fork()
+    if child == 0:  # pragma: no cover - child process
+        try:
+            os.setgid(65534)
+            os.setuid(65534)
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+                sock.settimeout(60.0)
+                sock.connect("\0" + address)
+                sock.recv(1)
+        finally:
+            os._exit(0)
+    return child
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to connect as another uid")
+def test_a_peer_of_another_user_is_refused_by_the_wire_and_by_a_workers_direct_channel():
+    from workers.server.direct import accept_same_uid
+
+    address = f"kvpool-test-peers-{os.getpid()}"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    children = []
+    try:
+        listener.bind("\0" + address)
+        listener.listen(2)
+        listener.settimeout(30.0)  # a hang guard (the channel's own listener is non-blocking, polled when ready)
+        children = [_connect_as_nobody(address), _connect_as_nobody(address)]
+        with listener.accept()[0] as connection:
+            credentials = peer_credentials(connection)
+            refused_by_the_wire = not same_user(connection)
+        accepted = accept_same_uid(listener)
+        if accepted is not None:
+            accepted.close()
+    finally:
+        listener.close()
+        for child in children:
+            os.waitpid(child, 0)
+    assert credentials[1] == 65534
+    assert refused_by_the_wire
+    assert accepted is None  # the direct channel accepted, then closed it
