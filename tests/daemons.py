@@ -20,7 +20,8 @@ import psutil
 import pytest
 
 from kvpool.launcher import Daemon
-from kvpool.wire.protocol import FRAME_HEADER, PROTOCOL_VERSION, Hello, decode_reply, encode
+from kvpool.wire.framing import receive_frame
+from kvpool.wire.protocol import MAX_REPLY_BYTES, PROTOCOL_VERSION, Hello, decode_reply, encode
 
 
 # Hang guards only, far above what the slowest, busiest machine needs (a daemon starts in a few seconds
@@ -183,20 +184,9 @@ def raw_connection(path) -> socket.socket:
 
 
 def read_reply(sock: socket.socket):
-    header = b""
-    while len(header) < 4:
-        chunk = sock.recv(4 - len(header))
-        if not chunk:
-            assert not header, "connection closed in the middle of a frame header"
-            return None
-        header += chunk
-    (size,) = FRAME_HEADER.unpack(header)
-    payload = b""
-    while len(payload) < size:
-        chunk = sock.recv(size - len(payload))
-        assert chunk, "connection closed in the middle of a reply"
-        payload += chunk
-    return decode_reply(payload)
+    """The next reply frame, decoded; None when the daemon closed the connection between frames."""
+    payload = receive_frame(sock, MAX_REPLY_BYTES)
+    return None if payload is None else decode_reply(payload)
 
 
 def unread_bytes(sock: socket.socket) -> int:

@@ -18,7 +18,6 @@ import contextlib
 import pathlib
 import select
 import socket
-import struct
 import threading
 import time
 
@@ -26,7 +25,9 @@ import numpy as np
 import psutil
 
 from kvpool.client.client import Client, ConnectionLost, KvpoolError
-from kvpool.wire.protocol import FRAME_HEADER, PROTOCOL_VERSION, Append, Hello, HelloReply, OutputRows, decode_reply, encode
+from kvpool.wire.framing import receive_frame
+from kvpool.wire.peers import peer_credentials
+from kvpool.wire.protocol import MAX_REPLY_BYTES, PROTOCOL_VERSION, Append, Hello, HelloReply, OutputRows, decode_reply, encode
 from kvpool.stress.options import MiB
 from kvpool.stress.report import SlowReaderRecord
 
@@ -36,19 +37,6 @@ RSS_BOUND_BYTES = 48 * MiB  # measured here: +4 MiB over a run without the slow 
 POLL_S = 0.1
 QUIET_S = 5.0  # no byte taken and no append executed this long: the daemon stopped reading the connection
 QUIET_CAP_S = 120.0
-PEER_CREDENTIALS = struct.Struct("3i")
-
-
-def _receive_exactly(sock: socket.socket, size: int) -> bytes:
-    data = b""
-    while len(data) < size:
-        chunk = sock.recv(size - len(data))
-        if not chunk:
-            raise ConnectionLost("the daemon closed the slow reader's connection during Hello")
-        data += chunk
-    return data
-
-
 class SlowReader:
     def __init__(self, socket_path: pathlib.Path, daemon_index: int, session_id: str, n_ctx: int, seed: int) -> None:
         self.socket_path = socket_path
@@ -70,11 +58,13 @@ class SlowReader:
         sock.connect(str(self.socket_path))
         self._sock = sock
         sock.sendall(encode(Hello(version=PROTOCOL_VERSION, client="stress-slow-reader")))
-        (size,) = FRAME_HEADER.unpack(_receive_exactly(sock, FRAME_HEADER.size))
-        hello = decode_reply(_receive_exactly(sock, size))
+        payload = receive_frame(sock, MAX_REPLY_BYTES)
+        if payload is None:
+            raise ConnectionLost("the daemon closed the slow reader's connection during Hello")
+        hello = decode_reply(payload)
         if not isinstance(hello, HelloReply):
             raise ConnectionLost(f"the slow reader's Hello was answered with {hello}")
-        pid, _uid, _gid = PEER_CREDENTIALS.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, PEER_CREDENTIALS.size))
+        pid, _uid, _gid = peer_credentials(sock)
         self._supervisor = psutil.Process(pid)
         shard = hello.shard
         n_ctx = min(self._n_ctx, hello.default_n_ctx)
