@@ -20,6 +20,7 @@ from kvpool.local.chain import LocalChain
 from kvpool.local.generate import greedy_tokens
 from kvpool.local.tokenizer import Tokenizer
 from kvpool.router.router import Router
+from kvpool.shard.errors import ShardError
 from kvpool.shard.ranges import parse_splits
 from kvpool.shard.synthetic import SPM_BOS_ID, ZOO, ZOO_TYPES, ZooSpec, zoo_model
 from kvpool.shard.writer import write_shards
@@ -54,8 +55,8 @@ def _greedy_with_logits(append, prompt, count=GREEDY):
     return tokens, np.stack(rows[: len(tokens)])
 
 
-def _whole_model_greedy(model_path, prompt):
-    with ShardModel(model_path) as whole, whole.new_context(N_CTX) as context:
+def _whole_model_greedy(model_path, prompt, *, flash_attn=False):
+    with ShardModel(model_path, flash_attn=flash_attn) as whole, whole.new_context(N_CTX) as context:
         return _greedy_with_logits(lambda start, tokens: context.append(start, tokens=np.asarray(tokens, dtype=np.int32)), prompt)
 
 
@@ -79,6 +80,33 @@ def test_shards_of_every_zoo_model_reproduce_the_whole_model_exactly(spec, file_
     assert len(tokens) == GREEDY
     assert tokens == expected_tokens
     assert np.abs(logits - expected_logits).max() == 0.0
+
+
+@pytest.mark.parametrize("file_type", ZOO_TYPES)
+def test_with_flash_attention_on_in_every_context_the_shards_stay_exact(file_type, tmp_path):
+    """`--flash-attn` set on every daemon of a route: the chain matches the whole model run with it on too."""
+    spec = SPECS["head128"]
+    model_path = zoo_model(spec, file_type)
+    prompt = _prompt(model_path)
+    expected_tokens, expected_logits = _whole_model_greedy(model_path, prompt, flash_attn=True)
+    shards = _shards(spec, model_path, tmp_path)
+    with LocalChain([shard.path for shard in shards], flash_attn=True) as chain, chain.new_session(N_CTX) as session:
+        tokens, logits = _greedy_with_logits(session.append, prompt)
+    assert tokens == expected_tokens
+    assert np.abs(logits - expected_logits).max() == 0.0
+
+
+def test_bad_zoo_parameters_are_refused_with_a_shard_error():
+    with pytest.raises(ShardError, match="unknown file type 'Q2_X'"):
+        zoo_model(SPECS["gqa"], "Q2_X")
+    with pytest.raises(ShardError, match="3 per-layer KV head counts for 4 layers"):
+        ZooSpec("bad", n_head_kv=(2, 2, 2))
+    with pytest.raises(ShardError, match="4 query heads do not split into groups of 3"):
+        ZooSpec("bad", n_head_kv=3)
+    with pytest.raises(ShardError, match="head counts must be at least 1"):
+        ZooSpec("bad", n_head_kv=0)
+    with pytest.raises(ShardError, match="unknown vocabulary 'bpe'"):
+        ZooSpec("bad", vocab="bpe")
 
 
 def test_weights_of_normal_times_0_02_collapse_greedy_decoding_onto_one_token():
@@ -162,12 +190,12 @@ def test_the_kv_size_per_position_equals_llama_cpps_kv_buffer_on_a_head_dim_128_
     for path, layers in ((model_path, spec.n_layer), (first_shard.path, 2)):  # the first shard: 1 layer + 1 lookahead
         with ShardModel(path) as model:
             estimate = model.kv_bytes_per_position()
-            assert estimate == layers * 2 * (2 * 128) * 2  # K and V, 2 KV heads of 128, f16
             for n_ctx in (256, 512, 768):
                 total, cells, logged_layers, k, v = _logged_kv_cache(model, n_ctx)
                 assert (cells, logged_layers) == (n_ctx, layers)
                 assert total == _mib(n_ctx * estimate)
                 assert k == v == _mib(n_ctx * estimate // 2)
+            assert estimate == layers * 2 * (2 * 128) * 2  # K and V, 2 KV heads of 128, f16
 
 
 def test_kv_rows_of_quantized_cache_types_are_counted_in_blocks():

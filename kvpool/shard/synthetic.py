@@ -89,6 +89,8 @@ class ZooSpec:
             raise ShardError(f"unknown vocabulary {self.vocab!r}: {BUNDLED_VOCAB} or {SPM_VOCAB}")
         if isinstance(self.n_head_kv, tuple) and len(self.n_head_kv) != self.n_layer:
             raise ShardError(f"{self.name}: {len(self.n_head_kv)} per-layer KV head counts for {self.n_layer} layers")
+        if min(self.n_layer, self.n_embd, self.n_head, self.n_ff, *self.head_counts_kv) < 1:
+            raise ShardError(f"{self.name}: layers, widths and head counts must be at least 1")
         if any(self.n_head % heads for heads in self.head_counts_kv):
             raise ShardError(f"{self.name}: {self.n_head} query heads do not split into groups of {self.n_head_kv}")
         if self.head_dim is None and self.n_embd % self.n_head:
@@ -108,8 +110,9 @@ class ZooSpec:
         return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
-def zoo_model(spec: ZooSpec, file_type: str = BASE_TYPE, *, root: pathlib.Path | None = None) -> pathlib.Path:
-    """The GGUF of `spec` in `file_type` (a FILE_TYPES name), built once and reused from the cache."""
+def zoo_model(spec: ZooSpec, file_type: str = BASE_TYPE, *, root: pathlib.Path | None = None, threads: int = 1) -> pathlib.Path:
+    """The GGUF of `spec` in `file_type` (a FILE_TYPES name), built once and reused from the cache;
+    `threads` quantize (a ~1B model takes minutes on one)."""
     if file_type not in FILE_TYPES:
         raise ShardError(f"unknown file type {file_type!r}: one of {', '.join(FILE_TYPES)}")
     directory = (root or work_dir() / "models") / f"{spec.name}-{spec.key()}"
@@ -121,7 +124,7 @@ def zoo_model(spec: ZooSpec, file_type: str = BASE_TYPE, *, root: pathlib.Path |
     if not base.is_file():
         _publish(base, lambda partial: write_base_model(spec, partial))
     if file_type != BASE_TYPE:
-        _publish(target, lambda partial: quantize(base, partial, file_type))
+        _publish(target, lambda partial: quantize(base, partial, file_type, threads=threads))
     return target
 
 
@@ -135,11 +138,11 @@ def _publish(target: pathlib.Path, write: Callable[[pathlib.Path], None]) -> Non
         partial.unlink(missing_ok=True)
 
 
-def quantize(source: pathlib.Path, out: pathlib.Path, file_type: str) -> None:
+def quantize(source: pathlib.Path, out: pathlib.Path, file_type: str, *, threads: int = 1) -> None:
     """llama.cpp's own quantizer, with its defaults (Q4_K_M mixes Q4_K and Q6_K as llama.cpp decides)."""
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = FILE_TYPES[file_type]
-    params.nthread = 1
+    params.nthread = threads
     with _llama_errors_only():
         failed = llama_cpp.llama_model_quantize(os.fsencode(source), os.fsencode(out), params) != 0
     if failed:
