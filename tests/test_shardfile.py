@@ -396,6 +396,8 @@ def test_per_layer_arrays_and_custom_alignment_follow_the_range(tmp_path: pathli
     first_tensors = tensors_by_name(first)
     assert sorted(name for name in first_tensors if name.startswith("blk.")) == [f"blk.{layer}.attn_norm.weight" for layer in range(3)]
     assert first_tensors["blk.2.attn_norm.weight"].data.tolist() == [2.0] * 8
+    # a separate output head is the last shard's alone; the norm llama.cpp requires stays
+    assert "output.weight" not in first_tensors and "output_norm.weight" in first_tensors
 
 
 def test_read_shard_info_rejects_other_architectures(tmp_path: pathlib.Path) -> None:

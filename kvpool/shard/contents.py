@@ -7,8 +7,11 @@ arrays keep their entries for [A, B), the tensors `blk.i.*` for i in [A, B) are 
 Invariants of a shard file:
 - the first shard (A == 0) keeps the real vocabulary and embeddings: it takes token ids;
 - the last shard (B == total) keeps the vocabulary and the output head: it produces logits;
+- only the last shard holds the `output.*` tensors of a separate output head: the others never run it
+  (hundreds of MB on a model with a large vocabulary). llama.cpp loads a file without `output.weight`
+  with the head tied to `token_embd.weight`; `output_norm.weight`, which it requires, stays everywhere;
 - a middle shard is vocabulary-free (tokenizer model "none", 32 dummy tokens, a zero 32-row
-  `token_embd.weight`, no `output.weight`): it takes and returns hidden states only;
+  `token_embd.weight`): it takes and returns hidden states only;
 - the first shard of a split also stores layer B, as its last block, a *lookahead layer* that never runs
   (`kvpool.shard.lookahead_layers` = 1). llama.cpp keeps only the rows marked as outputs in the model's
   last layer and sizes its output buffer n_vocab x outputs; with the lookahead layer last, the shard's own
@@ -97,7 +100,7 @@ def _add_metadata(
             continue
         if vocab_free and (key.startswith("tokenizer.") or key == f"{arch}.vocab_size"):
             continue
-        value, value_type, sub_type = _field_value(key, field)
+        value, value_type, sub_type = field_value(key, field)
         if key == f"{arch}.block_count":
             value = stored.n_layers
         elif _is_per_layer_array(key, arch, value_type, sub_type, value, model.shape.total_layers):
@@ -116,7 +119,7 @@ def _add_metadata(
         writer.add_uint32(KEY_LOOKAHEAD_LAYERS, stored.stop - layers.stop)
 
 
-def _field_value(key: str, field: Any) -> tuple[Any, gguf.GGUFValueType, gguf.GGUFValueType | None]:
+def field_value(key: str, field: Any) -> tuple[Any, gguf.GGUFValueType, gguf.GGUFValueType | None]:
     """The value of a reader field in the form GGUFWriter.add_key_value takes; strings stay raw bytes."""
     value_type = gguf.GGUFValueType(field.types[0])
     if value_type == gguf.GGUFValueType.STRING:
@@ -177,6 +180,7 @@ def _add_dummy_vocabulary(writer: gguf.GGUFWriter, reader: gguf.GGUFReader, arch
 
 def _add_tensors(writer: gguf.GGUFWriter, reader: gguf.GGUFReader, model: ShardInfo, layers: LayerRange) -> None:
     vocab_free = _is_middle(model, layers)
+    runs_head = layers.stop == model.shape.total_layers
     stop = layers.stop + lookahead_layers(model.shape.total_layers, layers)
     for tensor in reader.tensors:
         match = _BLOCK_TENSOR.fullmatch(tensor.name)
@@ -186,7 +190,7 @@ def _add_tensors(writer: gguf.GGUFWriter, reader: gguf.GGUFReader, model: ShardI
                 _copy_tensor(writer, tensor, f"blk.{layer - layers.start}.{match.group(2)}")
         elif vocab_free and tensor.name == "token_embd.weight":
             writer.add_tensor(tensor.name, np.zeros((VOCAB_FREE_SIZE, model.shape.n_embd), dtype=np.float32))
-        elif vocab_free and tensor.name.startswith("output."):
+        elif not runs_head and tensor.name.startswith("output."):
             continue
         else:
             _copy_tensor(writer, tensor, tensor.name)

@@ -16,7 +16,7 @@ import llama_cpp
 
 from workers.runtime.context import ShardContext
 from workers.runtime.params import Closable, LlamaContext
-from workers.runtime.shard import read_layout, read_lookahead_layers
+from workers.runtime.shard import read_attention_shape, read_layout, read_lookahead_layers
 from workers.runtime.native import NativeLibrary, load_native
 
 
@@ -70,13 +70,11 @@ class ShardModel:
         return self._native
 
     def kv_bytes_per_position(self) -> int:
-        """Theoretical KV cache bytes per position of the layers llama.cpp allocates a cache for (f16 K and
-        V): the shard's own layers and its lookahead layer, if any."""
-        model = self.handle
-        n_head = llama_cpp.llama_model_n_head(model)
-        n_head_kv = llama_cpp.llama_model_n_head_kv(model)
-        head_dim = self.layout.n_embd // n_head
-        return (self.layout.n_layers + self.lookahead_layers) * 2 * n_head_kv * head_dim * 2
+        """KV cache bytes per position of every layer llama.cpp allocates a cache for (the shard's own layers
+        and its lookahead layer, if any), from the model's key/value lengths and per-layer KV head counts, in
+        the cache types of kvpool's contexts (workers.runtime.params leaves type_k/type_v at llama.cpp's defaults)."""
+        defaults = llama_cpp.llama_context_default_params()
+        return read_attention_shape(self.handle, self.path).bytes_per_position(defaults.type_k, defaults.type_v)
 
     def new_context(
         self, n_ctx: int, *, n_batch: int = 512, abort_flag_address: int | None = None
