@@ -7,6 +7,7 @@ sessions is made on the loop between awaits, so the books change atomically.
 
 from __future__ import annotations
 
+import functools
 import time
 
 import numpy as np
@@ -30,7 +31,7 @@ from kvpool.wire.protocol import Append, AppendReply, Cancel, Done, ErrorCode, F
 from kvpool.daemon.books.sessions import EpochCheck, Session
 from kvpool.daemon.books.spill import SpillStore
 from kvpool.daemon.status import build_stats, integrity_of
-from kvpool.daemon.pool.handle import WorkerFailed, WorkerLost
+from kvpool.daemon.pool.handle import WorkerFailed
 from kvpool.daemon.warm import WarmRequests
 from kvpool.daemon.pool.lifecycle import WorkerLifecycle
 
@@ -106,17 +107,8 @@ class KvService:
         worker.set_abort(False)
         session.appending = True
         try:
-            async with self.pool.append_slot():
+            async with self.lifecycle.worker_call(session, refused=functools.partial(self._append_refused, session)), self.pool.append_slot():
                 output = await worker.append(request.start_pos, rows, str(request.output_rows), request.sample)
-        except WorkerLost as lost:
-            self.lifecycle.lost(session)
-            raise RequestFailed(ErrorCode.WORKER_LOST, f"the worker serving this session was lost: {lost}") from None
-        except WorkerFailed as failure:
-            session.length = failure.length
-            code = ErrorCode(failure.code) if failure.code in set(ErrorCode) else ErrorCode.INTERNAL
-            if code is ErrorCode.CANCELLED:
-                self.metrics.count("cancels")
-            raise RequestFailed(code, str(failure), length=session.length) from None
         finally:
             session.appending = False
             worker.set_abort(False)  # a cancel that arrived as the append finished must not outlive it
@@ -129,6 +121,14 @@ class KvService:
             rows=output.rows, width=output.width, data=output.data, admitted=admitted, restored=restored,
             token=output.token, top_ids=output.top_ids, top_logprobs=output.top_logprobs, channel=channel,
         )
+
+    def _append_refused(self, session: Session, failure: WorkerFailed) -> RequestFailed:
+        """The worker's own code (internal where it names none), and the length it rolled back to."""
+        session.length = failure.length
+        code = ErrorCode(failure.code) if failure.code in set(ErrorCode) else ErrorCode.INTERNAL
+        if code is ErrorCode.CANCELLED:
+            self.metrics.count("cancels")
+        return RequestFailed(code, str(failure), length=session.length)
 
     async def truncate(self, request: Truncate) -> Done:
         check_session_fields(request.session_id, request.epoch, self.gate.length_of(request.session_id, request.epoch))
@@ -147,13 +147,8 @@ class KvService:
                 session.length = request.length  # the saved state is cut to this length when restored
                 self.metrics.count("truncates")
                 return Done(length=session.length, session_id=session.session_id, epoch=session.epoch, detail="parked")
-            try:
+            async with self.lifecycle.worker_call(session, refused="truncate failed"):
                 session.length = await self.pool.get(session.worker_name).truncate(request.length)
-            except WorkerLost as lost:
-                self.lifecycle.lost(session)
-                raise RequestFailed(ErrorCode.WORKER_LOST, f"the worker serving this session was lost: {lost}") from None
-            except WorkerFailed as failure:
-                raise RequestFailed(ErrorCode.INTERNAL, f"truncate failed: {failure}", length=session.length) from None
             self.metrics.count("truncates")
             return Done(length=session.length, session_id=session.session_id, epoch=session.epoch)
 

@@ -10,12 +10,11 @@ from __future__ import annotations
 import time
 
 from kvpool.daemon.books.books import Books
-from kvpool.wire.errors import RequestFailed
 from kvpool.daemon.pool.pool import WorkerPool
-from kvpool.wire.protocol import ErrorCode
 from kvpool.daemon.books.sessions import Session
-from kvpool.daemon.pool.handle import WorkerFailed, WorkerLost
 from kvpool.daemon.pool.lifecycle import WorkerLifecycle
+
+REFUSED = "the worker refused its direct channel"
 
 
 class Channels:
@@ -30,7 +29,8 @@ class Channels:
         if not self.enabled or not session.hot:
             return ""
         worker = self.pool.get(session.worker_name)
-        await self._call(session, worker.bind_channel(session.session_id, session.epoch))
+        async with self.lifecycle.worker_call(session, refused=REFUSED):
+            await worker.bind_channel(session.session_id, session.epoch)
         session.channel = True
         return worker.direct_address
 
@@ -42,7 +42,8 @@ class Channels:
         if not session.hot:
             return
         self._read(session)
-        session.length = await self._call(session, self.pool.get(session.worker_name).revoke_channel())
+        async with self.lifecycle.worker_call(session, refused=REFUSED):
+            session.length = await self.pool.get(session.worker_name).revoke_channel()
 
     def busy(self, session: Session) -> bool:
         """An append from the direct channel computes for this session now."""
@@ -68,12 +69,3 @@ class Channels:
             session.length, session.last_used = length, last_used
         if busy:
             session.last_used = time.monotonic()  # computing now: neither least recently used nor idle past a TTL
-
-    async def _call(self, session: Session, call) -> int:
-        try:
-            return await call
-        except WorkerLost as lost:
-            self.lifecycle.lost(session)
-            raise RequestFailed(ErrorCode.WORKER_LOST, f"the worker serving this session was lost: {lost}") from None
-        except WorkerFailed as failure:
-            raise RequestFailed(ErrorCode.INTERNAL, f"the worker refused its direct channel: {failure}", length=session.length) from None
