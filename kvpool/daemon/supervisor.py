@@ -43,7 +43,8 @@ from kvpool.wire.protocol import (
     Truncate,
 )
 from kvpool.daemon.mode_probe import probe_modes
-from kvpool.daemon.pool.segments import SegmentLayout, check_room_for
+from kvpool.daemon.pool.segments import check_room_for
+from workers.server.segment import SegmentLayout
 from kvpool.daemon.transport.frames import ConnectionLimits, FrameServer
 from kvpool.daemon.transport.listener import prepare_socket_path
 from kvpool.daemon.service import KvService

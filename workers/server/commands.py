@@ -1,8 +1,6 @@
 """Messages between the supervisor and one worker process, over a pipe (bulk rows go through shared memory).
 
-Shared memory layout of a worker's segment: [0, CONTROL_BYTES) control words (the int32 abort flag at
-offset 0, set by the supervisor to cancel an in-flight append), then the input region, then the output
-region. A worker serves one command at a time and answers each with exactly one reply.
+Where the rows lie in the worker's segment: workers.server.segment. A worker serves one command at a time and answers each with exactly one reply.
 """
 
 from __future__ import annotations
@@ -11,15 +9,7 @@ import msgspec
 
 from kvpool.wire.shape import ShardShape
 from kvpool.wire.sampling import Sampling
-
-CONTROL_BYTES = 64
-ABORT_FLAG_OFFSET = 0  # int32, set by the supervisor: abort the append in flight
-DIRECT_BUSY_OFFSET = 4  # int32, set by the worker while an append from its direct channel computes
-DIRECT_LENGTH_OFFSET = 8  # int64, by the worker: the context's length after the last direct append
-DIRECT_LAST_USED_OFFSET = 16  # float64, by the worker: time.monotonic() when that append ended
-DIRECT_APPENDS_OFFSET = 24  # int64, by the worker: appends served from the direct channel
-DIRECT_ROWS_OFFSET = 32  # int64, by the worker: their rows
-DIRECT_BUSY_SINCE_OFFSET = 40  # float64, by the worker: time.monotonic() when the running direct append began
+from workers.server.segment import ABORT_FLAG_OFFSET, CONTROL_BYTES  # noqa: F401 - still imported from here by single, batched_server, direct
 
 
 class Command(msgspec.Struct, tag=True, forbid_unknown_fields=True, kw_only=True):

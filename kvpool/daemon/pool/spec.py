@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from kvpool.host import direct_frame_deadline_s
-from kvpool.daemon.pool.segments import SegmentLayout
+from workers.server.segment import SegmentLayout
 from workers.server.spec import FRAME_DEADLINE_S
 from workers.server.spec import WorkerSpec
 
