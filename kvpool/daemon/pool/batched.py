@@ -66,7 +66,7 @@ class BatchedWorker(WorkerHandle):
     def __init__(self, name: str, spec: PoolSpec, index: int = 0, *, compute: ComputeSlots | None = None) -> None:
         super().__init__(name, spec, index)
         self.compute = compute or ComputeSlots(1)
-        self.slots = [SequenceSlot(self, seq) for seq in range(spec.seqs_per_worker)]
+        self.slots = [SequenceSlot(self, seq) for seq in range(spec.worker.seqs_per_worker)]
         self.batches = 0  # RunBatch calls so far, and their items (for stats and tests)
         self.batched_items = 0
         self._queue: list[PendingAppend] = []
