@@ -12,6 +12,9 @@ from kvpool.wire.sampling import Sampling
 from workers.server.segment import ABORT_FLAG_OFFSET, CONTROL_BYTES  # noqa: F401 - still imported from here by single, batched_server, direct
 
 
+OPEN_FAILED = "open_failed"  # Failed.code: the context asked for could not be created
+
+
 class Command(msgspec.Struct, tag=True, forbid_unknown_fields=True, kw_only=True):
     pass
 
@@ -21,14 +24,26 @@ class OpenContext(Command):
     seq: int = 0  # a batched worker: the sequence (emptied, then limited to n_ctx positions)
 
 
+class Binding(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """The session a direct channel serves."""
+
+    session_id: str
+    epoch: int
+
+
 class RunAppend(Command):
     """Input rows are in the input region: int32 token ids on a first shard, float32 [n_rows, n_embd]
-    hidden states on any other (the worker knows which shard it runs)."""
+    hidden states on any other (the worker knows which shard it runs). One round trip for an append through
+    the supervisor: like every command it revokes the direct channel first; with n_ctx > 0 a fresh context
+    of n_ctx positions is opened before the rows run (an admission's open; Failed open_failed if it cannot
+    be); with `bind` the direct channel serves that session once the append has succeeded."""
 
     start_pos: int
     n_rows: int
     output_rows: str = "last"
     sample: Sampling | None = None  # last shard: pick the next token (rows come back only with sample.logits)
+    n_ctx: int = 0
+    bind: Binding | None = None
 
 
 class TruncateContext(Command):
@@ -78,7 +93,8 @@ class RestoreState(Command):
 
 class BindChannel(Command):
     """Serve (session_id, epoch)'s appends from the worker's direct channel too, until any other
-    command from the supervisor (every one of them revokes the channel first)."""
+    command from the supervisor (every one of them revokes the channel first). The supervisor binds with
+    RunAppend.bind; this stands alone for tools (scripts/probe_direct_path.py)."""
 
     session_id: str
     epoch: int

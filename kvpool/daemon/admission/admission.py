@@ -121,7 +121,7 @@ class Admission:
         session.in_flight += 1
         await session.lock.acquire()  # a new session: uncontended
         try:
-            async with self.lifecycle.worker_call(session, lost="lost while creating the context", refused=functools.partial(self._open_refused, session)):
+            async with self.lifecycle.worker_call(session, lost="lost while creating the context", refused=functools.partial(self.open_refused, session)):
                 await self.pool.get(session.worker_name).open(n_ctx)
         except RequestFailed:
             self._abandon(session)
@@ -156,7 +156,7 @@ class Admission:
             await self.pool.get(session.worker_name).restore_state(session.n_ctx, blob, session.length)
         self.metrics.observe_restore(time.monotonic() - started)
 
-    def _open_refused(self, session: Session, failure: WorkerFailed) -> RequestFailed:
+    def open_refused(self, session: Session, failure: WorkerFailed) -> RequestFailed:
         """The context could not be created: the session is forgotten, its worker freed."""
         self._free_later(self.books.forget(session, MissReason.UNKNOWN))
         return RequestFailed(ErrorCode.OVER_BUDGET, f"could not create the context: {failure}")
