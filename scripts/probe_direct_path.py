@@ -91,6 +91,7 @@ class StampedWorker:
     def __init__(self, shard_path: pathlib.Path, lock_path: str, stamps_path: str) -> None:
         from multiprocessing import shared_memory
 
+        from workers.server.segment import SegmentLayout
         from workers.server.spec import WorkerSpec
 
         self.segment = shared_memory.SharedMemory(create=True, size=CONTROL_BYTES + N_CTX * 576 * 4 * 2)
@@ -99,7 +100,7 @@ class StampedWorker:
         self.cancel_pipe, child_cancel = context.Pipe(duplex=True)
         self.address = f"kvpool-probe-{os.getpid()}-{secrets.token_hex(4)}"
         spec = WorkerSpec(
-            shard_path=str(shard_path), shm_name=self.segment.name, input_bytes=N_CTX * 576 * 4, output_bytes=N_CTX * 576 * 4,
+            shard_path=str(shard_path), shm_name=self.segment.name, segment=SegmentLayout(input_bytes=N_CTX * 576 * 4, output_bytes=N_CTX * 576 * 4),
             n_threads=1, flash_attn=False, parent_pid=os.getpid(), direct_address=self.address, max_n_ctx=N_CTX,
             compute_lock_path=lock_path, compute_slots=1, worker_index=1,
         )

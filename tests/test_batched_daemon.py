@@ -23,6 +23,7 @@ from kvpool.local.generate import greedy_tokens
 from kvpool.router.router import Router
 from kvpool.daemon.pool.segments import SegmentLayout
 from kvpool.daemon.pool.handle import PoolSpec, WorkerFailed, WorkerLost
+from workers.server.spec import WorkerSpec
 from workers.runtime.model import ShardModel
 from tests.daemons import DaemonProcess
 from tests.daemons import in_thread, joined, result, stopped, wait_until
@@ -235,8 +236,9 @@ def test_cancel_inside_a_shared_batch_rolls_back_that_sequence_only(shards, reso
     other's rows; cancelling every one aborts the shared decode."""
     shard = shards[1]  # a middle shard: hidden states in and out
     spec = PoolSpec(
-        shard_path=str(shard.path), size=1, segment=SegmentLayout.for_shard(shard.shape, n_ctx=N_CTX, max_request_bytes=1 << 22),
-        n_threads=1, flash_attn=False, ready_timeout_s=600, request_timeout_s=600, direct=False, max_n_ctx=N_CTX, seqs_per_worker=2,
+        worker=WorkerSpec(shard_path=str(shard.path), segment=SegmentLayout.for_shard(shard.shape, n_ctx=N_CTX, max_request_bytes=1 << 22),
+                          n_threads=1, flash_attn=False, max_n_ctx=N_CTX, seqs_per_worker=2),
+        size=1, ready_timeout_s=600, request_timeout_s=600, direct=False,
     )
     rng = np.random.default_rng(3)
     prefix = rng.standard_normal((4, shard.shape.n_embd)).astype(np.float32)
@@ -284,8 +286,9 @@ def test_stopping_a_batched_process_under_a_call_in_flight_ends_that_call(shards
     waits on the pipe: the waiting call must end (worker lost) rather than wait on a closed pipe forever."""
     shard = shards[1]
     spec = PoolSpec(
-        shard_path=str(shard.path), size=1, segment=SegmentLayout.for_shard(shard.shape, n_ctx=N_CTX, max_request_bytes=1 << 22),
-        n_threads=1, flash_attn=False, ready_timeout_s=600, request_timeout_s=3600, direct=False, max_n_ctx=N_CTX, seqs_per_worker=2,
+        worker=WorkerSpec(shard_path=str(shard.path), segment=SegmentLayout.for_shard(shard.shape, n_ctx=N_CTX, max_request_bytes=1 << 22),
+                          n_threads=1, flash_attn=False, max_n_ctx=N_CTX, seqs_per_worker=2),
+        size=1, ready_timeout_s=600, request_timeout_s=3600, direct=False,
     )
     rows = np.random.default_rng(4).standard_normal((3, shard.shape.n_embd)).astype(np.float32)
 

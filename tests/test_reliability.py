@@ -48,6 +48,7 @@ from kvpool.wire.shape import ShardShape
 from kvpool.shard.header import read_shard_info
 from kvpool.daemon.supervisor import build_pool
 from kvpool.daemon.pool.handle import PoolSpec
+from workers.server.spec import WorkerSpec
 from tests.daemons import DaemonProcess, private_socket_dir
 from workers.runtime.model import ShardModel
 
@@ -375,8 +376,8 @@ def test_serve_refuses_to_start_when_dev_shm_cannot_hold_the_segments(shards, so
 
 def test_worker_names_are_unique_when_replacements_start_in_many_threads(shards):
     spec = PoolSpec(
-        shard_path=str(shards[0].path), size=1, segment=SegmentLayout(input_bytes=4, output_bytes=4),
-        n_threads=1, flash_attn=False, ready_timeout_s=60, request_timeout_s=60,
+        worker=WorkerSpec(shard_path=str(shards[0].path), segment=SegmentLayout(input_bytes=4, output_bytes=4), n_threads=1, flash_attn=False),
+        size=1, ready_timeout_s=60, request_timeout_s=60,
     )
     pool = WorkerPool(spec)  # never started: only its naming is exercised
     names: list[str] = []

@@ -86,13 +86,14 @@ class Gate:
 
     # ---- entering a session ------------------------------------------------------------------------
 
-    async def enter(self, session: Session) -> None:
+    async def enter(self, session: Session, *, revoke_by_run: bool = False) -> None:
         """Count a request in flight on the session, take its lock (released by leave) and revoke its
-        direct channel: from here the supervisor alone changes the session."""
+        direct channel: from here the supervisor alone changes the session. With `revoke_by_run` (an
+        append) the run the request sends revokes it (Channels.revoke)."""
         session.in_flight += 1
         await session.lock.acquire()
         try:
-            await self.channels.revoke(session)
+            await self.channels.revoke(session, by_run=revoke_by_run)
         except BaseException:
             session.lock.release()
             session.in_flight -= 1
@@ -117,9 +118,15 @@ class Gate:
 
     @contextlib.asynccontextmanager
     async def holding(self, session: Session) -> AsyncIterator[Session]:
-        """A session already entered (an admission returns it so), checked live and current, left after."""
+        """A session already entered (an admission returns it so, an append enters with revoke_by_run), checked
+        live and current, left after. An append refused before its run revokes the channel then, as entering
+        would have: whatever the outcome, the channel is revoked or bound again by this append."""
         try:
             self.check_live(session)
             yield session
+        except Exception:
+            if session.channel and self.books.table.get(session.session_id) is session:
+                await self.channels.revoke(session)
+            raise
         finally:
             await self.leave(session)

@@ -7,6 +7,7 @@ sessions is made on the loop between awaits, so the books change atomically.
 
 from __future__ import annotations
 
+import functools
 import time
 
 import numpy as np
@@ -30,9 +31,10 @@ from kvpool.wire.protocol import Append, AppendReply, Cancel, Done, ErrorCode, F
 from kvpool.daemon.books.sessions import EpochCheck, Session
 from kvpool.daemon.books.spill import SpillStore
 from kvpool.daemon.status import build_stats, integrity_of
-from kvpool.daemon.pool.handle import WorkerFailed, WorkerLost
+from kvpool.daemon.pool.handle import WorkerFailed
 from kvpool.daemon.warm import WarmRequests
 from kvpool.daemon.pool.lifecycle import WorkerLifecycle
+from workers.server.commands import OPEN_FAILED
 
 class KvService:
     def __init__(self, config: ServeConfig, pool: WorkerPool, shard: ShardDescription, kv_bytes_per_position: int) -> None:
@@ -90,7 +92,7 @@ class KvService:
             session = await self.admission.admit(request)  # returned entered: lock held, in flight
         else:
             self.metrics.count("hits")
-            await gate.enter(session)
+            await gate.enter(session, revoke_by_run=True)
         async with gate.holding(session):
             check_position(request.start_pos, session.length, 0, session.n_ctx)
             restored = not session.hot
@@ -103,32 +105,36 @@ class KvService:
         n_rows = rows.shape[0]
         check_position(request.start_pos, session.length, n_rows, session.n_ctx)
         worker = self.pool.get(session.worker_name)
+        binding = self.channels.binding(session) if request.direct else None
         worker.set_abort(False)
         session.appending = True
         try:
-            async with self.pool.append_slot():
-                output = await worker.append(request.start_pos, rows, str(request.output_rows), request.sample)
-        except WorkerLost as lost:
-            self.lifecycle.lost(session)
-            raise RequestFailed(ErrorCode.WORKER_LOST, f"the worker serving this session was lost: {lost}") from None
-        except WorkerFailed as failure:
-            session.length = failure.length
-            code = ErrorCode(failure.code) if failure.code in set(ErrorCode) else ErrorCode.INTERNAL
-            if code is ErrorCode.CANCELLED:
-                self.metrics.count("cancels")
-            raise RequestFailed(code, str(failure), length=session.length) from None
+            async with self.lifecycle.worker_call(session, refused=functools.partial(self._append_refused, session)), self.pool.append_slot():
+                self.channels.handed_to_run(session)
+                output = await worker.append(request.start_pos, rows, str(request.output_rows), request.sample, bind=binding)
         finally:
             session.appending = False
             worker.set_abort(False)  # a cancel that arrived as the append finished must not outlive it
         session.length = output.length
         self.metrics.count("appends")
         self.metrics.count("append_rows", n_rows)
-        channel = await self.channels.bind(session) if request.direct else ""
+        channel = self.channels.bound(session) if binding is not None else ""
         return AppendReply(
             session_id=session.session_id, epoch=session.epoch, length=session.length,
             rows=output.rows, width=output.width, data=output.data, admitted=admitted, restored=restored,
             token=output.token, top_ids=output.top_ids, top_logprobs=output.top_logprobs, channel=channel,
         )
+
+    def _append_refused(self, session: Session, failure: WorkerFailed) -> RequestFailed:
+        """The worker's own code (internal where it names none), and the length it rolled back to; a failed
+        open (an admission's, which travels with the first run) is the admission's."""
+        if failure.code == OPEN_FAILED:
+            return self.admission.open_refused(session, failure)
+        session.length = failure.length
+        code = ErrorCode(failure.code) if failure.code in set(ErrorCode) else ErrorCode.INTERNAL
+        if code is ErrorCode.CANCELLED:
+            self.metrics.count("cancels")
+        return RequestFailed(code, str(failure), length=session.length)
 
     async def truncate(self, request: Truncate) -> Done:
         check_session_fields(request.session_id, request.epoch, self.gate.length_of(request.session_id, request.epoch))
@@ -147,13 +153,8 @@ class KvService:
                 session.length = request.length  # the saved state is cut to this length when restored
                 self.metrics.count("truncates")
                 return Done(length=session.length, session_id=session.session_id, epoch=session.epoch, detail="parked")
-            try:
+            async with self.lifecycle.worker_call(session, refused="truncate failed"):
                 session.length = await self.pool.get(session.worker_name).truncate(request.length)
-            except WorkerLost as lost:
-                self.lifecycle.lost(session)
-                raise RequestFailed(ErrorCode.WORKER_LOST, f"the worker serving this session was lost: {lost}") from None
-            except WorkerFailed as failure:
-                raise RequestFailed(ErrorCode.INTERNAL, f"truncate failed: {failure}", length=session.length) from None
             self.metrics.count("truncates")
             return Done(length=session.length, session_id=session.session_id, epoch=session.epoch)
 

@@ -43,11 +43,13 @@ from kvpool.wire.protocol import (
     Truncate,
 )
 from kvpool.daemon.mode_probe import probe_modes
-from kvpool.daemon.pool.segments import SegmentLayout, check_room_for
+from kvpool.daemon.pool.segments import check_room_for
+from workers.server.segment import SegmentLayout
 from kvpool.daemon.transport.frames import ConnectionLimits, FrameServer
 from kvpool.daemon.transport.listener import prepare_socket_path
 from kvpool.daemon.service import KvService
 from kvpool.daemon.pool.handle import PoolSpec
+from kvpool.daemon.pool.spec import shared_settings
 
 MEMORY_CHECK_EVERY = 4
 MODE_PROBE_N_CTX = 64  # per probe session: its sessions hold a few rows  # housekeeping ticks between measured-memory checks
@@ -60,21 +62,23 @@ def build_pool(config: ServeConfig, info: ShardInfo) -> WorkerPool:
     segment = SegmentLayout.for_shard(info.shape, n_ctx=config.n_ctx, max_request_bytes=config.max_request_bytes)
     return WorkerPool(
         PoolSpec(
-            shard_path=str(config.model),
+            worker=shared_settings(
+                shard_path=str(config.model),
+                segment=segment,
+                n_threads=config.worker_threads,
+                flash_attn=config.flash_attn,
+                n_gpu_layers=config.n_gpu_layers,
+                verbose=config.verbose,
+                max_n_ctx=config.n_ctx,
+                # Locks only where the bound can be exceeded: fewer compute slots than worker processes.
+                compute_lock_path=str(compute_lock_path(config)) if config.concurrent_workers < config.worker_processes else "",
+                compute_slots=config.concurrent_workers,
+                seqs_per_worker=config.seqs_per_worker if config.batched else 0,
+            ),
             size=config.max_sessions,
-            segment=segment,
-            n_threads=config.worker_threads,
-            flash_attn=config.flash_attn,
             ready_timeout_s=config.ready_timeout_s,
             request_timeout_s=config.request_timeout_s,
-            n_gpu_layers=config.n_gpu_layers,
-            verbose=config.verbose,
             direct=config.uses_direct_channels,
-            max_n_ctx=config.n_ctx,
-            # Locks only where the bound can be exceeded: fewer compute slots than worker processes.
-            compute_lock_path=str(compute_lock_path(config)) if config.concurrent_workers < config.worker_processes else "",
-            compute_slots=config.concurrent_workers,
-            seqs_per_worker=config.seqs_per_worker if config.batched else 0,
         )
     )
 
@@ -101,11 +105,11 @@ class Supervisor:
         config = self.config
         info = read_shard_info(config.model)
         pool = build_pool(config, info)
-        check_room_for(config.worker_processes, pool.spec.segment)
+        check_room_for(config.worker_processes, pool.spec.worker.segment)
         self._announce(
             f"starting {config.worker_processes} workers on {config.model.name} "
             + (f"(batched: {config.seqs_per_worker} sessions each, one context of {config.seqs_per_worker} x {config.n_ctx} positions; " if config.batched else "(")
-            + f"shared memory {format_bytes(pool.spec.segment.total_bytes)} each)"
+            + f"shared memory {format_bytes(pool.spec.worker.segment.total_bytes)} each)"
         )
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):

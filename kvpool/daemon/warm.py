@@ -15,7 +15,6 @@ from kvpool.daemon.pool.pool import WorkerPool
 from kvpool.wire.protocol import Done, ErrorCode, Fork, MissReason, Park
 from kvpool.daemon.books.sessions import Session
 from kvpool.daemon.books.spill import CorruptBlob
-from kvpool.daemon.pool.handle import WorkerFailed, WorkerLost
 from kvpool.daemon.pool.lifecycle import WorkerLifecycle
 
 
@@ -95,10 +94,5 @@ class WarmRequests:
                     self.metrics.count("restore_failures")
                     self.metrics.count_miss(MissReason.RESTORE_FAILED)
                     raise RequestFailed(ErrorCode.CACHE_MISS, f"the source's saved state is damaged: {error}", reason=MissReason.RESTORE_FAILED) from None
-            try:
+            async with self.lifecycle.worker_call(source, lost="the worker serving the source session was lost", refused="saving the source's state failed"):
                 return await self.pool.get(source.worker_name).save_state()
-            except WorkerLost as lost:
-                self.lifecycle.lost(source)
-                raise RequestFailed(ErrorCode.WORKER_LOST, f"the worker serving the source session was lost: {lost}") from None
-            except WorkerFailed as failure:
-                raise RequestFailed(ErrorCode.INTERNAL, f"saving the source's state failed: {failure}", length=source.length) from None

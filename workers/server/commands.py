@@ -1,8 +1,6 @@
 """Messages between the supervisor and one worker process, over a pipe (bulk rows go through shared memory).
 
-Shared memory layout of a worker's segment: [0, CONTROL_BYTES) control words (the int32 abort flag at
-offset 0, set by the supervisor to cancel an in-flight append), then the input region, then the output
-region. A worker serves one command at a time and answers each with exactly one reply.
+Where the rows lie in the worker's segment: workers.server.segment. A worker serves one command at a time and answers each with exactly one reply.
 """
 
 from __future__ import annotations
@@ -11,15 +9,10 @@ import msgspec
 
 from kvpool.wire.shape import ShardShape
 from kvpool.wire.sampling import Sampling
+from workers.server.segment import ABORT_FLAG_OFFSET, CONTROL_BYTES  # noqa: F401 - still imported from here by single, batched_server, direct
 
-CONTROL_BYTES = 64
-ABORT_FLAG_OFFSET = 0  # int32, set by the supervisor: abort the append in flight
-DIRECT_BUSY_OFFSET = 4  # int32, set by the worker while an append from its direct channel computes
-DIRECT_LENGTH_OFFSET = 8  # int64, by the worker: the context's length after the last direct append
-DIRECT_LAST_USED_OFFSET = 16  # float64, by the worker: time.monotonic() when that append ended
-DIRECT_APPENDS_OFFSET = 24  # int64, by the worker: appends served from the direct channel
-DIRECT_ROWS_OFFSET = 32  # int64, by the worker: their rows
-DIRECT_BUSY_SINCE_OFFSET = 40  # float64, by the worker: time.monotonic() when the running direct append began
+
+OPEN_FAILED = "open_failed"  # Failed.code: the context asked for could not be created
 
 
 class Command(msgspec.Struct, tag=True, forbid_unknown_fields=True, kw_only=True):
@@ -31,14 +24,26 @@ class OpenContext(Command):
     seq: int = 0  # a batched worker: the sequence (emptied, then limited to n_ctx positions)
 
 
+class Binding(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """The session a direct channel serves."""
+
+    session_id: str
+    epoch: int
+
+
 class RunAppend(Command):
     """Input rows are in the input region: int32 token ids on a first shard, float32 [n_rows, n_embd]
-    hidden states on any other (the worker knows which shard it runs)."""
+    hidden states on any other (the worker knows which shard it runs). One round trip for an append through
+    the supervisor: like every command it revokes the direct channel first; with n_ctx > 0 a fresh context
+    of n_ctx positions is opened before the rows run (an admission's open; Failed open_failed if it cannot
+    be); with `bind` the direct channel serves that session once the append has succeeded."""
 
     start_pos: int
     n_rows: int
     output_rows: str = "last"
     sample: Sampling | None = None  # last shard: pick the next token (rows come back only with sample.logits)
+    n_ctx: int = 0
+    bind: Binding | None = None
 
 
 class TruncateContext(Command):
@@ -88,7 +93,8 @@ class RestoreState(Command):
 
 class BindChannel(Command):
     """Serve (session_id, epoch)'s appends from the worker's direct channel too, until any other
-    command from the supervisor (every one of them revokes the channel first)."""
+    command from the supervisor (every one of them revokes the channel first). The supervisor binds with
+    RunAppend.bind; this stands alone for tools (scripts/probe_direct_path.py)."""
 
     session_id: str
     epoch: int

@@ -1,12 +1,12 @@
 """The control words a worker keeps about its direct channel in its segment, as ctypes views: written by
-the worker (workers.server.direct), read by the supervisor (kvpool.daemon.pool.controls). One definition of where each
-word lives (the offsets are workers.server.commands')."""
+the worker (workers.server.direct), read by the supervisor (kvpool.daemon.pool.controls). The offsets
+are workers.server.segment's."""
 
 from __future__ import annotations
 
 import ctypes
 
-from workers.server.commands import (
+from workers.server.segment import (
     DIRECT_APPENDS_OFFSET,
     DIRECT_BUSY_OFFSET,
     DIRECT_BUSY_SINCE_OFFSET,

@@ -76,7 +76,7 @@ class WorkerServer:
             case OpenContext(n_ctx=n_ctx):
                 return self._open(n_ctx)
             case RunAppend():
-                return self._append(command)
+                return self._run(command)
             case TruncateContext(length=length):
                 if self.context is None:
                     return Failed(code="no_context", message="no open context")
@@ -94,6 +94,18 @@ class WorkerServer:
             case RestoreState():
                 return self._restore(command)
         return Failed(code="bad_command", message=f"unknown command {type(command).__name__}")
+
+    def _run(self, command: RunAppend):
+        """The append, after the fresh context it asks for (n_ctx), then the channel bound if it asks and
+        the append succeeded."""
+        if command.n_ctx:
+            opened = self._open(command.n_ctx)
+            if isinstance(opened, Failed):
+                return opened
+        appended = self._append(command)
+        if command.bind is not None and isinstance(appended, Appended):
+            self.bound = (command.bind.session_id, command.bind.epoch)
+        return appended
 
     def _open(self, n_ctx: int):
         self._close_context()

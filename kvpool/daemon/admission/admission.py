@@ -8,6 +8,7 @@ other admissions (kvpool.daemon.admission.queue). Recently used sessions are nei
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 
 from kvpool.daemon.admission.queue import AdmissionQueue
@@ -24,7 +25,7 @@ from kvpool.wire.protocol import Append, ErrorCode, MissReason
 from kvpool.daemon.admission.residency import Residency, derived_min_residency_s
 from kvpool.daemon.books.sessions import Session
 from kvpool.daemon.books.spill import CorruptBlob
-from kvpool.daemon.pool.handle import WorkerFailed, WorkerLost
+from kvpool.daemon.pool.handle import WorkerFailed
 from kvpool.daemon.pool.lifecycle import WorkerLifecycle
 
 MAX_ADMIT_WAIT_S = 60.0
@@ -120,15 +121,11 @@ class Admission:
         session.in_flight += 1
         await session.lock.acquire()  # a new session: uncontended
         try:
-            await self.pool.get(session.worker_name).open(n_ctx)
-        except WorkerLost as lost:
+            async with self.lifecycle.worker_call(session, lost="lost while creating the context", refused=functools.partial(self.open_refused, session)):
+                await self.pool.get(session.worker_name).open(n_ctx)
+        except RequestFailed:
             self._abandon(session)
-            self.lifecycle.lost(session)
-            raise RequestFailed(ErrorCode.WORKER_LOST, f"lost while creating the context: {lost}") from None
-        except WorkerFailed as failure:
-            self._abandon(session)
-            self._free_later(self.books.forget(session, MissReason.UNKNOWN))
-            raise RequestFailed(ErrorCode.OVER_BUDGET, f"could not create the context: {failure}") from None
+            raise
         self.metrics.count("admissions")
         return session
 
@@ -141,7 +138,7 @@ class Admission:
         try:
             blob = self.books.take_blob(session)
         except CorruptBlob as error:
-            self._restore_failed(self.books.forget(session, MissReason.RESTORE_FAILED), str(error))
+            raise self._restore_failed(session, error) from None
 
         def still_parked() -> None:
             self.gate.check_live(session)
@@ -154,21 +151,22 @@ class Admission:
             raise
         evicted_workers = self.books.unpark(plan, session, charge)
         self.carry_out(plan, evicted_workers)
-        try:
+        refused = functools.partial(self._restore_failed, session)
+        async with self.lifecycle.worker_call(session, lost="lost while restoring the session", refused=refused):
             await self.pool.get(session.worker_name).restore_state(session.n_ctx, blob, session.length)
-        except WorkerLost as lost:
-            self.lifecycle.lost(session)
-            raise RequestFailed(ErrorCode.WORKER_LOST, f"lost while restoring the session: {lost}") from None
-        except WorkerFailed as failure:
-            self._restore_failed(self.books.forget(session, MissReason.RESTORE_FAILED), str(failure))
         self.metrics.observe_restore(time.monotonic() - started)
 
-    def _restore_failed(self, worker: str | None, why: str) -> None:
-        """The session is forgotten already; `worker` (if any) holds the refused context."""
-        self._free_later(worker)
+    def open_refused(self, session: Session, failure: WorkerFailed) -> RequestFailed:
+        """The context could not be created: the session is forgotten, its worker freed."""
+        self._free_later(self.books.forget(session, MissReason.UNKNOWN))
+        return RequestFailed(ErrorCode.OVER_BUDGET, f"could not create the context: {failure}")
+
+    def _restore_failed(self, session: Session, why: object) -> RequestFailed:
+        """The session ends alone (restore_failed); its worker, which may hold the refused context, is freed."""
+        self._free_later(self.books.forget(session, MissReason.RESTORE_FAILED))
         self.metrics.count("restore_failures")
         self.metrics.count_miss(MissReason.RESTORE_FAILED)
-        raise RequestFailed(ErrorCode.CACHE_MISS, f"the session's saved state could not be restored: {why}", reason=MissReason.RESTORE_FAILED)
+        return RequestFailed(ErrorCode.CACHE_MISS, f"the session's saved state could not be restored: {why}", reason=MissReason.RESTORE_FAILED)
 
     def _free_later(self, worker: str | None) -> None:
         if worker is not None:

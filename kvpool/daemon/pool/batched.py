@@ -30,6 +30,7 @@ from workers.server.commands import (
     Appended,
     BatchDone,
     BatchItem,
+    Binding,
     CloseContext,
     Closed,
     Failed,
@@ -66,7 +67,7 @@ class BatchedWorker(WorkerHandle):
     def __init__(self, name: str, spec: PoolSpec, index: int = 0, *, compute: ComputeSlots | None = None) -> None:
         super().__init__(name, spec, index)
         self.compute = compute or ComputeSlots(1)
-        self.slots = [SequenceSlot(self, seq) for seq in range(spec.seqs_per_worker)]
+        self.slots = [SequenceSlot(self, seq) for seq in range(spec.worker.seqs_per_worker)]
         self.batches = 0  # RunBatch calls so far, and their items (for stats and tests)
         self.batched_items = 0
         self._queue: list[PendingAppend] = []
@@ -271,7 +272,11 @@ class SequenceSlot:
     async def open(self, n_ctx: int) -> None:
         await self.process._expect(OpenContext(n_ctx=n_ctx, seq=self.seq), Opened)
 
-    async def append(self, start_pos: int, rows: np.ndarray, output_rows: str = "last", sample: Sampling | None = None) -> WorkerOutput:
+    async def append(
+        self, start_pos: int, rows: np.ndarray, output_rows: str = "last", sample: Sampling | None = None, *, bind: Binding | None = None,
+    ) -> WorkerOutput:
+        if bind is not None:
+            raise WorkerFailed("internal", "a batched worker has no direct channel", 0)
         return await self.process.append_seq(self.seq, start_pos, rows, output_rows, sample)
 
     async def truncate(self, length: int) -> int:
@@ -286,9 +291,6 @@ class SequenceSlot:
 
     async def restore_state(self, n_ctx: int, blob: bytes, length: int) -> int:
         return (await self.process._expect(RestoreState(n_ctx=n_ctx, blob=blob, length=length, seq=self.seq), Restored)).length
-
-    async def bind_channel(self, session_id: str, epoch: int) -> int:
-        raise WorkerFailed("internal", "a batched worker has no direct channel", 0)
 
     async def revoke_channel(self) -> int:
         raise WorkerFailed("internal", "a batched worker has no direct channel", 0)

@@ -1,8 +1,9 @@
 """Direct channels, the supervisor's side: a hot session whose client asked is bound to its worker's
 direct channel, and its appends then skip the supervisor. The supervisor stays the authority: before it
-acts on such a session (an append through it, truncate, park, fork, cancel checks) it revokes the channel
-through the worker, which finishes a direct append in flight first and reports the length; every other
-command to the worker revokes it too (a context freed, replaced or restored never serves a stale binding).
+acts on such a session (truncate, park, fork, cancel checks) it revokes the channel through the worker,
+which finishes a direct append in flight first and reports the length; every other command to the worker
+revokes it too (a context freed, replaced or restored never serves a stale binding), an append's run among
+them, which also carries the binding that follows it: one pipe round trip for an append.
 Between its own requests the supervisor reads what the worker's control words say (busy, length, last use)."""
 
 from __future__ import annotations
@@ -10,12 +11,12 @@ from __future__ import annotations
 import time
 
 from kvpool.daemon.books.books import Books
-from kvpool.wire.errors import RequestFailed
 from kvpool.daemon.pool.pool import WorkerPool
-from kvpool.wire.protocol import ErrorCode
 from kvpool.daemon.books.sessions import Session
-from kvpool.daemon.pool.handle import WorkerFailed, WorkerLost
 from kvpool.daemon.pool.lifecycle import WorkerLifecycle
+from workers.server.commands import Binding
+
+REFUSED = "the worker refused its direct channel"
 
 
 class Channels:
@@ -25,24 +26,38 @@ class Channels:
         self.lifecycle = lifecycle
         self.enabled = enabled
 
-    async def bind(self, session: Session) -> str:
-        """The session's worker serves its appends directly too; the channel's name ("" when off)."""
-        if not self.enabled or not session.hot:
-            return ""
-        worker = self.pool.get(session.worker_name)
-        await self._call(session, worker.bind_channel(session.session_id, session.epoch))
-        session.channel = True
-        return worker.direct_address
+    def binding(self, session: Session) -> Binding | None:
+        """What an append's run binds the channel to once it succeeds (None: no channel to bind)."""
+        return Binding(session_id=session.session_id, epoch=session.epoch) if self.enabled and session.hot else None
 
-    async def revoke(self, session: Session) -> None:
-        """No direct append after this returns; the session's length and last use are the worker's."""
+    def bound(self, session: Session) -> str:
+        """The run bound the session's channel: its name."""
+        session.channel = True
+        return self.pool.get(session.worker_name).direct_address
+
+    async def revoke(self, session: Session, *, by_run: bool = False) -> None:
+        """No direct append after this returns; the session's length and last use are the worker's.
+
+        With `by_run` the caller's append revokes the channel itself (the worker revokes it on every command,
+        before it computes: handed_to_run), one round trip fewer, when no direct append computes now: the
+        length is then the last direct append's, read from the control words. One that starts before the
+        run reaches the worker comes first, and the worker checks the run's position against what it left."""
         if not session.channel:
             return
-        session.channel = False
         if not session.hot:
+            session.channel = False
             return
-        self._read(session)
-        session.length = await self._call(session, self.pool.get(session.worker_name).revoke_channel())
+        computing = self._read(session)
+        if by_run and not computing:
+            return
+        session.channel = False
+        async with self.lifecycle.worker_call(session, refused=REFUSED):
+            session.length = await self.pool.get(session.worker_name).revoke_channel()
+
+    @staticmethod
+    def handed_to_run(session: Session) -> None:
+        """The run about to be sent revokes the channel (and binds it again if it carries a Binding)."""
+        session.channel = False
 
     def busy(self, session: Session) -> bool:
         """An append from the direct channel computes for this session now."""
@@ -62,18 +77,11 @@ class Channels:
             appends, rows = appends + done, rows + done_rows
         return {"direct_appends": appends, "direct_append_rows": rows}
 
-    def _read(self, session: Session) -> None:
+    def _read(self, session: Session) -> bool:
+        """Take what the control words say; whether a direct append computes now (then the length is not final)."""
         busy, length, last_used = self.pool.get(session.worker_name).direct.activity()
         if last_used > session.last_used:  # a direct append of this session ended after the supervisor's last look
             session.length, session.last_used = length, last_used
         if busy:
             session.last_used = time.monotonic()  # computing now: neither least recently used nor idle past a TTL
-
-    async def _call(self, session: Session, call) -> int:
-        try:
-            return await call
-        except WorkerLost as lost:
-            self.lifecycle.lost(session)
-            raise RequestFailed(ErrorCode.WORKER_LOST, f"the worker serving this session was lost: {lost}") from None
-        except WorkerFailed as failure:
-            raise RequestFailed(ErrorCode.INTERNAL, f"the worker refused its direct channel: {failure}", length=session.length) from None
+        return busy

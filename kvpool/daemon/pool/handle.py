@@ -18,7 +18,7 @@ from kvpool.daemon.pool.process import WorkerProcess
 from workers.server.commands import (
     AnyCommand,
     Appended,
-    BindChannel,
+    Binding,
     CancelDirect,
     ChannelState,
     CloseContext,
@@ -53,9 +53,27 @@ class WorkerOutput:
 
 class WorkerHandle(WorkerProcess):
     """The supervisor's side of one worker process: open / append / truncate / close_context return
-    values or raise WorkerFailed (the worker refused: code, length) or WorkerLost."""
+    values or raise WorkerFailed (the worker refused: code, length) or WorkerLost.
+
+    An append is one pipe round trip: the open asked for before it travels with it (RunAppend.n_ctx), and
+    so does the direct channel's binding (RunAppend.bind); the worker revokes the channel on every command."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._opening = 0  # open() asked for a context of this many positions, not sent yet
 
     async def _expect(self, command: AnyCommand, expected: type):
+        if isinstance(command, RestoreState | CloseContext):
+            self._opening = 0  # superseded: a fresh context of its own, or none
+        elif self._opening and not isinstance(command, RunAppend):
+            await self._reply_to(OpenContext(n_ctx=self._take_opening()), Opened)
+        return await self._reply_to(command, expected)
+
+    def _take_opening(self) -> int:
+        n_ctx, self._opening = self._opening, 0
+        return n_ctx
+
+    async def _reply_to(self, command: AnyCommand, expected: type):
         reply = await self.call(command)
         if isinstance(reply, Failed):
             raise WorkerFailed(reply.code, reply.message, reply.length)
@@ -64,14 +82,18 @@ class WorkerHandle(WorkerProcess):
         return reply
 
     async def open(self, n_ctx: int) -> None:
-        """A fresh context of n_ctx positions (the previous one, if any, is freed first)."""
-        await self._expect(OpenContext(n_ctx=n_ctx), Opened)
+        """A fresh context of n_ctx positions (the previous one, if any, is freed first), opened by the worker
+        with the next append, or before any other command; a failure is that command's (code open_failed)."""
+        self._opening = n_ctx
 
-    async def append(self, start_pos: int, rows: np.ndarray, output_rows: str = "last", sample: Sampling | None = None) -> WorkerOutput:
+    async def append(
+        self, start_pos: int, rows: np.ndarray, output_rows: str = "last", sample: Sampling | None = None, *, bind: Binding | None = None,
+    ) -> WorkerOutput:
         """Append rows (int32 token ids on a first shard, float32 [n, n_embd] hidden states elsewhere);
-        with `sample` (last shard) the worker picks the next token."""
+        with `sample` (last shard) the worker picks the next token; with `bind` its direct channel serves
+        that session afterwards, if the append succeeded."""
         self.shared.write_input(rows)
-        command = RunAppend(start_pos=start_pos, n_rows=len(rows), output_rows=output_rows, sample=sample)
+        command = RunAppend(start_pos=start_pos, n_rows=len(rows), output_rows=output_rows, sample=sample, n_ctx=self._take_opening(), bind=bind)
         appended = await self._expect(command, Appended)
         return WorkerOutput(
             length=appended.length, rows=appended.rows, width=appended.width, data=self.shared.read_output(appended),
@@ -91,10 +113,6 @@ class WorkerHandle(WorkerProcess):
     async def restore_state(self, n_ctx: int, blob: bytes, length: int) -> int:
         """A fresh context loaded with `blob`, cut to `length`; WorkerFailed code restore_failed if refused."""
         return (await self._expect(RestoreState(n_ctx=n_ctx, blob=blob, length=length), Restored)).length
-
-    async def bind_channel(self, session_id: str, epoch: int) -> int:
-        """The direct channel serves (session_id, epoch) until the next command; returns the length."""
-        return (await self._expect(BindChannel(session_id=session_id, epoch=epoch), ChannelState)).length
 
     async def revoke_channel(self) -> int:
         """No more direct appends (one in flight completes first); returns the context's length."""

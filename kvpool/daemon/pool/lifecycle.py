@@ -5,7 +5,9 @@ threads; the books change on the event loop only."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from kvpool.daemon.books.books import Books
@@ -13,7 +15,11 @@ from kvpool.daemon.metrics import Metrics
 from kvpool.daemon.pool.pool import WorkerPool
 from kvpool.wire.protocol import ErrorCode, MissReason
 from kvpool.daemon.books.sessions import Session
-from kvpool.daemon.pool.handle import WorkerLost
+from kvpool.daemon.pool.handle import WorkerFailed, WorkerLost
+from kvpool.wire.errors import RequestFailed
+
+LOST = "the worker serving this session was lost"
+Refusal = Callable[[WorkerFailed], RequestFailed]
 
 log = logging.getLogger("kvpool.serve")
 
@@ -95,6 +101,22 @@ class WorkerLifecycle:
         worker = self.books.forget(session, MissReason.WORKER_LOST)
         self.metrics.count_error(ErrorCode.WORKER_LOST)
         self.spawn(self.replace(worker))
+
+    @contextlib.asynccontextmanager
+    async def worker_call(self, session: Session, *, lost: str = LOST, refused: str | Refusal) -> AsyncIterator[None]:
+        """`async with lifecycle.worker_call(session, refused=...):` around calls to the session's worker: the
+        error reply of a worker failure. Lost: the session ends (lost()) and the reply is worker_lost,
+        "{lost}: why". Refused: `refused(failure)` is raised, or, for a text, internal "{refused}: why" with
+        the session's length."""
+        try:
+            yield
+        except WorkerLost as error:
+            self.lost(session)
+            raise RequestFailed(ErrorCode.WORKER_LOST, f"{lost}: {error}") from None
+        except WorkerFailed as failure:
+            if isinstance(refused, str):
+                raise RequestFailed(ErrorCode.INTERNAL, f"{refused}: {failure}", length=session.length) from None
+            raise refused(failure) from None
 
     async def replace_dead_free(self) -> None:
         """A free worker that died (nobody was using it) is replaced before anyone is lent it."""

@@ -35,12 +35,12 @@ class WorkerPool:
 
     @property
     def batched(self) -> bool:
-        return self.spec.seqs_per_worker > 0
+        return self.spec.worker.seqs_per_worker > 0
 
     def start(self) -> Ready:
         """Spawn every worker in parallel and wait for all to be ready; on failure stop them all."""
         self._create_compute_lock_file()
-        processes = -(-self.spec.size // self.spec.seqs_per_worker) if self.batched else self.spec.size
+        processes = -(-self.spec.size // self.spec.worker.seqs_per_worker) if self.batched else self.spec.size
         handles = [self._spawn() for _ in range(processes)]
         try:
             with ThreadPoolExecutor(max_workers=len(handles)) as executor:
@@ -61,10 +61,10 @@ class WorkerPool:
 
     def _create_compute_lock_file(self) -> None:
         """The file whose byte-range locks bound the workers computing at once (kvpool.daemon.supervisor names it)."""
-        if self.spec.compute_lock_path:
-            descriptor = os.open(self.spec.compute_lock_path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        if self.spec.worker.compute_lock_path:
+            descriptor = os.open(self.spec.worker.compute_lock_path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
             try:
-                os.ftruncate(descriptor, self.spec.compute_slots)
+                os.ftruncate(descriptor, self.spec.worker.compute_slots)
             finally:
                 os.close(descriptor)
 
@@ -97,7 +97,7 @@ class WorkerPool:
         if not self.batched:
             return None
         measured = [process.ready.context_bytes for process in self.processes() if process.ready is not None]
-        return (max(measured, default=0), self.spec.seqs_per_worker)
+        return (max(measured, default=0), self.spec.worker.seqs_per_worker)
 
     def batch_counts(self) -> dict[str, int]:
         """Batched mode: RunBatch calls and the appends they carried, over the live processes."""
@@ -170,7 +170,7 @@ class WorkerPool:
                 self._workers[fresh.name] = fresh
 
     def check_integrity(self) -> None:
-        expected = self.spec.segment.total_bytes
+        expected = self.spec.worker.segment.total_bytes
         wrong = sorted(h.name for h in self.processes() if h.segment_bytes != expected)
         require(not wrong, f"workers whose segment is not {expected} bytes: {wrong}")
 
@@ -181,6 +181,6 @@ class WorkerPool:
             self._spares.clear()
         for handle in reversed(handles):
             handle.stop()
-        if self.spec.compute_lock_path:
+        if self.spec.worker.compute_lock_path:
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.spec.compute_lock_path)
+                os.unlink(self.spec.worker.compute_lock_path)

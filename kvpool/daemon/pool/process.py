@@ -32,13 +32,13 @@ class WorkerProcess:
 
     def __init__(self, name: str, spec: PoolSpec, index: int = 0) -> None:
         self.name = name
-        self.direct_address = f"kvpool-{os.getpid()}-{name}-{secrets.token_hex(6)}" if spec.direct and not spec.seqs_per_worker else ""
+        self.direct_address = f"kvpool-{os.getpid()}-{name}-{secrets.token_hex(6)}" if spec.direct and not spec.worker.seqs_per_worker else ""
         self.request_timeout_s = spec.request_timeout_s
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(AnyWorkerReply)
         self._async_call_lock = asyncio.Lock()
         self._waiting: tuple[asyncio.AbstractEventLoop, asyncio.Future] | None = None  # the call in flight: its loop and wake-up
-        layout = spec.segment
+        layout = spec.worker.segment
         self.segment_bytes = layout.total_bytes
         self.shared = WorkerSegment(layout)
         self.input_offset = layout.input_offset
@@ -51,10 +51,7 @@ class WorkerProcess:
         self._connection: Connection = parent_end
         cancel_end, child_cancel_end = context.Pipe(duplex=True)
         self._cancel_connection: Connection = cancel_end
-        worker_spec = spec.worker_spec(
-            shm_name=self.segment.name, input_bytes=layout.input_bytes, output_bytes=layout.output_bytes,
-            parent_pid=os.getpid(), direct_address=self.direct_address, worker_index=index,
-        )
+        worker_spec = spec.worker_spec(shm_name=self.segment.name, parent_pid=os.getpid(), direct_address=self.direct_address, worker_index=index)
         self.process = context.Process(target=worker_main, args=(child_end, worker_spec, child_cancel_end), name=name, daemon=True)
         self.process.start()
         child_end.close()  # so a dead worker reads as EOF on our end

@@ -1,4 +1,4 @@
-"""The supervisor's side of one worker's shared-memory segment (layout: kvpool.daemon.pool.segments): the abort flag,
+"""The supervisor's side of one worker's shared-memory segment (its offsets: workers.server.segment): the abort flag,
 the direct channel's control words, the input rows written before an append and its output rows read
 after. The segment is created before its worker starts and released once, after it has stopped."""
 
@@ -9,9 +9,9 @@ from multiprocessing import shared_memory
 
 import numpy as np
 
-from kvpool.daemon.pool.segments import SegmentLayout
 from kvpool.daemon.pool.controls import DirectControls
-from workers.server.commands import ABORT_FLAG_OFFSET, Appended
+from workers.server.commands import Appended
+from workers.server.segment import ABORT_FLAG_OFFSET, SegmentLayout
 
 
 class WorkerSegment:

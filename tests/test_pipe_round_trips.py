@@ -1,0 +1,102 @@
+"""One pipe round trip for a supervisor append (issue 18, item 4), direct channels on: the run carries the
+channel's binding, the worker revokes the channel on the run itself, and an admission's open travels with its
+first run. The guarantees of README "The direct channel" hold: the binding the run carried serves the
+session, a direct append that completed is the length the supervisor checks the next append against, and
+the supervisor's other requests still revoke the channel before they act.
+
+A real worker on the real first shard, driven through an in-process KvService; the commands it is sent are
+counted at the one method that writes the pipe (WorkerProcess.call)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import pytest
+
+from kvpool.daemon.config import ServeConfig
+from kvpool.daemon.service import KvService
+from kvpool.daemon.supervisor import build_pool
+from kvpool.shard.header import read_shard_info
+from kvpool.wire.errors import RequestFailed
+from kvpool.wire.protocol import FRAME_HEADER, Append, AppendReply, ShardDescription, Truncate, decode_reply, encode, receive_exactly
+
+pytestmark = pytest.mark.timeout(1800)
+
+
+def _direct_append(address: str, request: Append):
+    """One request on a worker's direct channel, as a client sends it."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as connection:
+        connection.connect("\0" + address)
+        connection.sendall(encode(request))
+        (size,) = FRAME_HEADER.unpack(receive_exactly(connection, FRAME_HEADER.size))
+        return decode_reply(receive_exactly(connection, size))
+
+
+def test_a_supervisor_append_is_one_pipe_command_admitting_or_not_with_direct_channels_on(shards, tmp_path, resource_tracker_running):
+    info = read_shard_info(shards[0].path)
+    config = ServeConfig(model=shards[0].path, socket=tmp_path / "unused.sock", max_sessions=1, n_ctx=64, threads=1)
+    assert config.uses_direct_channels
+    pool = build_pool(config, info)
+
+    async def scenario() -> None:
+        ready = await asyncio.to_thread(pool.start)
+        service = KvService(config, pool, ShardDescription(shape=ready.shape, model_path=str(shards[0].path)), ready.kv_bytes_per_position)
+        try:
+            await service.calibrator.calibrate(64)
+            [worker] = pool.workers()
+            sent: list[str] = []
+            call = worker.call
+
+            async def counted(command):
+                sent.append(type(command).__name__)
+                return await call(command)
+
+            worker.call = counted
+
+            async def append(start_pos: int, tokens: list[int]) -> tuple[AppendReply, list[str]]:
+                sent.clear()
+                reply = await service.append(Append(session_id="s", epoch=1, start_pos=start_pos, tokens=tokens, direct=True))
+                return reply, list(sent)
+
+            admitted, admitting_sent = await append(0, [1, 2, 3])
+            plain, plain_sent = await append(3, [4])
+            print(f"pipe commands: admitting append {admitting_sent}, plain append {plain_sent}")
+            assert (admitted.admitted, admitted.length, plain.admitted, plain.length) == (True, 3, False, 4)
+            assert admitted.channel and plain.channel == admitted.channel
+            assert (len(admitting_sent), len(plain_sent)) == (1, 1), (admitting_sent, plain_sent)
+
+            # The binding the run carried is live: the channel serves the session, and the supervisor's next
+            # append is checked against the length that direct append left (still one command).
+            direct = await asyncio.to_thread(_direct_append, plain.channel, Append(session_id="s", epoch=1, start_pos=4, tokens=[5]))
+            assert isinstance(direct, AppendReply) and direct.length == 5
+            with pytest.raises(RequestFailed) as stale:
+                await append(4, [6])
+            assert (stale.value.code, stale.value.length) == ("position_mismatch", 5)
+            after_direct, after_direct_sent = await append(5, [6])
+            assert (after_direct.length, len(after_direct_sent)) == (6, 1)
+
+            # An append the supervisor refuses itself (the context would overflow) revokes the channel as it
+            # did before it acted (the next direct append is channel_revoked); a truncate revokes it before it
+            # acts (RevokeChannel, then TruncateContext).
+            sent.clear()
+            with pytest.raises(RequestFailed) as full:
+                await service.append(Append(session_id="s", epoch=1, start_pos=6, tokens=list(range(1, 60)), direct=True))
+            assert (full.value.code, full.value.length, sent) == ("context_full", 6, ["RevokeChannel"])
+            revoked = await asyncio.to_thread(_direct_append, plain.channel, Append(session_id="s", epoch=1, start_pos=6, tokens=[7]))
+            assert revoked.code == "channel_revoked"
+            rebound, rebound_sent = await append(6, [7])
+            assert (rebound.length, rebound.channel, len(rebound_sent)) == (7, plain.channel, 1)
+            sent.clear()
+            assert (await service.truncate(Truncate(session_id="s", epoch=1, length=2))).length == 2
+            assert sent == ["RevokeChannel", "TruncateContext"]
+            revoked = await asyncio.to_thread(_direct_append, plain.channel, Append(session_id="s", epoch=1, start_pos=2, tokens=[7]))
+            assert revoked.code == "channel_revoked"
+            service.check_integrity()
+        finally:
+            service.close()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        pool.close()
