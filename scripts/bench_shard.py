@@ -49,7 +49,7 @@ class PlainContext:
         params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
         self.ctx = llama_cpp.llama_init_from_model(model.handle, params)
         assert self.ctx
-        self.n_embd = model.layout.n_embd
+        self.n_embd = model.shape.n_embd
         self.batch = llama_cpp.llama_batch_init(n_batch, self.n_embd, 1)
         self.embd = np.ctypeslib.as_array(self.batch.embd, shape=(n_batch, self.n_embd))
         self.pos = np.ctypeslib.as_array(self.batch.pos, shape=(n_batch,))

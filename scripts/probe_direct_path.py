@@ -28,9 +28,11 @@ import numpy as np
 from kvpool.shard.bundled import bundled_model_path
 from kvpool.client.client import AppendResult, Client, append_request
 from kvpool.launcher import Daemon
-from kvpool.wire.protocol import FRAME_HEADER, decode_reply, encode, receive_exactly
+from kvpool.wire.protocol import decode_reply, encode
+from kvpool.wire.framing import FRAME_HEADER, receive_exactly
 from kvpool.shard.cache import shards_in_parts
-from workers.server.commands import CONTROL_BYTES, BindChannel, Exit, OpenContext, TruncateContext
+from workers.server.commands import BindChannel, Exit, OpenContext, TruncateContext
+from workers.server.segment import CONTROL_BYTES
 from workers.runtime.model import ShardModel
 
 N_CTX = 1024
@@ -91,7 +93,7 @@ class StampedWorker:
     def __init__(self, shard_path: pathlib.Path, lock_path: str, stamps_path: str) -> None:
         from multiprocessing import shared_memory
 
-        from workers.server.segment import SegmentLayout
+        from workers.server.segment import SegmentRegions
         from workers.server.spec import WorkerSpec
 
         self.segment = shared_memory.SharedMemory(create=True, size=CONTROL_BYTES + N_CTX * 576 * 4 * 2)
@@ -100,7 +102,7 @@ class StampedWorker:
         self.cancel_pipe, child_cancel = context.Pipe(duplex=True)
         self.address = f"kvpool-probe-{os.getpid()}-{secrets.token_hex(4)}"
         spec = WorkerSpec(
-            shard_path=str(shard_path), shm_name=self.segment.name, segment=SegmentLayout(input_bytes=N_CTX * 576 * 4, output_bytes=N_CTX * 576 * 4),
+            shard_path=str(shard_path), shm_name=self.segment.name, segment=SegmentRegions(input_bytes=N_CTX * 576 * 4, output_bytes=N_CTX * 576 * 4),
             n_threads=1, flash_attn=False, parent_pid=os.getpid(), direct_address=self.address, max_n_ctx=N_CTX,
             compute_lock_path=lock_path, compute_slots=1, worker_index=1,
         )
@@ -328,7 +330,7 @@ def main() -> None:
     source = bundled_model_path()
     shards = shards_in_parts(source, 3)
     with ShardModel(shards[0].path, n_threads=1) as first, first.new_context(N_CTX) as context:
-        filler = np.random.default_rng(0).integers(0, first.layout.n_vocab, max(HISTORY + args.steps, args.history + args.block_steps) + 8).astype(np.int32)
+        filler = np.random.default_rng(0).integers(0, first.shape.n_vocab, max(HISTORY + args.steps, args.history + args.block_steps) + 8).astype(np.int32)
         hidden = context.append(0, tokens=filler).copy()
     with ShardModel(shards[1].path, n_threads=1) as model:
         if args.part in ("both", "breakdown"):

@@ -20,7 +20,8 @@ from workers.runtime.context import ShardContext
 from workers.runtime.errors import ShardRuntimeError
 from workers.runtime.model import ShardModel
 from workers.runtime.sampling import sample
-from workers.server.commands import CONTROL_BYTES, Failed, OpenContext, RunAppend
+from workers.server.commands import Failed, OpenContext, RunAppend
+from workers.server.segment import SegmentRegions
 from workers.server.single import WorkerServer
 from workers.server.spec import WorkerSpec
 
@@ -59,7 +60,7 @@ def test_a_context_refuses_an_append_as_the_daemon_does(first_model, start_pos, 
     request = Append(
         session_id="s", epoch=1, start_pos=start_pos, tokens=tokens, hidden=None if hidden is None else hidden.tobytes()
     )
-    expected = _daemon_refusal(request, first_model.layout, 3)
+    expected = _daemon_refusal(request, first_model.shape, 3)
     with first_model.new_context(N_CTX) as context:
         context.append(0, tokens=[1, 2, 3])
         with pytest.raises(ShardRuntimeError) as refused:
@@ -83,7 +84,8 @@ def test_token_ids_past_int64_are_a_bad_request_on_the_wire():
 
 def _worker(model: ShardModel, segment: shared_memory.SharedMemory, input_rows: int) -> WorkerServer:
     spec = WorkerSpec(
-        shard_path=str(model.path), shm_name=segment.name, input_bytes=input_rows * 4, output_bytes=input_rows * FIRST.n_embd * 4,
+        shard_path=str(model.path), shm_name=segment.name,
+        segment=SegmentRegions(input_bytes=input_rows * 4, output_bytes=input_rows * FIRST.n_embd * 4),
         n_threads=1, flash_attn=False, parent_pid=0, max_n_ctx=N_CTX,
     )
     return WorkerServer(model, segment, spec)
@@ -92,7 +94,7 @@ def _worker(model: ShardModel, segment: shared_memory.SharedMemory, input_rows: 
 @pytest.mark.parametrize("n_rows", [-1, 0, N_CTX + 1])
 def test_a_worker_refuses_a_row_count_outside_its_input_region(first_model, n_rows, resource_tracker_running):
     """A negative count must not read the whole segment as token ids (np.frombuffer's count -1)."""
-    segment = shared_memory.SharedMemory(create=True, size=CONTROL_BYTES + N_CTX * 4 + N_CTX * FIRST.n_embd * 4)
+    segment = shared_memory.SharedMemory(create=True, size=SegmentRegions(N_CTX * 4, N_CTX * FIRST.n_embd * 4).total_bytes)
     server = _worker(first_model, segment, N_CTX)
     try:
         server.handle(OpenContext(n_ctx=N_CTX))

@@ -21,7 +21,7 @@ from kvpool.client.client import KvpoolError
 from kvpool.daemon.pool.compute import ComputeSlots
 from kvpool.local.generate import greedy_tokens
 from kvpool.router.router import Router
-from kvpool.daemon.pool.segments import SegmentLayout
+from workers.server.segment import SegmentRegions
 from kvpool.daemon.pool.handle import PoolSpec, WorkerFailed, WorkerLost
 from workers.server.spec import WorkerSpec
 from workers.runtime.model import ShardModel
@@ -236,7 +236,7 @@ def test_cancel_inside_a_shared_batch_rolls_back_that_sequence_only(shards, reso
     other's rows; cancelling every one aborts the shared decode."""
     shard = shards[1]  # a middle shard: hidden states in and out
     spec = PoolSpec(
-        worker=WorkerSpec(shard_path=str(shard.path), segment=SegmentLayout.for_shard(shard.shape, n_ctx=N_CTX, max_request_bytes=1 << 22),
+        worker=WorkerSpec(shard_path=str(shard.path), segment=SegmentRegions.for_shard(shard.shape, n_ctx=N_CTX, max_request_bytes=1 << 22),
                           n_threads=1, flash_attn=False, max_n_ctx=N_CTX, seqs_per_worker=2),
         size=1, ready_timeout_s=600, request_timeout_s=600, direct=False,
     )
@@ -286,7 +286,7 @@ def test_stopping_a_batched_process_under_a_call_in_flight_ends_that_call(shards
     waits on the pipe: the waiting call must end (worker lost) rather than wait on a closed pipe forever."""
     shard = shards[1]
     spec = PoolSpec(
-        worker=WorkerSpec(shard_path=str(shard.path), segment=SegmentLayout.for_shard(shard.shape, n_ctx=N_CTX, max_request_bytes=1 << 22),
+        worker=WorkerSpec(shard_path=str(shard.path), segment=SegmentRegions.for_shard(shard.shape, n_ctx=N_CTX, max_request_bytes=1 << 22),
                           n_threads=1, flash_attn=False, max_n_ctx=N_CTX, seqs_per_worker=2),
         size=1, ready_timeout_s=600, request_timeout_s=3600, direct=False,
     )

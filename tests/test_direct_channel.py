@@ -25,10 +25,11 @@ from kvpool.client.client import KvpoolError, append_request
 from kvpool.client.connection import ClientConnection
 from kvpool.host import FRAME_DEADLINE_ENV, direct_frame_deadline_s
 from kvpool.daemon.pool.spec import PoolSpec, shared_settings
-from kvpool.wire.protocol import FRAME_HEADER, Append, AppendReply, decode_reply, encode, receive_exactly
-from kvpool.daemon.pool.segments import SegmentLayout
+from kvpool.wire.protocol import Append, AppendReply, decode_reply, encode
+from kvpool.wire.framing import FRAME_HEADER, receive_exactly
+from workers.server.segment import SegmentRegions
 from tests.daemons import HANG_GUARD_S, DaemonProcess, in_thread, joined, stopped, wait_until
-from workers.server.commands import CONTROL_BYTES
+from workers.server.segment import CONTROL_BYTES
 from workers.server.compute_locks import ComputeLocks
 from workers.server.direct import MAX_FRAME_BYTES, DirectChannel
 from workers.server.spec import FRAME_DEADLINE_S
@@ -417,6 +418,6 @@ def test_the_frame_deadline_is_the_daemons_setting_and_refuses_what_is_not_a_pos
         with pytest.raises(ValueError, match=FRAME_DEADLINE_ENV):
             direct_frame_deadline_s(FRAME_DEADLINE_S)
     monkeypatch.setenv(FRAME_DEADLINE_ENV, "0.001")
-    spec = PoolSpec(worker=shared_settings(shard_path="x", segment=SegmentLayout(input_bytes=4, output_bytes=4), n_threads=1, flash_attn=False),
+    spec = PoolSpec(worker=shared_settings(shard_path="x", segment=SegmentRegions(input_bytes=4, output_bytes=4), n_threads=1, flash_attn=False),
                     size=1, ready_timeout_s=1, request_timeout_s=1)
     assert spec.worker_spec(shm_name="m", parent_pid=1).frame_deadline_s == 0.001

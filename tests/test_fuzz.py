@@ -24,7 +24,6 @@ from hypothesis import strategies as st
 from kvpool.client.client import Client
 from kvpool.wire.protocol import (
     DEFAULT_MAX_REQUEST_BYTES,
-    FRAME_HEADER,
     PROTOCOL_VERSION,
     Append,
     Cancel,
@@ -40,6 +39,7 @@ from kvpool.wire.protocol import (
     decode_request,
     encode,
 )
+from kvpool.wire.framing import FRAME_HEADER
 from tests.conftest import EVEN_SPLIT
 from tests.daemons import DaemonProcess, private_socket_dir
 from workers.runtime.model import ShardModel

@@ -28,7 +28,6 @@ from kvpool.daemon.config import ServeConfig
 from kvpool.launcher import Daemon, start_daemons
 from kvpool.daemon.pool.pool import WorkerPool
 from kvpool.wire.protocol import (
-    FRAME_HEADER,
     PROTOCOL_VERSION,
     Append,
     Done,
@@ -42,7 +41,9 @@ from kvpool.wire.protocol import (
     decode_request,
     encode,
 )
-from kvpool.daemon.pool.segments import LOGIT_ROWS_IN_SEGMENT, SegmentLayout, free_shared_memory_bytes
+from kvpool.wire.framing import FRAME_HEADER
+from kvpool.daemon.pool.segments import free_shared_memory_bytes
+from workers.server.segment import LOGIT_ROWS_IN_SEGMENT, SegmentRegions
 from kvpool.daemon.service import KvService
 from kvpool.wire.shape import ShardShape
 from kvpool.shard.header import read_shard_info
@@ -330,13 +331,13 @@ def test_segments_are_sized_for_what_crosses_them_and_counted_in_the_books(shard
     last = shards[-1]
     daemon = DaemonProcess(last.path, socket_dir / "segments.sock", "--threads", "1", "--n-ctx", "2048", "--max-sessions", "2")
     try:
-        layout = SegmentLayout.for_shard(
+        regions = SegmentRegions.for_shard(
             ShardShape(layer_start=20, layer_stop=30, total_layers=30, n_embd=576, n_vocab=49152), n_ctx=2048, max_request_bytes=64 * 1024**2
         )
-        assert layout.output_bytes == LOGIT_ROWS_IN_SEGMENT * 49152 * 4  # not n_ctx rows of logits (384 MiB)
+        assert regions.output_bytes == LOGIT_ROWS_IN_SEGMENT * 49152 * 4  # not n_ctx rows of logits (384 MiB)
         with daemon.client() as client:
             stats = client.stats()
-            assert stats.budget.shared_memory_bytes == 2 * layout.total_bytes < 16 * 1024**2
+            assert stats.budget.shared_memory_bytes == 2 * regions.total_bytes < 16 * 1024**2
             assert stats.integrity == "ok"
     finally:
         daemon.stop()
@@ -376,7 +377,7 @@ def test_serve_refuses_to_start_when_dev_shm_cannot_hold_the_segments(shards, so
 
 def test_worker_names_are_unique_when_replacements_start_in_many_threads(shards):
     spec = PoolSpec(
-        worker=WorkerSpec(shard_path=str(shards[0].path), segment=SegmentLayout(input_bytes=4, output_bytes=4), n_threads=1, flash_attn=False),
+        worker=WorkerSpec(shard_path=str(shards[0].path), segment=SegmentRegions(input_bytes=4, output_bytes=4), n_threads=1, flash_attn=False),
         size=1, ready_timeout_s=60, request_timeout_s=60,
     )
     pool = WorkerPool(spec)  # never started: only its naming is exercised

@@ -60,7 +60,7 @@ def test_a_daemon_samples_on_the_last_shard_only(model_path, shard_sets, tmp_pat
             assert got.token == int(np.argmax(expected)) and np.array_equal(got.rows[-1], expected)
             assert got.top_ids[0] == got.token and len(got.top_logprobs) == 3
             lean = client.append("greedy", 1, 12, tokens=[got.token], sample=Sampling())
-            assert lean.rows.shape == (0, model.layout.n_vocab) and lean.length == 13
+            assert lean.rows.shape == (0, model.shape.n_vocab) and lean.length == 13
             assert lean.token == int(np.argmax(reference.append(12, tokens=np.asarray([got.token], np.int32))[-1]))
             seeded = Sampling(temperature=0.9, top_k=40, top_p=0.9, seed=5)
             runs = []

@@ -14,10 +14,10 @@ N_CTX = 128
 
 def _rows(model: ShardModel, prompt: list[int]):
     """What each shard takes: the prompt's token ids on a first shard, fixed hidden states elsewhere."""
-    if model.layout.is_first:
+    if model.shape.is_first:
         return {"tokens": np.asarray(prompt, np.int32)}
     rng = np.random.default_rng(len(prompt))
-    return {"hidden": (rng.standard_normal((len(prompt), model.layout.n_embd)) * 0.5).astype(np.float32)}
+    return {"hidden": (rng.standard_normal((len(prompt), model.shape.n_embd)) * 0.5).astype(np.float32)}
 
 
 def _next(model: ShardModel, context, start: int, token: int) -> np.ndarray:

@@ -22,7 +22,6 @@ import pytest
 from kvpool.client.client import Client, KvpoolError
 from kvpool.daemon.config import ServeConfig
 from kvpool.wire.protocol import (
-    FRAME_HEADER,
     PROTOCOL_VERSION,
     Append,
     Cancel,
@@ -35,6 +34,7 @@ from kvpool.wire.protocol import (
     StatsReply,
     encode,
 )
+from kvpool.wire.framing import FRAME_HEADER
 from kvpool.daemon.transport import frames as server
 from kvpool.wire.shape import ShardShape
 from tests.conftest import EVEN_SPLIT
@@ -142,7 +142,7 @@ def test_transport_settings_are_validated_at_their_edges():
     assert config(max_connections=1, handshake_timeout_s=0.001, frame_timeout_s=0.001).max_connections == 1
 
 
-# ---- a FrameServer in this process, a fake dispatch: the allowance's books after every path --------
+# ---- a SocketTransport in this process, a fake dispatch: the allowance's books after every path --------
 
 
 def _hello_reply() -> HelloReply:
@@ -160,7 +160,7 @@ def test_frames_past_the_byte_bound_wait_unread_and_every_path_gives_the_bytes_b
         return Done(length=0, detail=type(request).__name__)
 
     async def main():
-        frames = server.FrameServer(path, _hello_reply(), dispatch, max_request_bytes=MiB, limits=limits)
+        frames = server.SocketTransport(path, _hello_reply(), dispatch, max_request_bytes=MiB, limits=limits)
         await frames.start()
         try:
             big = 600 * 1024

@@ -18,7 +18,7 @@ class PlainContext:
     """llama.cpp on one model file with no eval callback: one sequence, last-row output, like any app."""
 
     def __init__(self, model: ShardModel, n_ctx: int, *, n_threads: int, n_batch: int = 512) -> None:
-        self.layout = model.layout
+        self.shape = model.shape
         self.n_batch = min(n_batch, n_ctx)
         params = llama_cpp.llama_context_default_params()
         params.n_ctx = n_ctx
@@ -30,12 +30,12 @@ class PlainContext:
         self.ctx = llama_cpp.llama_init_from_model(model.handle, params)
         if not self.ctx:
             raise MemoryError(f"llama.cpp could not create a context of n_ctx {n_ctx}")
-        self.takes_tokens = self.layout.is_first
-        self.batch = llama_cpp.llama_batch_init(self.n_batch, 0 if self.takes_tokens else self.layout.n_embd, 1)
+        self.takes_tokens = self.shape.is_first
+        self.batch = llama_cpp.llama_batch_init(self.n_batch, 0 if self.takes_tokens else self.shape.n_embd, 1)
         if self.takes_tokens:
             self.rows = np.ctypeslib.as_array(self.batch.token, shape=(self.n_batch,))
         else:
-            self.rows = np.ctypeslib.as_array(self.batch.embd, shape=(self.n_batch, self.layout.n_embd))
+            self.rows = np.ctypeslib.as_array(self.batch.embd, shape=(self.n_batch, self.shape.n_embd))
         self.pos = np.ctypeslib.as_array(self.batch.pos, shape=(self.n_batch,))
         self.outputs = np.ctypeslib.as_array(self.batch.logits, shape=(self.n_batch,))
         for row in range(self.n_batch):
@@ -59,10 +59,10 @@ class PlainContext:
             status = llama_cpp.llama_decode(self.ctx, self.batch)
             if status != 0:
                 raise RuntimeError(f"llama_decode returned {status}")
-        if not self.layout.is_last:
+        if not self.shape.is_last:
             return None
         logits = llama_cpp.llama_get_logits_ith(self.ctx, -1)
-        return np.ctypeslib.as_array(logits, shape=(1, self.layout.n_vocab))
+        return np.ctypeslib.as_array(logits, shape=(1, self.shape.n_vocab))
 
     def close(self) -> None:
         if self.ctx is not None:
@@ -76,7 +76,7 @@ class BatchedContext:
     llama_decode per step with one row per sequence (what llama.cpp's server does with -np 4)."""
 
     def __init__(self, model: ShardModel, n_seq: int, n_ctx_per_seq: int, *, n_threads: int, unified: bool) -> None:
-        self.n_vocab = model.layout.n_vocab
+        self.n_vocab = model.shape.n_vocab
         self.n_seq = n_seq
         self.n_batch = 512
         params = llama_cpp.llama_context_default_params()

@@ -49,14 +49,14 @@ def _process_share(connection, shard_path: str, n_ctx: int, sessions: int, barri
     with ShardModel(shard_path, n_threads=1) as model:
         contexts = [model.new_context(n_ctx) for _ in range(sessions)]
         for context in contexts:
-            context.append(0, **_kwargs(model.layout, _rows(model.layout, PROBE_PREFILL_ROWS, rng)))
+            context.append(0, **_kwargs(model.shape, _rows(model.shape, PROBE_PREFILL_ROWS, rng)))
         barrier.wait()
         started = 0.0
         for step in range(PROBE_WARMUP_STEPS + PROBE_STEPS):
             if step == PROBE_WARMUP_STEPS:
                 started = time.perf_counter()
             for context in contexts:
-                context.append(context.length, **_kwargs(model.layout, _rows(model.layout, 1, rng)))
+                context.append(context.length, **_kwargs(model.shape, _rows(model.shape, 1, rng)))
         connection.send((started, time.perf_counter()))
 
 
@@ -68,17 +68,17 @@ def _batched_run(connection, shard_path: str, n_ctx: int, sessions: int, threads
     rng = np.random.default_rng(0)
     with ShardModel(shard_path, n_threads=threads) as model:
         with BatchedShardContext(model, n_ctx, sessions, n_batch=512) as context:
-            context.append_many([SeqAppend(seq, 0, _rows(model.layout, PROBE_PREFILL_ROWS, rng)) for seq in range(sessions)])
+            context.append_many([SeqAppend(seq, 0, _rows(model.shape, PROBE_PREFILL_ROWS, rng)) for seq in range(sessions)])
             started = 0.0
             for step in range(PROBE_WARMUP_STEPS + PROBE_STEPS):
                 if step == PROBE_WARMUP_STEPS:
                     started = time.perf_counter()
-                context.append_many([SeqAppend(seq, context.length(seq), _rows(model.layout, 1, rng)) for seq in range(sessions)])
+                context.append_many([SeqAppend(seq, context.length(seq), _rows(model.shape, 1, rng)) for seq in range(sessions)])
             connection.send((started, time.perf_counter()))
 
 
-def _kwargs(layout, rows) -> dict:
-    return {"tokens": rows} if layout.is_first else {"hidden": rows}
+def _kwargs(shape, rows) -> dict:
+    return {"tokens": rows} if shape.is_first else {"hidden": rows}
 
 
 def _run(target, args_per_process: list[tuple]) -> float:

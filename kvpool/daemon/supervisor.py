@@ -44,8 +44,8 @@ from kvpool.wire.protocol import (
 )
 from kvpool.daemon.mode_probe import probe_modes
 from kvpool.daemon.pool.segments import check_room_for
-from workers.server.segment import SegmentLayout
-from kvpool.daemon.transport.frames import ConnectionLimits, FrameServer
+from workers.server.segment import SegmentRegions
+from kvpool.daemon.transport.frames import ConnectionLimits, SocketTransport
 from kvpool.daemon.transport.listener import prepare_socket_path
 from kvpool.daemon.service import KvService
 from kvpool.daemon.pool.handle import PoolSpec
@@ -59,7 +59,7 @@ log = logging.getLogger("kvpool.serve")
 
 def build_pool(config: ServeConfig, info: ShardInfo) -> WorkerPool:
     """The daemon's worker pool (not started): one worker per session place, segments sized for the shard."""
-    segment = SegmentLayout.for_shard(info.shape, n_ctx=config.n_ctx, max_request_bytes=config.max_request_bytes)
+    segment = SegmentRegions.for_shard(info.shape, n_ctx=config.n_ctx, max_request_bytes=config.max_request_bytes)
     return WorkerPool(
         PoolSpec(
             worker=shared_settings(
@@ -114,7 +114,7 @@ class Supervisor:
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, self.request_stop)
-        server: FrameServer | None = None
+        server: SocketTransport | None = None
         housekeeping: asyncio.Task | None = None
         try:
             ready = await asyncio.to_thread(pool.start)
@@ -147,7 +147,7 @@ class Supervisor:
                 handshake_timeout_s=config.handshake_timeout_s, frame_timeout_s=config.frame_timeout_s,
                 buffered_request_bytes=config.buffered_request_limit_bytes, max_connections=config.max_connections,
             )
-            server = FrameServer(config.socket, hello, self.dispatch, max_request_bytes=config.max_request_bytes, limits=limits)
+            server = SocketTransport(config.socket, hello, self.dispatch, max_request_bytes=config.max_request_bytes, limits=limits)
             await server.start()
             if config.metrics_port is not None:
                 port = service.metrics.serve_http(config.metrics_port)

@@ -15,7 +15,7 @@ import enum
 
 import msgspec
 
-from kvpool.wire.framing import FRAME_HEADER, framed, receive_exactly  # noqa: F401 - FRAME_HEADER, receive_exactly: importable from here too
+from kvpool.wire.framing import framed
 from kvpool.wire.shape import ShardShape
 from kvpool.wire.sampling import Sampling
 

@@ -33,7 +33,7 @@ def named_seqs(items: Sequence[SeqAppend], n_seqs: int) -> list[int]:
 
 
 def validated_appends(
-    items: Sequence[SeqAppend], lengths: Sequence[int], n_ctx_per_seq: int, layout: ShardShape
+    items: Sequence[SeqAppend], lengths: Sequence[int], n_ctx_per_seq: int, shape: ShardShape
 ) -> list[np.ndarray]:
     """Each item's rows, validated against `lengths` (every sequence's, by id) by the rules of kvpool.wire.checks;
     the first invalid item raises."""
@@ -46,7 +46,7 @@ def validated_appends(
             raise BadInput(f"sequence {seq} named twice in one call", length=length)
         seen.add(seq)
         with wire_checks(about=f"sequence {seq}: "):
-            rows = shard_rows(layout, item.rows, length=length)
+            rows = shard_rows(shape, item.rows, length=length)
             check_output_rows(item.output_rows, length=length)
             check_position(item.start_pos, length, rows.shape[0], n_ctx_per_seq)
         validated.append(rows)

@@ -62,7 +62,7 @@ class BatchedShardContext:
         if not 1 <= n_seqs <= MAX_SEQUENCES:
             raise ValueError(f"n_seqs must be in [1, {MAX_SEQUENCES}]")
         self._model = model
-        self.layout = model.layout
+        self.shape = model.shape
         self.n_ctx_per_seq = n_ctx_per_seq
         self.n_seqs = n_seqs
         self.n_batch = max(1, min(n_batch, n_ctx_per_seq * n_seqs))
@@ -113,18 +113,18 @@ class BatchedShardContext:
         if not items:
             raise BadInput("append_many needs at least one item", length=0)
         try:
-            rows = validated_appends(items, self._lengths, self.n_ctx_per_seq, self.layout)
+            rows = validated_appends(items, self._lengths, self.n_ctx_per_seq, self.shape)
         except ShardRuntimeError as error:
             raise _with_lengths(error, {seq: self._lengths[seq] for seq in named_seqs(items, self.n_seqs)}) from None
         before = {item.seq: self._lengths[item.seq] for item in items}
-        layout = self.layout
+        shape = self.shape
         outputs = []
         for item, item_rows in zip(items, rows):
             n_rows = item_rows.shape[0]
-            if layout.is_last:
-                outputs.append(np.empty((n_rows if item.output_rows == "all" else 1, layout.n_vocab), np.float32))
+            if shape.is_last:
+                outputs.append(np.empty((n_rows if item.output_rows == "all" else 1, shape.n_vocab), np.float32))
             else:
-                outputs.append(np.empty((n_rows, layout.n_embd), np.float32))
+                outputs.append(np.empty((n_rows, shape.n_embd), np.float32))
         plan = plan_ubatches([item.seq for item in items], [r.shape[0] for r in rows], self.n_batch)
         for ubatch in plan:
             failure = self._decoder.decode(ctx, ubatch, items, rows, outputs)

@@ -33,7 +33,7 @@ class ShardContext:
         if n_ctx < 1:
             raise ValueError("n_ctx must be at least 1")
         self._model = model
-        self.layout = model.layout
+        self.shape = model.shape
         self.n_ctx = n_ctx
         self.n_batch = max(1, min(n_batch, n_ctx))
         self._length = 0
@@ -43,8 +43,8 @@ class ShardContext:
         self._capture = self._llama.hooks.capture
         self._memory = self._llama.memory
 
-        takes_tokens = self.layout.is_first
-        embd_width = 0 if takes_tokens else self.layout.n_embd
+        takes_tokens = self.shape.is_first
+        embd_width = 0 if takes_tokens else self.shape.n_embd
         self._batch = llama_cpp.llama_batch_init(self.n_batch, embd_width, 1)
         batch = self._batch
         self._batch_pos = np.ctypeslib.as_array(batch.pos, shape=(self.n_batch,))
@@ -56,7 +56,7 @@ class ShardContext:
         if takes_tokens:
             self._batch_tokens = np.ctypeslib.as_array(batch.token, shape=(self.n_batch,))
         else:
-            self._batch_embd = np.ctypeslib.as_array(batch.embd, shape=(self.n_batch, self.layout.n_embd))
+            self._batch_embd = np.ctypeslib.as_array(batch.embd, shape=(self.n_batch, self.shape.n_embd))
 
     @property
     def length(self) -> int:
@@ -74,8 +74,8 @@ class ShardContext:
         PositionMismatch, ContextFull)."""
         length = self._length
         with wire_checks():
-            check_input_kind(self.layout, tokens, hidden, length=length)
-            rows = shard_rows(self.layout, tokens if self.layout.is_first else hidden, length=length)
+            check_input_kind(self.shape, tokens, hidden, length=length)
+            rows = shard_rows(self.shape, tokens if self.shape.is_first else hidden, length=length)
             check_output_rows(output_rows, length=length)
             check_position(start_pos, length, rows.shape[0], self.n_ctx)
         return rows
@@ -99,11 +99,11 @@ class ShardContext:
         rows = self._checked_rows(start_pos, tokens, hidden, output_rows)
         n_rows = rows.shape[0]
 
-        layout = self.layout
-        if layout.is_last:
-            out_shape = (n_rows if output_rows == "all" else 1, layout.n_vocab)
+        shape = self.shape
+        if shape.is_last:
+            out_shape = (n_rows if output_rows == "all" else 1, shape.n_vocab)
         else:
-            out_shape = (n_rows, layout.n_embd)
+            out_shape = (n_rows, shape.n_embd)
         if out is None:
             out = np.empty(out_shape, dtype=np.float32)
         elif out.shape != out_shape or out.dtype != np.float32 or not out.flags.c_contiguous:
@@ -113,18 +113,18 @@ class ShardContext:
         for chunk_start in range(0, n_rows, self.n_batch):
             chunk_stop = min(n_rows, chunk_start + self.n_batch)
             chunk_rows = chunk_stop - chunk_start
-            if layout.is_first:
+            if shape.is_first:
                 self._batch_tokens[:chunk_rows] = rows[chunk_start:chunk_stop]
             else:
                 self._batch_embd[:chunk_rows] = rows[chunk_start:chunk_stop]
             self._batch_pos[:chunk_rows] = np.arange(
                 start_pos + chunk_start, start_pos + chunk_stop, dtype=np.int32
             )
-            if layout.is_last and output_rows == "last":
+            if shape.is_last and output_rows == "last":
                 self._batch_outputs[:chunk_rows] = 0
                 if chunk_stop == n_rows:
                     self._batch_outputs[chunk_rows - 1] = 1
-            elif not layout.is_last and self._model.lookahead_layers:
+            elif not shape.is_last and self._model.lookahead_layers:
                 # llama.cpp prunes unmarked rows in the model's last layer, here the lookahead layer, which
                 # never runs: one output per batch keeps its output buffer at one row of logits.
                 self._batch_outputs[:chunk_rows] = 0
@@ -135,7 +135,7 @@ class ShardContext:
             batch.n_tokens = chunk_rows
             capture = self._capture
             if capture is not None:
-                row_bytes = layout.n_embd * 4
+                row_bytes = shape.n_embd * 4
                 capture.dst = out.ctypes.data + chunk_start * row_bytes
                 capture.dst_capacity = chunk_rows * row_bytes
                 capture.captured_bytes = 0
@@ -147,7 +147,7 @@ class ShardContext:
                     raise Cancelled("append cancelled", length=self._length)
                 raise DecodeFailed(f"llama_decode returned {status}", length=self._length)
             if capture is not None:
-                if capture.overflow or capture.captured_bytes != chunk_rows * layout.n_embd * 4:
+                if capture.overflow or capture.captured_bytes != chunk_rows * shape.n_embd * 4:
                     self._roll_back(start_pos)
                     raise DecodeFailed(
                         f"captured {capture.captured_bytes} bytes for {chunk_rows} rows", length=self._length
@@ -155,10 +155,10 @@ class ShardContext:
             elif output_rows == "all":
                 for row in range(chunk_rows):
                     source = llama_cpp.llama_get_logits_ith(ctx, row)
-                    ctypes.memmove(out[chunk_start + row].ctypes.data, source, layout.n_vocab * 4)
+                    ctypes.memmove(out[chunk_start + row].ctypes.data, source, shape.n_vocab * 4)
             elif chunk_stop == n_rows:
                 source = llama_cpp.llama_get_logits_ith(ctx, -1)
-                ctypes.memmove(out.ctypes.data, source, layout.n_vocab * 4)
+                ctypes.memmove(out.ctypes.data, source, shape.n_vocab * 4)
         self._length = start_pos + n_rows
         return out
 

@@ -16,7 +16,7 @@ import llama_cpp
 
 from workers.runtime.context import ShardContext
 from workers.runtime.params import Closable, LlamaContext
-from workers.runtime.shard import read_attention_shape, read_layout, read_lookahead_layers
+from workers.runtime.shard import read_attention_shape, read_shape, read_lookahead_layers
 from workers.runtime.native import NativeLibrary, load_native
 
 
@@ -52,7 +52,7 @@ class ShardModel:
             raise ValueError(f"llama.cpp could not load {self.path}")
         self._model: llama_cpp.llama_model_p | None = model
         try:
-            self.layout = read_layout(model)
+            self.shape = read_shape(model)
             self.lookahead_layers = read_lookahead_layers(model)  # loaded after the range, never run
         except Exception:
             self.close()

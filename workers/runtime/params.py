@@ -21,7 +21,7 @@ from workers.runtime.native import NativeLibrary
 class LoadedShard(Protocol):
     """What a context takes of the loaded shard it runs on (workers.runtime.model.ShardModel)."""
 
-    layout: ShardShape
+    shape: ShardShape
     lookahead_layers: int  # loaded after the shard's range, never run
     n_threads: int
     flash_attn: bool
@@ -51,8 +51,8 @@ class GraphHooks:
     def __init__(self, model: LoadedShard, abort_flag_address: int | None) -> None:
         self.own_abort_flag = ctypes.c_int32(0)
         self.abort_flag_address = abort_flag_address if abort_flag_address is not None else ctypes.addressof(self.own_abort_flag)
-        layout = model.layout
-        self.capture = None if layout.is_last else model.native.new_capture_state(f"l_out-{layout.n_layers - 1}", stop_after=True)
+        shape = model.shape
+        self.capture = None if shape.is_last else model.native.new_capture_state(f"l_out-{shape.n_layers - 1}", stop_after=True)
 
 
 def context_params(model: LoadedShard, *, n_ctx: int, n_batch: int, n_seq_max: int, abort_flag_address: int, capture) -> llama_cpp.llama_context_params:

@@ -29,7 +29,7 @@ def read_lookahead_layers(model: llama_cpp.llama_model_p) -> int:
     return int(meta_value(model, META_PREFIX + "lookahead_layers") or 0)
 
 
-def read_layout(model: llama_cpp.llama_model_p) -> ShardShape:
+def read_shape(model: llama_cpp.llama_model_p) -> ShardShape:
     n_layer = llama_cpp.llama_model_n_layer(model)
     vocab = llama_cpp.llama_model_get_vocab(model)
     start = meta_value(model, META_PREFIX + "layer_start")
@@ -37,7 +37,7 @@ def read_layout(model: llama_cpp.llama_model_p) -> ShardShape:
     total = meta_value(model, META_PREFIX + "total_layers")
     if start is None or stop is None or total is None:
         start, stop, total = "0", str(n_layer), str(n_layer)
-    layout = ShardShape(
+    shape = ShardShape(
         layer_start=int(start),
         layer_stop=int(stop),
         total_layers=int(total),
@@ -45,11 +45,11 @@ def read_layout(model: llama_cpp.llama_model_p) -> ShardShape:
         n_vocab=llama_cpp.llama_vocab_n_tokens(vocab),
     )
     lookahead = read_lookahead_layers(model)
-    if layout.n_layers + lookahead != n_layer:
-        raise ValueError(f"shard metadata says {layout.n_layers} layers and {lookahead} lookahead, llama.cpp loaded {n_layer}")
-    if lookahead and layout.is_last:
+    if shape.n_layers + lookahead != n_layer:
+        raise ValueError(f"shard metadata says {shape.n_layers} layers and {lookahead} lookahead, llama.cpp loaded {n_layer}")
+    if lookahead and shape.is_last:
         raise ValueError("a last shard cannot have lookahead layers")
-    return layout
+    return shape
 
 
 # ---- the KV cache's size per position -------------------------------------------------------------------------

@@ -23,12 +23,12 @@ class UbatchDecoder:
 
     def __init__(self, model: ShardModel, n_batch: int, capture) -> None:
         self._model = model
-        self.layout = model.layout
+        self.shape = model.shape
         self.n_batch = n_batch
         self.decode_calls = 0  # llama_decode calls so far (read by tests, and by a canceller mid-append)
         self._capture = capture  # the native capture state of a non-final shard; None on the last
-        takes_tokens = self.layout.is_first
-        self._batch: llama_cpp.llama_batch | None = llama_cpp.llama_batch_init(n_batch, 0 if takes_tokens else self.layout.n_embd, 1)
+        takes_tokens = self.shape.is_first
+        self._batch: llama_cpp.llama_batch | None = llama_cpp.llama_batch_init(n_batch, 0 if takes_tokens else self.shape.n_embd, 1)
         batch = self._batch
         self._batch_pos = np.ctypeslib.as_array(batch.pos, shape=(n_batch,))
         self._batch_outputs = np.ctypeslib.as_array(batch.logits, shape=(n_batch,))
@@ -39,8 +39,8 @@ class UbatchDecoder:
         if takes_tokens:
             self._batch_tokens = np.ctypeslib.as_array(batch.token, shape=(n_batch,))
         else:
-            self._batch_embd = np.ctypeslib.as_array(batch.embd, shape=(n_batch, self.layout.n_embd))
-        self._captured = np.empty((n_batch if capture is not None else 0, self.layout.n_embd), np.float32)
+            self._batch_embd = np.ctypeslib.as_array(batch.embd, shape=(n_batch, self.shape.n_embd))
+        self._captured = np.empty((n_batch if capture is not None else 0, self.shape.n_embd), np.float32)
 
     def decode(
         self,
@@ -51,7 +51,7 @@ class UbatchDecoder:
         outputs: list[np.ndarray],
     ) -> str | None:
         """One llama_decode of one ubatch, its rows scattered into `outputs`; None, or what failed."""
-        layout = self.layout
+        shape = self.shape
         batch = self._batch
         assert batch is not None
         offset = 0
@@ -59,7 +59,7 @@ class UbatchDecoder:
             item = items[piece.item]
             count = piece.row_stop - piece.row_start
             stop = offset + count
-            if layout.is_first:
+            if shape.is_first:
                 self._batch_tokens[offset:stop] = rows[piece.item][piece.row_start : piece.row_stop]
             else:
                 self._batch_embd[offset:stop] = rows[piece.item][piece.row_start : piece.row_stop]
@@ -67,11 +67,11 @@ class UbatchDecoder:
             self._batch_pos[offset:stop] = np.arange(first_pos, first_pos + count, dtype=np.int32)
             for row in range(offset, stop):
                 self._row_seq[row][0] = piece.seq
-            if layout.is_last and item.output_rows == "last":
+            if shape.is_last and item.output_rows == "last":
                 self._batch_outputs[offset:stop] = 0
                 if piece.row_stop == rows[piece.item].shape[0]:
                     self._batch_outputs[stop - 1] = 1
-            elif not layout.is_last and self._model.lookahead_layers:
+            elif not shape.is_last and self._model.lookahead_layers:
                 # Pruning to the marked rows happens in the lookahead layer, which never runs (see
                 # workers/context.py): one output for the whole ubatch, marked below.
                 self._batch_outputs[offset:stop] = 0
@@ -79,13 +79,13 @@ class UbatchDecoder:
                 # Non-final shards mark every row: llama.cpp prunes unmarked rows in the last layer.
                 self._batch_outputs[offset:stop] = 1
             offset = stop
-        if not layout.is_last and self._model.lookahead_layers:
+        if not shape.is_last and self._model.lookahead_layers:
             self._batch_outputs[offset - 1] = 1
         batch.n_tokens = offset
         capture = self._capture
         if capture is not None:
             capture.dst = self._captured.ctypes.data
-            capture.dst_capacity = offset * layout.n_embd * 4
+            capture.dst_capacity = offset * shape.n_embd * 4
             capture.captured_bytes = 0
             capture.overflow = 0
         status = llama_cpp.llama_decode(ctx, batch)
@@ -94,7 +94,7 @@ class UbatchDecoder:
             return "append cancelled"
         if status != 0:
             return f"llama_decode returned {status}"
-        if capture is not None and (capture.overflow or capture.captured_bytes != offset * layout.n_embd * 4):
+        if capture is not None and (capture.overflow or capture.captured_bytes != offset * shape.n_embd * 4):
             return f"captured {capture.captured_bytes} bytes for {offset} rows"
         # One ubatch of consecutive sequences in increasing order: llama.cpp keeps the batch order.
         offset = 0
@@ -106,10 +106,10 @@ class UbatchDecoder:
             elif items[piece.item].output_rows == "all":
                 for row in range(count):
                     source = llama_cpp.llama_get_logits_ith(ctx, offset + row)
-                    ctypes.memmove(out[piece.row_start + row].ctypes.data, source, layout.n_vocab * 4)
+                    ctypes.memmove(out[piece.row_start + row].ctypes.data, source, shape.n_vocab * 4)
             elif piece.row_stop == rows[piece.item].shape[0]:
                 source = llama_cpp.llama_get_logits_ith(ctx, offset + count - 1)
-                ctypes.memmove(out.ctypes.data, source, layout.n_vocab * 4)
+                ctypes.memmove(out.ctypes.data, source, shape.n_vocab * 4)
             offset += count
         return None
 

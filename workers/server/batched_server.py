@@ -19,8 +19,6 @@ from kvpool.wire.checks import check_position, input_rows
 from workers.runtime.batch_plan import SeqAppend
 from workers.runtime.batched import BatchedShardContext
 from workers.server.commands import (
-    ABORT_FLAG_OFFSET,
-    CONTROL_BYTES,
     AnyCommand,
     Appended,
     BatchDone,
@@ -40,6 +38,7 @@ from workers.server.commands import (
     Truncated,
     TruncateContext,
 )
+from workers.server.segment import ABORT_FLAG_OFFSET
 from workers.runtime.errors import ShardRuntimeError, wire_checks
 from workers.runtime.model import ShardModel
 from workers.runtime.sampling import answer
@@ -60,8 +59,9 @@ class BatchedWorkerServer:
             model, spec.max_n_ctx, spec.seqs_per_worker, n_batch=BATCH_ROWS, abort_flag_address=abort_flag_address
         )
         self._limits = [0] * spec.seqs_per_worker  # each sequence's session n_ctx (0: no session)
-        self._input = memoryview(segment.buf)[CONTROL_BYTES : CONTROL_BYTES + spec.input_bytes]
-        self._output = memoryview(segment.buf)[CONTROL_BYTES + spec.input_bytes : CONTROL_BYTES + spec.input_bytes + spec.output_bytes]
+        regions = spec.segment
+        self._input = memoryview(segment.buf)[regions.input_offset : regions.output_offset]
+        self._output = memoryview(segment.buf)[regions.output_offset : regions.total_bytes]
 
     def _seq(self, seq: int) -> Failed | None:
         if not 0 <= seq < self.spec.seqs_per_worker:
@@ -126,7 +126,7 @@ class BatchedWorkerServer:
         try:
             with wire_checks():
                 check_position(item.start_pos, length, item.n_rows, self._limits[item.seq])
-                return input_rows(self._input, self.model.layout, item.n_rows, item.input_offset, length=length)
+                return input_rows(self._input, self.model.shape, item.n_rows, item.input_offset, length=length)
         except ShardRuntimeError as error:
             return Failed(code=error.code, message=str(error), length=error.length)
 

@@ -9,7 +9,6 @@ import msgspec
 
 from kvpool.wire.shape import ShardShape
 from kvpool.wire.sampling import Sampling
-from workers.server.segment import ABORT_FLAG_OFFSET, CONTROL_BYTES  # noqa: F401 - still imported from here by single, batched_server, direct
 
 
 OPEN_FAILED = "open_failed"  # Failed.code: the context asked for could not be created

@@ -25,8 +25,9 @@ from kvpool.wire.checks import append_rows, check_position
 from kvpool.wire.errors import RequestFailed
 from kvpool.wire.framing import FrameTooLarge, FrameTruncated, frame_size
 from kvpool.wire.peers import same_user
-from kvpool.wire.protocol import FRAME_HEADER, Append, AppendReply, ErrorCode, ErrorReply, Message, encode
-from workers.server.commands import ABORT_FLAG_OFFSET
+from kvpool.wire.protocol import Append, AppendReply, ErrorCode, ErrorReply, Message, encode
+from kvpool.wire.framing import FRAME_HEADER
+from workers.server.segment import ABORT_FLAG_OFFSET
 from workers.server.direct_cancels import DirectCancels
 from workers.server.direct_words import DirectWords
 from workers.server.spec import FRAME_DEADLINE_S
@@ -248,13 +249,13 @@ class DirectChannel:
         ids = {"request_id": request.request_id, "session_id": request.session_id, "epoch": request.epoch}
         if context is None or server.bound != (request.session_id, request.epoch):
             return ErrorReply(code=ErrorCode.CHANNEL_REVOKED, message="this worker no longer serves that session directly: ask the daemon", **ids)
-        layout = server.model.layout
+        shape = server.model.shape
         try:
-            rows = append_rows(request, layout, max_rows=server.spec.max_n_ctx, length=context.length)
+            rows = append_rows(request, shape, max_rows=server.spec.max_n_ctx, length=context.length)
             check_position(request.start_pos, context.length, rows.shape[0], context.n_ctx)
         except RequestFailed as failure:
             return ErrorReply(code=failure.code, message=str(failure), length=failure.length, **ids)
-        inputs = {"tokens": rows} if layout.is_first else {"hidden": rows}
+        inputs = {"tokens": rows} if shape.is_first else {"hidden": rows}
         key = (request.session_id, request.epoch)
         if not self.cancels.begin(key, request.request_id):
             return ErrorReply(code=ErrorCode.CANCELLED, message="append cancelled", length=context.length, **ids)

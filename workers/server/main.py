@@ -85,7 +85,7 @@ def worker_main(connection: Connection, spec: WorkerSpec, cancel_connection: Con
         encoder.encode(
             Ready(
                 pid=os.getpid(),
-                shape=model.layout,
+                shape=model.shape,
                 kv_bytes_per_position=model.kv_bytes_per_position(),
                 context_bytes=max(anonymous_bytes() - before, 0) if spec.seqs_per_worker else 0,
             )

@@ -31,7 +31,7 @@ TOKEN_BYTES = 4
 
 
 @dataclass(frozen=True, slots=True)
-class SegmentLayout:
+class SegmentRegions:
     """The sizes of the two regions; where each region starts follows from them."""
 
     input_bytes: int
@@ -50,7 +50,7 @@ class SegmentLayout:
         return CONTROL_BYTES + self.input_bytes
 
     @classmethod
-    def for_shard(cls, shape: ShardShape, *, n_ctx: int, max_request_bytes: int) -> SegmentLayout:
+    def for_shard(cls, shape: ShardShape, *, n_ctx: int, max_request_bytes: int) -> SegmentRegions:
         """Sized for the largest append: n_ctx rows, and no more hidden rows than one request frame holds."""
         if shape.is_first:
             max_rows = n_ctx

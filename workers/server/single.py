@@ -11,8 +11,6 @@ import numpy as np
 
 from kvpool.wire.checks import input_rows
 from workers.server.commands import (
-    ABORT_FLAG_OFFSET,
-    CONTROL_BYTES,
     AnyCommand,
     Appended,
     BindChannel,
@@ -31,6 +29,7 @@ from workers.server.commands import (
     Truncated,
     TruncateContext,
 )
+from workers.server.segment import ABORT_FLAG_OFFSET
 from workers.server.compute_locks import ComputeLocks
 from workers.server.spec import WorkerSpec
 from workers.runtime.errors import ShardRuntimeError, wire_checks
@@ -47,7 +46,8 @@ class WorkerServer:
         self.spec = spec
         self.context: ShardContext | None = None
         self._buffer = segment.buf
-        self._input = memoryview(segment.buf)[CONTROL_BYTES : CONTROL_BYTES + spec.input_bytes]
+        regions = spec.segment
+        self._input = memoryview(segment.buf)[regions.input_offset : regions.output_offset]
         self._abort_flag_address = ctypes.addressof(ctypes.c_char.from_buffer(segment.buf, ABORT_FLAG_OFFSET))
         libc_name = ctypes.util.find_library("c")
         self._malloc_trim = getattr(ctypes.CDLL(libc_name), "malloc_trim", None) if libc_name else None
@@ -129,20 +129,20 @@ class WorkerServer:
         context = self.context
         if context is None:
             return Failed(code="no_context", message="no open context")
-        layout = self.model.layout
+        shape = self.model.shape
         n_rows = command.n_rows
         try:
             with wire_checks():
-                rows = input_rows(self._input, layout, n_rows, 0, length=context.length)
-            kwargs = {"tokens": rows} if layout.is_first else {"hidden": rows}
-            out_rows = 1 if layout.is_last and command.output_rows != "all" else n_rows
-            width = layout.output_width
+                rows = input_rows(self._input, shape, n_rows, 0, length=context.length)
+            kwargs = {"tokens": rows} if shape.is_first else {"hidden": rows}
+            out_rows = 1 if shape.is_last and command.output_rows != "all" else n_rows
+            width = shape.output_width
             inline = out_rows * width * 4 > self.spec.output_bytes
             if inline:
                 out = np.empty((out_rows, width), np.float32)
             else:
                 out = np.frombuffer(
-                    self._buffer, np.float32, out_rows * width, CONTROL_BYTES + self.spec.input_bytes
+                    self._buffer, np.float32, out_rows * width, self.spec.segment.output_offset
                 ).reshape(out_rows, width)
             with self.compute:
                 context.append(command.start_pos, output_rows=command.output_rows, out=out, **kwargs)

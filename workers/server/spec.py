@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from workers.server.segment import SegmentLayout
+from workers.server.segment import SegmentRegions
 
 FRAME_DEADLINE_S = 30.0  # the default of WorkerSpec.frame_deadline_s
 
@@ -16,7 +16,7 @@ class WorkerSpec:
     worker has of its own (filled in as it is spawned)."""
 
     shard_path: str
-    segment: SegmentLayout  # the sizes of its shared-memory segment's regions
+    segment: SegmentRegions  # the sizes of its shared-memory segment's regions
     n_threads: int
     flash_attn: bool
     n_gpu_layers: int = 0

@@ -38,13 +38,13 @@ class WorkerProcess:
         self._decoder = msgspec.msgpack.Decoder(AnyWorkerReply)
         self._async_call_lock = asyncio.Lock()
         self._waiting: tuple[asyncio.AbstractEventLoop, asyncio.Future] | None = None  # the call in flight: its loop and wake-up
-        layout = spec.worker.segment
-        self.segment_bytes = layout.total_bytes
-        self.shared = WorkerSegment(layout)
-        self.input_offset = layout.input_offset
-        self.output_offset = layout.output_offset
-        self.input_bytes = layout.input_bytes
-        self.output_bytes = layout.output_bytes
+        regions = spec.worker.segment
+        self.segment_bytes = regions.total_bytes
+        self.shared = WorkerSegment(regions)
+        self.input_offset = regions.input_offset
+        self.output_offset = regions.output_offset
+        self.input_bytes = regions.input_bytes
+        self.output_bytes = regions.output_bytes
         self.direct = self.shared.direct
         context = multiprocessing.get_context("spawn")
         parent_end, child_end = context.Pipe(duplex=True)

@@ -11,13 +11,13 @@ import numpy as np
 
 from kvpool.daemon.pool.controls import DirectControls
 from workers.server.commands import Appended
-from workers.server.segment import ABORT_FLAG_OFFSET, SegmentLayout
+from workers.server.segment import ABORT_FLAG_OFFSET, SegmentRegions
 
 
 class WorkerSegment:
-    def __init__(self, layout: SegmentLayout) -> None:
-        self.layout = layout
-        self.memory: shared_memory.SharedMemory | None = shared_memory.SharedMemory(create=True, size=layout.total_bytes)
+    def __init__(self, regions: SegmentRegions) -> None:
+        self.regions = regions
+        self.memory: shared_memory.SharedMemory | None = shared_memory.SharedMemory(create=True, size=regions.total_bytes)
         self._abort_flag = ctypes.c_int32.from_buffer(self.memory.buf, ABORT_FLAG_OFFSET)
         self.direct = DirectControls(self.memory.buf)
 
@@ -27,13 +27,13 @@ class WorkerSegment:
         self._abort_flag.value = 1 if value else 0
 
     def write_input(self, rows: np.ndarray) -> None:
-        view = np.frombuffer(self.memory.buf, rows.dtype, rows.size, self.layout.input_offset)
+        view = np.frombuffer(self.memory.buf, rows.dtype, rows.size, self.regions.input_offset)
         view[:] = rows.reshape(-1)
 
     def read_output(self, appended: Appended) -> bytes:
         if appended.inline:
             return appended.inline
-        start = self.layout.output_offset
+        start = self.regions.output_offset
         return bytes(self.memory.buf[start : start + appended.rows * appended.width * 4])
 
     def release(self) -> None:

@@ -1,13 +1,13 @@
-"""Room for the workers' segments in /dev/shm (their layout: workers.server.segment)."""
+"""Room for the workers' segments in /dev/shm (their regions: workers.server.segment)."""
 
 from __future__ import annotations
 
 import os
 
 from kvpool.host import format_bytes
-from workers.server.segment import LOGIT_ROWS_IN_SEGMENT, SegmentLayout
+from workers.server.segment import LOGIT_ROWS_IN_SEGMENT, SegmentRegions
 
-__all__ = ["LOGIT_ROWS_IN_SEGMENT", "SHARED_MEMORY_DIR", "SegmentLayout", "SharedMemoryTooSmall", "check_room_for", "free_shared_memory_bytes"]
+__all__ = ["LOGIT_ROWS_IN_SEGMENT", "SHARED_MEMORY_DIR", "SegmentRegions", "SharedMemoryTooSmall", "check_room_for", "free_shared_memory_bytes"]
 
 SHARED_MEMORY_DIR = "/dev/shm"
 
@@ -21,13 +21,13 @@ def free_shared_memory_bytes(directory: str = SHARED_MEMORY_DIR) -> int:
     return stats.f_bavail * stats.f_frsize
 
 
-def check_room_for(segments: int, layout: SegmentLayout, *, directory: str = SHARED_MEMORY_DIR) -> None:
-    """Refuse to start when `segments` segments of `layout` do not fit in the free space of `directory`."""
-    needed = segments * layout.total_bytes
+def check_room_for(segments: int, regions: SegmentRegions, *, directory: str = SHARED_MEMORY_DIR) -> None:
+    """Refuse to start when `segments` segments of `regions` do not fit in the free space of `directory`."""
+    needed = segments * regions.total_bytes
     free = free_shared_memory_bytes(directory)
     if needed > free:
         raise SharedMemoryTooSmall(
             f"{directory} has {format_bytes(free)} free but {segments} workers need {format_bytes(needed)} of shared "
-            f"memory ({format_bytes(layout.total_bytes)} each); lower --max-sessions, --n-ctx or --max-request-bytes, "
+            f"memory ({format_bytes(regions.total_bytes)} each); lower --max-sessions, --n-ctx or --max-request-bytes, "
             f"or give {directory} more room (docker run --shm-size)"
         )

@@ -123,7 +123,7 @@ class InFlight:
         self._freed = asyncio.Event()
 
 
-class FrameServer:
+class SocketTransport:
     """Accepts connections, checks the peer and the protocol version, and answers each request of a
     connection as it completes (replies echo the request_id; their order is the order of completion)."""
 
