@@ -257,6 +257,15 @@ def test_forgetting_an_id_raises_the_floor_so_its_old_epochs_stay_stale() -> Non
     assert len(table._epochs) <= 3
 
 
+def test_an_id_stepping_through_epochs_keeps_the_memory_bounded() -> None:
+    """A client that releases one id at ever higher epochs (cheap: no worker) must not grow the daemon's memory."""
+    table = SessionTable(remembered_ids=8)
+    for epoch in range(1, 20001):
+        table.see_epoch("x", epoch)
+    assert table.highest_epoch("x") == 20000 and table.check_epoch("x", 19999) is EpochCheck.STALE
+    assert len(table._epochs) == 1 and len(table._epochs._epochs) <= 2 * 1 + 64
+
+
 def test_ids_at_or_below_the_floor_take_no_room() -> None:
     table = SessionTable(remembered_ids=2)
     for session_id in "abc":

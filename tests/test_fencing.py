@@ -12,7 +12,7 @@ import pytest
 
 from kvpool.daemon.admission.admission import MAX_ADMIT_WAIT_S
 from kvpool.client.client import KvpoolError
-from kvpool.wire.protocol import ErrorReply, Fork
+from kvpool.wire.protocol import ErrorReply, Fork, Release
 from kvpool.router.router import Router
 from tests.daemons import DaemonProcess, in_thread, joined, read_reply, result, sent_and_read, stopped, wait_until
 
@@ -159,5 +159,38 @@ def test_the_router_starts_at_the_floor_a_daemon_names(model_path, socket_dir, p
             assert logits.shape[0] == 1 and session.epoch == 3
             assert session.counts.epoch_floor_restarts == 1 and router.counts.epoch_floor_restarts == 1
             session.release()
+    finally:
+        daemon.stop()
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_an_append_that_waited_for_a_compute_slot_is_refused_once_a_higher_epoch_was_seen(shards, socket_dir, prompt_ids, mode):
+    """B@1's append waits for the only compute slot (A's append holds it); Release(B, 2) is read meanwhile. Before the
+    fix the epoch-1 append ran once the slot freed (and, with direct channels, bound the channel to epoch 1 again)."""
+    tokens = prompt_ids[1]
+    daemon = DaemonProcess(
+        shards[0].path, socket_dir / f"slot-{mode}.sock", "--threads", "1", "--n-ctx", "64", "--max-sessions", "2",
+        "--spill-budget", "0", *MODES[mode],
+    )
+    try:
+        with daemon.client(direct=False) as client, daemon.client(direct=False) as holder, daemon.client(direct=False) as waiter:
+            holder.append("A", 1, 0, tokens=tokens[:4])
+            waiter.append("B", 1, 0, tokens=tokens[:4])
+            rows = {row.session_id: row for row in client.stats().sessions}
+            with stopped(rows["A"].worker_pid):  # A's append holds the only compute slot, on any machine
+                a_append = in_thread(lambda: holder.append("A", 1, 4, tokens=tokens[4:8]))
+                wait_until(lambda: {r.session_id: r for r in client.stats().sessions}["A"].in_flight, "A's append to be in flight")
+                b_append = in_thread(lambda: waiter.append("B", 1, 4, tokens=tokens[4:8]))
+                wait_until(lambda: {r.session_id: r for r in client.stats().sessions}["B"].in_flight, "B's append to wait for the slot")
+                releaser = sent_and_read(daemon.socket, Release(session_id="B", epoch=2, request_id=9))  # epoch 2 seen now
+            assert result(*a_append).length == 8
+            stale = joined(*b_append).get("error")
+            assert isinstance(stale, KvpoolError) and stale.code == "stale_epoch", joined(*b_append)
+            released = read_reply(releaser)
+            releaser.close()
+            assert released.detail == "no state", released  # epoch 1's state went with the fence; epoch 2 has none
+            assert [row.session_id for row in client.stats().sessions] == ["A"]
+            assert client.append("B", 2, 0, tokens=tokens[:3]).admitted
+            assert client.stats().integrity == "ok"
     finally:
         daemon.stop()

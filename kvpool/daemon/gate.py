@@ -68,6 +68,10 @@ class Gate:
             table.note_new_epoch(session_id, epoch)
             old = table.get(session_id)
             if old is not None:
+                # Its direct channel closes now, not once the lock is free: a request holding the lock may
+                # wait (for a compute slot) with the channel still bound, and the old epoch would be served there.
+                with contextlib.suppress(RequestFailed):  # its worker lost on the way: the session ended with it
+                    await self.channels.revoke(old)
                 async with old.lock:
                     if table.get(session_id) is old:
                         await self.lifecycle.drop(old, MissReason.NEW_EPOCH)

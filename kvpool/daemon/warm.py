@@ -63,6 +63,7 @@ class WarmRequests:
         self._refuse_existing(request)
         blob = await self._state_of(source, request.length)
         self._refuse_existing(request)
+        self.gate.require_current(request.session_id, request.epoch)  # nothing of a stale source seeds a fork
         self.gate.require_current(request.new_session_id, request.new_epoch)  # a higher epoch seen while it waited
         if not self.books.spill.fits(len(blob)):
             raise RequestFailed(ErrorCode.OVER_BUDGET, f"the source's state ({len(blob)} bytes) does not fit in the spill store")

@@ -270,9 +270,9 @@ class DirectChannel:
             return ErrorReply(code=code, message=str(error), length=error.length, **ids)
         finally:
             self.cancels.end(key, request.request_id)
-            words.busy.value = 0
-            words.length.value = context.length
+            words.length.value = context.length  # before busy clears: a reader that sees it idle sees its length
             words.last_used.value = time.monotonic()
+            words.busy.value = 0
         words.appends.value += 1
         words.rows.value += rows.shape[0]
         reply = answer(output, request.sample, context.length)

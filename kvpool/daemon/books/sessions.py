@@ -108,6 +108,9 @@ class EpochMemory:
             del ids[session_id]
         if not ids:
             del self._by_epoch[epoch]
+            if len(self._epochs) > 2 * len(self._by_epoch) + 64:  # emptied epochs linger in the heap: bound them
+                self._epochs = list(self._by_epoch)
+                heapq.heapify(self._epochs)
 
 
 class SessionTable:

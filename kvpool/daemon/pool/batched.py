@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import dataclasses
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -59,6 +60,7 @@ class PendingAppend:
     sample: Sampling | None
     future: asyncio.Future
     cancelled: bool = False
+    still_wanted: Callable[[], None] | None = None  # raises when the append may no longer run (its epoch is stale)
 
 
 class BatchedWorker(WorkerHandle):
@@ -77,12 +79,15 @@ class BatchedWorker(WorkerHandle):
         self._arrived = asyncio.Event()
         self._last_batch_s = 0.0  # how long the last RunBatch took
 
-    async def append_seq(self, seq: int, start_pos: int, rows: np.ndarray, output_rows: str, sample: Sampling | None) -> WorkerOutput:
+    async def append_seq(
+        self, seq: int, start_pos: int, rows: np.ndarray, output_rows: str, sample: Sampling | None,
+        still_wanted: Callable[[], None] | None = None,
+    ) -> WorkerOutput:
         if self.lost:
             raise WorkerLost(f"{self.name} is lost")
         future = asyncio.get_running_loop().create_future()
         future.add_done_callback(lambda done: done.cancelled() or done.exception())  # read even when nobody awaits it
-        pending = PendingAppend(seq, start_pos, rows, output_rows, sample, future)
+        pending = PendingAppend(seq, start_pos, rows, output_rows, sample, future, still_wanted=still_wanted)
         self._queue.append(pending)
         self._arrived.set()
         if self._batcher is None or self._batcher.done():
@@ -138,6 +143,13 @@ class BatchedWorker(WorkerHandle):
             input_bytes = pending.rows.nbytes
             if pending.seq in seqs or (taken and input_used + input_bytes > self.input_bytes):
                 continue
+            if pending.still_wanted is not None:
+                try:
+                    pending.still_wanted()  # checked as the batch is sealed: the wait for it may have made it stale
+                except Exception as refusal:  # noqa: BLE001 - the request's own typed error, answered to it alone
+                    self._queue.remove(pending)
+                    _fail(pending.future, refusal)
+                    continue
             out_rows = pending.rows.shape[0] if pending.output_rows == "all" or not (self.ready and self.ready.shape.is_last) else 1
             out_bytes = out_rows * width * 4
             room = out_bytes if output_used + out_bytes <= self.output_bytes else 0
@@ -274,10 +286,11 @@ class SequenceSlot:
 
     async def append(
         self, start_pos: int, rows: np.ndarray, output_rows: str = "last", sample: Sampling | None = None, *, bind: Binding | None = None,
+        still_wanted: Callable[[], None] | None = None,
     ) -> WorkerOutput:
         if bind is not None:
             raise WorkerFailed("internal", "a batched worker has no direct channel", 0)
-        return await self.process.append_seq(self.seq, start_pos, rows, output_rows, sample)
+        return await self.process.append_seq(self.seq, start_pos, rows, output_rows, sample, still_wanted)
 
     async def truncate(self, length: int) -> int:
         return (await self.process._expect(TruncateContext(length=length, seq=self.seq), Truncated)).length

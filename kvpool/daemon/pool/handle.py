@@ -8,6 +8,7 @@ kvpool.daemon.pool.process; the segment's reads and writes are kvpool.daemon.poo
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -88,10 +89,14 @@ class WorkerHandle(WorkerProcess):
 
     async def append(
         self, start_pos: int, rows: np.ndarray, output_rows: str = "last", sample: Sampling | None = None, *, bind: Binding | None = None,
+        still_wanted: Callable[[], None] | None = None,
     ) -> WorkerOutput:
         """Append rows (int32 token ids on a first shard, float32 [n, n_embd] hidden states elsewhere);
         with `sample` (last shard) the worker picks the next token; with `bind` its direct channel serves
-        that session afterwards, if the append succeeded."""
+        that session afterwards, if the append succeeded. `still_wanted` raises when the append may no
+        longer run; it is called as the command is sent (after every wait: a compute slot, a batch)."""
+        if still_wanted is not None:
+            still_wanted()
         self.shared.write_input(rows)
         command = RunAppend(start_pos=start_pos, n_rows=len(rows), output_rows=output_rows, sample=sample, n_ctx=self._take_opening(), bind=bind)
         appended = await self._expect(command, Appended)
