@@ -78,7 +78,13 @@ def kill_supervisor_verdict(kills: Sequence[SupervisorKillRecord], sessions: Seq
     segments_ok = not kill.segments_left
     restarted = kill.new_pid > 0 and not kill.restart_error
     lost = [s for s in sessions if s.connection_losses]
-    recovered = bool(lost) and all(s.recoveries >= 1 and s.final_epoch >= 2 and not s.violations for s in lost)
+    # The killed daemon's sessions are gone with it: the session it was killed under must have replayed at a new
+    # epoch, however it learnt of the loss (a lost connection, or a cache miss on the restarted daemon); so must
+    # every session that lost a connection while it ran. One lost only at its final release is released again.
+    victim = next((s for s in sessions if s.session_id == kill.session_id), None)
+    recovered = (victim is not None and victim.recoveries >= 1 and victim.final_epoch >= 2 and not victim.violations
+                 and all(s.recoveries >= 1 and s.final_epoch >= 2 and not s.violations for s in lost))
+    released_again = sum(s.release_reconnects for s in sessions)
     survivors = [i for i in range(len(daemons)) if i != kill.daemon]
     books = all(daemons[i].integrity_after == "ok" for i in survivors) and all(s.integrity == "ok" for s in samples if s.daemon in survivors)
     passed = orphans_ok and segments_ok and restarted and recovered and books and exact
@@ -87,7 +93,8 @@ def kill_supervisor_verdict(kills: Sequence[SupervisorKillRecord], sessions: Seq
                    f"SIGKILL supervisor pid {kill.pid} of daemon {kill.daemon} ({kill.session_id}, op {kill.op_index}): its processes {kill.descendants} {gone} "
                    f"(deadline {ORPHAN_DEADLINE_S:g} s); its {len(kill.segments)} /dev/shm segments " + ("all removed" if segments_ok else f"left: {kill.segments_left}")
                    + (f"; restarted on the same socket by {kill.restarted_by} in {kill.restart_s:g} s (pid {kill.new_pid})" if restarted else f"; restart failed: {kill.restart_error or 'never restarted'}")
-                   + f"; {len(lost)} sessions got ConnectionLost and replayed from 0 at a new epoch: {recovered}; books of daemons {survivors} balanced at every sample and after: {books}; every session exact: {exact}")
+                   + f"; {len(lost)} sessions got ConnectionLost while running, {released_again} at their final release (released again); "
+                   f"the killed session and those replayed from 0 at a new epoch: {recovered}; books of daemons {survivors} balanced at every sample and after: {books}; every session exact: {exact}")
 
 
 def stall_worker_verdict(stalls: Sequence[StallRecord], sessions: Sequence[SessionSummary], daemons: Sequence[DaemonSummary], workers_expected: int | None, exact: bool) -> Verdict:

@@ -58,6 +58,7 @@ class SessionSummary(msgspec.Struct):
     cancel_attempts_missed: int = 0  # mid-prefill cancels whose append completed first (timing; retried)
     cancel_targets_missed: list[str] = msgspec.field(default_factory=list)  # planned cancels never exercised (warnings)
     connection_losses: int = 0  # ConnectionLost seen because a supervisor was killed (then recovered)
+    release_reconnects: int = 0  # ConnectionLost at the session's final release (released again; nothing to replay)
     failed_op: str = ""  # the operation during which the session broke the contract, if any
     completed_s: float | None = None  # from the start of the sessions to this one's last operation (None: did not finish)
     admissions: int = 0  # appends that admitted the session on a daemon (first appends and replays)

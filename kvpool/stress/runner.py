@@ -157,7 +157,8 @@ def _session_summary(driver: SessionDriver, replay: ReplayOutcome, started: floa
         checked_rows=replay.checked_rows, greedy_checked=replay.greedy_checked, final_logits_max_abs_diff=diff,
         mismatches=mismatches, violations=driver.violations, unexercised=driver.unexercised(),
         late_cancels=driver.late_cancels, cancels_landed_on=dict(sorted(driver.cancels_landed_on.items())),
-        cancel_attempts_missed=driver.cancel_attempts_missed, cancel_targets_missed=driver.schedule.cancel_targets_missed, connection_losses=driver.connection_losses, failed_op=driver.failed_op,
+        cancel_attempts_missed=driver.cancel_attempts_missed, cancel_targets_missed=driver.schedule.cancel_targets_missed, connection_losses=driver.connection_losses,
+        release_reconnects=driver.release_reconnects, failed_op=driver.failed_op,
         completed_s=round(driver.finished_at - started, 3) if driver.finished_at is not None else None,
         admissions=len(driver.admission_waits), max_admission_wait_s=round(max(driver.admission_waits, default=0.0), 3),
     )

@@ -63,6 +63,8 @@ class TappedSession:
         self._generations = control.generations() if control is not None else []
         self.misses: Counter[str] = Counter()
         self.appends = self.resets = self.connection_losses = self.restarts = 0
+        self.release_reconnects = 0  # losses at the session's final release: released again, nothing to replay
+        self._releasing = False
         self._unanswered_losses = 0  # reconnections the router has not answered with a replay at a new epoch
         self.admission_waits: list[float] = []  # seconds each admission took, queue and back-off included
 
@@ -122,6 +124,7 @@ class TappedSession:
         self.resets += 1
 
     def _release_all(self) -> None:
+        self._releasing = True  # a connection lost now needs no replay: the release is sent again
         for _ in range(MAX_CONNECTION_RECOVERIES):
             try:
                 self.session.release()
@@ -157,6 +160,9 @@ class TappedSession:
         self.stage = -1
         if self.control is None or not self.control.reconnect(self._generations, self.clients, self.session_id):
             raise ContractViolation(f"connection lost (did a daemon die?): {error}")
+        if self._releasing:
+            self.release_reconnects += 1
+            return
         self.connection_losses += 1
         self._unanswered_losses += 1
         self.recorder.event("connection lost (supervisor killed): replayed at a new epoch")
