@@ -125,13 +125,16 @@ class TappedSession:
 
     def _release_all(self) -> None:
         self._releasing = True  # a connection lost now needs no replay: the release is sent again
-        for _ in range(MAX_CONNECTION_RECOVERIES):
-            try:
-                self.session.release()
-                return
-            except ConnectionLost:
-                continue  # the tap reconnected to a restarted daemon: release again
-        raise ContractViolation(f"{self.session_id}: still losing connections after {MAX_CONNECTION_RECOVERIES} releases")
+        try:
+            for _ in range(MAX_CONNECTION_RECOVERIES):
+                try:
+                    self.session.release()
+                    return
+                except ConnectionLost:
+                    continue  # the tap reconnected to a restarted daemon: release again
+            raise ContractViolation(f"{self.session_id}: still losing connections after {MAX_CONNECTION_RECOVERIES} releases")
+        finally:
+            self._releasing = False
 
     # ---- the tap: each request to a daemon (kvpool.stress.tap) ---------------------------------------------
 
