@@ -110,11 +110,12 @@ class KvService:
         session.appending = True
         try:
             async with self.lifecycle.worker_call(session, refused=functools.partial(self._append_refused, session)), self.pool.append_slot():
-                self.gate.check_live(session)  # the wait for a compute slot may have made it stale: before the run takes the channel
                 self.channels.handed_to_run(session)
                 output = await worker.append(
                     request.start_pos, rows, str(request.output_rows), request.sample, bind=binding,
-                    still_wanted=lambda: self.gate.check_live(session),  # after the wait for a compute slot or a batch
+                    # checked after the wait for a compute slot or a batch; a refusal then leaves no binding behind:
+                    # the fence that made it stale revoked the channel, a session that ended freed its context
+                    still_wanted=lambda: self.gate.check_live(session),
                 )
         finally:
             session.appending = False
