@@ -20,6 +20,9 @@ and noisy: compare the ratios, not the absolute times; every figure is a median)
   8 overload                       8 sessions at once through a 3-daemon chain with 2 places per daemon /
                                    the same 8 sessions run 2 at a time by the router (`--overload-only`
                                    runs this section alone); whether the daemons have the warm tier
+  9 start-up                       `kvpool serve` to its first status on the middle shard at --n-ctx 512,
+                                   2048, 8192 (quick: 512, 8192) / a bare llama context of that n_ctx; start-up
+                                   at 512 / at 8192 (flat: 1.0)
 
 Threads: every single-session figure uses 1 llama thread per computing context (kvpool's default
 --threads-per-worker). Four sessions: llama.cpp batched uses 2 threads; the whole-model daemon runs
@@ -36,7 +39,7 @@ The JSON's "ratios" names the headline ratios, each with its target (null: none)
 # rig (daemons, models, timing helpers), one_session (sections 1, 2, 4), parallel (section 3),
 # admission (sections 5, 6), table (rows and cell formats), targets (sections 1-6's targets),
 # one_session_report, parallel_report, admission_report (those sections' summaries and rows), warm
-# (section 7: measurement, summary, chart panels), overload (section 8), report (`summarize`: every
+# (section 7: measurement, summary, chart panels), overload (section 8), startup (section 9), report (`summarize`: every
 # section in order), chart (the PNG), cli (run_bench, the command line).
 
 from kvpool.bench.admission import measure_admission, measure_memory

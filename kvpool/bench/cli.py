@@ -23,6 +23,7 @@ from kvpool.bench.chart import write_chart
 from kvpool.bench.one_session import measure_mid_shard, measure_route
 from kvpool.bench.options import BenchOptions, bench_say
 from kvpool.bench.overload import measure_overload, summarize_overload
+from kvpool.bench.startup import measure_startup
 from kvpool.bench.parallel import measure_parallel
 from kvpool.bench.report import summarize
 from kvpool.bench.rig import Rig
@@ -100,6 +101,8 @@ def run_bench(options: BenchOptions) -> tuple[dict, str]:
         bench_say("section 8: overload, 8 sessions on 2 places per daemon")
         results["overload"] = measure_overload([shard.path for shard in rig.shards], rig.tokenizer, rig.socket_dir,
                                                steps=options.overload_steps, rounds=options.overload_rounds, say=bench_say)
+        bench_say("section 9: start-up at several --n-ctx beside a bare context")
+        results["startup"] = measure_startup(rig)
     finally:
         rig.close()
     results = _jsonable(results)

@@ -9,6 +9,7 @@ from kvpool.bench.one_session_report import summarize_mid_shard, summarize_prefi
 from kvpool.bench.overload import summarize_overload
 from kvpool.bench.parallel_report import summarize_parallel
 from kvpool.bench.table import Row
+from kvpool.bench.startup import summarize_startup
 from kvpool.bench.warm import summarize_warm
 
 SECTIONS = (summarize_mid_shard, summarize_route, summarize_parallel, summarize_prefill, summarize_admission, summarize_memory)
@@ -25,6 +26,8 @@ def summarize(results: dict) -> tuple[dict, dict, list[Row]]:
         parts.append(summarize_warm(results["warm"]))
     if "overload" in results:
         parts.append(summarize_overload(results["overload"]))
+    if "startup" in results:
+        parts.append(summarize_startup(results["startup"]))
     for section_summary, section_ratios, section_rows in parts:
         summary.update(section_summary)
         ratios.update(section_ratios)

@@ -53,11 +53,11 @@ def render(stats: StatsReply) -> str:
             f"{format_bytes(worker.baseline_uss_bytes):>10}  {worker.session_id}"
         )
     if stats.calibration:
-        lines += ["", f"{'CALIBRATED N_CTX':<18} {'MEASURED':>10} {'CHARGED':>10} {'THEORY KV':>10}  (every other n_ctx is fitted)"]
+        lines += ["", f"{'PROBED N_CTX':<18} {'FULL COST':>10} {'CHARGED':>10} {'THEORY KV':>10}  (start-up probe; every other n_ctx is fitted)"]
         for row in stats.calibration:
             lines.append(
                 f"{row.n_ctx:<18} {format_bytes(row.measured_bytes):>10} {format_bytes(row.charged_bytes):>10} "
-                f"{format_bytes(row.theoretical_kv_bytes):>10}"
+                f"{format_bytes(row.theoretical_kv_bytes):>10}" + ("  extrapolated" if row.extrapolated else "")
             )
     counters = "  ".join(f"{name}={value}" for name, value in sorted(stats.counters.items()) if value)
     lines += ["", f"counters  {counters or '(none yet)'}"]

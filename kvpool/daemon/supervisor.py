@@ -1,7 +1,7 @@
 """`kvpool serve`: wires the worker pool, the service and the socket together, and tears them down.
 
-Start order: workers (ready acknowledgements), calibration (the charge of every n_ctx, fitted from two
-measured sizes), socket, metrics endpoint, housekeeping. Teardown runs in reverse; a partial start is
+Start order: workers (ready acknowledgements), calibration (the charge of every n_ctx, fitted from a
+start-up probe that does not fill a context of --n-ctx), socket, metrics endpoint, housekeeping. Teardown runs in reverse; a partial start is
 cleaned up the same way.
 """
 
@@ -127,11 +127,11 @@ class Supervisor:
             if self._stop.is_set():
                 return
             self._announce(
-                "charges fitted from start-up measurements: "
+                f"charges fitted from a start-up probe of {fit.probe.filled[-1][0]} cells: "
                 + ", ".join(
-                    f"n_ctx {n_ctx}: {format_bytes(fit.charge(n_ctx))} (measured {format_bytes(size)}, "
-                    f"theoretical KV {format_bytes(fit.theoretical_kv_bytes(n_ctx))})"
-                    for n_ctx, size in reversed(fit.measured)
+                    f"n_ctx {n_ctx}: {format_bytes(fit.charge(n_ctx))} ({'extrapolated' if fit.probe.extrapolated(n_ctx) else 'measured'} "
+                    f"{format_bytes(fit.cost(n_ctx))}, theoretical KV {format_bytes(fit.theoretical_kv_bytes(n_ctx))})"
+                    for n_ctx in reversed(fit.sizes()[-2:])
                 )
             )
             step_s = service.calibrator.step_s

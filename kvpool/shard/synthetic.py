@@ -342,18 +342,31 @@ def describe(spec: ZooSpec) -> str:
     return ", ".join(parts)
 
 
-def main() -> None:
-    """Build (or find in the cache) every zoo model and print one row per file."""
+def main(argv: list[str] | None = None) -> int:
+    """Build (or find in the cache) every zoo model, or the ~1B benchmark model, printing one row per file."""
+    import argparse
     import time
 
+    parser = argparse.ArgumentParser(
+        prog="python -m kvpool.shard.synthetic",
+        description="Write random-weight llama GGUFs (gguf-py writes F16 tensors with the bundled model's tokenizer; "
+        "llama.cpp's own quantizer makes the other types) under <work dir>/models, built once and reused.",
+    )
+    parser.add_argument("--llama-1b", action="store_true", help=f"only the ~1B benchmark model ({describe(LLAMA_1B)}) in --type")
+    parser.add_argument("--type", default="Q4_K_M", choices=FILE_TYPES, help="file type of --llama-1b (default Q4_K_M)")
+    parser.add_argument("--threads", type=int, default=1, help="quantizer threads (default 1)")
+    args = parser.parse_args(argv)
+    builds = [(LLAMA_1B, args.type)] if args.llama_1b else [(spec, file_type) for spec in ZOO for file_type in ZOO_TYPES]
     print(f"{'model':<10} {'type':<7} {'MiB':>7} {'build s':>8}  shape")
-    for spec in ZOO:
-        for file_type in ZOO_TYPES:
-            started = time.perf_counter()
-            path = zoo_model(spec, file_type)
-            seconds = time.perf_counter() - started
-            print(f"{spec.name:<10} {file_type:<7} {path.stat().st_size / 2**20:>7.1f} {seconds:>8.2f}  {describe(spec)}")
+    for spec, file_type in builds:
+        started = time.perf_counter()
+        path = zoo_model(spec, file_type, threads=args.threads)
+        seconds = time.perf_counter() - started
+        print(f"{spec.name:<10} {file_type:<7} {path.stat().st_size / 2**20:>7.1f} {seconds:>8.2f}  {describe(spec)}", flush=True)
+        if args.llama_1b:
+            print(path)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

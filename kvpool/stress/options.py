@@ -55,7 +55,7 @@ class StressOptions:
     spill: bool = False  # the warm tier on, SPILL_PLACES contexts per daemon: evictions park and restore
     mode: str = "process"  # the daemons' --mode; batched: one worker process per daemon holds every session
     # --request-timeout of the daemon whose worker is stalled. It bounds every worker call of that daemon,
-    # the start-up calibration (a 512-row and a 64-row batch: ~1.1 s for 512 rows on one 10-layer shard on
+    # the start-up probe (one 512-row batch at n_ctx 512: ~1.1 s for 512 rows on one 10-layer shard on
     # a 2-core Xeon, more with three daemons starting at once beside CPU burners) and the 192-row
     # cancelled prefill included, so it is far above either on a slow, busy machine.
     stall_timeout_s: float = 30.0

@@ -235,12 +235,14 @@ class BudgetRow(Message):
 
 
 class CalibrationRow(Message):
-    """One start-up measurement: the memory a context of n_ctx took, and what a session of n_ctx is charged."""
+    """What a full context of n_ctx takes by the start-up probe (kvpool.daemon.admission.calibration), and
+    what a session of n_ctx is charged."""
 
     n_ctx: int
-    measured_bytes: int
+    measured_bytes: int  # read by the probe at n_ctx cells, or extrapolated beyond the cells it filled
     charged_bytes: int
     theoretical_kv_bytes: int = 0  # f16 K and V of every layer llama.cpp allocates a cache for
+    extrapolated: bool = False  # measured_bytes extrapolated at the probe's last growth per cell
 
 
 class StatsReply(ReplyMessage):

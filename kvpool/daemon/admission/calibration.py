@@ -1,24 +1,28 @@
 """What a session of n_ctx positions is charged, known before its first admission: no admission waits for
-a measurement.
+a measurement, and start-up does not fill a context of the daemon's --n-ctx.
 
-At start-up `calibrate` measures two sizes on free workers: the daemon's largest n_ctx N and a small one
-(SMALL_N_CTX). A measurement creates a context, fills it (batches of min(512, n_ctx) rows up to n_ctx: the
-compute buffers' pages are touched as the attention grows), reads the growth of the worker's anonymous
-memory (the mmap'd weights left out) and frees the context.
+At start-up `calibrate` probes one free worker: it creates a context of the daemon's largest n_ctx N, then
+appends batches of min(512, N) rows up to min(N, PROBE_CELLS) cells, reading the growth of the worker's
+anonymous memory (the mmap'd weights left out) after each. llama.cpp allocates and clears the whole KV cache
+at creation, so every reading holds it; the compute buffers are reserved for the longest attention at
+creation too, but their pages are touched only as the cache fills (middle shard of the bundled model,
+n_ctx 4096, beyond the KV cache: +32 MiB after one 512-row batch, +130 MiB full). The probe's cost is a
+fill of PROBE_CELLS cells whatever N is: it does not grow with --n-ctx.
 
-The fit, `ChargeFit`: a context of n positions holds its KV cache, which grows with n (the theoretical KV
-per position, f16 K and V; llama.cpp may round n up), plus compute buffers, which grow with the batch,
-min(512, n) rows, and with the attention's length, n. Both grow with n, at least b per position (b the
-theoretical KV per position), so a size measured at m bytes bounds every smaller n:
-charge(n) <= m - b x (size - n).
-A straight line through the two measured points would not do: below 512 positions the batch shrinks with
-n, so the measured slope overstates b and the line falls under the true cost between the two sizes
-(middle shard of the bundled model, measured at 64, 512 and 2048 positions: 6.1, 30.2 and 43.9 MiB; the
-line through the ends gives 14.4 MiB at 512). The charge is the tightest such bound from a measured size at or
-above n (never below a measured smaller size), each measurement first raised by a margin for noise;
-rounded up, and never below the theoretical KV.
+Beyond the probed cells the growth is linear in the cells the attention reads (its score matrices and
+their conversions are batch x cells x heads; measured on the three bundled shards, 512-row steps from
+2048 to 4096 cells: 13.5 MiB each on the middle shard, 14.5 first, 14.5-15.0 last; with flash attention
+none from 1536 on), so a reading at n cells is extrapolated at the growth of the probe's last batch, per
+cell, over llama.cpp's padded cell count.
 
-The first measurement also times a few one-row appends at the end of its batch: the shard's decode step
+`ChargeFit`: a full context of n positions costs the probe's reading at n cells (the first fill that
+reached n: a session of fewer than 512 positions computes smaller batches, and the 512-cell reading bounds
+it), less the KV cache of the positions the probed context holds beyond n. The charge is that cost raised
+by a margin for noise and rounded up, never below the theoretical KV. Batched mode
+(`SharedContextCharge`): the context of every sequence is allocated when its worker starts; a session is
+charged its share of that context plus the probe's reading at n_ctx_max (one sequence filled).
+
+The probe also times a few one-row appends at the end of its first batch: the shard's decode step
 (`step_s`, the median), from which the default residency is derived (kvpool.daemon.admission.residency).
 """
 
@@ -37,11 +41,11 @@ from kvpool.wire.protocol import CalibrationRow, ShardDescription
 from kvpool.daemon.pool.lifecycle import WorkerLifecycle
 
 CALIBRATION_ROWS = 512
+PROBE_CELLS = 2048  # four 512-row batches: the last growth is the per-cell slope (at 1536 it still overstates flash attention's)
 STEP_SAMPLES = 3
-SMALL_N_CTX = 64  # the second size: 64 rows add ~12% to the start-up measurement of 512 rows
-LLAMA_CTX_PAD = 256  # llama.cpp (0.3.36) rounds n_ctx up to this; the bound holds with or without it
+LLAMA_CTX_PAD = 256  # llama.cpp (0.3.36) rounds n_ctx up to this, and the cells its attention reads
 MARGIN_BYTES = 1 << 20
-MARGIN_DIVISOR = 16  # + 1/16 of each measurement: differences between workers and readings measured < 2%
+MARGIN_DIVISOR = 16  # + 1/16 of each cost: differences between workers and readings measured < 2%
 ROUND_BYTES = 1 << 16
 
 
@@ -49,68 +53,100 @@ def _padded(n_ctx: int) -> int:
     return -(-n_ctx // LLAMA_CTX_PAD) * LLAMA_CTX_PAD
 
 
-def _positions_between(small: int, large: int) -> int:
-    """Cache positions a context of `large` surely holds beyond one of `small`, padded by llama.cpp or not."""
-    return min(large - small, _padded(large) - _padded(small))
+def _raised(size: int) -> int:
+    return size + size // MARGIN_DIVISOR + MARGIN_BYTES
+
+
+def _rounded(size: int) -> int:
+    return -(-size // ROUND_BYTES) * ROUND_BYTES
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Probe:
+    """What the start-up probe read on one context of n_ctx positions: after each batch, (cells filled,
+    the worker's growth since before the context was made), in filling order. Every reading holds the
+    whole KV cache of n_ctx positions: llama.cpp allocates and clears it at creation."""
+
+    n_ctx: int
+    filled: tuple[tuple[int, int], ...]
+
+    def __post_init__(self) -> None:
+        cells = [cell for cell, _ in self.filled]
+        if self.n_ctx < 1 or not cells or cells != sorted(set(cells)) or cells[-1] > self.n_ctx:
+            raise ValueError(f"a probe needs increasing fills within its context, got {self.filled} of {self.n_ctx}")
+        object.__setattr__(self, "filled", tuple((cell, max(size, 0)) for cell, size in self.filled))
+
+    def extrapolated(self, n_ctx: int) -> bool:
+        return n_ctx > self.filled[-1][0]
+
+    def reading(self, cells: int) -> int:
+        """The growth of the probed context with `cells` cells full: read at the first fill that reached
+        them, else extrapolated at the last batch's growth per cell (never less than the last reading)."""
+        for filled, size in self.filled:
+            if filled >= cells:
+                return size
+        last_cells, last_size = self.filled[-1]
+        if len(self.filled) < 2:
+            return last_size
+        before_cells, before_size = self.filled[-2]
+        slope = max(last_size - before_size, 0) / (last_cells - before_cells)
+        return last_size + int(-(-slope * (_padded(cells) - last_cells) // 1))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ChargeFit:
-    """charge(n) from measured (n_ctx, bytes) pairs and the theoretical KV bytes per position."""
+    """charge(n) from the start-up probe and the theoretical KV bytes per position."""
 
     kv_bytes_per_position: int
-    measured: tuple[tuple[int, int], ...]
-
-    def __post_init__(self) -> None:
-        if not self.measured or any(n_ctx < 1 or size < 0 for n_ctx, size in self.measured):
-            raise ValueError(f"a fit needs measured sizes, got {self.measured}")
-        object.__setattr__(self, "measured", tuple(sorted(self.measured)))
+    probe: Probe
 
     def theoretical_kv_bytes(self, n_ctx: int) -> int:
         return n_ctx * self.kv_bytes_per_position
 
-    def bound(self, n_ctx: int) -> int:
-        """The fitted cost of a context of n_ctx positions, the margin included."""
-        per_position = self.kv_bytes_per_position
-        raised = [(n, size + size // MARGIN_DIVISOR + MARGIN_BYTES) for n, size in self.measured]
-        above = [size - per_position * _positions_between(n_ctx, n) for n, size in raised if n >= n_ctx]
-        below = [size for n, size in raised if n <= n_ctx]
-        if above:
-            return max(min(above), *below) if below else min(above)
-        # Beyond the largest measured size (the daemon admits none): grow at the steeper of the theoretical
-        # KV and the slope between the measured ends, which overstates it.
-        (small, small_size), (large, large_size) = raised[0], raised[-1]
-        slope = max(per_position, -(-(large_size - small_size) // (large - small))) if large > small else per_position
-        return large_size + slope * max(n_ctx - large, _padded(n_ctx) - _padded(large))
+    def cost(self, n_ctx: int) -> int:
+        """What a context of n_ctx positions takes when full, by the probe (no margin): its reading at
+        n_ctx cells, less the KV cache of the positions the probed context holds beyond n_ctx."""
+        probed = self.probe.n_ctx
+        beyond = max(min(probed - n_ctx, _padded(probed) - _padded(n_ctx)), 0)  # padded by llama.cpp or not
+        return max(self.probe.reading(n_ctx) - self.kv_bytes_per_position * beyond, 0)
 
     def charge(self, n_ctx: int) -> int:
         if n_ctx < 1:
             raise ValueError("n_ctx must be at least 1")
-        charge = max(self.bound(n_ctx), self.theoretical_kv_bytes(n_ctx))
-        return -(-charge // ROUND_BYTES) * ROUND_BYTES
+        return _rounded(max(_raised(self.cost(n_ctx)), self.theoretical_kv_bytes(n_ctx)))
+
+    def sizes(self) -> list[int]:
+        """The sizes stats report: each fill the probe read and the probed context's own n_ctx."""
+        return sorted({cells for cells, _ in self.probe.filled} | {self.probe.n_ctx})
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class SharedContextCharge:
     """Batched mode: every session is one sequence of a context made for `n_seqs` sequences of n_ctx_max
-    positions each, allocated whole when its worker starts. A session is charged its share of the
-    context as measured (its creation, then the growth of a first batch), the margin included, whatever
-    n_ctx it asks for: its sequence holds n_ctx_max positions anyway."""
+    positions each, allocated whole when its worker starts (`context_bytes`). A session is charged its
+    share of that context plus the bytes the probe's sequence touches at n_ctx_max, the margin included,
+    whatever n_ctx it asks for: its sequence holds n_ctx_max positions anyway."""
 
     kv_bytes_per_position: int
-    measured: tuple[tuple[int, int], ...]  # ((n_ctx_max, the whole context's bytes),)
+    context_bytes: int
+    probe: Probe  # one sequence of the shared context, filled
     n_seqs: int
 
     def theoretical_kv_bytes(self, n_ctx: int) -> int:
         return n_ctx * self.kv_bytes_per_position
 
+    def cost(self, n_ctx: int) -> int:
+        """The whole shared context's bytes with its compute buffers touched as at n_ctx_max (no margin)."""
+        return self.context_bytes + self.probe.reading(self.probe.n_ctx)
+
     def charge(self, n_ctx: int) -> int:
         if n_ctx < 1:
             raise ValueError("n_ctx must be at least 1")
-        (n_ctx_max, size), = self.measured
-        raised = size + size // MARGIN_DIVISOR + MARGIN_BYTES
-        share = max(-(-raised // self.n_seqs), self.theoretical_kv_bytes(n_ctx_max))
-        return -(-share // ROUND_BYTES) * ROUND_BYTES
+        share = max(-(-_raised(self.cost(n_ctx)) // self.n_seqs), self.theoretical_kv_bytes(self.probe.n_ctx))
+        return _rounded(share)
+
+    def sizes(self) -> list[int]:
+        return [self.probe.n_ctx]
 
 
 class Calibrator:
@@ -126,7 +162,7 @@ class Calibrator:
         self.shard = shard
         self.kv_bytes_per_position = kv_bytes_per_position
         self.fit: ChargeFit | SharedContextCharge | None = None
-        self.step_s: float | None = None  # one decode step of this shard, measured with the first size
+        self.step_s: float | None = None  # one decode step of this shard, timed after the probe's first batch
 
     def theoretical_kv_bytes(self, n_ctx: int) -> int:
         return n_ctx * self.kv_bytes_per_position
@@ -138,54 +174,37 @@ class Calibrator:
         return self.fit.charge(n_ctx)
 
     def rows(self) -> list[CalibrationRow]:
-        """The start-up measurements and what each size is charged (for stats)."""
+        """What the probe read, and what each of its sizes is charged (for stats)."""
         fit = self.fit
         if fit is None:
             return []
         return [
-            CalibrationRow(n_ctx=n, measured_bytes=size, charged_bytes=fit.charge(n), theoretical_kv_bytes=fit.theoretical_kv_bytes(n))
-            for n, size in fit.measured
+            CalibrationRow(
+                n_ctx=n, measured_bytes=fit.cost(n), charged_bytes=fit.charge(n),
+                theoretical_kv_bytes=fit.theoretical_kv_bytes(n), extrapolated=fit.probe.extrapolated(n),
+            )
+            for n in fit.sizes()
         ]
 
     async def calibrate(self, largest_n_ctx: int) -> ChargeFit | SharedContextCharge:
-        """Measure largest_n_ctx and SMALL_N_CTX (when smaller), each on a fresh worker when there are enough.
-        Batched mode: one batch on one sequence, its growth added to the context measured at start-up."""
-        if self.shared_context is not None:
-            return await self._calibrate_shared(largest_n_ctx, *self.shared_context)
-        sizes = [largest_n_ctx] + ([SMALL_N_CTX] if SMALL_N_CTX < largest_n_ctx else [])
-        taken: list[str] = []
-        try:
-            for _ in sizes:
-                worker = self.books.take(self.pool.usable)
-                if worker is None:
-                    break
-                taken.append(worker)
-            if not taken:
-                raise RuntimeError("no usable worker to calibrate on")
-            measured = []
-            for index, n_ctx in enumerate(sizes):
-                worker = taken[index % len(taken)]
-                measured.append((n_ctx, await self._measure(worker, n_ctx)))
-                await self.pool.get(worker).close_context()  # freed before the worker's next reading
-        finally:
-            for worker in taken:
-                await self.lifecycle.free(worker)
-        self.fit = ChargeFit(self.kv_bytes_per_position, tuple(measured))
-        return self.fit
-
-    async def _calibrate_shared(self, n_ctx_max: int, context_bytes: int, n_seqs: int) -> SharedContextCharge:
+        """Probe a context of largest_n_ctx on one free worker (batched mode: one sequence of its shared
+        context), then free it."""
         worker = self.books.take(self.pool.usable)
         if worker is None:
             raise RuntimeError("no usable worker to calibrate on")
         try:
-            growth = await self._measure(worker, n_ctx_max)
+            probe = await self._probe(worker, largest_n_ctx)
             await self.pool.get(worker).close_context()
         finally:
             await self.lifecycle.free(worker)
-        self.fit = SharedContextCharge(self.kv_bytes_per_position, ((n_ctx_max, context_bytes + growth),), n_seqs)
+        if self.shared_context is not None:
+            context_bytes, n_seqs = self.shared_context
+            self.fit = SharedContextCharge(self.kv_bytes_per_position, context_bytes, probe, n_seqs)
+        else:
+            self.fit = ChargeFit(self.kv_bytes_per_position, probe)
         return self.fit
 
-    async def _measure(self, name: str, n_ctx: int) -> int:
+    async def _probe(self, name: str, n_ctx: int) -> Probe:
         worker = self.pool.get(name)
         before = await self.lifecycle.in_thread(worker.measure_anonymous)
         worker.set_abort(False)  # a late cancel of this worker's previous session must not abort this
@@ -193,20 +212,20 @@ class Calibrator:
         rows = min(CALIBRATION_ROWS, n_ctx)
         shape = self.shard.shape
         batch = np.zeros(rows, np.int32) if shape.is_first else np.zeros((rows, shape.n_embd), np.float32)
-        # Filled to n_ctx: llama.cpp reserves its compute buffers for the longest attention at creation, but
-        # their pages are touched as the cache fills (middle shard, n_ctx 2048: 44 MiB after one 512-row
-        # batch, 90 MiB full), and a session may fill its context.
-        for start in range(0, n_ctx, rows):
+        filled = []
+        for start in range(0, min(n_ctx, PROBE_CELLS), rows):
+            count = min(rows, n_ctx - start)
             async with self.pool.append_slot():
-                await worker.append(start, batch[: min(rows, n_ctx - start)])
-        after = await self.lifecycle.in_thread(worker.measure_anonymous)
+                await worker.append(start, batch[:count])
+            filled.append((start + count, await self.lifecycle.in_thread(worker.measure_anonymous) - before))
+            if self.step_s is None:
+                self.step_s = await self._time_steps(worker, count, batch[:1])
         self.metrics.count("calibrations")
-        if self.step_s is None:
-            self.step_s = await self._time_steps(worker, rows, batch[:1])
-        return max(after - before, 0)
+        return Probe(n_ctx, tuple(filled))
 
     async def _time_steps(self, worker, rows: int, row: np.ndarray) -> float:
-        """The median of STEP_SAMPLES one-row appends at the end of the first calibration batch."""
+        """The median of STEP_SAMPLES one-row appends at the end of the first probe batch (which it leaves
+        as it found it: `rows` cells)."""
         samples = []
         for _ in range(STEP_SAMPLES):
             await worker.truncate(rows - 1)
