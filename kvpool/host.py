@@ -1,5 +1,6 @@
 """The host kvpool runs on: the one place environment variables are read (the work directory, the direct
-channel's frame deadline, the service manager's notification socket), the cores it may use, and byte sizes as people write them."""
+channel's frame deadline, the service manager's notification socket), the cores it may use, and byte sizes
+as people write them."""
 
 from __future__ import annotations
 
