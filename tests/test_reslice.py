@@ -85,18 +85,17 @@ def test_a_resliced_session_continues_bit_exactly(routes, prompt_ids, source, ta
         saved = [context.save_state() for context in unmoved.contexts]
         tokens, expected = _greedy_appends(unmoved, len(prompt), prefill_logits)
     moved = _resliced(_shard_states(routes[source], saved), routes[target])
-    assert len(set(tokens)) > 1 or len(tokens) == 1
 
     with LocalChain(_paths(routes[target]), flash_attn=flash_attn) as chain:
-        with chain.new_session(N_CTX) as prefilled_there:
-            prefilled_there.append(0, prompt)
-            assert [context.save_state() for context in prefilled_there.contexts] == moved
         with chain.new_session(N_CTX) as restored:
             for context, blob in zip(restored.contexts, moved, strict=True):
                 assert context.restore_state(blob, len(prompt)) == len(prompt)
             got = [restored.append(len(prompt) + offset, [token]).copy() for offset, token in enumerate(tokens)]
-    for step, (mine, theirs) in enumerate(zip(got, expected, strict=True)):
-        assert np.array_equal(mine, theirs), f"append {step}: max |Δ| = {np.abs(mine - theirs).max()}"
+        for step, (mine, theirs) in enumerate(zip(got, expected, strict=True)):
+            assert np.array_equal(mine, theirs), f"append {step}: max |Δ| = {np.abs(mine - theirs).max()}"
+        with chain.new_session(N_CTX) as prefilled_there:
+            prefilled_there.append(0, prompt)
+            assert [context.save_state() for context in prefilled_there.contexts] == moved
 
 
 def test_a_whole_model_state_has_no_lookahead_layer(routes, prompt_ids):
