@@ -305,3 +305,26 @@ def test_rows_that_do_not_fit_their_header_are_not_written():
     broken = Stream(state.streams[0].positions, state.streams[0].seq_ids, False, (short,) + state.streams[0].layers[1:])
     with pytest.raises(StateFormatError, match="expected uint8"):
         write_state(SequenceState(3, (broken,)))
+
+
+def test_quantized_rows_reslice_layer_by_layer():
+    """Any whole-block ggml type re-slices as bytes: K in Q8_0 (34-byte blocks), V in Q4_0 (18-byte blocks)."""
+    rng = np.random.default_rng(3)
+    positions, seq_ids = np.arange(4, dtype=np.int32), ((0,),) * 4
+
+    def layer(mark):
+        k = np.full((4, 68), mark, np.uint8)
+        return LayerKV(CellRows(8, 68, k), CellRows(Q4_0, 36, rng.integers(0, 256, (4, 36), dtype=np.uint8)))
+
+    def shard(start, stop, lookahead):
+        layers = tuple(layer(index) for index in range(start, stop + lookahead))
+        return ShardState(start, stop, lookahead, SequenceState(0, (Stream(positions, seq_ids, False, layers),)))
+
+    inputs = [shard(0, 3, 1), shard(3, 5, 0), shard(5, 6, 0)]
+    for blob in (write_state(shard_.state) for shard_ in inputs):
+        assert write_state(parse_state(blob)) == blob
+    layers = reslice(inputs, 0, 4, 1).streams[0].layers
+    assert [int(kv.k.data[0, 0]) for kv in layers] == [0, 1, 2, 3, 0]  # layer 3 from the second input, then zeros
+    assert not layers[4].v.data.any() and (layers[4].k.ggml_type, layers[4].v.row_bytes) == (8, 36)
+    assert np.array_equal(layers[3].v.data, inputs[1].state.streams[0].layers[0].v.data)
+    assert parse_state(reslice_bytes(inputs, 2, 6)).n_layers == 4

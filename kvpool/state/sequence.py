@@ -139,7 +139,7 @@ def _read_stream(reader: _Reader) -> Stream:
     (n_cells,) = reader.unpack("<I", "a cell count")
     if n_cells == 0:
         return Stream(np.zeros(0, np.int32), (), False, ())
-    if n_cells * 12 > reader.remaining():
+    if n_cells * 8 > reader.remaining():  # a cell takes at least its position and sequence count
         raise StateFormatError(f"truncated state: {n_cells} cells announced, {reader.remaining()} bytes left")
     positions = np.empty(n_cells, np.int32)
     seq_ids = []
