@@ -1,0 +1,230 @@
+"""A sequence's llama.cpp state (llama_state_seq_get_data) read into cells and per-layer K/V, and written back
+byte for byte.
+
+The layout, as llama-cpp-python 0.3.36's llama.cpp writes it (llama_context::state_seq_get_data, then
+llama_kv_cache::state_write / state_write_meta / state_write_data), all little-endian:
+
+    u32 magic 0xAF143CD8, i32 seq_id                      the context's preamble
+    u32 n_stream
+    per stream:  u32 n_cells                              a stream with no cells ends here
+                 per cell:  i32 pos, u32 n_seq, n_seq x i32 seq_id
+                 u32 v_trans, u32 n_layer
+                 per layer: i32 k_type, u64 k_row_bytes, n_cells x k_row_bytes
+                 per layer, V plain:      i32 v_type, u64 v_row_bytes, n_cells x v_row_bytes
+                 per layer, V transposed: i32 v_type, u32 v_element_bytes, u32 v_width,
+                                          v_width x (n_cells x v_element_bytes)
+
+Supported: models whose cells carry no position extension (llama.cpp writes one only when a position has
+several dimensions, M-RoPE) and whose every layer has a V cache; a state without those is refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import struct
+
+import gguf
+import numpy as np
+
+STATE_MAGIC = 0xAF143CD8
+
+
+class StateFormatError(ValueError):
+    """The bytes are not a sequence state of the layout above: truncated, inconsistent or trailing bytes."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CellRows:
+    """One layer's K (or plain V) for a stream's cells: one row of `row_bytes` per cell, uint8 [cells, row_bytes]."""
+
+    ggml_type: int
+    row_bytes: int
+    data: np.ndarray
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TransposedRows:
+    """One layer's V stored transposed (llama.cpp without flash attention): `width` rows of one element per
+    cell, uint8 [width, cells * element_bytes]."""
+
+    ggml_type: int
+    element_bytes: int
+    width: int
+    data: np.ndarray
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LayerKV:
+    k: CellRows
+    v: CellRows | TransposedRows
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Stream:
+    """One KV stream's cells in cache order: positions int32 [cells], the sequence ids of each cell, and
+    every layer's K and V for them (none when the stream has no cells)."""
+
+    positions: np.ndarray
+    seq_ids: tuple[tuple[int, ...], ...]
+    v_transposed: bool
+    layers: tuple[LayerKV, ...]
+
+    @property
+    def n_cells(self) -> int:
+        return len(self.positions)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SequenceState:
+    seq_id: int
+    streams: tuple[Stream, ...]
+
+    @property
+    def n_layers(self) -> int | None:
+        """The layer count of its streams with cells (they agree), None when no stream has cells."""
+        counts = {len(stream.layers) for stream in self.streams if stream.n_cells}
+        return counts.pop() if counts else None
+
+
+# ---- reading ------------------------------------------------------------------------------------------------
+
+
+class _Reader:
+    """Bounds-checked reads from the state's bytes: every read past the end is a StateFormatError."""
+
+    def __init__(self, blob: bytes) -> None:
+        self._view = memoryview(blob)
+        self.offset = 0
+
+    def remaining(self) -> int:
+        return len(self._view) - self.offset
+
+    def take(self, size: int, what: str) -> memoryview:
+        if size < 0 or size > self.remaining():
+            raise StateFormatError(f"truncated state: {what} needs {size} bytes at offset {self.offset}, {self.remaining()} left")
+        chunk = self._view[self.offset : self.offset + size]
+        self.offset += size
+        return chunk
+
+    def unpack(self, fmt: str, what: str) -> tuple[int, ...]:
+        return struct.unpack(fmt, self.take(struct.calcsize(fmt), what))
+
+    def array(self, shape: tuple[int, ...], what: str) -> np.ndarray:
+        size = math.prod(shape)  # Python ints: a u64 row size cannot wrap
+        return np.frombuffer(self.take(size, what), dtype=np.uint8).reshape(shape).copy()
+
+
+def parse_state(blob: bytes) -> SequenceState:
+    """The state in `blob`; StateFormatError when it is not exactly one state of the layout above."""
+    reader = _Reader(blob)
+    magic, seq_id = reader.unpack("<Ii", "the preamble")
+    if magic != STATE_MAGIC:
+        raise StateFormatError(f"not a sequence state: magic {magic:#010x}, expected {STATE_MAGIC:#010x}")
+    (n_stream,) = reader.unpack("<I", "the stream count")
+    streams = []
+    for index in range(n_stream):
+        if reader.remaining() < 4:
+            raise StateFormatError(f"truncated state: {n_stream} streams announced, {index} present")
+        streams.append(_read_stream(reader))
+    if reader.remaining():
+        raise StateFormatError(f"{reader.remaining()} bytes after the last stream")
+    state = SequenceState(seq_id, tuple(streams))
+    if len({len(stream.layers) for stream in state.streams if stream.n_cells}) > 1:
+        raise StateFormatError("streams disagree on the layer count")
+    return state
+
+
+def _read_stream(reader: _Reader) -> Stream:
+    (n_cells,) = reader.unpack("<I", "a cell count")
+    if n_cells == 0:
+        return Stream(np.zeros(0, np.int32), (), False, ())
+    if n_cells * 8 > reader.remaining():  # a cell takes at least its position and sequence count
+        raise StateFormatError(f"truncated state: {n_cells} cells announced, {reader.remaining()} bytes left")
+    positions = np.empty(n_cells, np.int32)
+    seq_ids = []
+    for cell in range(n_cells):
+        positions[cell], n_seq = reader.unpack("<iI", "a cell")
+        seq_ids.append(struct.unpack(f"<{n_seq}i", reader.take(4 * n_seq, "a cell's sequence ids")))
+    v_trans, n_layer = reader.unpack("<II", "the layer header")
+    if v_trans > 1:
+        raise StateFormatError(f"V transposition flag {v_trans}, expected 0 or 1")
+    keys = [_read_rows(reader, n_cells, "K") for _ in range(_layer_count(reader, n_layer))]
+    values = [_read_transposed(reader, n_cells) if v_trans else _read_rows(reader, n_cells, "V") for _ in range(n_layer)]
+    layers = tuple(LayerKV(k, v) for k, v in zip(keys, values))
+    return Stream(positions, tuple(seq_ids), bool(v_trans), layers)
+
+
+def _layer_count(reader: _Reader, n_layer: int) -> int:
+    # every layer takes at least two 12-byte headers: a count beyond that cannot be real
+    if n_layer * 24 > reader.remaining():
+        raise StateFormatError(f"truncated state: {n_layer} layers announced, {reader.remaining()} bytes left")
+    return n_layer
+
+
+def _read_rows(reader: _Reader, n_cells: int, kind: str) -> CellRows:
+    ggml_type, row_bytes = reader.unpack("<iQ", f"a {kind} header")
+    check_row_bytes(ggml_type, row_bytes, kind)
+    return CellRows(ggml_type, row_bytes, reader.array((n_cells, row_bytes), f"{kind} rows"))
+
+
+def _read_transposed(reader: _Reader, n_cells: int) -> TransposedRows:
+    ggml_type, element_bytes, width = reader.unpack("<iII", "a transposed V header")
+    block_size, type_size = _type_sizes(ggml_type, "V")
+    if block_size != 1 or element_bytes != type_size or width == 0:
+        raise StateFormatError(f"transposed V of type {ggml_type}: element of {element_bytes} bytes, width {width}")
+    return TransposedRows(ggml_type, element_bytes, width, reader.array((width, n_cells * element_bytes), "transposed V"))
+
+
+def _type_sizes(ggml_type: int, kind: str) -> tuple[int, int]:
+    try:
+        return gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(ggml_type)]
+    except (ValueError, KeyError):
+        raise StateFormatError(f"{kind} of unknown ggml type {ggml_type}") from None
+
+
+def check_row_bytes(ggml_type: int, row_bytes: int, kind: str) -> None:
+    """A row is a whole, non-zero number of blocks of its ggml type (what ggml_row_size gives)."""
+    _, type_size = _type_sizes(ggml_type, kind)
+    if row_bytes == 0 or row_bytes % type_size:
+        raise StateFormatError(f"{kind} rows of {row_bytes} bytes are not whole blocks of ggml type {ggml_type} ({type_size} bytes)")
+
+
+# ---- writing ------------------------------------------------------------------------------------------------
+
+
+def write_state(state: SequenceState) -> bytes:
+    """The bytes of `state`, as llama.cpp writes them: parse_state(write_state(s)) == s, and
+    write_state(parse_state(b)) == b."""
+    parts = [struct.pack("<IiI", STATE_MAGIC, state.seq_id, len(state.streams))]
+    for stream in state.streams:
+        parts.extend(_stream_parts(stream))
+    return b"".join(parts)
+
+
+def _stream_parts(stream: Stream) -> list[bytes]:
+    parts = [struct.pack("<I", stream.n_cells)]
+    if not stream.n_cells:
+        return parts
+    for position, ids in zip(stream.positions.tolist(), stream.seq_ids):
+        parts.append(struct.pack(f"<iI{len(ids)}i", position, len(ids), *ids))
+    parts.append(struct.pack("<II", int(stream.v_transposed), len(stream.layers)))
+    for layer in stream.layers:
+        parts += [struct.pack("<iQ", layer.k.ggml_type, layer.k.row_bytes), _checked(layer.k.data, (stream.n_cells, layer.k.row_bytes))]
+    for layer in stream.layers:
+        parts += _value_parts(layer.v, stream)
+    return parts
+
+
+def _value_parts(v: CellRows | TransposedRows, stream: Stream) -> list[bytes]:
+    if isinstance(v, TransposedRows) != stream.v_transposed:
+        raise StateFormatError("a layer's V layout differs from its stream's")
+    if isinstance(v, TransposedRows):
+        return [struct.pack("<iII", v.ggml_type, v.element_bytes, v.width), _checked(v.data, (v.width, stream.n_cells * v.element_bytes))]
+    return [struct.pack("<iQ", v.ggml_type, v.row_bytes), _checked(v.data, (stream.n_cells, v.row_bytes))]
+
+
+def _checked(data: np.ndarray, shape: tuple[int, int]) -> bytes:
+    if data.dtype != np.uint8 or data.shape != shape:
+        raise StateFormatError(f"rows of {data.dtype} {data.shape}, expected uint8 {shape}")
+    return data.tobytes()
