@@ -295,9 +295,9 @@ def test_clients_whose_daemon_drained_reach_the_next_daemon_on_the_socket(model_
     finally:
         for client in clients:
             client.close()
-        old.stop()
         if new is not None:
-            new.stop()
+            new.stop()  # first: the old daemon's check is that nothing serves its socket
+        old.stop()
 
 
 def test_an_async_client_whose_daemon_drained_reaches_the_next_daemon(model_path, socket_dir, tmp_path, prompt_ids):
@@ -320,9 +320,9 @@ def test_an_async_client_whose_daemon_drained_reaches_the_next_daemon(model_path
         assert got.admitted and got.length == PROMPT_TOKENS
         assert old.exit_code == 0
     finally:
-        old.stop()
         if "new" in holder:
             holder["new"].stop()
+        old.stop()
 
 
 def test_a_request_that_may_have_run_is_never_sent_again(model_path, socket_dir, tmp_path, prompt_ids):
@@ -367,6 +367,6 @@ def test_a_rolling_restart_loses_no_session(model_path, socket_dir, tmp_path, pr
             reference = client.append("reference", 1, PROMPT_TOKENS, tokens=[5])
             assert np.array_equal(continued.rows, reference.rows)
     finally:
-        old.stop()
         if new is not None:
-            new.stop()
+            new.stop()  # first: the old daemon's check is that nothing serves its socket
+        old.stop()
