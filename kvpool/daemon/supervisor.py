@@ -146,6 +146,8 @@ class Supervisor:
             shard = ShardDescription(shape=ready.shape, model_path=str(config.model), source_sha256=info.source_sha256 or "")
             self.service = service = KvService(config, pool, shard, ready.kv_bytes_per_position)
             service.mode_reason = mode_reason
+            self.drain = Drain(service, config.drain_timeout_s, self._announce)  # before the socket: every request is seen
+            service.admission.refuse_new = self.drain.refuse_new
             fit = await service.calibrator.calibrate(config.n_ctx)
             if self._stop.is_set():
                 return
@@ -181,8 +183,6 @@ class Supervisor:
                 f"{config.worker_processes} worker processes for {config.max_sessions} sessions ({config.mode} mode), budget {format_bytes(config.budget_bytes)}, ttl {config.ttl_s:g} s, "
                 f"{config.threads} compute thread(s)"
             )
-            self.drain = Drain(service, config.drain_timeout_s, self._announce)
-            service.admission.refuse_new = self.drain.refuse_new
             await self._stop.wait()
             if self._drain_requested:
                 housekeeping = await self._stopped(housekeeping)  # parks and expiries are the drain's now
