@@ -1,5 +1,6 @@
 """The host kvpool runs on: the one place environment variables are read (the work directory, the direct
-channel's frame deadline), the cores it may use, and byte sizes as people write them."""
+channel's frame deadline, the service manager's notification socket), the cores it may use, and byte sizes
+as people write them."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pathlib
 WORK_DIR_ENV = "KVPOOL_WORK_DIR"
 DEFAULT_WORK_DIR = ".kvpool"
 FRAME_DEADLINE_ENV = "KVPOOL_DIRECT_FRAME_DEADLINE_S"
+NOTIFY_SOCKET_ENV = "NOTIFY_SOCKET"  # set by a service manager (systemd Type=notify): see kvpool.daemon.notify
 
 
 def work_dir() -> pathlib.Path:
@@ -29,6 +31,11 @@ def direct_frame_deadline_s(default: float) -> float:
     if not 0 < value < float("inf"):
         raise ValueError(f"{FRAME_DEADLINE_ENV} must be a positive number of seconds, not {text!r}")
     return value
+
+
+def notify_socket_address() -> str | None:
+    """The service manager's notification socket (NOTIFY_SOCKET), or None when nothing asked to be told."""
+    return os.environ.get(NOTIFY_SOCKET_ENV) or None
 
 
 def available_cores() -> int:

@@ -9,7 +9,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import psutil
 
@@ -19,6 +19,44 @@ from kvpool.client.client import Client, ConnectionLost
 # a quiet machine and may take minutes on a slow, busy one; while it is waited for, progress is printed.
 START_HANG_GUARD_S = 1800.0
 PROGRESS_EVERY_S = 15.0
+POLL_S = 0.05
+HANDSHAKE_TIMEOUT_S = 10.0  # one readiness check's connect and Hello
+
+
+def not_answering(socket_path: pathlib.Path) -> str | None:
+    """Why the daemon on `socket_path` is not ready (None: it answered the handshake). A daemon opens its
+    socket only once its start-up work is done, so an answer means it serves."""
+    if not socket_path.exists():
+        return "no socket there yet"
+    try:
+        Client(socket_path, timeout_s=HANDSHAKE_TIMEOUT_S).close()
+    except ConnectionLost as error:
+        return str(error)
+    return None
+
+
+def wait_answering(
+    socket_path: pathlib.Path,
+    timeout_s: float,
+    *,
+    progress_every_s: float,
+    progress: Callable[[float, str], None],
+    check: Callable[[], None] = lambda: None,
+) -> str | None:
+    """Poll `not_answering` until the daemon answers (None) or `timeout_s` passed (the last reason). Every
+    `progress_every_s`, progress(seconds waited, reason); `check` runs each poll and may raise to give up."""
+    started = time.monotonic()
+    next_note = started + progress_every_s
+    while True:
+        check()
+        reason = not_answering(socket_path)
+        now = time.monotonic()
+        if reason is None or now - started >= timeout_s:
+            return reason
+        if now >= next_note:
+            next_note += progress_every_s
+            progress(now - started, reason)
+        time.sleep(min(POLL_S, max(0.0, started + timeout_s - now)))
 
 
 def _to_stderr(line: str) -> None:
@@ -61,25 +99,19 @@ class Daemon:
     def wait_ready(self, timeout_s: float = START_HANG_GUARD_S, *, say=_to_stderr) -> None:
         """Until the daemon answers on its socket; every PROGRESS_EVERY_S, `say` where its start-up stands
         (its last log line). DaemonStartFailed if it exits, or if it hangs past the guard `timeout_s`."""
-        started = time.monotonic()
-        deadline = started + timeout_s
-        next_note = started + PROGRESS_EVERY_S
-        while time.monotonic() < deadline:
-            if time.monotonic() >= next_note:
-                next_note += PROGRESS_EVERY_S
-                last = (self.log().strip().splitlines() or ["(nothing logged yet)"])[-1]
-                say(f"kvpool: waiting for the daemon of {self.model.name} to start ({time.monotonic() - started:.0f} s): {last}")
-            if self.process.poll() is not None:
-                raise DaemonStartFailed(f"daemon for {self.model.name} exited with {self.process.returncode}:\n{self.log()}")
-            if self.socket.exists():
-                try:
-                    Client(self.socket, timeout_s=10).close()
-                    return
-                except ConnectionLost:
-                    pass
-            time.sleep(0.05)
+
+        def progress(waited_s: float, _reason: str) -> None:
+            last = (self.log().strip().splitlines() or ["(nothing logged yet)"])[-1]
+            say(f"kvpool: waiting for the daemon of {self.model.name} to start ({waited_s:.0f} s): {last}")
+
+        if wait_answering(self.socket, timeout_s, progress_every_s=PROGRESS_EVERY_S, progress=progress, check=self._check_running) is None:
+            return
         self.stop(sig=signal.SIGKILL)
         raise DaemonStartFailed(f"daemon for {self.model.name} did not start within the hang guard of {timeout_s:.0f} s:\n{self.log()}")
+
+    def _check_running(self) -> None:
+        if self.process.poll() is not None:
+            raise DaemonStartFailed(f"daemon for {self.model.name} exited with {self.process.returncode}:\n{self.log()}")
 
     def log(self) -> str:
         if not self._log.closed:

@@ -108,6 +108,49 @@ def test_a_cache_miss_mid_route_is_replayed_under_a_new_epoch_and_the_continuati
     assert [_held(client, "miss") for client in clients] == [(2, session.length)] * 3  # epoch 1 released
 
 
+def test_a_daemon_holding_fewer_tokens_is_caught_up_by_a_tail_replay_and_the_continuation_is_exact(clients, local_chain, prompt_ids):
+    """What a crash leaves when states were written behind (--persist-after) and adopted: daemons holding
+    the session at shorter lengths, each where an append ended. Made here behind the router's back by
+    truncating two daemons to different lengths: the next append meets position_mismatch; the router
+    truncates every daemon to the shortest length one holds and replays only the tokens after it, under
+    the same epoch: no full replay, and the continuation is bit for bit an uninterrupted run's."""
+    prompt = prompt_ids[1]
+    router = Router(clients)
+    session = router.session("tail")
+    steps = len(range(0, len(prompt), CHUNK))
+
+    def behind_the_routers_back(step):
+        if step == steps + 4:  # after the prefill and four decodes
+            clients[1].truncate("tail", session.epoch, len(prompt) + 2)
+            clients[2].truncate("tail", session.epoch, len(prompt))
+
+    got = _greedy(session.append_at, prompt, behind_the_routers_back)
+    _assert_exact(got, _alone(local_chain, prompt))
+    counts = session.counts
+    assert (counts.position_mismatches, counts.tail_replays, counts.tail_replayed_tokens) == (1, 1, 4)
+    assert (counts.replays, counts.replayed_tokens, counts.cache_misses) == (0, 0, 0) and router.counts == counts
+    assert session.epoch == 1 and [_held(client, "tail") for client in clients] == [(1, session.length)] * 3
+
+
+def test_a_daemon_holding_a_length_inside_an_append_is_replayed_in_full(clients, local_chain, prompt_ids):
+    """An exact tail replay must start where an append ended (the same partition): a length inside the first
+    prefill chunk starts a full replay under a new epoch instead."""
+    prompt = prompt_ids[1]
+    router = Router(clients)
+    session = router.session("inside")
+    steps = len(range(0, len(prompt), CHUNK))
+
+    def behind_the_routers_back(step):
+        if step == steps + 2:
+            clients[2].truncate("inside", session.epoch, CHUNK - 3)
+
+    got = _greedy(session.append_at, prompt, behind_the_routers_back)
+    _assert_exact(got, _alone(local_chain, prompt))
+    counts = session.counts
+    assert (counts.position_mismatches, counts.tail_replays, counts.replays) == (1, 0, 1)
+    assert counts.replayed_tokens == len(prompt) + 2 and session.epoch == 2
+
+
 def test_a_killed_worker_is_replayed_and_the_continuation_is_exact(clients, local_chain, prompt_ids):
     prompt = prompt_ids[0]
     session = Router(clients).session("killed")

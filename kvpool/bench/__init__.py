@@ -21,8 +21,8 @@ and noisy: compare the ratios, not the absolute times; every figure is a median)
                                    the same 8 sessions run 2 at a time by the router (`--overload-only`
                                    runs this section alone); whether the daemons have the warm tier
   9 start-up                       `kvpool serve` to its first status on the middle shard at --n-ctx 512,
-                                   2048, 8192 (quick: 512, 8192) / a bare llama context of that n_ctx; start-up
-                                   at 512 / at 8192 (flat: 1.0)
+                                   2048, 8192 / a bare llama context of that n_ctx; start-up at 8192 / at 2048
+                                   (flat: 1.0; the probe fills 2048 cells in both) and at 8192 / at 512
 
 Threads: every single-session figure uses 1 llama thread per computing context (kvpool's default
 --threads-per-worker). Four sessions: llama.cpp batched uses 2 threads; the whole-model daemon runs

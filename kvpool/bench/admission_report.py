@@ -84,7 +84,7 @@ def summarize_memory(results: dict) -> tuple[dict, dict, list[Row]]:
         held = figures["held_before_bytes"]
         summary[f"s6_held_before_{n_ctx}_bytes"] = held
         rows.append(Row("6", f"one session n_ctx {n_ctx}: charged; measured worker USS growth (the worker held {as_mib(held):+.1f} MiB over its "
-                             "start-up USS before) vs theoretical KV (n_ctx x 30 layers x (k+v) x f16)",
+                             "start-up USS before) vs theoretical KV (n_ctx x every layer's K and V widths x f16)",
                         f"{as_mib(charged):.1f} MiB; {as_mib(growth):.1f} MiB", f"{as_mib(theory):.1f} MiB",
                         f"{charged / theory:.2f}x; {growth / theory:.2f}x"))
     totals = memory["daemon_uss_bytes"]

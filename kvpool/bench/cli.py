@@ -36,10 +36,23 @@ from kvpool.shard.cache import shards_in_parts
 from kvpool.local.tokenizer import Tokenizer
 
 
+def _cpu_model() -> str:
+    """/proc/cpuinfo's first "model name" (what lscpu prints), or the platform's processor string."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
 def environment(source: pathlib.Path) -> dict:
     return {
         "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "uname": " ".join(platform.uname()),
+        "cpu_model": _cpu_model(),
         "cpu_count": os.cpu_count(),
         "memory_bytes": psutil.virtual_memory().total,
         "python": platform.python_version(),
@@ -85,6 +98,7 @@ def run_bench(options: BenchOptions) -> tuple[dict, str]:
             "environment": env,
             "options": dataclasses.asdict(options),
             "daemons": {"start_s": rig.daemon_start_s, "options": rig.daemon_options},
+            "shards": {shard.path.name: file_sha256(shard.path) for shard in rig.shards},
         }
         bench_say("section 1 and 4: the middle shard, one session")
         results["mid_shard"] = measure_mid_shard(rig)

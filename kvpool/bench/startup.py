@@ -1,8 +1,9 @@
 """Section 9, start-up: the time from `kvpool serve` to its first answered status for the rig's middle shard
-at --n-ctx 512, 2048 and 8192 (quick: 512 and 8192), beside a bare llama context of the same n_ctx created
-in-process. Start-up runs the charge probe (kvpool.daemon.admission.calibration), which fills at most
-PROBE_CELLS cells whatever --n-ctx is: the start-up time should stay flat while n_ctx grows 16-fold (before
-the probe, start-up filled a whole context: 4.2 s at 512, 52.8 s at 8192 on a 2-core AMD EPYC VM)."""
+at --n-ctx 512, 2048 and 8192, beside a bare llama context of the same n_ctx created in-process. Start-up
+runs the charge probe (kvpool.daemon.admission.calibration), which fills min(n_ctx, PROBE_CELLS) cells:
+its cost stops growing at PROBE_CELLS, so start-up should stay flat from 2048 to 8192 (the headline:
+at most FLAT_TARGET), and be a little shorter at 512, where the probe fills one batch. Before the probe,
+start-up filled a whole context: 4.2 s at 512, 52.8 s at 8192 on a 2-core AMD EPYC VM."""
 
 from __future__ import annotations
 
@@ -10,14 +11,13 @@ import time
 
 from kvpool.bench.options import bench_say, median_of
 from kvpool.bench.rig import Rig, time_call
-from kvpool.bench.table import Row, headline, verdict
+from kvpool.bench.table import Row, headline
 from kvpool.client.client import Client
 from kvpool.daemon.admission.calibration import PROBE_CELLS
 from kvpool.launcher import Daemon
 
-STARTUP_N_CTX = (512, 2048, 8192)
-STARTUP_N_CTX_QUICK = (512, 8192)
-FLAT_TARGET = 0.5  # start-up at 512 / start-up at 8192: at least this (1.0 is flat; a full-context fill gave 0.08)
+STARTUP_N_CTX = (512, PROBE_CELLS, 8192)
+FLAT_TARGET = 1.25  # start-up at 8192 / at PROBE_CELLS: at most this (1.0 is flat)
 
 
 def _start_once(rig: Rig, n_ctx: int) -> dict:
@@ -37,7 +37,7 @@ def _start_once(rig: Rig, n_ctx: int) -> dict:
 
 
 def measure_startup(rig: Rig) -> dict:
-    sizes = STARTUP_N_CTX_QUICK if rig.options.quick else STARTUP_N_CTX
+    sizes = STARTUP_N_CTX
     repeats = 1 if rig.options.quick else 3
     results: dict = {"n_ctx": list(sizes), "ready_s": {}, "bare_context_s": {}, "probed_cells": {}, "charged_bytes": {}}
     for n_ctx in sizes:
@@ -58,16 +58,19 @@ def summarize_startup(startup: dict) -> tuple[dict, dict, list[Row]]:
     sizes = startup["n_ctx"]
     ready = {n: median_of(startup["ready_s"][str(n)]) for n in sizes}
     bare = {n: median_of(startup["bare_context_s"][str(n)]) for n in sizes}
-    smallest, largest = sizes[0], sizes[-1]
-    flat = ready[smallest] / ready[largest]
+    smallest, probed, largest = sizes
+    flat = ready[largest] / ready[probed]
     summary = {f"s9_ready_s_{n}": ready[n] for n in sizes} | {f"s9_bare_context_s_{n}": bare[n] for n in sizes}
-    summary["s9_start_flat"] = flat
-    ratios = {"s9_start_flat": headline(flat, FLAT_TARGET)}
+    summary["s9_start_growth"] = flat
+    summary["s9_start_growth_from_smallest"] = ready[largest] / ready[smallest]
+    ratios = {"s9_start_growth": headline(flat, FLAT_TARGET, at_most=True)}
     rows = [
         Row("9", f"`kvpool serve` to first status, middle shard, n_ctx {n} (probe fills {startup['probed_cells'][str(n)]} of max {PROBE_CELLS} cells)",
             f"{ready[n]:.2f} s", f"bare context {bare[n] * 1e3:.1f} ms", "")
         for n in sizes
     ]
-    rows.append(Row("9", f"start-up at n_ctx {smallest} / at n_ctx {largest} (1.0: flat)", f"{ready[smallest]:.2f} s", f"{ready[largest]:.2f} s",
-                    f"{flat:.2f}", verdict(flat, FLAT_TARGET)))
+    rows.append(Row("9", f"start-up at n_ctx {largest} / at n_ctx {probed} (1.0: flat; the probe fills {probed} cells in both)",
+                    f"{ready[largest]:.2f} s", f"{ready[probed]:.2f} s", f"{flat:.2f}", f"<= {FLAT_TARGET:.2f}: {'met' if flat <= FLAT_TARGET else 'MISSED'}"))
+    rows.append(Row("9", f"start-up at n_ctx {largest} / at n_ctx {smallest} (a full-context fill: 12.4)", f"{ready[largest]:.2f} s",
+                    f"{ready[smallest]:.2f} s", f"{ready[largest] / ready[smallest]:.2f}", ""))
     return summary, ratios, rows

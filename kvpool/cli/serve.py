@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import pathlib
-import sys
 
 from kvpool.shard.bundled import BundledModelMissing, bundled_model_path
+from kvpool.cli.config_file import file_keys, with_file
 from kvpool.daemon.config import DEFAULT_MAX_BUFFERED_BYTES, ServeConfig
-from kvpool.host import format_bytes, parse_bytes, work_dir
+from kvpool.daemon.logs import LOG_FORMATS, configure as configure_logs
+from kvpool.daemon.notify import Notifier
+from kvpool.host import format_bytes, notify_socket_address, parse_bytes, work_dir
 from kvpool.daemon.lifeline import watch_lifeline
 from kvpool.daemon.pool.segments import SharedMemoryTooSmall
 from kvpool.daemon.transport.listener import SocketSetupError
@@ -19,6 +22,8 @@ from kvpool.daemon.pool.handle import WorkerStartFailed
 
 
 DEFAULTS = ServeConfig.defaults()
+
+log = logging.getLogger("kvpool.serve")
 
 
 def add_parser(subcommands: argparse._SubParsersAction) -> None:
@@ -35,6 +40,14 @@ def add_parser(subcommands: argparse._SubParsersAction) -> None:
             "`kvpool status --drain` (a drain: see --drain-timeout), or at once with Ctrl-C or `kvpool status --shutdown`."
         ),
     )
+    define_options(parser)
+    parser.set_defaults(func=run)
+
+
+def define_options(parser: argparse.ArgumentParser) -> None:
+    """Every `kvpool serve` flag (also the keys a --config file may set: kvpool.cli.config_file)."""
+    parser.add_argument("--config", type=pathlib.Path, metavar="FILE.toml", help="read flags from a TOML file: its keys are these flags' names without the leading dashes (n-ctx = 1024, max-sessions = 8, budget = \"1GiB\", flash-attn = true), relative paths are relative to the file; a flag given on the command line overrides the file's value; an unknown key or a value of the wrong type is refused")
+    parser.add_argument("--log-format", choices=LOG_FORMATS, help="text: `kvpool serve: message` lines (the default); json: one JSON object per line (time, level, message, logger, pid and the line's fields)")
     parser.add_argument("--model", type=pathlib.Path, help="shard GGUF to serve (default: the whole bundled model)")
     parser.add_argument("--socket", type=pathlib.Path, help="Unix socket path (default: <work dir>/run/<model>.sock); its directory must be yours and private")
     parser.add_argument("--budget", help=f"bytes all sessions' contexts may reserve, e.g. 1GiB, 512MiB (default {format_bytes(DEFAULTS['budget_bytes'])})")
@@ -67,7 +80,6 @@ def add_parser(subcommands: argparse._SubParsersAction) -> None:
     parser.add_argument("--flash-attn", action="store_true", default=None, help="use flash attention (all shards of a route must agree)")
     parser.add_argument("--n-gpu-layers", type=int, help=f"layers to offload to a GPU build of llama.cpp (default {DEFAULTS['n_gpu_layers']})")
     parser.add_argument("--verbose", action="store_true", default=None, help="show llama.cpp's log")
-    parser.set_defaults(func=run)
 
 
 # command-line option -> (ServeConfig field, conversion); an option not given keeps the field's default
@@ -111,16 +123,28 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
     return ServeConfig(model=model.resolve(), socket=socket_path.absolute(), **given)
 
 
+def with_config_file(args: argparse.Namespace) -> argparse.Namespace:
+    """`args` with the flags the command line left unset taken from --config's file (when one is named)."""
+    if args.config is None:
+        return args
+    options = argparse.ArgumentParser(add_help=False)
+    define_options(options)
+    return with_file(args, args.config, file_keys(options))
+
+
 def run(args: argparse.Namespace) -> int:
+    configure_logs(args.log_format or "text")
     try:
+        args = with_config_file(args)
+        configure_logs(args.log_format or "text")  # the file may name it
         config = config_from_args(args)
         if not config.model.is_file():
             raise ShardError(f"model file not found: {config.model}")
-        supervisor = Supervisor(config)
+        supervisor = Supervisor(config, announce=log.info, notifier=Notifier(notify_socket_address()))
         if args.lifeline_fd is not None:
             watch_lifeline(args.lifeline_fd, socket_path=config.socket)
         asyncio.run(supervisor.run())
     except (ValueError, ShardError, BundledModelMissing, SocketSetupError, SharedMemoryTooSmall, WorkerStartFailed, OSError) as error:
-        print(f"kvpool serve: error: {error}", file=sys.stderr)
+        log.error("error: %s", error)
         return 2
     return supervisor.exit_code

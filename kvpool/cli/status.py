@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import pathlib
 import sys
 
@@ -10,7 +11,22 @@ import msgspec
 
 from kvpool.client.client import Client, ConnectionLost, KvpoolError
 from kvpool.host import format_bytes
+from kvpool.launcher import wait_answering
 from kvpool.wire.protocol import BudgetRow, StatsReply
+
+WAIT_PROGRESS_EVERY_S = 5.0
+NOT_READY_EXIT = 1  # --wait-ready's timeout passed (2: any other failure)
+
+
+def wait_seconds(text: str) -> float:
+    """--wait-ready's TIMEOUT: seconds, a finite number >= 0 (0: one look)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 <= value < math.inf:
+        raise argparse.ArgumentTypeError(f"TIMEOUT must be a number of seconds >= 0, not {text!r}")
+    return value
 
 
 def add_parser(subcommands: argparse._SubParsersAction) -> None:
@@ -24,6 +40,11 @@ def add_parser(subcommands: argparse._SubParsersAction) -> None:
     stop = parser.add_mutually_exclusive_group()
     stop.add_argument("--shutdown", action="store_true", help="ask the daemon to shut down at once after printing")
     stop.add_argument("--drain", action="store_true", help="ask the daemon to drain after printing, as on SIGTERM: new requests are answered draining, requests in flight finish (within its --drain-timeout), hot sessions are parked (to its --spill-dir), then it exits")
+    parser.add_argument(
+        "--wait-ready", type=wait_seconds, metavar="TIMEOUT",
+        help=f"first wait up to TIMEOUT seconds for the daemon to answer on --socket (a daemon opens its socket once its start-up is done), "
+        f"saying on stderr every {WAIT_PROGRESS_EVERY_S:g} s what it waits for; exit {NOT_READY_EXIT} with a one-line reason if it does not answer in time",
+    )
     parser.set_defaults(func=run)
 
 
@@ -75,7 +96,22 @@ def _spill_line(budget: BudgetRow) -> str:
     return line
 
 
+def wait_ready(socket_path: pathlib.Path, timeout_s: float) -> str | None:
+    """None once the daemon answers; else the one-line reason it did not within `timeout_s`."""
+
+    def progress(waited_s: float, reason: str) -> None:
+        print(f"kvpool status: waiting for {socket_path} ({waited_s:.0f} s of {timeout_s:g}): {reason}", file=sys.stderr, flush=True)
+
+    reason = wait_answering(socket_path, timeout_s, progress_every_s=WAIT_PROGRESS_EVERY_S, progress=progress)
+    return None if reason is None else f"no daemon answered on {socket_path} within {timeout_s:g} s: {reason}"
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.wait_ready is not None:
+        not_ready = wait_ready(args.socket, args.wait_ready)
+        if not_ready is not None:
+            print(f"kvpool status: {not_ready}", file=sys.stderr)
+            return NOT_READY_EXIT
     try:
         with Client(args.socket, timeout_s=30) as client:
             stats = client.stats()

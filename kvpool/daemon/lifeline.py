@@ -11,10 +11,10 @@ child exits, which is not the same as the launching program ending.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import pathlib
 import signal
-import sys
 import threading
 import time
 from multiprocessing import resource_tracker
@@ -22,6 +22,8 @@ from multiprocessing import resource_tracker
 import psutil
 
 GRACE_S = 3.0
+
+log = logging.getLogger("kvpool.serve")
 
 
 def _kill_children() -> None:
@@ -48,10 +50,10 @@ def watch_lifeline(fd: int, *, socket_path: pathlib.Path, grace_s: float = GRACE
                 continue
             except OSError:
                 break
-        print("kvpool serve: the program that started this daemon is gone: shutting down", file=sys.stderr, flush=True)
+        log.warning("the program that started this daemon is gone: shutting down")
         os.kill(os.getpid(), signal.SIGINT)  # SIGTERM would drain: nobody is left to come back
         time.sleep(grace_s)
-        print(f"kvpool serve: not stopped after {grace_s:g} s: killing the workers and exiting", file=sys.stderr, flush=True)
+        log.warning("not stopped after %g s: killing the workers and exiting", grace_s)
         _kill_children()
         with contextlib.suppress(OSError):
             socket_path.unlink()

@@ -49,6 +49,7 @@ from kvpool.wire.protocol import (
 )
 from kvpool.daemon.drain import Drain, DrainOutcome
 from kvpool.daemon.mode_probe import probe_modes
+from kvpool.daemon.notify import Notifier
 from kvpool.daemon.pool.segments import check_room_for
 from workers.server.segment import SegmentRegions
 from kvpool.daemon.transport.frames import ConnectionLimits, SocketTransport
@@ -96,9 +97,10 @@ def compute_lock_path(config: ServeConfig) -> pathlib.Path:
 
 
 class Supervisor:
-    def __init__(self, config: ServeConfig, *, announce: Callable[[str], None] | None = None) -> None:
+    def __init__(self, config: ServeConfig, *, announce: Callable[[str], None] | None = None, notifier: Notifier | None = None) -> None:
         self.config = config
         self._announce = announce or (lambda message: print(f"kvpool serve: {message}", file=sys.stderr, flush=True))
+        self.notifier = notifier or Notifier(None)
         self._stop = asyncio.Event()
         self._drain_requested = False
         self.service: KvService | None = None
@@ -112,6 +114,7 @@ class Supervisor:
                 self._announce("stop requested during the drain: stopping at once (exit status 1)")
                 self.drain.stop_now()
             return
+        self.notify_stopping()
         self._stop.set()
 
     def request_drain(self) -> None:
@@ -119,8 +122,21 @@ class Supervisor:
         if self.drain is not None and self.drain.active:
             self.request_stop()
             return
+        self.notify_stopping()  # STOPPING=1 as the drain begins
         self._drain_requested = True
         self._stop.set()
+
+    def notify_stopping(self) -> None:
+        """The service manager learns that stopping began (STOPPING=1, sent once)."""
+        self.notifier.stopping()
+
+    def _notify_ready(self) -> None:
+        """READY=1: called once the socket accepts and every start-up step is done, never before, and never
+        after stopping began (a manager told STOPPING=1 is not told READY=1 later)."""
+        if self._stop.is_set():
+            return
+        config = self.config
+        self.notifier.ready(f"ready on {config.socket}: {config.max_sessions} sessions ({config.mode} mode)")
 
     async def run(self) -> None:
         prepare_socket_path(self.config.socket)  # refuse at once when a live daemon serves there
@@ -143,6 +159,7 @@ class Supervisor:
             ready = await asyncio.to_thread(pool.start)
             if self._stop.is_set():
                 return
+            self.notifier.status(f"{config.worker_processes} workers started; probing charges")
             shard = ShardDescription(shape=ready.shape, model_path=str(config.model), source_sha256=info.source_sha256 or "")
             self.service = service = KvService(config, pool, shard, ready.kv_bytes_per_position)
             service.mode_reason = mode_reason
@@ -151,6 +168,7 @@ class Supervisor:
             fit = await service.calibrator.calibrate(config.n_ctx)
             if self._stop.is_set():
                 return
+            self.notifier.status(f"charges probed ({fit.probe.filled[-1][0]} cells); opening {config.socket}")
             self._announce(
                 f"charges fitted from a start-up probe of {fit.probe.filled[-1][0]} cells: "
                 + ", ".join(
@@ -183,6 +201,7 @@ class Supervisor:
                 f"{config.worker_processes} worker processes for {config.max_sessions} sessions ({config.mode} mode), budget {format_bytes(config.budget_bytes)}, ttl {config.ttl_s:g} s, "
                 f"{config.threads} compute thread(s)"
             )
+            self._notify_ready()
             await self._stop.wait()
             if self._drain_requested:
                 housekeeping = await self._stopped(housekeeping)  # parks and expiries are the drain's now

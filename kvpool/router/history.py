@@ -38,6 +38,20 @@ class AppendHistory:
             return [self.length] if self._tokens else []
         return list(self._appends)
 
+    def replay_partition_from(self, length: int, exact: bool) -> list[int] | None:
+        """The appends a tail replay sends from position `length` on, or None when `length` falls inside an
+        append (an exact replay then has to start over from 0)."""
+        if not 0 <= length <= self.length:
+            return None
+        if not exact:
+            return [self.length - length] if length < self.length else []
+        kept = 0
+        for index, rows in enumerate(self._appends):
+            if kept == length:
+                return list(self._appends[index:])
+            kept += rows
+        return [] if kept == length else None
+
     def truncate(self, length: int) -> None:
         """Keep positions [0, length): the append that `length` cuts keeps its first rows."""
         del self._tokens[length:]

@@ -42,8 +42,11 @@ class RecoveryCounts:
     workers_lost: int = 0  # worker_lost replies that started a replay
     connections_lost: int = 0  # ConnectionLost that started a replay
     epoch_floor_restarts: int = 0  # stale_epoch below a daemon's epoch floor: the session took an epoch at the floor
-    replays: int = 0  # replays from position 0 that got through
-    replayed_tokens: int = 0
+    replays: int = 0  # full replays (from position 0) that got through
+    replayed_tokens: int = 0  # the tokens full replays sent
+    position_mismatches: int = 0  # position_mismatch replies naming a shorter length (a state written behind, adopted after a crash)
+    tail_replays: int = 0  # replays from the shortest length a daemon held that got through
+    tail_replayed_tokens: int = 0  # the tokens tail replays sent
     over_budget_retries: int = 0
     rollbacks: int = 0  # earlier daemons truncated back after a cancel or failure further on
 

@@ -3,6 +3,9 @@ means is decided here, in one place:
 
 - cache_miss (any daemon), worker_lost, ConnectionLost: replay. Release the session's epoch on every
   daemon, take epoch + 1, and send the session's token ids again from position 0, then the append.
+- position_mismatch naming a length shorter than the append's start (a daemon adopted the session's state
+  as written behind at that length, after a crash): tail replay. Truncate every daemon to the shortest
+  length one holds, send the tokens from there on (the same partition), then the append; the same epoch.
   stale_epoch below a daemon's epoch floor (it forgot the id, kvpool.daemon.books.sessions): the same, at the floor.
 - over_budget: back off (the reply's `retry_after_s` when it has one, else exponential with jitter,
   bounded) and ask the same daemon again, until `over_budget_give_up_s`.
@@ -55,6 +58,7 @@ class RoutedSession:
         self.counts = RecoveryCounts()
         self._history = AppendHistory()
         self._needs_replay = False
+        self._tail_from: int | None = None  # a daemon holds only this many tokens: the next append replays the rest first
         self._epoch_floor = 0  # the highest epoch floor a daemon named (a stale_epoch for an id it forgot)
         self._rng = rng
         self._count_in_router = count
@@ -139,10 +143,21 @@ class RoutedSession:
             try:
                 if self._needs_replay:
                     self._replay()
+                elif self._tail_from is not None:
+                    self._replay_tail()
                 result = self._walk(start, tokens, output_rows, sampling)
             except (StageFailed, ConnectionLost) as failure:
+                if self._holds_less(failure, start):
+                    self._count("position_mismatches")
+                    self._tail_from = min(failure.length, self._tail_from if self._tail_from is not None else failure.length)
+                    failures += 1
+                    if failures > self.policy.max_replays:
+                        raise RecoveryFailed(f"{self.session_id}: {failures} failures in a row, the last: {failure}") from failure
+                    continue
                 counter = replay_counter(failure)
                 if counter is None:
+                    if self._tail_from is not None:
+                        self._needs_replay = True  # the daemons hold different lengths: the next append starts over
                     self._roll_back(start, failure.stage)
                     raise
                 self._count(counter)
@@ -155,6 +170,8 @@ class RoutedSession:
                     self._in_flight.pause(self.policy.delay_s(failures - 2, self._rng))
                 continue
             except Cancelled as cancelled:
+                if self._tail_from is not None:
+                    self._needs_replay = True  # cancelled inside a tail replay: the daemons hold different lengths
                 self._roll_back(start, cancelled.stage)
                 raise
             except BaseException:
@@ -193,6 +210,38 @@ class RoutedSession:
                 self._in_flight.pause(min(left, self.policy.delay_s(attempt, self._rng, getattr(failure.reply, "retry_after_s", None))))
                 attempt += 1
 
+    @staticmethod
+    def _holds_less(failure: StageFailed | ConnectionLost, start: int) -> bool:
+        """A daemon answered that it holds fewer of the session's tokens than the router sent it before."""
+        return isinstance(failure, StageFailed) and failure.code == ErrorCode.POSITION_MISMATCH and 0 <= failure.length < start
+
+    def _replay_tail(self) -> None:
+        """Truncate every daemon to the shortest length one holds, then repeat the appends from there. A
+        length inside an append (not where a state could have been written) starts a full replay instead.
+        A daemon that answers otherwise (cache_miss: it lost the session) raises, and _append replays in full."""
+        length = self._tail_from
+        assert length is not None
+        while True:
+            try:
+                self.route.truncate(self.session_id, self.epoch, length)
+                break
+            except StageFailed as failure:
+                if not (failure.code == ErrorCode.POSITION_MISMATCH and 0 <= failure.length < length):
+                    raise
+                length = failure.length
+        partition = self._history.replay_partition_from(length, self.policy.exact_replay)
+        if partition is None:
+            self._tail_from = None
+            self._replay()
+            return
+        position = length
+        for rows in partition:
+            self._walk(position, self._history.token_slice(position, rows), "last")
+            position += rows
+        self._tail_from = None
+        self._count("tail_replays")
+        self._count("tail_replayed_tokens", position - length)
+
     def _replay(self) -> None:
         """Release the epoch everywhere, take the next one, and repeat the session's appends from 0."""
         with contextlib.suppress(KvpoolError, ConnectionLost):
@@ -203,6 +252,7 @@ class RoutedSession:
             self._walk(position, self._history.token_slice(position, rows), "last")
             position += rows
         self._needs_replay = False
+        self._tail_from = None
         if position:
             self._count("replays")
             self._count("replayed_tokens", position)
@@ -248,6 +298,7 @@ class RoutedSession:
         """Release the session on every daemon; it may start again from an empty append history."""
         self._history.clear()
         self._needs_replay = False
+        self._tail_from = None
         try:
             self.route.release(self.session_id, self.epoch)
         except BaseException:
