@@ -268,7 +268,7 @@ def test_the_disk_tier_checks_every_blob_and_removes_only_its_own_files(model_pa
             assert {row.session_id for row in stats.sessions} == {"intact", "hot"}
     finally:
         reference.close()
-        daemon.stop()
+        daemon.stop(sig=signal.SIGINT)  # at once: SIGTERM drains, and a drain keeps its files (tests/test_drain.py)
     assert sorted(path.name for path in spill_dir.iterdir()) == sorted(NOT_OURS)  # its own removed at shutdown
 
 

@@ -36,7 +36,8 @@ def add_parser(subcommands: argparse._SubParsersAction) -> None:
             "one context whose sequences serve --seqs-per-worker sessions, decoded together). Sessions "
             "are admitted against a byte budget; when a place is needed the least recently used idle session "
             "is parked (its state saved to the spill store and restored by its next append) or, with the warm "
-            "tier off or full, evicted; sessions expire after --ttl seconds idle in any tier. Stop with SIGTERM, Ctrl-C or `kvpool status --shutdown`."
+            "tier off or full, evicted; sessions expire after --ttl seconds idle in any tier. Stop with SIGTERM or "
+            "`kvpool status --drain` (a drain: see --drain-timeout), or at once with Ctrl-C or `kvpool status --shutdown`."
         ),
     )
     define_options(parser)
@@ -73,6 +74,7 @@ def define_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--frame-timeout", type=float, metavar="S", help=f"a frame must arrive whole within S seconds of its first byte, or its connection is closed; a connection idle between frames stays open (default {DEFAULTS['frame_timeout_s']:g})")
     parser.add_argument("--max-buffered-bytes", help=f"request bytes held across all connections: a frame that does not fit waits, unread, for room (default {format_bytes(DEFAULT_MAX_BUFFERED_BYTES)}, at least --max-request-bytes)")
     parser.add_argument("--max-connections", type=int, metavar="N", help="open connections at most; one more is answered over_budget and closed (default: what the open-files limit leaves, at most 1024)")
+    parser.add_argument("--drain-timeout", type=float, metavar="S", help=f"on SIGTERM (or `kvpool status --drain`) the daemon drains: new requests are answered draining (a client sends them again to the daemon that takes over the socket), requests in flight get S seconds to finish, appends still computing then are cancelled, every hot session is parked (to --spill-dir when given, so the states outlast the process), then it exits 0; a second SIGTERM or a SIGINT stops at once (exit 1); SIGINT before a drain stops at once (default {DEFAULTS['drain_timeout_s']:g})")
     parser.add_argument("--memory-margin", help=f"recycle an idle worker whose measured memory exceeds its charge by this (default {format_bytes(DEFAULTS['memory_margin_bytes'])})")
     parser.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on 127.0.0.1:PORT")
     parser.add_argument("--flash-attn", action="store_true", default=None, help="use flash attention (all shards of a route must agree)")
@@ -110,6 +112,7 @@ OPTIONS = {
     "frame_timeout": ("frame_timeout_s", float),
     "max_buffered_bytes": ("max_buffered_bytes", parse_bytes),
     "max_connections": ("max_connections", int),
+    "drain_timeout": ("drain_timeout_s", float),
 }
 
 
@@ -144,4 +147,4 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, ShardError, BundledModelMissing, SocketSetupError, SharedMemoryTooSmall, WorkerStartFailed, OSError) as error:
         log.error("error: %s", error)
         return 2
-    return 0
+    return supervisor.exit_code

@@ -37,7 +37,9 @@ def add_parser(subcommands: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--socket", type=pathlib.Path, required=True, help="the daemon's Unix socket")
     parser.add_argument("--json", action="store_true", help="print the raw stats as JSON")
-    parser.add_argument("--shutdown", action="store_true", help="ask the daemon to shut down after printing")
+    stop = parser.add_mutually_exclusive_group()
+    stop.add_argument("--shutdown", action="store_true", help="ask the daemon to shut down at once after printing")
+    stop.add_argument("--drain", action="store_true", help="ask the daemon to drain after printing, as on SIGTERM: new requests are answered draining, requests in flight finish (within its --drain-timeout), hot sessions are parked (to its --spill-dir), then it exits")
     parser.add_argument(
         "--wait-ready", type=wait_seconds, metavar="TIMEOUT",
         help=f"first wait up to TIMEOUT seconds for the daemon to answer on --socket (a daemon opens its socket once its start-up is done), "
@@ -114,9 +116,9 @@ def run(args: argparse.Namespace) -> int:
         with Client(args.socket, timeout_s=30) as client:
             stats = client.stats()
             print(msgspec.json.format(msgspec.json.encode(stats)).decode() if args.json else render(stats))
-            if args.shutdown:
-                client.shutdown()
-                print("shutdown requested", file=sys.stderr)
+            if args.shutdown or args.drain:
+                client.shutdown(drain=args.drain)
+                print("drain requested" if args.drain else "shutdown requested", file=sys.stderr)
     except (ConnectionLost, KvpoolError) as error:
         print(f"kvpool status: error: {error}", file=sys.stderr)
         return 2

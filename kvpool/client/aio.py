@@ -9,7 +9,10 @@ Any failure of the connection (end of file, an undecodable reply, a reply to an 
 fails every request in flight with ConnectionLost and closes it; the next call opens a new connection.
 A request that times out (`timeout_s`, for the whole request) or whose task is cancelled is forgotten: its
 reply is dropped when it comes, and the other requests on the connection go on. Like a timed-out
-synchronous append, it may still have taken effect on the daemon.
+synchronous append, it may still have taken effect on the daemon. After a drain (a `draining` reply, or the
+farewell a drained daemon sends each connection) a request no daemon took anything of is sent again to the
+daemon that takes over the socket, as kvpool.Client does (kvpool.client.successor); the requests in flight
+when the farewell came fail with ConnectionLost.
 """
 
 from __future__ import annotations
@@ -21,10 +24,11 @@ from typing import Unpack
 
 import msgspec
 
-from kvpool.client.messages import AppendOptions, AppendResult, Call, ConnectionLost, Result, append_call, cancel_call, fork_call
-from kvpool.client.messages import hello_call, park_call, release_call, shutdown_call, stats_call, truncate_call
+from kvpool.client.messages import AppendOptions, AppendResult, Call, ConnectionLost, KvpoolError, RequestNotSent, Result, append_call, cancel_call, fork_call
+from kvpool.client.messages import hello_call, is_farewell, park_call, release_call, shutdown_call, stats_call, to_send_again, truncate_call
+from kvpool.client.successor import DEFAULT_WAIT_S, Say, SuccessorWait
 from kvpool.wire.framing import FrameError, read_frame
-from kvpool.wire.protocol import MAX_REPLY_BYTES, Done, HelloReply, Reply, RequestMessage, ShardDescription, StatsReply, decode_reply, encode
+from kvpool.wire.protocol import MAX_REPLY_BYTES, Done, ErrorReply, HelloReply, Reply, RequestMessage, ShardDescription, StatsReply, decode_reply, encode
 
 
 class _Connection:
@@ -46,11 +50,14 @@ class _Connection:
         try:
             reader, writer = await asyncio.open_unix_connection(path)
         except OSError as error:
-            raise ConnectionLost(f"cannot connect to {path}: {error.strerror or error}") from error
+            raise RequestNotSent(f"cannot connect to {path}: {error.strerror or error}") from error
         connection = cls(reader, writer)
         try:
             async with asyncio.timeout(timeout_s):
                 connection.hello = await connection._handshake(name)
+        except ConnectionLost as lost:  # no request of the caller's was sent yet
+            connection.fail(ConnectionLost("the Hello handshake failed"))
+            raise RequestNotSent(f"the Hello handshake failed: {lost}") from lost
         except BaseException:
             connection.fail(ConnectionLost("the Hello handshake failed"))
             raise
@@ -89,6 +96,9 @@ class _Connection:
         try:
             while True:
                 reply = await self._read_reply()
+                if is_farewell(reply):
+                    assert isinstance(reply, ErrorReply)
+                    raise RequestNotSent(f"the daemon drained: {reply.message}", drained=True)
                 future = self._pending.pop(reply.request_id, None)
                 if future is not None:
                     if not future.done():
@@ -102,9 +112,13 @@ class _Connection:
         except OSError as error:
             self.fail(ConnectionLost(f"connection lost: {error}"))
 
+    def _not_sent(self) -> RequestNotSent:
+        """For a request that had not left when the connection failed."""
+        return RequestNotSent(str(self.failure), drained=getattr(self.failure, "drained", False))
+
     async def request(self, message: RequestMessage, timeout_s: float | None) -> Reply:
         if self.failure is not None:
-            raise ConnectionLost(str(self.failure))
+            raise self._not_sent()
         request_id = next(self._ids)
         message.request_id = request_id
         frame = encode(message)
@@ -115,7 +129,7 @@ class _Connection:
             async with asyncio.timeout(timeout_s):
                 async with self._write_lock:
                     if self.failure is not None:
-                        raise ConnectionLost(str(self.failure))
+                        raise self._not_sent()
                     self._writer.write(frame)  # the whole frame is buffered at once: it is sent
                     sent = True
                     try:
@@ -156,9 +170,15 @@ class _Connection:
 class AsyncClient:
     """Connects on first use (or `await AsyncClient.connect(path)`, or `async with AsyncClient(path)`)."""
 
-    def __init__(self, socket_path: str | os.PathLike[str], *, timeout_s: float | None = 300.0, name: str = "") -> None:
+    def __init__(
+        self, socket_path: str | os.PathLike[str], *, timeout_s: float | None = 300.0, name: str = "",
+        successor_wait_s: float = DEFAULT_WAIT_S, on_successor_wait: Say | None = None,
+    ) -> None:
         self.socket_path = os.fspath(socket_path)
         self.timeout_s = timeout_s  # for one whole request; None: no limit
+        self.successor_wait_s = successor_wait_s  # after a drain: how long to wait for the daemon that follows
+        self.on_successor_wait = on_successor_wait  # told where that wait stands every 15 s (None: silent)
+        self._drained = False  # the daemon said it drains: a successor is expected on the socket
         self._name = name
         self._connection: _Connection | None = None
         self._cancel_connection: _Connection | None = None  # cancel()'s own lane
@@ -188,6 +208,8 @@ class AsyncClient:
             if self._closed:
                 raise ConnectionLost("this client is closed")
             connection: _Connection | None = getattr(self, lane)
+            if connection is not None and getattr(connection.failure, "drained", False):
+                self._drained = True  # its daemon said farewell: wait for the one that follows
             if connection is None or connection.closed:
                 connection = await _Connection.open(self.socket_path, self._name, self.timeout_s)
                 assert connection.hello is not None
@@ -199,8 +221,31 @@ class AsyncClient:
             return connection
 
     async def _call(self, call: Call[Result], lane: str = "_connection") -> Result:
-        connection = await self._connected(lane)
-        return call.outcome(await connection.request(call.request, self.timeout_s))
+        return call.outcome(await self._request(call.request, lane))
+
+    async def _request(self, message: RequestMessage, lane: str) -> Reply:
+        """The reply to `message`; after a drain, sent again (to the daemon that follows) as long as no
+        daemon took anything of it, within the successor wait."""
+        wait: SuccessorWait | None = None
+        while True:
+            try:
+                connection = await self._connected(lane)
+                reply = await connection.request(message, self.timeout_s)
+            except RequestNotSent as lost:
+                self._drained = self._drained or lost.drained
+                if not self._drained or self._closed:
+                    raise
+                wait = wait or SuccessorWait(self.socket_path, self.successor_wait_s, self.on_successor_wait)
+                await asyncio.sleep(wait.pause_s(lost))
+                continue
+            if not to_send_again(reply):
+                self._drained = False  # a daemon serves the socket again
+                return reply
+            assert isinstance(reply, ErrorReply)
+            self._drained = True
+            # the connection stays: the requests still on it get their own answers, and its farewell ends it
+            wait = wait or SuccessorWait(self.socket_path, self.successor_wait_s, self.on_successor_wait)
+            await asyncio.sleep(wait.pause_s(KvpoolError(reply), reply.retry_after_s))
 
     async def append(self, session_id: str, epoch: int, start_pos: int, **options: Unpack[AppendOptions]) -> AppendResult:
         return await self._call(append_call(session_id, epoch, start_pos, **options))
@@ -226,8 +271,9 @@ class AsyncClient:
     async def stats(self) -> StatsReply:
         return await self._call(stats_call())
 
-    async def shutdown(self) -> None:
-        await self._call(shutdown_call())
+    async def shutdown(self, *, drain: bool = False) -> None:
+        """Stop the daemon at once, or with `drain` as on SIGTERM (kvpool.daemon.drain)."""
+        await self._call(shutdown_call(drain))
 
     async def close(self) -> None:
         async with self._connect_lock:

@@ -3,23 +3,28 @@
 One request at a time per connection (a lock makes a Client safe to share between threads). `cancel()`
 goes over a second connection, opened on first use, so it can reach a daemon busy with this client's
 own in-flight append. A connection that a failed request closed (kvpool.client.connection) is reopened
-by the next call, or that call raises ConnectionLost if the daemon is gone.
+by the next call, or that call raises ConnectionLost if the daemon is gone. Once the daemon has said it
+drains (a `draining` reply, or its farewell on the connection), a request it took nothing of is sent again
+to the daemon that takes over the socket, waiting for one up to `successor_wait_s` (kvpool.client.successor).
 """
 
 from __future__ import annotations
 
 import os
 import threading
+import time
 from typing import Unpack
 
 from kvpool.client.channels import DirectChannels
 from kvpool.client.connection import ClientConnection
+from kvpool.client.successor import DEFAULT_WAIT_S, Say, SuccessorWait
 from kvpool.client.messages import (
     AppendOptions,
     AppendResult,
     Call,
     ConnectionLost,
     KvpoolError,
+    RequestNotSent,
     Result,
     append_call,
     append_request,
@@ -30,9 +35,10 @@ from kvpool.client.messages import (
     release_call,
     shutdown_call,
     stats_call,
+    to_send_again,
     truncate_call,
 )
-from kvpool.wire.protocol import Done, HelloReply, StatsReply
+from kvpool.wire.protocol import Done, ErrorReply, HelloReply, Reply, RequestMessage, StatsReply
 
 __all__ = ["AppendOptions", "AppendResult", "Client", "ConnectionLost", "KvpoolError", "append_request", "checked_reply"]
 
@@ -41,8 +47,14 @@ class Client:
     """A client of one daemon. With `direct` (the default) it asks for its sessions' direct channels and
     sends their appends straight to the worker, falling back to the daemon whenever a channel is gone."""
 
-    def __init__(self, socket_path: str | os.PathLike[str], *, timeout_s: float | None = 300.0, name: str = "", direct: bool = True) -> None:
+    def __init__(
+        self, socket_path: str | os.PathLike[str], *, timeout_s: float | None = 300.0, name: str = "", direct: bool = True,
+        successor_wait_s: float = DEFAULT_WAIT_S, on_successor_wait: Say | None = None,
+    ) -> None:
         self.socket_path = os.fspath(socket_path)
+        self.successor_wait_s = successor_wait_s  # after a drain: how long to wait for the daemon that follows
+        self.on_successor_wait = on_successor_wait  # told where that wait stands every 15 s (None: silent)
+        self._drained = False  # the daemon said it drains: a successor is expected on the socket
         self._timeout_s = timeout_s
         self._name = name
         self.direct = direct
@@ -60,6 +72,8 @@ class Client:
             if self._closed:
                 raise ConnectionLost("this client is closed")
             connection: ClientConnection | None = getattr(self, attribute)
+            if connection is not None and connection.farewell_seen:
+                self._drained = True  # its daemon said farewell: wait for the one that follows
             if connection is None or connection.closed:
                 connection = ClientConnection(self.socket_path, self._timeout_s, self._name)
                 previous = getattr(self, "hello", None)
@@ -89,7 +103,36 @@ class Client:
         self._channels.set_timeout(value)
 
     def _call(self, call: Call[Result], which: str = "main") -> Result:
-        return call.outcome(self._connection(which).request(call.request))
+        return call.outcome(self._request(call.request, which))
+
+    def _request(self, message: RequestMessage, which: str = "main") -> Reply:
+        """The reply to `message`; after a drain, sent again (to the daemon that follows) as long as no
+        daemon took anything of it, within the successor wait."""
+        wait: SuccessorWait | None = None
+        while True:
+            try:
+                reply = self._connection(which).request(message)
+            except RequestNotSent as lost:
+                self._drained = self._drained or lost.drained
+                if not self._drained or self._closed:
+                    raise
+                wait = wait or SuccessorWait(self.socket_path, self.successor_wait_s, self.on_successor_wait)
+                time.sleep(wait.pause_s(lost))
+                continue
+            if not to_send_again(reply):
+                self._drained = False  # a daemon serves the socket again
+                return reply
+            assert isinstance(reply, ErrorReply)
+            self._drained = True
+            self._close_connection(which)  # the draining daemon's connection: the next try opens a new one
+            wait = wait or SuccessorWait(self.socket_path, self.successor_wait_s, self.on_successor_wait)
+            time.sleep(wait.pause_s(KvpoolError(reply), reply.retry_after_s))
+
+    def _close_connection(self, which: str) -> None:
+        with self._connect_lock:
+            connection = self._main if which == "main" else self._cancel_connection
+            if connection is not None:
+                connection.close()
 
     def append(self, session_id: str, epoch: int, start_pos: int, **options: Unpack[AppendOptions]) -> AppendResult:
         call = append_call(session_id, epoch, start_pos, direct=self.direct, **options)
@@ -97,7 +140,7 @@ class Client:
             reply = self._channels.request(call.request)
             if reply is not None:
                 return call.outcome(reply)
-        reply = call.checked(self._connection("main").request(call.request))
+        reply = call.checked(self._request(call.request))
         self._channels.remember(session_id, epoch, reply.channel)
         return call.result(reply)
 
@@ -129,8 +172,9 @@ class Client:
     def stats(self) -> StatsReply:
         return self._call(stats_call())
 
-    def shutdown(self) -> None:
-        self._call(shutdown_call())
+    def shutdown(self, *, drain: bool = False) -> None:
+        """Stop the daemon at once, or with `drain` as on SIGTERM (kvpool.daemon.drain)."""
+        self._call(shutdown_call(drain))
 
     def close(self) -> None:
         self._channels.close()

@@ -4,16 +4,19 @@ worker's direct channel, without one. Requests are framed by kvpool.wire.framing
 A reply is returned only to the request that produced it: every request carries a fresh request id that
 the reply must echo, and any failure inside a request (a timeout, KeyboardInterrupt, a broken or
 undecodable reply) closes the connection for good, since a reply left unread on it would otherwise
-answer the next request.
+answer the next request. A failure before the whole request frame left (the connection could not be
+opened, the daemon had closed it, or its farewell after a drain waits there unread) raises
+RequestNotSent: the daemon took nothing of that request.
 """
 
 from __future__ import annotations
 
 import itertools
+import select
 import socket
 import threading
 
-from kvpool.client.messages import ConnectionLost, hello_call
+from kvpool.client.messages import ConnectionLost, RequestNotSent, hello_call, is_farewell
 from kvpool.wire.framing import FrameError, receive_frame
 from kvpool.wire.protocol import MAX_REPLY_BYTES, HelloReply, Reply, RequestMessage, decode_reply, encode
 
@@ -35,18 +38,22 @@ class ClientConnection:
         self.sock: socket.socket | None = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.settimeout(timeout_s)
         self.lock = threading.Lock()
+        self.farewell_seen = False  # the daemon drained while a request was in flight here
         self._request_ids = itertools.count(1)
         try:
             self.sock.connect(path)
         except OSError as error:
             self.close()
-            raise ConnectionLost(f"cannot connect to {path!r}: {error.strerror or error}") from error
+            raise RequestNotSent(f"cannot connect to {path!r}: {error.strerror or error}") from error
         self.hello: HelloReply | None = None
         if not handshake:
             return  # a worker's direct channel: no handshake (the daemon's Hello vouched for the protocol)
         call = hello_call(name)
         try:
             self.hello = call.outcome(self.request(call.request))
+        except ConnectionLost as lost:  # no request of the caller's was sent yet
+            self.close()
+            raise RequestNotSent(f"the handshake failed: {lost}", drained=getattr(lost, "drained", False)) from lost
         except BaseException:
             self.close()
             raise
@@ -64,8 +71,16 @@ class ClientConnection:
                 raise ConnectionLost("the connection was closed by an earlier failure")
             request_id = request_id or next(self._request_ids)
             message.request_id = request_id
+            self._check_still_open(sock)
             try:
                 sock.sendall(encode(message))
+            except (BrokenPipeError, ConnectionResetError) as error:  # a frame that did not leave whole is never read
+                self.close()
+                raise RequestNotSent(f"connection lost: {error}") from error
+            except BaseException:
+                self.close()
+                raise
+            try:
                 reply = _receive_reply(sock)
             except (BrokenPipeError, ConnectionResetError) as error:
                 self.close()
@@ -75,8 +90,32 @@ class ClientConnection:
                 raise
             if reply.request_id != request_id:
                 self.close()
+                if is_farewell(reply):
+                    self.farewell_seen = True
+                    raise ConnectionLost(f"the daemon drained while the request was in flight: {reply.message}")
                 raise ConnectionLost(f"the daemon answered request {reply.request_id} where request {request_id} was expected")
             return reply
+
+    def _check_still_open(self, sock: socket.socket) -> None:
+        """Before a request leaves: nothing may wait on the connection but a daemon's end of it (end of
+        file, or its farewell after a drain); either closes it and raises RequestNotSent."""
+        poller = select.poll()
+        poller.register(sock, select.POLLIN)
+        if not poller.poll(0):
+            return  # nothing there: the usual case (a socket with a timeout would wait in recv, poll does not)
+        try:
+            waiting = sock.recv(1, socket.MSG_PEEK)
+        except OSError as error:
+            self.close()
+            raise RequestNotSent(f"connection lost: {error}") from error
+        drained = False
+        if waiting:
+            try:
+                drained = is_farewell(_receive_reply(sock))
+            except Exception:  # noqa: BLE001 - whatever it was, the connection is done
+                pass
+        self.close()
+        raise RequestNotSent("the daemon drained and closed the connection" if drained else "the daemon closed the connection", drained=drained)
 
     def close(self) -> None:
         sock, self.sock = self.sock, None

@@ -34,6 +34,7 @@ from kvpool.wire.protocol import (
     StatsReply,
     Truncate,
 )
+from kvpool.wire.errors import never_carried_out
 from kvpool.wire.sampling import Sampling
 
 Result = TypeVar("Result")
@@ -52,6 +53,26 @@ class KvpoolError(Exception):
 
 class ConnectionLost(Exception):
     """The daemon closed the connection or could not be reached."""
+
+
+class RequestNotSent(ConnectionLost):
+    """The connection was gone (or could not be opened) before the request left: the daemon took nothing
+    of it, so it may be sent again. `drained`: the daemon said farewell after a drain (kvpool.daemon.drain),
+    so a successor may take over the socket."""
+
+    def __init__(self, message: str, *, drained: bool = False) -> None:
+        super().__init__(message)
+        self.drained = drained
+
+
+def is_farewell(reply: Reply) -> bool:
+    """The frame a daemon sends every connection as it stops after a drain: `draining`, as request 0."""
+    return isinstance(reply, ErrorReply) and reply.request_id == 0 and reply.code == ErrorCode.DRAINING
+
+
+def to_send_again(reply: Reply) -> bool:
+    """A reply saying the daemon took nothing of its request (kvpool.wire.errors.never_carried_out)."""
+    return isinstance(reply, ErrorReply) and never_carried_out(reply.code)
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,5 +183,5 @@ def stats_call() -> Call[StatsReply]:
     return Call(Stats(), StatsReply)
 
 
-def shutdown_call() -> Call[Done]:
-    return Call(Shutdown(), Done)
+def shutdown_call(drain: bool = False) -> Call[Done]:
+    return Call(Shutdown(drain=drain), Done)

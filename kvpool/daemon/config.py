@@ -60,6 +60,9 @@ class ServeConfig:
     frame_timeout_s: float = 30.0
     max_buffered_bytes: int | None = None  # request bytes held across all connections; None: DEFAULT_MAX_BUFFERED_BYTES or one largest frame
     max_connections: int | None = None  # None: derived at start-up from RLIMIT_NOFILE (kvpool.daemon.transport.frames.derived_max_connections)
+    # A drain (SIGTERM, Shutdown{drain: true}: kvpool.daemon.drain) lets requests in flight finish this long,
+    # then cancels the appends still computing, parks every hot session and exits
+    drain_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         problems = []
@@ -108,6 +111,8 @@ class ServeConfig:
             problems.append("--max-buffered-bytes must be at least --max-request-bytes")
         if self.max_connections is not None and self.max_connections < 1:
             problems.append("--max-connections must be at least 1")
+        if self.drain_timeout_s < 0:
+            problems.append("--drain-timeout must be >= 0")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             problems.append("--metrics-port must be in [0, 65535]")
         if len(os.fsencode(self.socket)) >= 108:

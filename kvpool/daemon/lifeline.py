@@ -2,8 +2,8 @@
 
 The launcher (kvpool.launcher) keeps the write end of a pipe whose read end the daemon inherits
 (`kvpool serve --lifeline-fd N`). The kernel closes the write end when the launching process dies, by
-any signal, SIGKILL included, so the daemon reads end-of-file. It then stops as on SIGTERM (sessions
-dropped, workers stopped, socket removed) and, should that not finish within `grace_s`, kills its
+any signal, SIGKILL included, so the daemon reads end-of-file. It then stops at once as on SIGINT (no
+drain: sessions dropped, workers stopped, socket removed) and, should that not finish within `grace_s`, kills its
 workers and exits at once. PR_SET_PDEATHSIG is not used: it fires when the *thread* that started the
 child exits, which is not the same as the launching program ending.
 """
@@ -51,7 +51,7 @@ def watch_lifeline(fd: int, *, socket_path: pathlib.Path, grace_s: float = GRACE
             except OSError:
                 break
         log.warning("the program that started this daemon is gone: shutting down")
-        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGINT)  # SIGTERM would drain: nobody is left to come back
         time.sleep(grace_s)
         log.warning("not stopped after %g s: killing the workers and exiting", grace_s)
         _kill_children()

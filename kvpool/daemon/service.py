@@ -225,7 +225,8 @@ class KvService:
     async def fork(self, request: Fork) -> Done:
         return await self.warm.fork(request)
 
-    def close(self) -> None:
+    def close(self, *, keep_spill_files: bool = False) -> None:
+        """`keep_spill_files`: a drain parked the sessions to disk for the daemon that follows."""
         self.lifecycle.close()
-        self.books.spill.close()
+        self.books.spill.close(keep_files=keep_spill_files)
         self.vram.close()

@@ -3,6 +3,11 @@
 Start order: workers (ready acknowledgements), calibration (the charge of every n_ctx, fitted from a
 start-up probe that does not fill a context of --n-ctx), socket, metrics endpoint, housekeeping. Teardown runs in reverse; a partial start is
 cleaned up the same way.
+
+Stopping: SIGTERM and Shutdown{drain: true} drain first (kvpool.daemon.drain), then say farewell on every
+connection (an ErrorReply `draining` as request 0: its client knows a successor may take over the socket)
+and tear down, keeping the spill files the drain wrote; exit status 0. SIGINT and Shutdown{} stop at once,
+as does a second SIGTERM, a SIGINT or a Shutdown{} during a drain (exit status 1: sessions were not kept).
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ from kvpool.wire.protocol import (
     Stats,
     Truncate,
 )
+from kvpool.daemon.drain import Drain, DrainOutcome
 from kvpool.daemon.mode_probe import probe_modes
 from kvpool.daemon.notify import Notifier
 from kvpool.daemon.pool.segments import check_room_for
@@ -96,10 +102,28 @@ class Supervisor:
         self._announce = announce or (lambda message: print(f"kvpool serve: {message}", file=sys.stderr, flush=True))
         self.notifier = notifier or Notifier(None)
         self._stop = asyncio.Event()
+        self._drain_requested = False
         self.service: KvService | None = None
+        self.drain: Drain | None = None
+        self.exit_code = 0  # of `kvpool serve` once run() returns: 1 when a drain was cut short
 
     def request_stop(self) -> None:
+        """Stop at once; during a drain, end the drain where it stands."""
+        if self.drain is not None and self.drain.active:
+            if not self.drain.done and not self.drain.interrupted:
+                self._announce("stop requested during the drain: stopping at once (exit status 1)")
+                self.drain.stop_now()
+            return
         self.notify_stopping()
+        self._stop.set()
+
+    def request_drain(self) -> None:
+        """Drain, then stop; a second request during the drain stops at once."""
+        if self.drain is not None and self.drain.active:
+            self.request_stop()
+            return
+        self.notify_stopping()  # STOPPING=1 as the drain begins
+        self._drain_requested = True
         self._stop.set()
 
     def notify_stopping(self) -> None:
@@ -127,8 +151,8 @@ class Supervisor:
             + f"shared memory {format_bytes(pool.spec.worker.segment.total_bytes)} each)"
         )
         loop = asyncio.get_running_loop()
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(signum, self.request_stop)
+        loop.add_signal_handler(signal.SIGTERM, self.request_drain)
+        loop.add_signal_handler(signal.SIGINT, self.request_stop)
         server: SocketTransport | None = None
         housekeeping: asyncio.Task | None = None
         try:
@@ -139,6 +163,8 @@ class Supervisor:
             shard = ShardDescription(shape=ready.shape, model_path=str(config.model), source_sha256=info.source_sha256 or "")
             self.service = service = KvService(config, pool, shard, ready.kv_bytes_per_position)
             service.mode_reason = mode_reason
+            self.drain = Drain(service, config.drain_timeout_s, self._announce)  # before the socket: every request is seen
+            service.admission.refuse_new = self.drain.refuse_new
             fit = await service.calibrator.calibrate(config.n_ctx)
             if self._stop.is_set():
                 return
@@ -177,22 +203,47 @@ class Supervisor:
             )
             self._notify_ready()
             await self._stop.wait()
+            if self._drain_requested:
+                housekeeping = await self._stopped(housekeeping)  # parks and expiries are the drain's now
+                outcome = await self.drain.run()
+                self._announce(outcome.line())
+                self._after_drain(outcome)
             self._announce("shutting down")
         finally:
             for signum in (signal.SIGTERM, signal.SIGINT):
                 loop.remove_signal_handler(signum)
-            if housekeeping is not None:
-                housekeeping.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await housekeeping
+            await self._stopped(housekeeping)
             if server is not None:
-                await server.close()
+                await server.close(self._farewell())
             for worker in pool.workers():
                 worker.set_abort(True)  # interrupt in-flight appends so workers can exit promptly
             await asyncio.to_thread(pool.close)
             if self.service is not None:
-                self.service.close()
+                self.service.close(keep_spill_files=self._kept())
             self._announce("stopped")
+
+    @staticmethod
+    async def _stopped(task: asyncio.Task | None) -> None:
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    def _after_drain(self, outcome: DrainOutcome) -> None:
+        if self.drain is not None and self.drain.interrupted:
+            self.exit_code = 1
+        elif outcome.integrity != "ok":
+            self.exit_code = 1
+
+    def _kept(self) -> bool:
+        """The spill files stay for the daemon that follows: a drain that was not cut short wrote them."""
+        return self.drain is not None and self.drain.active and not self.drain.interrupted
+
+    def _farewell(self) -> ErrorReply | None:
+        """After a drain: every connection is told, so its client waits for the daemon that follows."""
+        if self.drain is None or not self.drain.active:
+            return None
+        return ErrorReply(code=ErrorCode.DRAINING, message="this daemon drained and is stopping: connect again for the daemon that takes over the socket")
 
     async def _resolve_mode(self) -> str:
         """--mode auto: measure both schedules (kvpool.daemon.mode_probe) and run the faster; why, for status."""
@@ -225,26 +276,8 @@ class Supervisor:
         service = self.service
         assert service is not None
         try:
-            match request:
-                case Append():
-                    return await service.append(request)
-                case Truncate():
-                    return await service.truncate(request)
-                case Release():
-                    return await service.release(request)
-                case Cancel():
-                    return await service.cancel(request)
-                case Park():
-                    return await service.park(request)
-                case Fork():
-                    return await service.fork(request)
-                case Stats():
-                    return await service.stats()
-                case Shutdown():
-                    self.request_stop()
-                    return Done(length=0, detail="shutting down")
-                case Hello():
-                    raise RequestFailed(ErrorCode.BAD_REQUEST, "Hello is only valid as the first frame")
+            with self.drain.taking(request) if self.drain is not None else contextlib.nullcontext():
+                return await self._handle(service, request)
         except RequestFailed as failure:
             if failure.code is ErrorCode.BAD_REQUEST:
                 service.metrics.count("bad_requests")
@@ -257,4 +290,34 @@ class Supervisor:
         except Exception as error:  # noqa: BLE001 - a bug must cost one request, never the daemon
             log.error("request %s failed:\n%s", type(request).__name__, traceback.format_exc())
             return ErrorReply(code=ErrorCode.INTERNAL, message=f"internal error: {error}")
+
+    async def _handle(self, service: KvService, request: Request) -> Message:
+        match request:
+            case Append():
+                return await service.append(request)
+            case Truncate():
+                return await service.truncate(request)
+            case Release():
+                return await service.release(request)
+            case Cancel():
+                return await service.cancel(request)
+            case Park():
+                return await service.park(request)
+            case Fork():
+                return await service.fork(request)
+            case Stats():
+                return await service.stats()
+            case Shutdown():
+                return self._shutdown(request)
+            case Hello():
+                raise RequestFailed(ErrorCode.BAD_REQUEST, "Hello is only valid as the first frame")
         raise AssertionError(f"unhandled request {request!r}")
+
+    def _shutdown(self, request: Shutdown) -> Done:
+        if not request.drain:
+            self.request_stop()
+            return Done(length=0, detail="stopping at once" if self.drain is not None and self.drain.active else "shutting down")
+        if self.drain is not None and self.drain.active:
+            return Done(length=0, detail="already draining")
+        self.request_drain()
+        return Done(length=0, detail="draining")

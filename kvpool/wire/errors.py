@@ -1,4 +1,5 @@
-"""RequestFailed: raised anywhere inside a request's handling, it becomes that request's typed ErrorReply."""
+"""RequestFailed: raised anywhere inside a request's handling, it becomes that request's typed ErrorReply;
+and which error codes say the request was never carried out (a client may send it again)."""
 
 from __future__ import annotations
 
@@ -16,3 +17,13 @@ class RequestFailed(Exception):
         self.reason = reason
         self.retry_after_s = retry_after_s
         self.epoch_floor = epoch_floor
+
+
+# Codes whose reply says the daemon took nothing of the request: a client may send it again, to whatever
+# daemon then serves the socket (kvpool.client). Every other error reply, and a reply lost on the way, may
+# follow a request that took effect.
+NEVER_CARRIED_OUT = frozenset({ErrorCode.DRAINING})
+
+
+def never_carried_out(code: ErrorCode) -> bool:
+    return code in NEVER_CARRIED_OUT

@@ -51,6 +51,7 @@ class ErrorCode(enum.StrEnum):
     BAD_REQUEST = "bad_request"
     CHANNEL_REVOKED = "channel_revoked"  # a worker's direct channel only: ask the daemon (the client does)
     SHUTTING_DOWN = "shutting_down"
+    DRAINING = "draining"  # the daemon is stopping and took nothing of the request: send it again to its successor
     INTERNAL = "internal"
 
 
@@ -141,7 +142,10 @@ class Stats(RequestMessage):
 
 
 class Shutdown(RequestMessage):
-    pass
+    """Stop the daemon: at once, or with `drain` as on SIGTERM (kvpool.daemon.drain: nothing new is taken,
+    appends in flight finish, hot sessions are parked to the spill store, then it exits)."""
+
+    drain: bool = False
 
 
 Request = Hello | Append | Truncate | Release | Cancel | Park | Fork | Stats | Shutdown
@@ -197,7 +201,7 @@ class ErrorReply(ReplyMessage):
     reason: MissReason | None = None
     session_id: str = ""
     epoch: int = 0
-    retry_after_s: float | None = None  # over_budget: the daemon's estimate of when to ask again (None: none)
+    retry_after_s: float | None = None  # over_budget, draining: the daemon's estimate of when to ask again (None: none)
     epoch_floor: int = 0  # stale_epoch for an id the daemon does not know: its epoch floor (README, "The contract")
 
 

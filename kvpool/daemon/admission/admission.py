@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
+from collections.abc import Callable
 
 from kvpool.daemon.admission.queue import AdmissionQueue
 from kvpool.daemon.books.books import AdmissionPlan, Books
@@ -47,6 +48,7 @@ class Admission:
         self.parking = parking
         self.metrics = metrics
         self.queue = AdmissionQueue(books, pool.usable, lifecycle, metrics, limit=config.admit_queue_limit, residency=self.residency)
+        self.refuse_new: Callable[[], None] = lambda: None  # raises once the daemon drains (kvpool.daemon.drain)
         self._residency: Residency | None = None
 
     def residency(self) -> Residency:
@@ -79,6 +81,7 @@ class Admission:
         when the request no longer makes sense (it is checked after every wait)."""
 
         def before_each_try() -> None:
+            self.refuse_new()
             still_wanted()
             if any(not self.pool.usable(worker) for worker in self.books.free_workers()):
                 self.lifecycle.spawn(self.lifecycle.replace_dead_free())

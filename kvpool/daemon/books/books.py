@@ -183,6 +183,13 @@ class Books:
         self._on_change(self)
         return dropped
 
+    def persist_parked(self) -> list[Session]:
+        """Every parked state held in memory goes to the disk tier (a drain); returns the sessions dropped
+        because theirs fit nowhere or could not be written."""
+        dropped = self._drop_spilled(self.spill.flush_to_disk())
+        self._on_change(self)
+        return dropped
+
     def _drop_spilled(self, keys: list) -> list[Session]:
         dropped = []
         for session_id, epoch in keys:

@@ -172,9 +172,23 @@ class SpillStore:
         item = self._disk.get(key)
         return item.path if item is not None else None
 
-    def close(self) -> None:
+    def flush_to_disk(self) -> list[Hashable]:
+        """Every memory blob to the disk tier, oldest first (a drain: the process is about to end); returns
+        the keys dropped on the way (no room, or a failed write: no file left). The memory tier ends empty."""
+        dropped: list[Hashable] = []
+        while self._ram:
+            key, item = self._pop_oldest(RAM)
+            dropped += self._to_disk(key, item)
+        return dropped
+
+    def close(self, *, keep_files: bool = False) -> None:
+        """Forget every blob; the disk files are removed unless `keep_files` (a drain wrote them to outlast
+        the process)."""
         for key in list(self._disk):
-            self.discard(key)
+            if keep_files:
+                self._tier_bytes[DISK] -= self._disk.pop(key).nbytes
+            else:
+                self.discard(key)
         self._ram.clear()
         self._tier_bytes[RAM] = 0
 

@@ -137,6 +137,7 @@ class SocketTransport:
         self.limits = limits
         self.allowance = ByteAllowance(limits.buffered_request_bytes)
         self.listener = Listener(path, self._on_connection, max_connections=limits.max_connections, hello_timeout_s=limits.handshake_timeout_s)
+        self._senders: set[Send] = set()  # the open connections past their handshake (a farewell goes to each)
 
     async def start(self) -> None:
         prepare_socket_path(self.path)
@@ -212,9 +213,12 @@ class SocketTransport:
             hello = await self._handshake(reader, send)
             if hello is not None:
                 await send(msgspec.structs.replace(self.hello, request_id=hello.request_id))
+                self._senders.add(send)
                 await self._serve_requests(reader, send)
         except FrameTooSlow as slow:
             await self._notify_closing(send, str(slow))
+        finally:
+            self._senders.discard(send)
 
     async def _handshake(self, reader: asyncio.StreamReader, send: Send) -> Hello | None:
         try:
@@ -235,6 +239,12 @@ class SocketTransport:
             await send(ErrorReply(code=ErrorCode.BAD_REQUEST, message=f"the first frame must be Hello with version {PROTOCOL_VERSION}"))
             return None
         return hello
+
+    @staticmethod
+    async def _notify(send: Send, message: Message) -> None:
+        with contextlib.suppress(ConnectionError, TimeoutError):
+            async with asyncio.timeout(CLOSE_TIMEOUT_S):
+                await send(message)
 
     @staticmethod
     async def _notify_closing(send: Send, message: str) -> None:
@@ -297,8 +307,11 @@ class SocketTransport:
         finally:
             free()
 
-    async def close(self) -> None:
-        """Stop accepting, end open connections, remove the socket file."""
+    async def close(self, farewell: Message | None = None) -> None:
+        """Stop accepting, end open connections (each sent `farewell` first, as request 0, when given and
+        the peer reads it within CLOSE_TIMEOUT_S), remove the socket file."""
+        if farewell is not None:
+            await asyncio.gather(*(self._notify(send, farewell) for send in list(self._senders)))
         await self.listener.close()
         with contextlib.suppress(FileNotFoundError):
             self.path.unlink()
