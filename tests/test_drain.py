@@ -346,7 +346,6 @@ def test_a_request_that_may_have_run_is_never_sent_again(model_path, socket_dir,
         daemon.stop()
 
 
-@pytest.mark.skip(reason="TODO(issue 20, item 2): needs adoption of the disk tier by the next daemon; the integrator enables it")
 def test_a_rolling_restart_loses_no_session(model_path, socket_dir, tmp_path, prompt_ids):
     """The drained daemon's parked sessions are adopted by the daemon started next on the same socket and
     spill dir: the client's next append there is restored, bit-identical to a session that never stopped."""

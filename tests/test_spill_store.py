@@ -15,8 +15,9 @@ import pytest
 from kvpool.daemon.books import spill
 from kvpool.daemon.books.integrity import IntegrityError
 from kvpool.daemon.books.spill import CorruptBlob, SpillStore, prepare_disk_dir
+from kvpool.state.header import UNBOUND
 
-MAGIC = b"KVPSPIL1"  # the disk format: every file the store writes starts with these 8 bytes
+OLD_MAGIC = b"KVPSPIL1"  # the disk format before states carried a header: such files are never adopted
 FULL_FS_BYTES = 64 * 1024
 BLOB = bytes(range(256)) * 4  # 1 KiB
 
@@ -89,7 +90,7 @@ def test_a_failing_disk_write_drops_that_blob_alone_and_leaves_no_file(tmp_path,
         assert store.tier_of("c") == "disk" and store.read("c") == BLOB and store.disk_failures == 2
         store.check_integrity({"c", "d"})
         (written,) = own_files(directory)
-        assert (directory / written).read_bytes() == MAGIC + BLOB
+        assert (directory / written).read_bytes() == BLOB
 
         caplog.clear()
         break_writes()
@@ -112,20 +113,20 @@ def test_a_blob_bigger_than_memory_on_a_full_disk_is_dropped_itself(tmp_path):
         store.check_integrity(set())
 
 
-def test_a_disk_file_is_magic_then_the_blob_and_read_back_checks_the_magic(tmp_path):
+def test_a_disk_file_is_the_blob_private_and_read_back_checks_it(tmp_path):
     store = SpillStore(len(BLOB) // 2, disk_dir=tmp_path / "spill", disk_limit_bytes=len(BLOB) * 10)
     assert store.put("x", BLOB) == []
     path = store.path_of("x")
-    assert path.name == "kvpool-00000001.kvstate" and path.read_bytes() == MAGIC + BLOB
+    assert path.name == "kvpool-00000001.kvstate" and path.read_bytes() == BLOB
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
-    path.write_bytes(b"XXXXXXXX" + BLOB)  # the blob intact, the magic not
-    with pytest.raises(CorruptBlob, match="not a kvpool spill file"):
+    path.write_bytes(b"X" + BLOB[1:])  # one byte changed behind the store's back
+    with pytest.raises(CorruptBlob, match="fails its checksum"):
         store.read("x")
     store.close()
 
 
 def test_the_format_and_the_refusal_are_the_stores():
-    assert spill.MAGIC == MAGIC and issubclass(spill.SpillDirRefused, ValueError)
+    assert spill.OLD_MAGIC == OLD_MAGIC and spill.MAGIC == b"KVPSTAT1" and issubclass(spill.SpillDirRefused, ValueError)
 
 
 def test_the_books_of_the_store_catch_a_lost_blob(tmp_path):
@@ -141,34 +142,43 @@ def test_the_books_of_the_store_catch_a_lost_blob(tmp_path):
 
 def ours(directory: pathlib.Path, name: str) -> pathlib.Path:
     path = directory / name
-    path.write_bytes(MAGIC + b"an earlier run's state")
+    path.write_bytes(spill.MAGIC + b"an earlier run's state")
     return path
 
 
-def test_start_up_removes_only_the_stores_own_files(tmp_path):
+def test_start_up_removes_unfinished_writes_and_a_scan_only_the_stores_files_that_do_not_open(tmp_path):
+    """prepare_disk_dir removes `.partial` files of the store's names; scan_disk_dir then removes the store's
+    files that will never be adopted (an older format, a link under its name: the link, never its target)
+    and leaves every file that is not the store's (another name, our name without any kvpool magic, a
+    directory)."""
     directory = tmp_path / "spill"
     directory.mkdir(mode=0o700)
     outside = tmp_path / "outside.kvstate"
-    outside.write_bytes(MAGIC + b"someone's file")
+    outside.write_bytes(spill.MAGIC + b"someone's file")
     kept = {
         "notes.partial": b"a user's notes",
-        "notes.kvstate": MAGIC + b"a name the store never writes",
+        "notes.kvstate": OLD_MAGIC + b"a name the store never writes",
         "kvpool-00000003.kvstate": b"our name, not our format",
-        "00000001.kvstate": MAGIC + b"no prefix",
-        "kvpool-1.kvstate.bak": MAGIC,
+        "00000001.kvstate": OLD_MAGIC + b"no prefix",
+        "kvpool-1.kvstate.bak": OLD_MAGIC,
     }
     for name, data in kept.items():
         (directory / name).write_bytes(data)
     (directory / "kvpool-00000004.kvstate").symlink_to(outside)
     (directory / "kvpool-00000005.kvstate").mkdir()
-    removed = [ours(directory, "kvpool-00000001.kvstate"), directory / "kvpool-00000002.kvstate.partial"]
-    removed[1].write_bytes(b"half a write")
+    older = directory / "kvpool-00000001.kvstate"
+    older.write_bytes(OLD_MAGIC + b"an earlier run's state")
+    partial = directory / "kvpool-00000002.kvstate.partial"
+    partial.write_bytes(b"half a write")
 
     prepare_disk_dir(directory)
+    assert not partial.exists() and older.exists()
+    found, rejected = spill.scan_disk_dir(directory, UNBOUND, 1 << 20)
 
-    assert not any(path.exists() for path in removed)
+    assert found == [] and not older.exists() and not (directory / "kvpool-00000004.kvstate").is_symlink()
+    assert dict(rejected) == {"an older format": 1, "a link or not a regular file": 1, "left alone": 2}
     assert {name: (directory / name).read_bytes() for name in kept} == kept
-    assert (directory / "kvpool-00000004.kvstate").is_symlink() and outside.read_bytes() == MAGIC + b"someone's file"
+    assert outside.read_bytes() == spill.MAGIC + b"someone's file"
     assert (directory / "kvpool-00000005.kvstate").is_dir()
 
 

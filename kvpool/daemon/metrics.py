@@ -31,6 +31,7 @@ COUNTERS = (
     "forks",
     "direct_cancels_forwarded",
     "calibrations",  # charge measurements: at start-up only (an admission never measures)
+    "adopted",  # parked sessions taken over at start-up from the --spill-dir files of an earlier run
     "drains",  # drains started (SIGTERM, Shutdown{drain: true}: kvpool.daemon.drain)
     "drain_parked",  # sessions a drain left parked (on disk with a disk tier)
     "drain_dropped",  # sessions a drain could not keep

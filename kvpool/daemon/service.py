@@ -29,7 +29,8 @@ from kvpool.daemon.admission.parking import Parking
 from kvpool.daemon.pool.pool import WorkerPool
 from kvpool.wire.protocol import Append, AppendReply, Cancel, Done, ErrorCode, Fork, MissReason, Park, Release, ShardDescription, StatsReply, Truncate
 from kvpool.daemon.books.sessions import EpochCheck, Session
-from kvpool.daemon.books.spill import SpillStore
+from kvpool.daemon.books.spill import CorruptBlob, SpillStore
+from kvpool.state.header import UNBOUND, StateIdentity
 from kvpool.daemon.status import build_stats, integrity_of
 from kvpool.daemon.pool.handle import WorkerFailed
 from kvpool.daemon.warm import WarmRequests
@@ -37,13 +38,15 @@ from kvpool.daemon.pool.lifecycle import WorkerLifecycle
 from workers.server.commands import OPEN_FAILED
 
 class KvService:
-    def __init__(self, config: ServeConfig, pool: WorkerPool, shard: ShardDescription, kv_bytes_per_position: int) -> None:
+    def __init__(
+        self, config: ServeConfig, pool: WorkerPool, shard: ShardDescription, kv_bytes_per_position: int, identity: StateIdentity = UNBOUND,
+    ) -> None:
         self.config = config
         self.pool = pool
         self.shard = shard
         self.metrics = Metrics()
         spill = SpillStore(config.spill_limit_bytes, disk_dir=config.spill_dir, disk_limit_bytes=config.spill_disk_budget_bytes)
-        self.books = Books(config.budget_bytes, pool.names(), spill=spill, on_change=self.metrics.show_books, fence_ids=config.fence_ids)
+        self.books = Books(config.budget_bytes, pool.names(), spill=spill, on_change=self.metrics.show_books, fence_ids=config.fence_ids, identity=identity)
         self.metrics.show_books(self.books)
         self.metrics.limit_bytes.set(config.budget_bytes)
         self.vram = VramMeter()
@@ -62,6 +65,32 @@ class KvService:
         self.admission = Admission(config, self.books, pool, self.lifecycle, self.calibrator, self.parking, self.channels, self.gate, self.metrics)
         self.warm = WarmRequests(self.books, self.gate, self.parking, pool, self.lifecycle, self.metrics)
         self.housekeeper = Housekeeper(config, self.books, pool, self.lifecycle, self.parking, self.channels, self.metrics)
+
+    def _reseal(self, session: Session) -> None:
+        """A parked session's stored state says its new length (a daemon adopting the file believes it)."""
+        try:
+            dropped = self.books.reseal(session)
+        except CorruptBlob as error:
+            self.books.forget(session, MissReason.RESTORE_FAILED)
+            self.metrics.count("restore_failures")
+            raise RequestFailed(ErrorCode.CACHE_MISS, f"the session's saved state is damaged: {error}", reason=MissReason.RESTORE_FAILED) from None
+        self.metrics.count("spill_drops", len(dropped))
+        if session in dropped:
+            raise self.gate.miss(session.session_id, session.epoch, "the truncated state could not be kept")
+
+    def adopt_saved_states(self) -> str:
+        """The --spill-dir files of an earlier run whose identity is this daemon's become parked sessions;
+        every other file of the store's is removed. Returns the one log line that says what happened."""
+        found, rejected = self.books.spill.scan(self.books.sealing.identity)
+        adopted, left_out = self.books.adopt(found, max_n_ctx=self.config.n_ctx)
+        rejected.update(left_out)
+        self.metrics.count("adopted", len(adopted))
+        removed = ", ".join(f"{count} {reason}" for reason, count in sorted(rejected.items()))
+        return (
+            f"adopted {len(adopted)} parked sessions from {self.config.spill_dir}"
+            + (f" ({sum(session.length for session in adopted)} positions)" if adopted else "")
+            + (f"; not adopted: {removed}" if rejected else "")
+        )
 
     def check_integrity(self) -> None:
         self.books.check_integrity()
@@ -156,6 +185,7 @@ class KvService:
                 raise RequestFailed(ErrorCode.POSITION_MISMATCH, f"cannot truncate to {request.length}: length is {session.length}", length=session.length)
             if not session.hot:
                 session.length = request.length  # the saved state is cut to this length when restored
+                self._reseal(session)
                 self.metrics.count("truncates")
                 return Done(length=session.length, session_id=session.session_id, epoch=session.epoch, detail="parked")
             async with self.lifecycle.worker_call(session, refused="truncate failed"):

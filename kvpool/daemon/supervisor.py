@@ -26,6 +26,7 @@ from kvpool.daemon.config import ServeConfig
 
 from kvpool.host import format_bytes
 from kvpool.wire.errors import RequestFailed
+from kvpool.daemon.books.sealing import shard_identity
 from kvpool.shard.header import ShardInfo, read_shard_info
 from kvpool.daemon.pool.pool import WorkerPool
 from kvpool.wire.protocol import (
@@ -161,8 +162,11 @@ class Supervisor:
                 return
             self.notifier.status(f"{config.worker_processes} workers started; probing charges")
             shard = ShardDescription(shape=ready.shape, model_path=str(config.model), source_sha256=info.source_sha256 or "")
-            self.service = service = KvService(config, pool, shard, ready.kv_bytes_per_position)
+            identity = shard_identity(info, flash_attn=config.flash_attn, kv_bytes_per_position=ready.kv_bytes_per_position)
+            self.service = service = KvService(config, pool, shard, ready.kv_bytes_per_position, identity)
             service.mode_reason = mode_reason
+            if config.spill_dir is not None:
+                self._announce(service.adopt_saved_states())
             self.drain = Drain(service, config.drain_timeout_s, self._announce)  # before the socket: every request is seen
             service.admission.refuse_new = self.drain.refuse_new
             fit = await service.calibrator.calibrate(config.n_ctx)

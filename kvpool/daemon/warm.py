@@ -65,12 +65,12 @@ class WarmRequests:
         self._refuse_existing(request)
         self.gate.require_current(request.session_id, request.epoch)  # nothing of a stale source seeds a fork
         self.gate.require_current(request.new_session_id, request.new_epoch)  # a higher epoch seen while it waited
-        if not self.books.spill.fits(len(blob)):
-            raise RequestFailed(ErrorCode.OVER_BUDGET, f"the source's state ({len(blob)} bytes) does not fit in the spill store")
         fork = Session(
             session_id=request.new_session_id, epoch=request.new_epoch, n_ctx=source.n_ctx, charged_bytes=source.charged_bytes,
             worker_name="", length=request.length, last_used=time.monotonic(),
         )
+        if not self.books.spill.fits(self.books.sealing.size(fork, len(blob))):
+            raise RequestFailed(ErrorCode.OVER_BUDGET, f"the source's state ({len(blob)} bytes) does not fit in the spill store")
         dropped = self.books.add_parked(fork, blob)
         self.metrics.count("forks")
         self.metrics.count("spill_drops", len(dropped))
@@ -89,7 +89,7 @@ class WarmRequests:
                 raise RequestFailed(ErrorCode.POSITION_MISMATCH, f"cannot fork {length} positions: the source holds {source.length}", length=source.length)
             if not source.hot:
                 try:
-                    return self.books.spill.read(source.key)
+                    return self.books.read_blob(source)
                 except CorruptBlob as error:
                     await self.lifecycle.drop(source, MissReason.RESTORE_FAILED)
                     self.metrics.count("restore_failures")

@@ -63,6 +63,7 @@ class MissReason(enum.StrEnum):
     NEW_EPOCH = "new_epoch"
     RELEASED = "released"
     RESTORE_FAILED = "restore_failed"
+    IDENTITY_MISMATCH = "identity_mismatch"  # the saved state is another shard's, build's or KV layout's: refused before llama.cpp
 
 
 class OutputRows(enum.StrEnum):

@@ -141,7 +141,7 @@ class Admission:
         try:
             blob = self.books.take_blob(session)
         except CorruptBlob as error:
-            raise self._restore_failed(session, error) from None
+            raise self._restore_failed(session, error, MissReason.IDENTITY_MISMATCH if error.mismatch else MissReason.RESTORE_FAILED) from None
 
         def still_parked() -> None:
             self.gate.check_live(session)
@@ -164,12 +164,13 @@ class Admission:
         self._free_later(self.books.forget(session, MissReason.UNKNOWN))
         return RequestFailed(ErrorCode.OVER_BUDGET, f"could not create the context: {failure}")
 
-    def _restore_failed(self, session: Session, why: object) -> RequestFailed:
-        """The session ends alone (restore_failed); its worker, which may hold the refused context, is freed."""
-        self._free_later(self.books.forget(session, MissReason.RESTORE_FAILED))
+    def _restore_failed(self, session: Session, why: object, reason: MissReason = MissReason.RESTORE_FAILED) -> RequestFailed:
+        """The session ends alone (restore_failed, or identity_mismatch for a state another daemon saved);
+        its worker, which may hold the refused context, is freed."""
+        self._free_later(self.books.forget(session, reason))
         self.metrics.count("restore_failures")
-        self.metrics.count_miss(MissReason.RESTORE_FAILED)
-        return RequestFailed(ErrorCode.CACHE_MISS, f"the session's saved state could not be restored: {why}", reason=MissReason.RESTORE_FAILED)
+        self.metrics.count_miss(reason)
+        return RequestFailed(ErrorCode.CACHE_MISS, f"the session's saved state could not be restored: {why}", reason=reason)
 
     def _free_later(self, worker: str | None) -> None:
         if worker is not None:

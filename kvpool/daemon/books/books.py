@@ -11,6 +11,8 @@ reserved bytes are exactly the hot sessions' charges; the stored blobs are exact
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -18,8 +20,10 @@ from dataclasses import dataclass
 from kvpool.daemon.books.budget import ByteBudget
 from kvpool.daemon.books.integrity import require
 from kvpool.wire.protocol import MissReason
+from kvpool.daemon.books.sealing import StateSeal, monotonic_of
 from kvpool.daemon.books.sessions import Session, SessionTable
-from kvpool.daemon.books.spill import SpillStore
+from kvpool.daemon.books.spill import FoundFile, SpillStore
+from kvpool.state.header import UNBOUND, StateIdentity
 
 Usable = Callable[[str], bool]
 
@@ -36,12 +40,13 @@ class AdmissionPlan:
 class Books:
     def __init__(
         self, budget_bytes: int, workers: Iterable[str], *, spill: SpillStore | None = None, on_change: Callable[[Books], None] | None = None,
-        fence_ids: int = 65536,
+        fence_ids: int = 65536, identity: StateIdentity = UNBOUND,
     ) -> None:
         self._on_change = on_change or (lambda _books: None)  # after every change of a session (gauges)
         self.table = SessionTable(remembered_ids=fence_ids)
         self.budget = ByteBudget(budget_bytes)
         self.spill = spill if spill is not None else SpillStore(0)
+        self.sealing = StateSeal(identity)  # every state in the store carries this daemon's identity
         self._restoring: dict[tuple[str, int], int] = {}  # parked sessions whose blob left the store to be restored: its size
         self._free: list[str] = list(workers)
         self._bound: dict[str, Session] = {}
@@ -126,16 +131,29 @@ class Books:
         drops it); raises CorruptBlob (the blob is then gone too). put_back_blob or unpark follows."""
         require(not session.hot and session.key not in self._restoring, "only a parked session's blob is taken")
         try:
-            blob = self.spill.read(session.key)
+            blob = self.sealing.open(session, self.spill.read(session.key))
         finally:
             self.spill.discard(session.key)
         self._restoring[session.key] = len(blob)
         return blob
 
+    def read_blob(self, session: Session) -> bytes:
+        """A parked session's state, checked and unwrapped; it stays stored. Raises CorruptBlob."""
+        return self.sealing.open(session, self.spill.read(session.key))
+
+    def reseal(self, session: Session) -> list[Session]:
+        """A parked session's stored state is written again under its current length (a truncate cut it:
+        what a later daemon adopts must say so); returns the sessions dropped for room. Raises CorruptBlob."""
+        blob = self.read_blob(session)
+        self.spill.discard(session.key)
+        dropped = self._drop_spilled(self.spill.put(session.key, self.sealing.seal(session, blob)))
+        self._on_change(self)
+        return dropped
+
     def put_back_blob(self, session: Session, blob: bytes) -> list[Session]:
         """A restore that could not start: the blob goes back (newest); returns the sessions dropped for room."""
         del self._restoring[session.key]
-        dropped = self._drop_spilled(self.spill.put(session.key, blob))
+        dropped = self._drop_spilled(self.spill.put(session.key, self.sealing.seal(session, blob)))
         self._on_change(self)
         return dropped
 
@@ -171,17 +189,58 @@ class Books:
         self._in_transit.add(worker)
         self.budget.release(session.key)
         session.worker_name = ""
-        dropped = self._drop_spilled(self.spill.put(session.key, blob))
+        dropped = self._drop_spilled(self.spill.put(session.key, self.sealing.seal(session, blob)))
         self._on_change(self)
         return worker, dropped
 
     def add_parked(self, session: Session, blob: bytes) -> list[Session]:
         """A new live session that starts parked (a fork); returns the sessions dropped for room."""
-        require(not session.hot and self.spill.fits(len(blob)), "a parked session needs a blob the store can hold")
+        sealed = self.sealing.seal(session, blob)
+        require(not session.hot and self.spill.fits(len(sealed)), "a parked session needs a blob the store can hold")
         self.table.add(session)
-        dropped = self._drop_spilled(self.spill.put(session.key, blob))
+        dropped = self._drop_spilled(self.spill.put(session.key, sealed))
         self._on_change(self)
         return dropped
+
+    def adopt(self, found: list[FoundFile], *, max_n_ctx: int) -> tuple[list[Session], collections.Counter]:
+        """Files an earlier run left (kvpool.daemon.books.spill.scan_disk_dir) become parked sessions: the
+        highest epoch per session id (then the latest saved), newest used first while the disk tier has
+        room, each at its saved epoch, length and last use. Returns them and the count of the files left
+        out by reason (those files are removed)."""
+        left_out: collections.Counter = collections.Counter()
+        best: dict[str, FoundFile] = {}
+        for item in found:
+            header = item.header
+            if not 0 <= header.length <= header.n_ctx <= max_n_ctx:
+                self._remove_left_out(item, left_out, f"n_ctx beyond --n-ctx {max_n_ctx}")
+                continue
+            kept = best.get(header.session_id)
+            if kept is None or (header.epoch, header.saved_at) > (kept.header.epoch, kept.header.saved_at):
+                if kept is not None:
+                    self._remove_left_out(kept, left_out, "an older epoch of its session")
+                best[header.session_id] = item
+            else:
+                self._remove_left_out(item, left_out, "an older epoch of its session")
+        adopted = []
+        for item in sorted(best.values(), key=lambda item: item.header.last_used, reverse=True):
+            header = item.header
+            session = Session(
+                session_id=header.session_id, epoch=header.epoch, n_ctx=header.n_ctx, charged_bytes=0, worker_name="",
+                length=header.length, last_used=monotonic_of(header.last_used),
+            )
+            if not self.spill.adopt(session.key, item):
+                self._remove_left_out(item, left_out, "no room in --spill-disk-budget")
+                continue
+            self.table.add(session)
+            adopted.append(session)
+        self._on_change(self)
+        return adopted, left_out
+
+    @staticmethod
+    def _remove_left_out(item: FoundFile, left_out: collections.Counter, reason: str) -> None:
+        left_out[reason] += 1
+        with contextlib.suppress(OSError):
+            item.path.unlink()
 
     def persist_parked(self) -> list[Session]:
         """Every parked state held in memory goes to the disk tier (a drain); returns the sessions dropped

@@ -3,9 +3,12 @@
 Each tier has a byte limit and keeps its blobs least recently stored first. A blob that does not fit in
 memory pushes the oldest memory blobs to disk (when the disk tier is on and has room) or drops them; a
 dropped blob's session is gone (the caller turns it into a cache miss). Every blob carries a CRC-32
-checked when it is read back. A disk file is MAGIC then the blob, written under a temporary name, then
-renamed; a write that fails (the file system full, an I/O error) drops that blob alone, leaves no file
-behind, and is counted in `disk_failures` (logged once per run of failures).
+checked when it is read back. A blob is a sealed state (kvpool.state.header: it begins with its MAGIC and
+ends with a CRC-32C); a disk file is the blob, written durably: under a temporary name, fsync'd, renamed,
+and the directory fsync'd. A write that fails (the file system full, an I/O error) drops that blob alone,
+leaves no file behind, and is counted in `disk_failures` (logged once per run of failures). Files survive
+the process unless it removes them (an immediate stop does; a drain and a crash leave them), and a store
+started on the directory lists them for adoption (`scan_disk_dir`).
 """
 
 from __future__ import annotations
@@ -21,10 +24,11 @@ import zlib
 from collections.abc import Hashable
 
 from kvpool.daemon.books.integrity import require
+from kvpool.state.header import MAGIC, StateHeader, StateIdentity, StateRejected, open_state
 
 RAM = "ram"
 DISK = "disk"
-MAGIC = b"KVPSPIL1"  # the first bytes of every disk file: start-up removes only .kvstate files that carry it
+OLD_MAGIC = b"KVPSPIL1"  # the files of kvpool before states carried a header: never adopted, removed
 FILE_PREFIX, FILE_SUFFIX, PARTIAL_SUFFIX = "kvpool-", ".kvstate", ".partial"
 OWN_FILE = re.compile(re.escape(FILE_PREFIX) + r"\d+" + re.escape(FILE_SUFFIX))  # every name the store writes, `.partial` aside
 
@@ -32,7 +36,12 @@ log = logging.getLogger("kvpool.serve")
 
 
 class CorruptBlob(Exception):
-    """A stored blob could not be read back intact (checksum, size, magic, or the file is gone)."""
+    """A stored blob could not be read back intact (checksum, size, magic, or the file is gone), or it is
+    another daemon's (`mismatch`: its identity differs, kvpool.daemon.books.sealing)."""
+
+    def __init__(self, message: str, *, mismatch: bool = False) -> None:
+        super().__init__(message)
+        self.mismatch = mismatch
 
 
 class SpillDirRefused(ValueError):
@@ -120,6 +129,9 @@ class SpillStore:
             dropped.append(oldest)
         self._file_number += 1
         path = self.disk_dir / f"{FILE_PREFIX}{self._file_number:08d}{FILE_SUFFIX}"
+        while path.exists():  # a file kept from an earlier run, not adopted: never overwritten
+            self._file_number += 1
+            path = self.disk_dir / f"{FILE_PREFIX}{self._file_number:08d}{FILE_SUFFIX}"
         try:
             _write_file(path, item.data or b"")
         except OSError as error:
@@ -157,6 +169,21 @@ class SpillStore:
         if len(data) != item.nbytes or zlib.crc32(data) != item.crc32:
             raise CorruptBlob(f"the stored state of {key!r} fails its checksum ({len(data)} of {item.nbytes} bytes)")
         return data
+
+    def scan(self, identity: StateIdentity) -> tuple[list[FoundFile], collections.Counter]:
+        """The files of an earlier run that open with `identity`, and the others counted by reason (removed)."""
+        if self.disk_dir is None:
+            return [], collections.Counter()
+        return scan_disk_dir(self.disk_dir, identity, self.disk_limit)
+
+    def adopt(self, key: Hashable, found: FoundFile) -> bool:
+        """A file of an earlier run (scan_disk_dir) joins the disk tier as the newest blob; False, leaving it
+        out, when it does not fit the disk limit."""
+        require(key not in self, f"{key!r} is already stored")
+        if self.disk_dir is None or self.disk_bytes + found.nbytes > self.disk_limit:
+            return False
+        self._add(DISK, key, Stored(found.nbytes, found.crc32, None, found.path))
+        return True
 
     def discard(self, key: Hashable) -> int:
         """Drop a blob if stored (idempotent); returns its size."""
@@ -205,23 +232,33 @@ class SpillStore:
 
 
 def _write_file(path: pathlib.Path, data: bytes) -> None:
-    """MAGIC + data at `path`, complete or not at all: on any failure the temporary file is removed."""
+    """`data` at `path`, complete or not at all, and durable once this returns: written under a temporary
+    name, fsync'd, renamed, the directory fsync'd. On any failure the temporary file is removed."""
     partial = path.with_name(path.name + PARTIAL_SUFFIX)
     descriptor = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         with os.fdopen(descriptor, "wb") as stream:
-            stream.write(MAGIC)
             stream.write(data)
+            stream.flush()
+            os.fsync(stream.fileno())
         os.replace(partial, path)
     except BaseException:
         _unlink(partial)
         raise
+    _fsync_directory(path.parent)
+
+
+def _fsync_directory(directory: pathlib.Path) -> None:
+    descriptor = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
 
 
 def _read_file(path: pathlib.Path) -> bytes:
-    with open(path, "rb") as stream:
-        if stream.read(len(MAGIC)) != MAGIC:
-            raise CorruptBlob(f"{path} is not a kvpool spill file")
+    descriptor = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)  # a file swapped for a link is not followed
+    with os.fdopen(descriptor, "rb") as stream:
         return stream.read()
 
 
@@ -254,8 +291,8 @@ def check_disk_dir(directory: pathlib.Path) -> None:
 
 
 def prepare_disk_dir(directory: pathlib.Path) -> None:
-    """Check (check_disk_dir) and create (0700) the user's spill directory, then delete the files an
-    earlier run of a store left there (never trusted); every other file stays. Raises SpillDirRefused."""
+    """Check (check_disk_dir) and create (0700) the user's spill directory, then delete the temporary files
+    of writes an earlier run did not finish; its finished files are for scan_disk_dir. Raises SpillDirRefused."""
     directory = directory.absolute()
     check_disk_dir(directory)
     try:
@@ -267,7 +304,7 @@ def prepare_disk_dir(directory: pathlib.Path) -> None:
     try:
         _check_private(directory, os.fstat(descriptor))  # the directory opened, not the name checked
         os.fchmod(descriptor, 0o700)
-        _remove_own_leftovers(descriptor)
+        _remove_partials(descriptor)
     except OSError as error:
         raise SpillDirRefused(f"--spill-dir {directory}: {error.strerror or error}") from None
     finally:
@@ -299,24 +336,78 @@ def _check_parents(directory: pathlib.Path) -> None:
             raise SpillDirRefused(f"--spill-dir {directory}: its parent {parent} is writable by others without the sticky bit")
 
 
-def _remove_own_leftovers(directory_fd: int) -> None:
-    """Delete what a store wrote: `kvpool-N.kvstate.partial` files, and `kvpool-N.kvstate` files that
-    start with MAGIC. Anything else (another name, another format, a link, a directory) stays."""
+def _remove_partials(directory_fd: int) -> None:
+    """Delete the temporary files of writes an earlier run did not finish: never adopted."""
     with os.scandir(directory_fd) as entries:
-        candidates = [
+        partials = [
             entry.name for entry in entries
-            if OWN_FILE.fullmatch(entry.name.removesuffix(PARTIAL_SUFFIX)) and entry.is_file(follow_symlinks=False)
+            if entry.name.endswith(PARTIAL_SUFFIX) and OWN_FILE.fullmatch(entry.name.removesuffix(PARTIAL_SUFFIX))
+            and entry.is_file(follow_symlinks=False)
         ]
+    for name in partials:
+        os.unlink(name, dir_fd=directory_fd)
+
+
+# ---- adoption -----------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class FoundFile:
+    """A state file of an earlier run that opens here: its header says whose state it is."""
+
+    path: pathlib.Path
+    header: StateHeader
+    nbytes: int
+    crc32: int
+
+
+REJECTED_REASONS = {
+    "identity": "another shard, build or KV layout", "checksum": "corrupt", "truncated": "truncated",
+    "header": "corrupt", "version": "another format version", "owner": "corrupt",
+}
+
+
+def scan_disk_dir(directory: pathlib.Path, identity: StateIdentity, max_file_bytes: int) -> tuple[list[FoundFile], collections.Counter]:
+    """The store's files in `directory` that open with `identity` (checksum, framing, identity), and the
+    count of the others by reason, each of those removed: a link or special file under one of the store's
+    names (never followed), a file of the older format, truncated, corrupt, of another shard, build or
+    layout, or larger than the disk limit. A file under the store's name without any kvpool magic is not
+    the store's: it stays, counted as "left alone"."""
+    found: list[FoundFile] = []
+    rejected: collections.Counter = collections.Counter()
+    with os.scandir(directory) as entries:
+        candidates = sorted(entry.name for entry in entries if OWN_FILE.fullmatch(entry.name))
     for name in candidates:
-        if name.endswith(PARTIAL_SUFFIX) or _starts_with_magic(name, directory_fd):
-            os.unlink(name, dir_fd=directory_fd)
+        path = directory / name
+        reason, item = _examine(path, identity, max_file_bytes)
+        if item is not None:
+            found.append(item)
+            continue
+        rejected[reason] += 1
+        if reason != "left alone":
+            try:
+                _unlink(path)
+            except OSError:
+                pass  # counted all the same; it is never adopted
+    return found, rejected
 
 
-def _starts_with_magic(name: str, directory_fd: int) -> bool:
-    """False for a file that cannot be read: not identified as the store's, it stays."""
+def _examine(path: pathlib.Path, identity: StateIdentity, max_file_bytes: int) -> tuple[str, FoundFile | None]:
     try:
-        descriptor = os.open(name, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=directory_fd)
-    except OSError:
-        return False
-    with os.fdopen(descriptor, "rb") as stream:
-        return stream.read(len(MAGIC)) == MAGIC
+        info = path.lstat()
+        if not stat.S_ISREG(info.st_mode):
+            return ("a link or not a regular file" if not stat.S_ISDIR(info.st_mode) else "left alone"), None
+        if info.st_size > max_file_bytes:
+            return "larger than --spill-disk-budget", None
+        data = _read_file(path)
+    except OSError as error:
+        return f"unreadable ({error.strerror or error})", None
+    if data.startswith(OLD_MAGIC):
+        return "an older format", None
+    if not data.startswith(MAGIC):
+        return "left alone", None
+    try:
+        header, _payload = open_state(data, identity)
+    except StateRejected as rejected:
+        return REJECTED_REASONS.get(rejected.reason, rejected.reason), None
+    return "", FoundFile(path, header, len(data), zlib.crc32(data))

@@ -1,0 +1,69 @@
+"""How the books wrap a session's llama.cpp state for the spill store, and unwrap it: every stored state
+carries kvpool.state.header's header (this daemon's identity, the session, its length, when it was saved and
+last used) under a CRC-32C. A state that does not open here (another shard, build or layout; a failed
+checksum; another session's) raises CorruptBlob and never reaches a worker."""
+
+from __future__ import annotations
+
+import time
+
+import llama_cpp
+
+from kvpool.daemon.books.sessions import Session
+from kvpool.daemon.books.spill import CorruptBlob
+from kvpool.shard.header import ShardInfo, file_sha256
+from kvpool.state.header import FORMAT_VERSION, IDENTITY, OWNER, StateHeader, StateIdentity, StateRejected, open_state, seal, sealed_size
+
+
+def wall_clock_of(monotonic_s: float) -> float:
+    """time.time() of a time.monotonic() reading (the books keep monotonic times, headers wall-clock ones)."""
+    return time.time() - max(time.monotonic() - monotonic_s, 0.0)
+
+
+def monotonic_of(wall_s: float) -> float:
+    """time.monotonic() of a wall-clock time (never later than now: a clock set back does not revive it)."""
+    return time.monotonic() - max(time.time() - wall_s, 0.0)
+
+
+class StateSeal:
+    def __init__(self, identity: StateIdentity) -> None:
+        self.identity = identity
+
+    def _header(self, session: Session, payload_bytes: int) -> StateHeader:
+        return StateHeader(
+            version=FORMAT_VERSION, identity=self.identity, session_id=session.session_id, epoch=session.epoch,
+            length=session.length, n_ctx=session.n_ctx, saved_at=time.time(), last_used=wall_clock_of(session.last_used),
+            payload_bytes=payload_bytes,
+        )
+
+    def seal(self, session: Session, payload: bytes) -> bytes:
+        return seal(self._header(session, len(payload)), payload)
+
+    def size(self, session: Session, payload_bytes: int) -> int:
+        """The stored size of a payload of `payload_bytes` sealed for `session`."""
+        return sealed_size(self._header(session, payload_bytes))
+
+    def open(self, session: Session, data: bytes) -> bytes:
+        """The payload of `session`'s stored state; raises CorruptBlob (`mismatch` when the state is another
+        daemon's: its identity differs)."""
+        try:
+            header, payload = open_state(data, self.identity)
+            if (header.session_id, header.epoch) != session.key or header.length < session.length:
+                raise StateRejected(OWNER, f"the stored state is {header.session_id!r} epoch {header.epoch} of {header.length} positions")
+        except StateRejected as rejected:
+            raise CorruptBlob(f"{rejected} ({rejected.reason})", mismatch=rejected.reason == IDENTITY) from None
+        return payload
+
+
+def shard_identity(info: ShardInfo, *, flash_attn: bool, kv_bytes_per_position: int) -> StateIdentity:
+    """This daemon's identity: its shard file (hashed once at start), the source it was cut from, the
+    llama.cpp build and the cache layout of kvpool's contexts (workers.runtime.params keeps llama.cpp's
+    default K/V types)."""
+    defaults = llama_cpp.llama_context_default_params()
+    shape = info.shape
+    return StateIdentity(
+        source_sha256=info.source_sha256 or "", layer_start=shape.layer_start, layer_stop=shape.layer_stop,
+        lookahead_layers=info.lookahead_layers, shard_sha256=file_sha256(info.path),
+        llama_build=f"llama-cpp-python {llama_cpp.__version__}", type_k=int(defaults.type_k), type_v=int(defaults.type_v),
+        flash_attn=flash_attn, kv_bytes_per_position=kv_bytes_per_position,
+    )
