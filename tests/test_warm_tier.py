@@ -12,7 +12,8 @@ import pytest
 from kvpool.client.client import KvpoolError
 from kvpool.launcher import Daemon, DaemonStartFailed
 from tests.daemons import START_HANG_GUARD_S, DaemonProcess, in_thread, joined, stopped, wait_until
-from tests.test_spill_store import MAGIC, failing_writes, own_files
+from kvpool.daemon.books.spill import MAGIC
+from tests.test_spill_store import OLD_MAGIC, failing_writes, own_files
 from workers.runtime.model import ShardModel
 
 N_CTX = 256
@@ -224,7 +225,7 @@ def _own_files(spill_dir):
 def test_the_disk_tier_checks_every_blob_and_removes_only_its_own_files(model_path, socket_dir, tmp_path, whole, prompt_ids):
     spill_dir = tmp_path / "spill"
     spill_dir.mkdir(mode=0o700)
-    (spill_dir / "kvpool-00000001.kvstate").write_bytes(MAGIC + b"left by an earlier run")
+    (spill_dir / "kvpool-00000001.kvstate").write_bytes(OLD_MAGIC + b"left by an earlier run of the older format")
     (spill_dir / "kvpool-00000002.kvstate.partial").write_bytes(b"half a write of an earlier run")
     for name, data in NOT_OURS.items():
         (spill_dir / name).write_bytes(data)

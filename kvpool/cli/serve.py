@@ -65,6 +65,7 @@ def define_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lifeline-fd", type=int, help="an inherited pipe's read end: the daemon shuts down when it reaches end-of-file, i.e. when the program that started it is gone (kvpool's launcher passes it)")
     parser.add_argument("--spill-budget", help="bytes of parked sessions' saved states kept in memory (the warm tier): an evicted or parked session is restored exactly by its next append instead of a cache miss; 0 turns the tier off (default: equal to --budget)")
     parser.add_argument("--park-after", type=float, help=f"park a session idle this many seconds even when nobody needs its place; 0: only when its place is needed (default {DEFAULTS['park_after_s']:g})")
+    parser.add_argument("--persist-after", type=float, metavar="S", help="with --spill-dir: write a copy of a hot session's state to the disk tier once it has been idle S seconds (it stays hot; written again after it grows): after a crash the next daemon adopts it, and the router replays only the tokens since (default: never)")
     parser.add_argument("--spill-dir", type=pathlib.Path, help="the disk tier: a private directory (created 0700; a symlink or a directory others can write is refused) for saved states pushed out of memory; the store's own files of an earlier run are deleted at start, nothing else (needs --spill-disk-budget)")
     parser.add_argument("--spill-disk-budget", help="bytes of saved states kept in --spill-dir")
     parser.add_argument("--no-direct", dest="direct", action="store_false", default=None, help="no direct channels: every append goes through the supervisor (by default a client that asks gets its session's worker's channel, and its appends skip the supervisor)")
@@ -99,6 +100,7 @@ OPTIONS = {
     "memory_margin": ("memory_margin_bytes", parse_bytes),
     "spill_budget": ("spill_budget_bytes", lambda text: 0 if text.strip() == "0" else parse_bytes(text)),
     "park_after": ("park_after_s", float),
+    "persist_after": ("persist_after_s", float),
     "spill_dir": ("spill_dir", pathlib.Path.absolute),
     "spill_disk_budget": ("spill_disk_budget_bytes", parse_bytes),
     "metrics_port": ("metrics_port", int),

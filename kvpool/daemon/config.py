@@ -44,6 +44,7 @@ class ServeConfig:
     verbose: bool = False
     spill_budget_bytes: int | None = None  # the warm tier's memory limit; None: equal to budget_bytes, 0: off
     park_after_s: float = 0.0  # park hot sessions idle this long (0: only when their place is needed)
+    persist_after_s: float | None = None  # copy hot sessions idle this long to the disk tier (None: never)
     spill_dir: pathlib.Path | None = None  # the disk tier (opt-in, with spill_disk_budget_bytes)
     spill_disk_budget_bytes: int = 0
     direct: bool = True  # each worker offers a direct channel to clients that ask for it (process mode)
@@ -92,6 +93,8 @@ class ServeConfig:
             problems.append("--spill-budget must be >= 0")
         if self.park_after_s < 0:
             problems.append("--park-after must be >= 0")
+        if self.persist_after_s is not None and (self.persist_after_s < 0 or self.spill_dir is None):
+            problems.append("--persist-after needs --spill-dir and must be >= 0")
         if (self.spill_dir is None) != (self.spill_disk_budget_bytes == 0):
             problems.append("--spill-dir and --spill-disk-budget go together")
         if self.spill_dir is not None:

@@ -1,5 +1,5 @@
 """Housekeeping, run periodically by the supervisor: idle sessions past the TTL expire (in any tier), hot
-sessions idle past --park-after are parked, free workers that died are replaced, and workers whose measured memory drifted above their charge are recycled when idle."""
+sessions idle past --park-after are parked, hot sessions idle past --persist-after are copied to disk, free workers that died are replaced, and workers whose measured memory drifted above their charge are recycled when idle."""
 
 from __future__ import annotations
 
@@ -42,6 +42,16 @@ class Housekeeper:
         for session in self.books.table.expired(time.monotonic(), self.config.park_after_s):
             if session.hot and await self.parking.park(session):
                 self.metrics.count("parks")
+
+    async def persist_idle(self) -> None:
+        """Write behind a copy of every hot session idle for --persist-after seconds whose length changed
+        since its last copy (with --spill-dir)."""
+        if self.config.persist_after_s is None or self.config.spill_dir is None:
+            return
+        self.channels.refresh()
+        for session in self.books.table.expired(time.monotonic(), self.config.persist_after_s):
+            if session.hot:
+                await self.parking.persist(session)
 
     async def kill_stalled_direct(self) -> None:
         """A worker serving a direct channel that has not answered for --request-timeout (computing one

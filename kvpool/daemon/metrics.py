@@ -32,6 +32,8 @@ COUNTERS = (
     "direct_cancels_forwarded",
     "calibrations",  # charge measurements: at start-up only (an admission never measures)
     "adopted",  # parked sessions taken over at start-up from the --spill-dir files of an earlier run
+    "persisted",  # copies of hot sessions written behind to the disk tier (--persist-after)
+    "persist_failures",  # copies not written (no room beside the parked states, a failed write or save)
     "drains",  # drains started (SIGTERM, Shutdown{drain: true}: kvpool.daemon.drain)
     "drain_parked",  # sessions a drain left parked (on disk with a disk tier)
     "drain_dropped",  # sessions a drain could not keep

@@ -188,6 +188,9 @@ class KvService:
                 self._reseal(session)
                 self.metrics.count("truncates")
                 return Done(length=session.length, session_id=session.session_id, epoch=session.epoch, detail="parked")
+            if request.length < session.persisted_length:  # its copy on disk holds positions it no longer has
+                self.books.spill.drop_behind(session.key)
+                session.persisted_length = -1
             async with self.lifecycle.worker_call(session, refused="truncate failed"):
                 session.length = await self.pool.get(session.worker_name).truncate(request.length)
             self.metrics.count("truncates")

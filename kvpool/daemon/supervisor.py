@@ -269,6 +269,7 @@ class Supervisor:
             try:
                 await service.housekeeper.expire_idle()
                 await service.housekeeper.park_idle()
+                await service.housekeeper.persist_idle()
                 await service.housekeeper.kill_stalled_direct()
                 await service.housekeeper.replace_dead_free_workers()
                 if tick % MEMORY_CHECK_EVERY == 0:

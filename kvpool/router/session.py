@@ -1,11 +1,12 @@
 """One session through kvpool.router.router: its appends walk a route of shard daemons, and what a failure
 means is decided here, in one place:
 
-- cache_miss (any daemon), worker_lost, ConnectionLost: replay. Release the session's epoch on every
+- cache_miss (any daemon), worker_lost: replay. Release the session's epoch on every
   daemon, take epoch + 1, and send the session's token ids again from position 0, then the append.
 - position_mismatch naming a length shorter than the append's start (a daemon adopted the session's state
-  as written behind at that length, after a crash): tail replay. Truncate every daemon to the shortest
-  length one holds, send the tokens from there on (the same partition), then the append; the same epoch.
+  as written behind at that length, after a crash), or a lost connection: tail replay. Truncate every
+  daemon to the shortest length one holds, send the tokens from there on (the same partition), then the
+  append; the same epoch. A daemon that holds nothing answers that truncate cache_miss: a full replay.
   stale_epoch below a daemon's epoch floor (it forgot the id, kvpool.daemon.books.sessions): the same, at the floor.
 - over_budget: back off (the reply's `retry_after_s` when it has one, else exponential with jitter,
   bounded) and ask the same daemon again, until `over_budget_give_up_s`.
@@ -147,12 +148,14 @@ class RoutedSession:
                     self._replay_tail()
                 result = self._walk(start, tokens, output_rows, sampling)
             except (StageFailed, ConnectionLost) as failure:
-                if self._holds_less(failure, start):
-                    self._count("position_mismatches")
-                    self._tail_from = min(failure.length, self._tail_from if self._tail_from is not None else failure.length)
+                tail = self._tail_for(failure, start)
+                if tail is not None:
+                    self._tail_from = min(tail, self._tail_from if self._tail_from is not None else tail)
                     failures += 1
                     if failures > self.policy.max_replays:
                         raise RecoveryFailed(f"{self.session_id}: {failures} failures in a row, the last: {failure}") from failure
+                    if failures > 1:
+                        self._in_flight.pause(self.policy.delay_s(failures - 2, self._rng))
                     continue
                 counter = replay_counter(failure)
                 if counter is None:
@@ -210,10 +213,20 @@ class RoutedSession:
                 self._in_flight.pause(min(left, self.policy.delay_s(attempt, self._rng, getattr(failure.reply, "retry_after_s", None))))
                 attempt += 1
 
-    @staticmethod
-    def _holds_less(failure: StageFailed | ConnectionLost, start: int) -> bool:
-        """A daemon answered that it holds fewer of the session's tokens than the router sent it before."""
-        return isinstance(failure, StageFailed) and failure.code == ErrorCode.POSITION_MISMATCH and 0 <= failure.length < start
+    def _tail_for(self, failure: StageFailed | ConnectionLost, start: int) -> int | None:
+        """The length a tail replay starts from for this failure, None when it needs no tail replay: a daemon
+        holding fewer of the session's tokens than the router sent it (position_mismatch), or a lost
+        connection while no full replay is due (the daemon, or the one restarted on its socket, may hold
+        the session at some length: truncating every daemon to `start` finds out; one that holds nothing
+        answers cache_miss, and the replay is full)."""
+        if isinstance(failure, ConnectionLost):
+            if self._needs_replay:
+                return None
+            self._count("connections_lost")
+            return start
+        if failure.code == ErrorCode.POSITION_MISMATCH and 0 <= failure.length < start:
+            return failure.length
+        return None
 
     def _replay_tail(self) -> None:
         """Truncate every daemon to the shortest length one holds, then repeat the appends from there. A
@@ -229,6 +242,8 @@ class RoutedSession:
                 if not (failure.code == ErrorCode.POSITION_MISMATCH and 0 <= failure.length < length):
                     raise
                 length = failure.length
+        if length < self._history.length:
+            self._count("position_mismatches")  # a daemon held fewer of the session's tokens
         partition = self._history.replay_partition_from(length, self.policy.exact_replay)
         if partition is None:
             self._tail_from = None
@@ -239,8 +254,9 @@ class RoutedSession:
             self._walk(position, self._history.token_slice(position, rows), "last")
             position += rows
         self._tail_from = None
-        self._count("tail_replays")
-        self._count("tail_replayed_tokens", position - length)
+        if position > length:
+            self._count("tail_replays")
+            self._count("tail_replayed_tokens", position - length)
 
     def _replay(self) -> None:
         """Release the epoch everywhere, take the next one, and repeat the session's appends from 0."""

@@ -62,5 +62,35 @@ class Parking:
                 session.lock.release()
                 session.in_flight -= 1
 
+    async def persist(self, session: Session) -> bool:
+        """Write a copy of an idle hot session's state behind to the disk tier (it stays hot): a crash of the
+        daemon then costs the router only the tokens appended since. True when a copy was written."""
+        if not session.idle or session.lock.locked() or not self._live_hot(session) or session.persisted_length == session.length:
+            return False
+        session.in_flight += 1
+        async with session.lock:
+            try:
+                if not self._live_hot(session) or session.persisted_length == session.length:
+                    return False
+                length = session.length
+                try:
+                    blob = await self.pool.get(session.worker_name).save_state()
+                except WorkerLost:
+                    self.lifecycle.lost(session)
+                    return False
+                except WorkerFailed:
+                    self.metrics.count("persist_failures")
+                    return False
+                if not self._live_hot(session) or session.length != length:
+                    return False
+                if not self.books.spill.write_behind(session.key, self.books.sealing.seal(session, blob)):
+                    self.metrics.count("persist_failures")
+                    return False
+                session.persisted_length = length
+                self.metrics.count("persisted")
+                return True
+            finally:
+                session.in_flight -= 1
+
     def _live_hot(self, session: Session) -> bool:
         return session.hot and self.books.table.get(session.session_id) is session

@@ -265,6 +265,7 @@ class Books:
         self.table.remove(session, reason)
         self.budget.release(session.key)
         self.spill.discard(session.key)
+        self.spill.drop_behind(session.key)
         self._restoring.pop(session.key, None)
         worker = None
         if session.hot and self._bound.get(session.worker_name) is session:
@@ -281,7 +282,7 @@ class Books:
         live = [session for session in everyone if session.hot]
         parked = {session.key for session in everyone if not session.hot}
         require(set(self._restoring) <= parked, "a blob being restored belongs to no parked session")
-        self.spill.check_integrity(parked - set(self._restoring))
+        self.spill.check_integrity(parked - set(self._restoring), {s.key for s in live})
         self.budget.check_integrity(session.key for session in live)
         require(all(self.budget.charge_of(s.key) == s.charged_bytes for s in live), "a charge differs from its session's")
         require({s.worker_name for s in live} == set(self._bound), "bound workers != the live sessions' workers")

@@ -34,6 +34,7 @@ class Session:
     in_flight: int = 0
     appending: bool = False
     channel: bool = False  # bound to its worker's direct channel (kvpool.daemon.pool.channels)
+    persisted_length: int = -1  # the length of its copy written behind to disk (--persist-after); -1: none
     lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
 
     @property

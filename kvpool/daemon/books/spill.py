@@ -63,6 +63,7 @@ class SpillStore:
         self.disk_dir = disk_dir
         self._ram: collections.OrderedDict[Hashable, Stored] = collections.OrderedDict()
         self._disk: collections.OrderedDict[Hashable, Stored] = collections.OrderedDict()
+        self._behind: dict[Hashable, Stored] = {}  # copies of hot sessions' states written behind (--persist-after): files only
         self._file_number = 0
         self._tier_bytes = {RAM: 0, DISK: 0}
         self.disk_failures = 0  # disk operations that raised OSError, since start
@@ -80,7 +81,47 @@ class SpillStore:
 
     @property
     def disk_bytes(self) -> int:
-        return self._tier_bytes[DISK]
+        return self._tier_bytes[DISK] + self.behind_bytes
+
+    @property
+    def behind_bytes(self) -> int:
+        return sum(item.nbytes for item in self._behind.values())
+
+    def write_behind(self, key: Hashable, blob: bytes) -> bool:
+        """A hot session's state copied to a disk file that outlives the process (a crash leaves it for the
+        next daemon to adopt), replacing its earlier copy; False when it does not fit the disk limit beside
+        the parked states (a copy never pushes one out) or the write fails (no file left)."""
+        if self.disk_dir is None:
+            return False
+        earlier = self._behind.pop(key, None)
+        if self.disk_bytes + len(blob) > self.disk_limit:
+            if earlier is not None:
+                self._behind[key] = earlier
+            return False
+        path = self._next_path()
+        try:
+            _write_file(path, blob)
+        except OSError as error:
+            if earlier is not None:
+                self._behind[key] = earlier
+            self._disk_failed(f"writing {path}", error, "that session's copy is not kept (it stays hot)")
+            return False
+        self._disk_failing = False
+        if earlier is not None:
+            self._remove_file(earlier.path)
+        self._behind[key] = Stored(len(blob), zlib.crc32(blob), None, path)
+        return True
+
+    def drop_behind(self, key: Hashable) -> None:
+        """A session's copy written behind is no longer its state (released, truncated, a new epoch): removed."""
+        item = self._behind.pop(key, None)
+        if item is not None:
+            self._remove_file(item.path)
+
+    def _drop_behind_for(self, nbytes: int) -> None:
+        """Copies written behind give way to parked states, oldest first."""
+        while self._behind and self.disk_bytes + nbytes > self.disk_limit:
+            self.drop_behind(next(iter(self._behind)))
 
     def _add(self, tier: str, key: Hashable, item: Stored) -> None:
         (self._ram if tier == RAM else self._disk)[key] = item
@@ -123,15 +164,12 @@ class SpillStore:
         if self.disk_dir is None or item.nbytes > self.disk_limit:
             return [key]
         dropped: list[Hashable] = []
+        self._drop_behind_for(item.nbytes)
         while self.disk_bytes + item.nbytes > self.disk_limit:
             oldest, old = self._pop_oldest(DISK)
             self._remove_file(old.path)
             dropped.append(oldest)
-        self._file_number += 1
-        path = self.disk_dir / f"{FILE_PREFIX}{self._file_number:08d}{FILE_SUFFIX}"
-        while path.exists():  # a file kept from an earlier run, not adopted: never overwritten
-            self._file_number += 1
-            path = self.disk_dir / f"{FILE_PREFIX}{self._file_number:08d}{FILE_SUFFIX}"
+        path = self._next_path()
         try:
             _write_file(path, item.data or b"")
         except OSError as error:
@@ -140,6 +178,14 @@ class SpillStore:
         self._disk_failing = False
         self._add(DISK, key, Stored(item.nbytes, item.crc32, None, path))
         return dropped
+
+    def _next_path(self) -> pathlib.Path:
+        assert self.disk_dir is not None
+        while True:
+            self._file_number += 1
+            path = self.disk_dir / f"{FILE_PREFIX}{self._file_number:08d}{FILE_SUFFIX}"
+            if not path.exists():  # a file kept from an earlier run, not adopted: never overwritten
+                return path
 
     def _disk_failed(self, what: str, error: OSError, outcome: str) -> None:
         """Count every failure; log one line for the first of a burst (until a disk write succeeds)."""
@@ -216,14 +262,20 @@ class SpillStore:
                 self._tier_bytes[DISK] -= self._disk.pop(key).nbytes
             else:
                 self.discard(key)
+        for key in list(self._behind):
+            if keep_files:
+                del self._behind[key]
+            else:
+                self.drop_behind(key)
         self._ram.clear()
         self._tier_bytes[RAM] = 0
 
-    def check_integrity(self, parked_keys: set[Hashable]) -> None:
+    def check_integrity(self, parked_keys: set[Hashable], hot_keys: set[Hashable] | None = None) -> None:
         require(set(self._ram) | set(self._disk) == parked_keys, "stored blobs != the parked sessions")
+        require(hot_keys is None or set(self._behind) <= hot_keys | parked_keys, "a copy written behind of no live session")
         require(not set(self._ram) & set(self._disk), "a blob in two tiers")
         require(self.ram_bytes == sum(item.nbytes for item in self._ram.values()), "memory tier bytes != its blobs")
-        require(self.disk_bytes == sum(item.nbytes for item in self._disk.values()), "disk tier bytes != its blobs")
+        require(self._tier_bytes[DISK] == sum(item.nbytes for item in self._disk.values()), "disk tier bytes != its blobs")
         require(self.ram_bytes <= self.ram_limit, f"memory tier holds {self.ram_bytes} > {self.ram_limit} bytes")
         require(self.disk_bytes <= self.disk_limit, f"disk tier holds {self.disk_bytes} > {self.disk_limit} bytes")
 
