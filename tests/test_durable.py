@@ -64,7 +64,7 @@ def test_every_damage_is_refused_with_its_reason(damage, reason):
 def test_another_identity_or_format_version_is_refused_before_the_payload_is_used():
     payload = b"\x07" * 100
     for field, value in (("layer_stop", 21), ("shard_sha256", "ee" * 32), ("flash_attn", True), ("llama_build", "llama-cpp-python 0.3.37"),
-                         ("kv_bytes_per_position", 7681), ("type_v", 8)):
+                         ("kv_bytes_per_position", 7681), ("type_v", 8), ("seqs_per_context", 4)):
         other = msgspec.structs.replace(IDENTITY, **{field: value})
         with pytest.raises(StateRejected, match=field) as refused:
             open_state(seal(_header(payload, identity=other), payload), IDENTITY)

@@ -162,7 +162,10 @@ class Supervisor:
                 return
             self.notifier.status(f"{config.worker_processes} workers started; probing charges")
             shard = ShardDescription(shape=ready.shape, model_path=str(config.model), source_sha256=info.source_sha256 or "")
-            identity = shard_identity(info, flash_attn=config.flash_attn, kv_bytes_per_position=ready.kv_bytes_per_position)
+            identity = shard_identity(
+                info, flash_attn=config.flash_attn, kv_bytes_per_position=ready.kv_bytes_per_position,
+                seqs_per_context=config.seqs_per_worker if config.batched else 1,
+            )
             self.service = service = KvService(config, pool, shard, ready.kv_bytes_per_position, identity)
             service.mode_reason = mode_reason
             if config.spill_dir is not None:

@@ -51,9 +51,10 @@ class StateIdentity(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     type_v: int
     flash_attn: bool  # V is stored transposed without flash attention
     kv_bytes_per_position: int  # every layer's K and V widths, summed
+    seqs_per_context: int = 1  # batched mode's sequences per context (a KV stream each): states stay within one mode
 
 
-UNBOUND = StateIdentity("", 0, 0, 0, "", "", 0, 0, False, 0)  # books without a shard (pure-logic tests)
+UNBOUND = StateIdentity("", 0, 0, 0, "", "", 0, 0, False, 0, 0)  # books without a shard (pure-logic tests)
 
 
 class StateHeader(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -55,7 +55,7 @@ class StateSeal:
         return payload
 
 
-def shard_identity(info: ShardInfo, *, flash_attn: bool, kv_bytes_per_position: int) -> StateIdentity:
+def shard_identity(info: ShardInfo, *, flash_attn: bool, kv_bytes_per_position: int, seqs_per_context: int) -> StateIdentity:
     """This daemon's identity: its shard file (hashed once at start), the source it was cut from, the
     llama.cpp build and the cache layout of kvpool's contexts (workers.runtime.params keeps llama.cpp's
     default K/V types)."""
@@ -65,5 +65,5 @@ def shard_identity(info: ShardInfo, *, flash_attn: bool, kv_bytes_per_position: 
         source_sha256=info.source_sha256 or "", layer_start=shape.layer_start, layer_stop=shape.layer_stop,
         lookahead_layers=info.lookahead_layers, shard_sha256=file_sha256(info.path),
         llama_build=f"llama-cpp-python {llama_cpp.__version__}", type_k=int(defaults.type_k), type_v=int(defaults.type_v),
-        flash_attn=flash_attn, kv_bytes_per_position=kv_bytes_per_position,
+        flash_attn=flash_attn, kv_bytes_per_position=kv_bytes_per_position, seqs_per_context=seqs_per_context,
     )
