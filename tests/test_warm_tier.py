@@ -201,7 +201,9 @@ def test_parked_sessions_expire_after_the_ttl_and_park_after_parks_idle_ones(mod
     try:
         with daemon.client() as client:
             client.append("idle", 1, 0, tokens=prompt_ids[0][:4])
-            stats = wait_until(lambda: (s := _checked(client)).sessions and s.sessions[0].tier == "ram" and s, "the idle session to be parked")
+            # parked (tier ram) and counted: the count follows the park by one await (its worker's context freed)
+            stats = wait_until(lambda: (s := _checked(client)).sessions and s.sessions[0].tier == "ram" and s.counters["parks"] and s,
+                               "the idle session to be parked and counted")
             assert stats.budget.reserved_bytes == 0 and stats.counters["parks"] >= 1
             stats = wait_until(lambda: (s := _checked(client)).counters["expirations"] and s, "the parked session to expire")
             assert stats.sessions == [] and stats.budget.spill_bytes == 0
