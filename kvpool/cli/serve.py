@@ -76,6 +76,8 @@ def define_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-buffered-bytes", help=f"request bytes held across all connections: a frame that does not fit waits, unread, for room (default {format_bytes(DEFAULT_MAX_BUFFERED_BYTES)}, at least --max-request-bytes)")
     parser.add_argument("--max-connections", type=int, metavar="N", help="open connections at most; one more is answered over_budget and closed (default: what the open-files limit leaves, at most 1024)")
     parser.add_argument("--drain-timeout", type=float, metavar="S", help=f"on SIGTERM (or `kvpool status --drain`) the daemon drains: new requests are answered draining (a client sends them again to the daemon that takes over the socket), requests in flight get S seconds to finish, appends still computing then are cancelled, every hot session is parked (to --spill-dir when given, so the states outlast the process), then it exits 0; a second SIGTERM or a SIGINT stops at once (exit 1); SIGINT before a drain stops at once (default {DEFAULTS['drain_timeout_s']:g})")
+    parser.add_argument("--export-chunk-bytes", help=f"state bytes per Exported reply: an export travels in chunks of this size (default {format_bytes(DEFAULTS['export_chunk_bytes'])}, at least 1KiB)")
+    parser.add_argument("--max-import-bytes", help=f"the largest state an Import may carry, and the bytes all imports in progress may hold together (default {format_bytes(DEFAULTS['max_import_bytes'])}); an import must fit the spill store too")
     parser.add_argument("--memory-margin", help=f"recycle an idle worker whose measured memory exceeds its charge by this (default {format_bytes(DEFAULTS['memory_margin_bytes'])})")
     parser.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on 127.0.0.1:PORT")
     parser.add_argument("--flash-attn", action="store_true", default=None, help="use flash attention (all shards of a route must agree)")
@@ -115,6 +117,8 @@ OPTIONS = {
     "max_buffered_bytes": ("max_buffered_bytes", parse_bytes),
     "max_connections": ("max_connections", int),
     "drain_timeout": ("drain_timeout_s", float),
+    "export_chunk_bytes": ("export_chunk_bytes", parse_bytes),
+    "max_import_bytes": ("max_import_bytes", parse_bytes),
 }
 
 

@@ -25,7 +25,7 @@ from typing import Unpack
 import msgspec
 
 from kvpool.client.messages import AppendOptions, AppendResult, Call, ConnectionLost, KvpoolError, RequestNotSent, Result, append_call, cancel_call, fork_call
-from kvpool.client.messages import hello_call, is_farewell, park_call, release_call, shutdown_call, stats_call, to_send_again, truncate_call
+from kvpool.client.messages import StateExport, hello_call, import_calls, import_chunk_bytes, is_farewell, park_call, release_call, shutdown_call, stats_call, to_send_again, truncate_call
 from kvpool.client.successor import DEFAULT_WAIT_S, Say, SuccessorWait
 from kvpool.wire.framing import FrameError, read_frame
 from kvpool.wire.protocol import MAX_REPLY_BYTES, Done, ErrorReply, HelloReply, Reply, RequestMessage, ShardDescription, StatsReply, decode_reply, encode
@@ -263,6 +263,22 @@ class AsyncClient:
     async def fork(self, session_id: str, epoch: int, new_session_id: str, new_epoch: int, length: int) -> Done:
         """A new session holding the source's first `length` positions (parked until its first append)."""
         return await self._call(fork_call(session_id, epoch, new_session_id, new_epoch, length))
+
+    async def export_state(self, session_id: str, epoch: int) -> bytes:
+        """The session's sealed state (kvpool.state.header), gathered chunk by chunk; a hot session stays hot."""
+        export = StateExport(session_id, epoch)
+        while (call := export.next_call()) is not None:
+            export.take(await self._call(call))
+        return export.state()
+
+    async def import_state(self, session_id: str, epoch: int, state: bytes, *, chunk_bytes: int | None = None) -> int:
+        """Admit (session_id, epoch) as parked from an exported state; returns its length (Client.import_state)."""
+        length = 0
+        if self._hello is None:
+            await self._connected()
+        for call in import_calls(session_id, epoch, state, chunk_bytes or import_chunk_bytes(self.hello.max_request_bytes)):
+            length = await self._call(call)
+        return length
 
     async def cancel(self, session_id: str, epoch: int) -> Done:
         """Abort the session's in-flight append; goes on the side connection, never behind that append."""

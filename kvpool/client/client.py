@@ -26,11 +26,14 @@ from kvpool.client.messages import (
     KvpoolError,
     RequestNotSent,
     Result,
+    StateExport,
     append_call,
     append_request,
     cancel_call,
     checked_reply,
     fork_call,
+    import_calls,
+    import_chunk_bytes,
     park_call,
     release_call,
     shutdown_call,
@@ -160,6 +163,21 @@ class Client:
     def fork(self, session_id: str, epoch: int, new_session_id: str, new_epoch: int, length: int) -> Done:
         """A new session holding the source's first `length` positions (parked until its first append)."""
         return self._call(fork_call(session_id, epoch, new_session_id, new_epoch, length))
+
+    def export_state(self, session_id: str, epoch: int) -> bytes:
+        """The session's sealed state (kvpool.state.header), gathered chunk by chunk; a hot session stays hot."""
+        export = StateExport(session_id, epoch)
+        while (call := export.next_call()) is not None:
+            export.take(self._call(call))
+        return export.state()
+
+    def import_state(self, session_id: str, epoch: int, state: bytes, *, chunk_bytes: int | None = None) -> int:
+        """Admit (session_id, epoch) as parked from an exported state (of a daemon with this shard's identity);
+        returns its length: its next append starts there. `chunk_bytes`: state bytes per Import frame."""
+        length = 0
+        for call in import_calls(session_id, epoch, state, chunk_bytes or import_chunk_bytes(self.hello.max_request_bytes)):
+            length = self._call(call)
+        return length
 
     def direct_in_flight(self, session_id: str, epoch: int) -> bool:
         """An append of this session was sent on its direct channel and is not answered yet."""

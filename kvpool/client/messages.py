@@ -6,7 +6,7 @@ carry calls: every message is built here, every reply checked here."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Generic, TypedDict, TypeVar, Unpack
 
@@ -20,9 +20,12 @@ from kvpool.wire.protocol import (
     Done,
     ErrorCode,
     ErrorReply,
+    Export,
+    Exported,
     Fork,
     Hello,
     HelloReply,
+    Import,
     MissReason,
     OutputRows,
     Park,
@@ -185,3 +188,53 @@ def stats_call() -> Call[StatsReply]:
 
 def shutdown_call(drain: bool = False) -> Call[Done]:
     return Call(Shutdown(drain=drain), Done)
+
+
+IMPORT_CHUNK_BYTES = 1024**2  # an Import's state bytes at most (less where the daemon's request limit is small)
+IMPORT_FRAME_ROOM = 1024  # an Import frame's bytes besides its state (ids, offsets, msgpack framing): at most this
+
+
+def import_chunk_bytes(max_request_bytes: int) -> int:
+    """The state bytes one Import carries to a daemon whose request limit is `max_request_bytes` (>= 1024)."""
+    return max(min(IMPORT_CHUNK_BYTES, max_request_bytes - IMPORT_FRAME_ROOM), max_request_bytes // 2)
+
+
+class StateExport:
+    """The calls of one export, in turn (`next_call`, then `take` its reply), and the state they gather.
+    Every chunk must continue the one before, of the same export and total: else ConnectionLost."""
+
+    def __init__(self, session_id: str, epoch: int) -> None:
+        self.session_id = session_id
+        self.epoch = epoch
+        self._parts: list[bytes] = []
+        self._received = 0
+        self._total: int | None = None
+        self._export_id = 0
+
+    def next_call(self) -> Call[Exported] | None:
+        if self._total is not None and self._received == self._total:
+            return None
+        return Call(Export(session_id=self.session_id, epoch=self.epoch, offset=self._received, export_id=self._export_id), Exported)
+
+    def take(self, chunk: Exported) -> None:
+        if chunk.offset != self._received or (self._total is not None and (chunk.total_bytes, chunk.export_id) != (self._total, self._export_id)):
+            raise ConnectionLost(f"the daemon answered export offset {self._received} with a chunk of another place or export")
+        if not chunk.state or chunk.offset + len(chunk.state) > chunk.total_bytes:
+            raise ConnectionLost(f"the daemon answered export offset {chunk.offset} with {len(chunk.state)} bytes of {chunk.total_bytes}")
+        self._total, self._export_id = chunk.total_bytes, chunk.export_id
+        self._parts.append(chunk.state)
+        self._received += len(chunk.state)
+
+    def state(self) -> bytes:
+        return b"".join(self._parts)
+
+
+def import_calls(session_id: str, epoch: int, state: bytes, chunk_bytes: int) -> Iterator[Call[int]]:
+    """The Import calls that carry `state` in order; the last one's result is the imported session's length."""
+    if not state:
+        raise ValueError("an empty state cannot be imported")
+    for offset in range(0, len(state), chunk_bytes):
+        yield Call(
+            Import(session_id=session_id, epoch=epoch, state=state[offset : offset + chunk_bytes], offset=offset, total_bytes=len(state)),
+            Done, lambda done: done.length,
+        )

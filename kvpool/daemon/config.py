@@ -11,6 +11,9 @@ from kvpool.wire.protocol import DEFAULT_MAX_REQUEST_BYTES
 from kvpool.daemon.books.spill import SpillDirRefused, check_disk_dir
 
 DEFAULT_MAX_BUFFERED_BYTES = 256 * 1024**2
+DEFAULT_EXPORT_CHUNK_BYTES = 1024**2  # an Exported reply's state bytes: far below any reply frame limit
+MIN_EXPORT_CHUNK_BYTES = 1024
+DEFAULT_MAX_IMPORT_BYTES = 256 * 1024**2
 
 
 MODES = ("process", "batched", "auto")  # auto: resolved at start-up (kvpool.daemon.mode_probe) to one of the others
@@ -64,6 +67,10 @@ class ServeConfig:
     # A drain (SIGTERM, Shutdown{drain: true}: kvpool.daemon.drain) lets requests in flight finish this long,
     # then cancels the appends still computing, parks every hot session and exits
     drain_timeout_s: float = 30.0
+    # Export / Import (kvpool.daemon.transfer): the state bytes of one Exported reply, and the bytes one
+    # import may total (all imports in progress together as well); an import must also fit the spill store
+    export_chunk_bytes: int = DEFAULT_EXPORT_CHUNK_BYTES
+    max_import_bytes: int = DEFAULT_MAX_IMPORT_BYTES
 
     def __post_init__(self) -> None:
         problems = []
@@ -114,6 +121,10 @@ class ServeConfig:
             problems.append("--max-buffered-bytes must be at least --max-request-bytes")
         if self.max_connections is not None and self.max_connections < 1:
             problems.append("--max-connections must be at least 1")
+        if self.export_chunk_bytes < MIN_EXPORT_CHUNK_BYTES:
+            problems.append(f"--export-chunk-bytes must be at least {MIN_EXPORT_CHUNK_BYTES}")
+        if self.max_import_bytes < 1:
+            problems.append("--max-import-bytes must be at least 1")
         if self.drain_timeout_s < 0:
             problems.append("--drain-timeout must be >= 0")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:

@@ -29,6 +29,10 @@ COUNTERS = (
     "restore_failures",
     "parks",
     "forks",
+    "exports",  # exports started (Export at offset 0: a state saved)
+    "export_chunks",  # Exported replies
+    "imports",  # imports completed: sessions admitted parked
+    "import_chunks",  # Import chunks taken
     "direct_cancels_forwarded",
     "calibrations",  # charge measurements: at start-up only (an admission never measures)
     "adopted",  # parked sessions taken over at start-up from the --spill-dir files of an earlier run

@@ -27,12 +27,13 @@ from kvpool.daemon.books.integrity import require
 from kvpool.daemon.metrics import Metrics
 from kvpool.daemon.admission.parking import Parking
 from kvpool.daemon.pool.pool import WorkerPool
-from kvpool.wire.protocol import Append, AppendReply, Cancel, Done, ErrorCode, Fork, MissReason, Park, Release, ShardDescription, StatsReply, Truncate
+from kvpool.wire.protocol import Append, AppendReply, Cancel, Done, ErrorCode, Export, Exported, Fork, Import, MissReason, Park, Release, ShardDescription, StatsReply, Truncate
 from kvpool.daemon.books.sessions import EpochCheck, Session
 from kvpool.daemon.books.spill import CorruptBlob, SpillStore
 from kvpool.state.header import UNBOUND, StateIdentity
 from kvpool.daemon.status import build_stats, integrity_of
 from kvpool.daemon.pool.handle import WorkerFailed
+from kvpool.daemon.transfer import Transfers
 from kvpool.daemon.warm import WarmRequests
 from kvpool.daemon.pool.lifecycle import WorkerLifecycle
 from workers.server.commands import OPEN_FAILED
@@ -64,6 +65,7 @@ class KvService:
         self.gate = Gate(self.books, self.channels, self.lifecycle, self.metrics)
         self.admission = Admission(config, self.books, pool, self.lifecycle, self.calibrator, self.parking, self.channels, self.gate, self.metrics)
         self.warm = WarmRequests(self.books, self.gate, self.parking, pool, self.lifecycle, self.metrics)
+        self.transfers = Transfers(config, self.books, self.gate, self.warm, self.metrics)
         self.housekeeper = Housekeeper(config, self.books, pool, self.lifecycle, self.parking, self.channels, self.metrics)
 
     def _reseal(self, session: Session) -> None:
@@ -257,6 +259,12 @@ class KvService:
 
     async def fork(self, request: Fork) -> Done:
         return await self.warm.fork(request)
+
+    async def export(self, request: Export) -> Exported:
+        return await self.transfers.export(request)
+
+    async def import_(self, request: Import) -> Done:
+        return await self.transfers.import_(request)
 
     def close(self, *, keep_spill_files: bool = False) -> None:
         """`keep_spill_files`: a drain parked the sessions to disk for the daemon that follows."""

@@ -36,9 +36,11 @@ from kvpool.wire.protocol import (
     Done,
     ErrorCode,
     ErrorReply,
+    Export,
     Fork,
     Hello,
     HelloReply,
+    Import,
     Message,
     Park,
     Release,
@@ -313,6 +315,10 @@ class Supervisor:
                 return await service.park(request)
             case Fork():
                 return await service.fork(request)
+            case Export():
+                return await service.export(request)
+            case Import():
+                return await service.import_(request)
             case Stats():
                 return await service.stats()
             case Shutdown():

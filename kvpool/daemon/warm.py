@@ -27,13 +27,13 @@ class WarmRequests:
         self.lifecycle = lifecycle
         self.metrics = metrics
 
-    def _require_tier(self, what: str) -> None:
+    def require_tier(self, what: str) -> None:
         if not self.books.spill.enabled:
             raise RequestFailed(ErrorCode.OVER_BUDGET, f"{what} needs the warm tier, which is off on this daemon (--spill-budget 0)")
 
     async def park(self, request: Park) -> Done:
         check_session_fields(request.session_id, request.epoch, self.gate.length_of(request.session_id, request.epoch))
-        self._require_tier("park")
+        self.require_tier("park")
         await self.gate.fence(request.session_id, request.epoch)
         session = self.books.table.get(request.session_id)
         if session is None:
@@ -54,14 +54,14 @@ class WarmRequests:
             raise RequestFailed(ErrorCode.BAD_REQUEST, "a fork needs a new session id")
         if request.length < 0:
             raise RequestFailed(ErrorCode.BAD_REQUEST, "length must be >= 0")
-        self._require_tier("fork")
+        self.require_tier("fork")
         await self.gate.fence(request.session_id, request.epoch)
         await self.gate.fence(request.new_session_id, request.new_epoch)
         source = self.books.table.get(request.session_id)
         if source is None:
             raise self.gate.miss(request.session_id, request.epoch, "no state for the source session")
         self._refuse_existing(request)
-        blob = await self._state_of(source, request.length)
+        blob, _ = await self.saved_state(source, request.length)
         self._refuse_existing(request)
         self.gate.require_current(request.session_id, request.epoch)  # nothing of a stale source seeds a fork
         self.gate.require_current(request.new_session_id, request.new_epoch)  # a higher epoch seen while it waited
@@ -69,31 +69,38 @@ class WarmRequests:
             session_id=request.new_session_id, epoch=request.new_epoch, n_ctx=source.n_ctx, charged_bytes=source.charged_bytes,
             worker_name="", length=request.length, last_used=time.monotonic(),
         )
-        if not self.books.spill.fits(self.books.sealing.size(fork, len(blob))):
-            raise RequestFailed(ErrorCode.OVER_BUDGET, f"the source's state ({len(blob)} bytes) does not fit in the spill store")
-        dropped = self.books.add_parked(fork, blob)
+        self.add_parked(fork, blob, "the source's state", "the fork's state")
         self.metrics.count("forks")
-        self.metrics.count("spill_drops", len(dropped))
-        if fork in dropped:
-            raise self.gate.miss(fork.session_id, fork.epoch, "the fork's state could not be kept")
         return Done(length=fork.length, session_id=fork.session_id, epoch=fork.epoch, detail="forked")
+
+    def add_parked(self, session: Session, blob: bytes, what: str, kept: str) -> None:
+        """A new live session that starts parked on `blob` (its payload), or over_budget / cache_miss and
+        nothing added. `what` and `kept` name the state in those errors."""
+        if not self.books.spill.fits(self.books.sealing.size(session, len(blob))):
+            raise RequestFailed(ErrorCode.OVER_BUDGET, f"{what} ({len(blob)} bytes) does not fit in the spill store")
+        dropped = self.books.add_parked(session, blob)
+        self.metrics.count("spill_drops", len(dropped))
+        if session in dropped:
+            raise self.gate.miss(session.session_id, session.epoch, f"{kept} could not be kept")
 
     def _refuse_existing(self, request: Fork) -> None:
         if self.books.table.get(request.new_session_id) is not None:
             raise RequestFailed(ErrorCode.BAD_REQUEST, f"session {request.new_session_id!r} already holds state at epoch {request.new_epoch}: release it first")
 
-    async def _state_of(self, source: Session, length: int) -> bytes:
-        """The source's saved state (positions [0, its length), cut to `length` when restored)."""
+    async def saved_state(self, source: Session, length: int | None = None) -> tuple[bytes, int]:
+        """The source's saved state (llama.cpp's bytes: positions [0, its length), cut to `length` when
+        restored) and the length it holds: a hot source is saved and stays hot, a parked one is read from the
+        store. A damaged stored state drops the source (cache_miss restore_failed)."""
         async with self.gate.entered(source, "the source session ended while this request waited"):
-            if length > source.length:
+            if length is not None and length > source.length:
                 raise RequestFailed(ErrorCode.POSITION_MISMATCH, f"cannot fork {length} positions: the source holds {source.length}", length=source.length)
             if not source.hot:
                 try:
-                    return self.books.read_blob(source)
+                    return self.books.read_blob(source), source.length
                 except CorruptBlob as error:
                     await self.lifecycle.drop(source, MissReason.RESTORE_FAILED)
                     self.metrics.count("restore_failures")
                     self.metrics.count_miss(MissReason.RESTORE_FAILED)
                     raise RequestFailed(ErrorCode.CACHE_MISS, f"the source's saved state is damaged: {error}", reason=MissReason.RESTORE_FAILED) from None
             async with self.lifecycle.worker_call(source, lost="the worker serving the source session was lost", refused="saving the source's state failed"):
-                return await self.pool.get(source.worker_name).save_state()
+                return await self.pool.get(source.worker_name).save_state(), source.length

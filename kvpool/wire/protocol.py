@@ -19,7 +19,7 @@ from kvpool.wire.framing import framed
 from kvpool.wire.shape import ShardShape
 from kvpool.wire.sampling import Sampling
 
-PROTOCOL_VERSION = 3  # 2: request_id on every request and reply; 3: ShardDescription.shape, Park, Fork, tiers, sampling
+PROTOCOL_VERSION = 3  # 2: request_id on every request and reply; 3: ShardDescription.shape, Park, Fork, tiers, sampling, Export, Import
 DEFAULT_MAX_REQUEST_BYTES = 64 * 1024 * 1024
 MAX_REPLY_BYTES = 2 * 1024 * 1024 * 1024 - 1  # a client's frame limit: larger than any valid reply
 
@@ -138,6 +138,29 @@ class Fork(RequestMessage):
     length: int
 
 
+class Export(RequestMessage):
+    """One chunk of the session's sealed state (kvpool.state.header: header + llama.cpp bytes, this daemon's
+    identity), from `offset`. Offset 0 saves the state (a hot session stays hot) and names the export
+    (`Exported.export_id`); every later chunk of that export names it too, so all chunks are of one state."""
+
+    session_id: str
+    epoch: int
+    offset: int = 0
+    export_id: int = 0  # 0 at offset 0; the id offset 0 answered for every later chunk
+
+
+class Import(RequestMessage):
+    """One chunk of a sealed state (an Export's, maybe another daemon's of the same shard identity), in order
+    from offset 0, all chunks naming the same `total_bytes`. The last chunk admits the session as parked at
+    this epoch, at the header's length; its next append at start_pos == length restores it."""
+
+    session_id: str
+    epoch: int
+    state: bytes
+    offset: int
+    total_bytes: int
+
+
 class Stats(RequestMessage):
     pass
 
@@ -149,7 +172,7 @@ class Shutdown(RequestMessage):
     drain: bool = False
 
 
-Request = Hello | Append | Truncate | Release | Cancel | Park | Fork | Stats | Shutdown
+Request = Hello | Append | Truncate | Release | Cancel | Park | Fork | Export | Import | Stats | Shutdown
 
 
 # ---- replies --------------------------------------------------------------------------------------
@@ -193,6 +216,19 @@ class Done(ReplyMessage):
     session_id: str = ""
     epoch: int = 0
     detail: str = ""
+
+
+class Exported(ReplyMessage):
+    """A chunk of an export: bytes [offset, offset + len(state)) of a sealed state of total_bytes, holding
+    `length` positions of the session."""
+
+    session_id: str
+    epoch: int
+    state: bytes
+    offset: int
+    total_bytes: int
+    length: int
+    export_id: int
 
 
 class ErrorReply(ReplyMessage):
@@ -263,7 +299,7 @@ class StatsReply(ReplyMessage):
     mode_detail: str = ""  # why this mode, and its shape (sessions per worker process)
 
 
-Reply = HelloReply | AppendReply | Done | ErrorReply | StatsReply
+Reply = HelloReply | AppendReply | Done | Exported | ErrorReply | StatsReply
 
 _request_encoder = msgspec.msgpack.Encoder()
 _request_decoder = msgspec.msgpack.Decoder(Request)

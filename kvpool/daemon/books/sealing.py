@@ -29,15 +29,16 @@ class StateSeal:
     def __init__(self, identity: StateIdentity) -> None:
         self.identity = identity
 
-    def _header(self, session: Session, payload_bytes: int) -> StateHeader:
+    def _header(self, session: Session, payload_bytes: int, length: int | None = None) -> StateHeader:
         return StateHeader(
             version=FORMAT_VERSION, identity=self.identity, session_id=session.session_id, epoch=session.epoch,
-            length=session.length, n_ctx=session.n_ctx, saved_at=time.time(), last_used=wall_clock_of(session.last_used),
+            length=session.length if length is None else length, n_ctx=session.n_ctx, saved_at=time.time(), last_used=wall_clock_of(session.last_used),
             payload_bytes=payload_bytes,
         )
 
-    def seal(self, session: Session, payload: bytes) -> bytes:
-        return seal(self._header(session, len(payload)), payload)
+    def seal(self, session: Session, payload: bytes, *, length: int | None = None) -> bytes:
+        """`length`: the positions the payload holds when it is not the session's length now (saved before an append)."""
+        return seal(self._header(session, len(payload), length), payload)
 
     def size(self, session: Session, payload_bytes: int) -> int:
         """The stored size of a payload of `payload_bytes` sealed for `session`."""

@@ -1,0 +1,312 @@
+"""Export and Import: a session's sealed state moves between two daemons of the same shard and continues
+bit-exactly; an imported state that is not this shard's, damaged, out of order or too large is refused with a
+typed error and changes nothing. The books of the transfers (kvpool.daemon.books.transfers) with fake bytes."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import numpy as np
+import pytest
+
+from kvpool.client.aio import AsyncClient
+from kvpool.client.client import KvpoolError
+from kvpool.client.messages import Call, import_calls
+from kvpool.daemon.books.transfers import ExportCache, ImportBuffers, TransferRefused
+from kvpool.state.header import read_header
+from kvpool.wire.protocol import Done, Export, Exported, Import
+from tests.daemons import HANG_GUARD_S, DaemonProcess
+
+pytestmark = pytest.mark.timeout(3600)
+
+N_CTX = 64  # the sessions' context, and the importing daemons' --n-ctx
+WIDE_N_CTX = 128  # the exporting daemon's --n-ctx: a session of this context does not fit an importer of N_CTX
+CHUNK = 4096  # the exporting daemon's --export-chunk-bytes: every state spans several chunks
+IMPORT_CAP = 2 * 1024**2  # the importing daemon's --max-import-bytes
+
+
+def _serve(model, socket_dir, name, *options):
+    return DaemonProcess(model, socket_dir / f"{name}.sock", "--threads", "1", "--max-sessions", "2", *options)
+
+
+def _refused(call) -> KvpoolError:
+    with pytest.raises(KvpoolError) as raised:
+        call()
+    return raised.value
+
+
+def _checked(client):
+    stats = client.stats()
+    assert stats.integrity == "ok", stats.integrity
+    return stats
+
+
+def _sessions(client) -> dict[str, tuple[int, int, str]]:
+    return {row.session_id: (row.epoch, row.length, row.tier) for row in _checked(client).sessions}
+
+
+def _round_trip(source, target, prompt, session_id="moved"):
+    """Export a hot session from `source` (it stays hot), import it into `target`; both append the next token:
+    the rows must be equal. Returns the exported state."""
+    source.append(session_id, 1, 0, tokens=prompt, n_ctx=N_CTX)
+    state = source.export_state(session_id, 1)
+    header = read_header(state)
+    assert (header.session_id, header.epoch, header.length, header.n_ctx) == (session_id, 1, len(prompt), N_CTX)
+    assert _sessions(source)[session_id] == (1, len(prompt), "hot")
+    assert target.import_state(session_id, 1, state, chunk_bytes=CHUNK) == len(prompt)
+    assert _sessions(target)[session_id] == (1, len(prompt), "ram")
+    expected = source.append(session_id, 1, len(prompt), tokens=[42])
+    assert not expected.restored  # it stayed hot through the export
+    got = target.append(session_id, 1, len(prompt), tokens=[42])
+    assert got.restored and got.length == len(prompt) + 1
+    assert np.array_equal(got.rows, expected.rows)
+    return state
+
+
+# ---- two daemons of the first shard, process mode ----------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def process_pair(shards, socket_dir):
+    source = _serve(shards[0].path, socket_dir, "exporter", "--n-ctx", str(WIDE_N_CTX), "--export-chunk-bytes", str(CHUNK))
+    target = _serve(shards[0].path, socket_dir, "importer", "--n-ctx", str(N_CTX), "--max-import-bytes", str(IMPORT_CAP))
+    try:
+        yield source, target
+    finally:
+        source.stop()
+        target.stop()
+
+
+def test_a_hot_session_moves_to_another_daemon_and_continues_bit_exactly(process_pair, prompt_ids):
+    source_daemon, target_daemon = process_pair
+    with source_daemon.client() as source, target_daemon.client() as target:
+        before = _checked(source).counters
+        prompt = prompt_ids[0][:12]
+        state = _round_trip(source, target, prompt)
+        chunks = math.ceil(len(state) / CHUNK)
+        assert chunks > 1
+        counters = _checked(source).counters
+        assert counters["exports"] - before.get("exports", 0) == 1
+        assert counters["export_chunks"] - before.get("export_chunks", 0) == chunks  # each reply held CHUNK bytes at most
+        assert _checked(target).counters["import_chunks"] >= chunks
+        # the next decode steps keep agreeing on both daemons
+        for step in range(2):
+            position = len(prompt) + 1 + step
+            assert np.array_equal(target.append("moved", 1, position, tokens=[7 + step]).rows, source.append("moved", 1, position, tokens=[7 + step]).rows)
+        source.release("moved", 1)
+        target.release("moved", 1)
+
+
+def test_a_parked_session_exports_from_the_store(process_pair, prompt_ids):
+    source_daemon, target_daemon = process_pair
+    prompt = prompt_ids[1][:12]
+    with source_daemon.client() as source, target_daemon.client() as target:
+        source.append("parked", 1, 0, tokens=prompt, n_ctx=N_CTX)
+        source.park("parked", 1)
+        state = source.export_state("parked", 1)
+        assert _sessions(source)["parked"] == (1, len(prompt), "ram")  # still parked: read, not restored
+        assert target.import_state("parked", 1, state) == len(prompt)
+        expected = source.append("parked", 1, len(prompt), tokens=[3])
+        assert np.array_equal(target.append("parked", 1, len(prompt), tokens=[3]).rows, expected.rows)
+        source.release("parked", 1)
+        target.release("parked", 1)
+
+
+def test_the_async_client_exports_and_imports_the_same_way(process_pair, prompt_ids):
+    source_daemon, target_daemon = process_pair
+    prompt = prompt_ids[1][:9]
+
+    async def move() -> tuple[bytes, int]:
+        async with AsyncClient(source_daemon.socket) as source, AsyncClient(target_daemon.socket) as target:
+            await source.append("async", 1, 0, tokens=prompt, n_ctx=N_CTX)
+            state = await source.export_state("async", 1)
+            return state, await target.import_state("async", 1, state)
+
+    state, length = asyncio.run(asyncio.wait_for(move(), HANG_GUARD_S))
+    assert length == len(prompt) == read_header(state).length
+    with source_daemon.client() as source, target_daemon.client() as target:
+        expected = source.append("async", 1, len(prompt), tokens=[5])
+        assert np.array_equal(target.append("async", 1, len(prompt), tokens=[5]).rows, expected.rows)
+        source.release("async", 1)
+        target.release("async", 1)
+
+
+def test_damaged_out_of_order_oversized_and_stale_imports_change_nothing(process_pair, prompt_ids):
+    source_daemon, target_daemon = process_pair
+    prompt = prompt_ids[0][:10]
+    with source_daemon.client() as source, target_daemon.client() as target:
+        source.append("victim", 1, 0, tokens=prompt, n_ctx=N_CTX)
+        state = source.export_state("victim", 1)
+        assert target.import_state("bystander", 1, state) == len(prompt)  # an import under another id: allowed
+        target.append("bystander", 1, len(prompt), tokens=[9])
+        sessions_before = _sessions(target)
+
+        def refused(data: bytes, session_id: str = "victim", epoch: int = 1) -> KvpoolError:
+            return _refused(lambda: target.import_state(session_id, epoch, data, chunk_bytes=CHUNK))
+
+        flipped = bytearray(state)
+        flipped[len(state) // 2] ^= 0x40
+        assert "(checksum)" in str(refused(bytes(flipped)))
+        assert refused(bytes(flipped)).code == "bad_request"
+        assert "(truncated)" in str(refused(state[:-7]))
+        assert "(magic)" in str(refused(b"\0" * 100))
+        # chunks out of order, and a total that changes, drop the partial import
+        calls = list(import_calls("victim", 1, state, CHUNK))
+        target._call(calls[0])
+        assert _refused(lambda: target._call(calls[2])).code == "bad_request"
+        assert "offset 0" in str(_refused(lambda: target._call(calls[1])))  # the import was dropped
+        target._call(calls[0])
+        changed = calls[1].request
+        grown = Import(session_id="victim", epoch=1, state=changed.state, offset=changed.offset, total_bytes=changed.total_bytes + 1)
+        assert "total_bytes changed" in str(_refused(lambda: target._call(Call(grown, Done))))
+        # the import cap, at its edge: a total of the cap is taken (then refused for what it holds), one more is not
+        at_cap = refused(b"K" * IMPORT_CAP)
+        assert "(magic)" in str(at_cap)
+        over_cap = refused(b"K" * (IMPORT_CAP + 1))
+        assert over_cap.code == "bad_request" and "import cap" in str(over_cap)
+        # a session of n_ctx beyond this daemon's --n-ctx
+        source.append("wide", 1, 0, tokens=prompt)  # n_ctx: the exporter's default, WIDE_N_CTX
+        wide = refused(source.export_state("wide", 1), "wide")
+        assert wide.code == "bad_request" and "--n-ctx" in str(wide)
+        # fencing: an epoch below the one seen is stale; a live id must be released first
+        target.append("fenced", 2, 0, tokens=prompt[:3])
+        assert refused(state, "fenced", 1).code == "stale_epoch"
+        assert refused(state, "bystander", 1).code == "bad_request"
+        sessions_after = _sessions(target)
+        assert sessions_after.pop("fenced") == (2, 3, "hot")
+        assert sessions_after == sessions_before  # no session added, none touched
+        # the bystander's state still continues exactly
+        source.append("victim", 1, len(prompt), tokens=[9])
+        assert np.array_equal(target.append("bystander", 1, len(prompt) + 1, tokens=[11]).rows, source.append("victim", 1, len(prompt) + 1, tokens=[11]).rows)
+        for session_id, epoch in (("victim", 1), ("wide", 1)):
+            source.release(session_id, epoch)
+        for session_id, epoch in (("bystander", 1), ("fenced", 2)):
+            target.release(session_id, epoch)
+        assert _checked(target).counters["bad_requests"] >= 9
+
+
+def test_another_shards_state_is_refused_identity_mismatch(process_pair, shards, socket_dir, prompt_ids):
+    source_daemon, _target = process_pair
+    middle = _serve(shards[1].path, socket_dir, "middle", "--n-ctx", str(N_CTX))
+    try:
+        with source_daemon.client() as source, middle.client() as client:
+            source.append("first", 1, 0, tokens=prompt_ids[0][:6], n_ctx=N_CTX)
+            state = source.export_state("first", 1)
+            refused = _refused(lambda: client.import_state("first", 1, state))
+            assert (refused.code, refused.reason) == ("cache_miss", "identity_mismatch")
+            assert "layer_start" in str(refused)
+            stats = _checked(client)
+            assert stats.sessions == [] and stats.counters["misses_identity_mismatch"] == 1
+            source.release("first", 1)
+    finally:
+        middle.stop()
+
+
+def test_an_export_refuses_unknown_sessions_and_stale_chunks(process_pair, prompt_ids):
+    source_daemon, _target = process_pair
+    with source_daemon.client() as source:
+        assert _refused(lambda: source.export_state("nobody", 1)).code == "cache_miss"
+        source.append("chunked", 1, 0, tokens=prompt_ids[1][:8], n_ctx=N_CTX)
+        first = source._call(_chunk(offset=0))
+        assert _refused(lambda: source._call(_chunk(offset=CHUNK, export_id=first.export_id + 1))).code == "bad_request"
+        assert _refused(lambda: source._call(_chunk(offset=first.total_bytes, export_id=first.export_id))).code == "bad_request"
+        second = source._call(_chunk(offset=CHUNK, export_id=first.export_id))
+        assert (second.offset, second.total_bytes, second.export_id) == (CHUNK, first.total_bytes, first.export_id)
+        source.release("chunked", 1)  # its kept export ends with it
+        assert _refused(lambda: source._call(_chunk(offset=CHUNK, export_id=first.export_id))).code == "cache_miss"
+
+
+def _chunk(*, offset: int, export_id: int = 0) -> Call[Exported]:
+    return Call(Export(session_id="chunked", epoch=1, offset=offset, export_id=export_id), Exported)
+
+
+# ---- batched mode on both daemons --------------------------------------------------------------------
+
+
+def test_a_batched_session_moves_between_batched_daemons(shards, socket_dir, prompt_ids):
+    batched = ("--mode", "batched", "--seqs-per-worker", "2", "--n-ctx", str(N_CTX))
+    source_daemon = _serve(shards[0].path, socket_dir, "batched-a", *batched)
+    target_daemon = _serve(shards[0].path, socket_dir, "batched-b", *batched)
+    try:
+        with source_daemon.client() as source, target_daemon.client() as target:
+            source.append("neighbour", 1, 0, tokens=prompt_ids[1][:5])  # the other sequence of the context
+            _round_trip(source, target, prompt_ids[0][:15])
+            assert _sessions(source)["neighbour"] == (1, 5, "hot")
+    finally:
+        source_daemon.stop()
+        target_daemon.stop()
+
+
+# ---- the books of transfers, fake bytes --------------------------------------------------------------
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_import_buffers_take_chunks_in_order_within_the_cap():
+    buffers = ImportBuffers(10)
+    assert not buffers.add("a", 1, 0, 10, b"01234").complete
+    with pytest.raises(TransferRefused, match="in order"):
+        buffers.add("a", 1, 6, 10, b"6")
+    assert len(buffers) == 0  # dropped
+    with pytest.raises(TransferRefused, match="offset 0"):
+        buffers.add("a", 1, 5, 10, b"56789")
+    buffers.add("a", 1, 0, 10, b"01234")
+    with pytest.raises(TransferRefused, match="total_bytes changed"):
+        buffers.add("a", 1, 5, 9, b"5678")
+    buffers.add("a", 1, 0, 10, b"01234")
+    with pytest.raises(TransferRefused, match="offset 0"):
+        buffers.add("a", 2, 5, 10, b"56789")  # another epoch's chunk
+    buffers.add("a", 1, 0, 10, b"01234")
+    with pytest.raises(TransferRefused, match="does not fit"):
+        buffers.add("a", 1, 5, 10, b"567890")
+    assert buffers.add("b", 1, 0, 10, b"0123456789").complete  # at the cap
+    assert buffers.take("b") == b"0123456789" and len(buffers) == 0
+    with pytest.raises(TransferRefused, match="import cap"):
+        buffers.add("b", 1, 0, 11, b"0")
+    with pytest.raises(TransferRefused, match="import cap"):
+        buffers.add("b", 1, 0, 0, b"")
+
+
+def test_import_buffers_hold_the_cap_in_all_and_drop_idle_imports():
+    clock = Clock()
+    buffers = ImportBuffers(10, keep_s=5.0, clock=clock)
+    buffers.add("a", 1, 0, 6, b"0")
+    buffers.add("b", 1, 0, 4, b"0")
+    assert buffers.reserved_bytes == 10
+    buffers.add("c", 1, 0, 3, b"0")  # the oldest gives way
+    assert buffers.reserved_bytes == 7 and len(buffers) == 2
+    with pytest.raises(TransferRefused):
+        buffers.add("a", 1, 1, 6, b"1")
+    clock.now = 6.0
+    with pytest.raises(TransferRefused):
+        buffers.add("b", 1, 1, 4, b"1")  # idle past keep_s: gone
+    assert len(buffers) == 0
+
+
+def test_the_export_cache_serves_one_state_per_export():
+    clock = Clock()
+    cache = ExportCache(kept=2, keep_s=5.0, clock=clock)
+    first = cache.keep("a", 1, b"abcdef", 3)
+    assert cache.find("a", 1, first.export_id).chunk(4, 4) == b"ef"
+    again = cache.keep("a", 1, b"ABCDEF", 3)  # a new export of the session replaces it
+    with pytest.raises(TransferRefused):
+        cache.find("a", 1, first.export_id)
+    with pytest.raises(TransferRefused):
+        cache.find("a", 2, again.export_id)
+    with pytest.raises(TransferRefused):
+        again.chunk(6, 1)
+    cache.keep("b", 1, b"b", 1)
+    cache.keep("c", 1, b"c", 1)  # past `kept`: the oldest goes
+    with pytest.raises(TransferRefused):
+        cache.find("a", 1, again.export_id)
+    assert cache.held_bytes == 2
+    clock.now = 6.0
+    with pytest.raises(TransferRefused):
+        cache.find("c", 1, 4)
