@@ -12,7 +12,7 @@ import pytest
 
 from kvpool.client.aio import AsyncClient
 from kvpool.client.client import KvpoolError
-from kvpool.client.messages import Call, import_calls
+from kvpool.client.messages import IMPORT_FRAME_ROOM, Call, import_calls, import_chunk_bytes
 from kvpool.daemon.books.transfers import ExportCache, ImportBuffers, TransferRefused
 from kvpool.state.header import read_header
 from kvpool.wire.protocol import Done, Export, Exported, Import
@@ -24,6 +24,7 @@ N_CTX = 64  # the sessions' context, and the importing daemons' --n-ctx
 WIDE_N_CTX = 128  # the exporting daemon's --n-ctx: a session of this context does not fit an importer of N_CTX
 CHUNK = 4096  # the exporting daemon's --export-chunk-bytes: every state spans several chunks
 IMPORT_CAP = 2 * 1024**2  # the importing daemon's --max-import-bytes
+IMPORTER_MAX_REQUEST = 16 * 1024  # the importing daemon's --max-request-bytes: the client's Import chunks fit it
 
 
 def _serve(model, socket_dir, name, *options):
@@ -70,7 +71,9 @@ def _round_trip(source, target, prompt, session_id="moved"):
 @pytest.fixture(scope="module")
 def process_pair(shards, socket_dir):
     source = _serve(shards[0].path, socket_dir, "exporter", "--n-ctx", str(WIDE_N_CTX), "--export-chunk-bytes", str(CHUNK))
-    target = _serve(shards[0].path, socket_dir, "importer", "--n-ctx", str(N_CTX), "--max-import-bytes", str(IMPORT_CAP))
+    target = _serve(
+        shards[0].path, socket_dir, "importer", "--n-ctx", str(N_CTX), "--max-import-bytes", str(IMPORT_CAP), "--max-request-bytes", str(IMPORTER_MAX_REQUEST),
+    )
     try:
         yield source, target
     finally:
@@ -106,7 +109,11 @@ def test_a_parked_session_exports_from_the_store(process_pair, prompt_ids):
         source.park("parked", 1)
         state = source.export_state("parked", 1)
         assert _sessions(source)["parked"] == (1, len(prompt), "ram")  # still parked: read, not restored
-        assert target.import_state("parked", 1, state) == len(prompt)
+        before = _checked(target).counters.get("import_chunks", 0)
+        assert target.import_state("parked", 1, state) == len(prompt)  # chunks sized by the importer's request limit
+        chunk = import_chunk_bytes(IMPORTER_MAX_REQUEST)
+        assert chunk == IMPORTER_MAX_REQUEST - IMPORT_FRAME_ROOM
+        assert _checked(target).counters["import_chunks"] - before == math.ceil(len(state) / chunk) > 1
         expected = source.append("parked", 1, len(prompt), tokens=[3])
         assert np.array_equal(target.append("parked", 1, len(prompt), tokens=[3]).rows, expected.rows)
         source.release("parked", 1)
@@ -141,6 +148,7 @@ def test_damaged_out_of_order_oversized_and_stale_imports_change_nothing(process
         assert target.import_state("bystander", 1, state) == len(prompt)  # an import under another id: allowed
         target.append("bystander", 1, len(prompt), tokens=[9])
         sessions_before = _sessions(target)
+        workers_before = sorted(target_daemon.worker_pids())
 
         def refused(data: bytes, session_id: str = "victim", epoch: int = 1) -> KvpoolError:
             return _refused(lambda: target.import_state(session_id, epoch, data, chunk_bytes=CHUNK))
@@ -176,6 +184,7 @@ def test_damaged_out_of_order_oversized_and_stale_imports_change_nothing(process
         sessions_after = _sessions(target)
         assert sessions_after.pop("fenced") == (2, 3, "hot")
         assert sessions_after == sessions_before  # no session added, none touched
+        assert sorted(target_daemon.worker_pids()) == workers_before and _checked(target).counters.get("worker_restarts", 0) == 0
         # the bystander's state still continues exactly
         source.append("victim", 1, len(prompt), tokens=[9])
         assert np.array_equal(target.append("bystander", 1, len(prompt) + 1, tokens=[11]).rows, source.append("victim", 1, len(prompt) + 1, tokens=[11]).rows)
