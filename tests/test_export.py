@@ -13,6 +13,7 @@ import pytest
 from kvpool.client.aio import AsyncClient
 from kvpool.client.client import KvpoolError
 from kvpool.client.messages import IMPORT_FRAME_ROOM, Call, import_calls, import_chunk_bytes
+from kvpool.daemon.config import MIN_EXPORT_CHUNK_BYTES, ServeConfig
 from kvpool.daemon.books.transfers import ExportCache, ImportBuffers, TransferRefused
 from kvpool.state.header import read_header
 from kvpool.wire.protocol import Done, Export, Exported, Import
@@ -212,16 +213,27 @@ def test_another_shards_state_is_refused_identity_mismatch(process_pair, shards,
         middle.stop()
 
 
-def test_an_export_refuses_unknown_sessions_and_stale_chunks(process_pair, prompt_ids):
-    source_daemon, _target = process_pair
+def test_an_export_is_one_state_and_refuses_unknown_sessions_and_stale_chunks(process_pair, prompt_ids):
+    source_daemon, target_daemon = process_pair
     with source_daemon.client() as source:
         assert _refused(lambda: source.export_state("nobody", 1)).code == "cache_miss"
         source.append("chunked", 1, 0, tokens=prompt_ids[1][:8], n_ctx=N_CTX)
         first = source._call(_chunk(offset=0))
         assert _refused(lambda: source._call(_chunk(offset=CHUNK, export_id=first.export_id + 1))).code == "bad_request"
         assert _refused(lambda: source._call(_chunk(offset=first.total_bytes, export_id=first.export_id))).code == "bad_request"
-        second = source._call(_chunk(offset=CHUNK, export_id=first.export_id))
-        assert (second.offset, second.total_bytes, second.export_id) == (CHUNK, first.total_bytes, first.export_id)
+        source.append("chunked", 1, 8, tokens=[4])  # the session moves on between the chunks of one export
+        chunks = [first]
+        while (offset := sum(len(chunk.state) for chunk in chunks)) < first.total_bytes:
+            chunks.append(source._call(_chunk(offset=offset, export_id=first.export_id)))
+        assert all(len(chunk.state) <= CHUNK for chunk in chunks) and {chunk.total_bytes for chunk in chunks} == {first.total_bytes}
+        state = b"".join(chunk.state for chunk in chunks)
+        assert read_header(state).length == first.length == 8  # every chunk is of the state offset 0 saved
+        with target_daemon.client() as target:
+            assert target.import_state("chunked", 1, state) == 8  # and its checksum holds
+            expected = target.append("chunked", 1, 8, tokens=[4]).rows
+            target.release("chunked", 1)
+        source.truncate("chunked", 1, 8)
+        assert np.array_equal(source.append("chunked", 1, 8, tokens=[4]).rows, expected)
         source.release("chunked", 1)  # its kept export ends with it
         assert _refused(lambda: source._call(_chunk(offset=CHUNK, export_id=first.export_id))).code == "cache_miss"
 
@@ -245,6 +257,18 @@ def test_a_batched_session_moves_between_batched_daemons(shards, socket_dir, pro
     finally:
         source_daemon.stop()
         target_daemon.stop()
+
+
+def test_the_transfer_limits_are_validated_at_their_edges(tmp_path):
+    def config(**fields):
+        return ServeConfig(model=tmp_path / "m.gguf", socket=tmp_path / "s.sock", **fields)
+
+    assert config(export_chunk_bytes=MIN_EXPORT_CHUNK_BYTES, max_import_bytes=1).export_chunk_bytes == 1024
+    with pytest.raises(ValueError, match="--export-chunk-bytes must be at least 1024"):
+        config(export_chunk_bytes=MIN_EXPORT_CHUNK_BYTES - 1)
+    with pytest.raises(ValueError, match="--max-import-bytes"):
+        config(max_import_bytes=0)
+    assert import_chunk_bytes(1024) == 512 and import_chunk_bytes(64 * 1024**2) == 1024**2
 
 
 # ---- the books of transfers, fake bytes --------------------------------------------------------------

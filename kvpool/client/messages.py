@@ -196,7 +196,7 @@ IMPORT_FRAME_ROOM = 1024  # an Import frame's bytes besides its state (ids, offs
 
 def import_chunk_bytes(max_request_bytes: int) -> int:
     """The state bytes one Import carries to a daemon whose request limit is `max_request_bytes` (>= 1024)."""
-    return max(min(IMPORT_CHUNK_BYTES, max_request_bytes - IMPORT_FRAME_ROOM), max_request_bytes // 2)
+    return min(IMPORT_CHUNK_BYTES, max(max_request_bytes - IMPORT_FRAME_ROOM, max_request_bytes // 2))
 
 
 class StateExport:
