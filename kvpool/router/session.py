@@ -151,11 +151,7 @@ class RoutedSession:
                 tail = self._tail_for(failure, start)
                 if tail is not None:
                     self._tail_from = min(tail, self._tail_from if self._tail_from is not None else tail)
-                    failures += 1
-                    if failures > self.policy.max_replays:
-                        raise RecoveryFailed(f"{self.session_id}: {failures} failures in a row, the last: {failure}") from failure
-                    if failures > 1:
-                        self._in_flight.pause(self.policy.delay_s(failures - 2, self._rng))
+                    failures = self._one_more_failure(failures, failure)
                     continue
                 counter = replay_counter(failure)
                 if counter is None:
@@ -166,11 +162,7 @@ class RoutedSession:
                 self._count(counter)
                 self._epoch_floor = max(self._epoch_floor, epoch_floor_of(failure))
                 self._needs_replay = True
-                failures += 1
-                if failures > self.policy.max_replays:
-                    raise RecoveryFailed(f"{self.session_id}: {failures} failures in a row, the last: {failure}") from failure
-                if failures > 1:
-                    self._in_flight.pause(self.policy.delay_s(failures - 2, self._rng))
+                failures = self._one_more_failure(failures, failure)
                 continue
             except Cancelled as cancelled:
                 if self._tail_from is not None:
@@ -212,6 +204,16 @@ class RoutedSession:
                 self._count("over_budget_retries")
                 self._in_flight.pause(min(left, self.policy.delay_s(attempt, self._rng, getattr(failure.reply, "retry_after_s", None))))
                 attempt += 1
+
+    def _one_more_failure(self, failures: int, failure: Exception) -> int:
+        """Count a failure that recovery answers: past max_replays in a row RecoveryFailed, else back off
+        before every try after the first."""
+        failures += 1
+        if failures > self.policy.max_replays:
+            raise RecoveryFailed(f"{self.session_id}: {failures} failures in a row, the last: {failure}") from failure
+        if failures > 1:
+            self._in_flight.pause(self.policy.delay_s(failures - 2, self._rng))
+        return failures
 
     def _tail_for(self, failure: StageFailed | ConnectionLost, start: int) -> int | None:
         """The length a tail replay starts from for this failure, None when it needs no tail replay: a daemon
