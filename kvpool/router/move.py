@@ -22,7 +22,7 @@ from kvpool.client.client import Client, ConnectionLost, KvpoolError
 from kvpool.router.route import Route
 from kvpool.state.header import StateHeader, StateIdentity, StateRejected, open_state, read_header, seal
 from kvpool.state.reslice import ResliceError, ShardState, reslice_bytes
-from kvpool.state.sequence import StateFormatError, parse_state
+from kvpool.state.sequence import StateFormatError, cut_state, parse_state
 
 # What every state of one move must share besides the source model: the bytes of one layer mean the same on every daemon.
 _SHARED_LAYOUT = ("llama_build", "type_k", "type_v", "flash_attn", "seqs_per_context")
@@ -100,7 +100,8 @@ def source_of(identity: StateIdentity) -> str:
 def _shard_state(header: StateHeader, payload: bytes) -> ShardState:
     identity = header.identity
     try:
-        return ShardState(identity.layer_start, identity.layer_stop, identity.lookahead_layers, parse_state(payload))
+        state = cut_state(parse_state(payload), header.length)  # a parked state truncated by its header holds more
+        return ShardState(identity.layer_start, identity.layer_stop, identity.lookahead_layers, state)
     except (StateFormatError, ResliceError) as error:
         raise MoveFailed("state", f"the state of layers {identity.layer_start}:{identity.layer_stop}: {error}") from None
 

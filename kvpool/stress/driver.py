@@ -64,6 +64,8 @@ class SessionDriver(TappedSession):
     def run(self) -> None:
         try:
             for self.op_index in range(self.options.ops):
+                if self.replans is not None and self.replans.due(self.op_index):
+                    self._replan()
                 self._do(self.schedule.choose(self))
                 time.sleep(self.rng.random() * JITTER_MAX_S)
             self._finish()
@@ -139,6 +141,12 @@ class SessionDriver(TappedSession):
                 probes.idle_until_expired(self)
 
     # ---- operations ---------------------------------------------------------------------------------------
+
+    def _replan(self) -> None:
+        self._op_label = "replan"
+        with self.recorder.timed("replan"):
+            record = self.replan()
+        self.recorder.event(f"replan {record.outcome}")
 
     def _decode(self) -> None:
         assert self.logits is not None
