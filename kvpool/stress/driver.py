@@ -64,7 +64,7 @@ class SessionDriver(TappedSession):
     def run(self) -> None:
         try:
             for self.op_index in range(self.options.ops):
-                if self.replans is not None and self.replans.due(self.op_index):
+                if self._replan_due():
                     self._replan()
                 self._do(self.schedule.choose(self))
                 time.sleep(self.rng.random() * JITTER_MAX_S)
@@ -108,6 +108,8 @@ class SessionDriver(TappedSession):
                     self._survive(lambda: self.append(self.tokens[self.length :], greedy=False))
             elif self.logits is None:
                 self._survive(self.start_over)
+            elif self._replan_due():
+                self._replan()
             elif self.schedule.forced_pending:
                 kind = self.schedule.next_forced(self)
                 if kind is not None:
@@ -141,6 +143,10 @@ class SessionDriver(TappedSession):
                 probes.idle_until_expired(self)
 
     # ---- operations ---------------------------------------------------------------------------------------
+
+    def _replan_due(self) -> bool:
+        """A planned re-plan is due and the session holds tokens to move (else it waits for a later operation)."""
+        return self.replans is not None and self.replans.due(self.op_index) and self.length > 0
 
     def _replan(self) -> None:
         self._op_label = "replan"

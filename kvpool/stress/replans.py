@@ -5,7 +5,8 @@ the moves: the same tokens at the same positions) and no session may be replayed
 that holds tokens is a move.
 
 Each session re-plans itself between two of its operations, at a third and at two thirds of its planned
-operations, so sessions move while the others keep appending on either chain.
+operations (or at the first operation after that which finds it holding tokens; at the latest before its
+closing decodes), so sessions move while the others keep appending on either chain.
 """
 
 from __future__ import annotations
