@@ -1,10 +1,13 @@
-"""`kvpool bench --quick` end to end: every section in the table, JSON and PNG written, numbers sane.
+"""`kvpool bench --quick` end to end: every section in the table, JSON and PNG written, numbers sane; the
+sections on daemons of their own (durable sessions) run alone in their smallest form; the options' limits.
 
-A behaviour test: it runs real daemons and llama.cpp on the bundled model, but asserts no speed.
+Behaviour tests: they run real daemons and llama.cpp on the bundled model, but assert no speed.
 """
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import json
 import math
 import pathlib
@@ -12,10 +15,15 @@ import sys
 
 import pytest
 
+from kvpool.bench.cli import add_arguments, options_from_args
+from kvpool.bench.durable import PARKED_SESSION_TOKENS, measure_durable, summarize_durable, tokens_needed
+from kvpool.bench.options import DURABLE_N_CTX, BenchOptions
+from kvpool.bench.rig import long_history
+from kvpool.bench.table import render_table
 from tests.daemons import run_to_completion
 
 REPOSITORY = pathlib.Path(__file__).resolve().parents[1]
-SECTIONS = ("1", "2", "3", "4", "5", "6", "7", "8", "9")
+SECTIONS = ("1", "2", "3", "4", "5", "6", "7", "8", "9", "10")
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
@@ -56,11 +64,14 @@ def test_quick_bench_prints_every_section_and_writes_json_and_png(tmp_path: path
                      "overload, warm tier on", "overload, warm tier off",
                      "four sessions: kvpool whole model, 1 daemon, --mode batched", "four sessions: kvpool 3-shard chain, --mode batched",
                      "--mode batched vs --mode process", "--mode auto picks",
-                     "`kvpool serve` to first status, middle shard, n_ctx 8192", "start-up at n_ctx 8192 / at n_ctx 2048"):
+                     "`kvpool serve` to first status, middle shard, n_ctx 8192", "start-up at n_ctx 8192 / at n_ctx 2048",
+                     "drain: SIGTERM to exit 0, 4 parked sessions", "adoption: `kvpool serve` on the same socket and spill dir",
+                     "512-token session, first append after a restart", "2048-token session, first append after a restart"):
         assert any(expected in line for line in table), expected
     assert "greedy tokens identical in all five paths | yes" in completed.stdout
     assert "bit-identical to the re-prefilled session's | yes" in completed.stdout  # every timed decode restored, none missed
     assert "greedy tokens identical, all at once and 2 at a time, tier on and off | yes" in completed.stdout  # waits, parks, replays change no bit
+    assert "bit-identical to the re-prefilled session's | yes" in next(line for line in table if line.startswith("| 10 | every one of the 4 parked"))
 
     results = json.loads((out / "bench-quick.json").read_text())
     assert {"four_sessions_vs_batched", "four_sessions_batched_vs_process_mode", "daemon_vs_inprocess"} <= set(results["ratios"])
@@ -96,6 +107,86 @@ def test_quick_bench_prints_every_section_and_writes_json_and_png(tmp_path: path
     for blob, theory, hot in zip(parked["parked_bytes_per_daemon"], parked["theoretical_kv_bytes_per_daemon"], parked["hot_bytes_per_daemon"]):
         assert theory <= blob < 1.25 * theory < hot  # a parked session keeps its positions' KV, about nothing more
 
+    assert summary["s10_adopted_every_session"] and summary["s10_restored_exactly"]
+    assert all(summary[f"s10_reprefill_vs_restored_{length}"] > 0 for length in (512, 2048))
+
     chart = out / "bench-quick.png"
     assert chart.read_bytes()[:8] == PNG_SIGNATURE
     assert chart.stat().st_size > 10_000
+
+
+# ---- section 10 alone, smallest form ----------------------------------------------------------------------
+
+
+def _options(tmp_path: pathlib.Path, model_path: pathlib.Path, **fields) -> BenchOptions:
+    return dataclasses.replace(BenchOptions.quick_run(tmp_path, model_path), **fields)
+
+
+@pytest.mark.timeout(BENCH_HANG_GUARD_S)
+def test_durable_section_drains_adopts_every_parked_session_and_restores_the_first_append(shards, tokenizer, prompt_ids, socket_dir, tmp_path, model_path):
+    options = _options(tmp_path, model_path, durable_sessions=2, durable_lengths=(16,), durable_rounds=1)
+    assert tokens_needed(options) == PARKED_SESSION_TOKENS == 64  # the parked sessions' history is the longest here
+    tokens = long_history(tokenizer, prompt_ids[0], tokens_needed(options))
+    durable = measure_durable(shards[0].path, tokens, socket_dir, options, say=lambda _line: None)
+
+    (one,) = durable["rounds"]
+    assert one["adopted_at_empty_start"] == 0 and one["adopted"] == one["adopted_on_disk"] == 2 and one["adopted_long"] == 1
+    assert one["adopted_lengths"] == [64] and one["integrity_after_adoption"] == "ok"
+    assert one["drain_parked_line"] == "drain done: parked 2 sessions on disk, dropped 0"
+    assert one["drain_hot_long_line"] == "drain done: parked 1 sessions on disk, dropped 0"
+    assert one["drain_nothing_line"] == "drain done: parked 0 sessions on disk, dropped 0"
+    first = one["first_append"]["16"]
+    assert first["restored"] and first["length_after"] == 17 and first["output_identical"]
+    for key in ("ready_nothing_to_adopt_s", "drain_parked_s", "ready_adopting_s", "drain_hot_long_s", "ready_adopting_long_s", "drain_nothing_s"):
+        assert one[key] > 0, key
+    assert first["restore_s"] > 0 and first["reprefill_s"] >= first["reprefill_prefill_s"] > 0
+
+    summary, ratios, rows = summarize_durable(durable)
+    assert ratios == {} and summary["s10_adopted_every_session"] and summary["s10_restored_exactly"]
+    assert summary["s10_reprefill_vs_restored_16"] > 0 and all(math.isfinite(value) for value in summary.values())
+    table = render_table(rows)
+    assert "| 10 | drain: SIGTERM to exit 0, 2 parked sessions of 64 tokens" in table
+    assert "| 10 | 16-token session, first append after a restart" in table
+    assert "bit-identical to the re-prefilled session's | yes |" in table
+    assert not list(socket_dir.glob("durable.sock"))  # every daemon it started has stopped
+
+
+def test_durable_section_refuses_too_few_tokens_before_starting_a_daemon(shards, tmp_path, model_path):
+    options = _options(tmp_path, model_path, durable_lengths=(512,))
+    (tmp_path / "sockets").mkdir(mode=0o700)
+    with pytest.raises(ValueError, match="512 tokens given, 513 needed"):
+        measure_durable(shards[0].path, list(range(512)), tmp_path / "sockets", options, say=lambda _line: None)
+    assert not list((tmp_path / "sockets").iterdir())  # no daemon started, no spill dir made
+
+
+# ---- options and their limits ------------------------------------------------------------------------------
+
+
+def test_durable_lengths_fit_the_sections_n_ctx_at_the_edge(tmp_path, model_path):
+    assert _options(tmp_path, model_path, durable_lengths=(DURABLE_N_CTX - 1,)).durable_lengths == (DURABLE_N_CTX - 1,)
+    for lengths in ((DURABLE_N_CTX,), (0,), ()):
+        with pytest.raises(ValueError, match="durable lengths"):
+            _options(tmp_path, model_path, durable_lengths=lengths)
+    for field in ("durable_sessions", "durable_rounds"):
+        assert getattr(_options(tmp_path, model_path, **{field: 1}), field) == 1
+        with pytest.raises(ValueError, match="at least 1"):
+            _options(tmp_path, model_path, **{field: 0})
+
+
+def _parsed(*argv: str):
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def test_only_takes_known_sections_and_the_durable_flags_override_quick(tmp_path):
+    args = _parsed("--only", "durable,overload,durable", "--quick", "--durable-sessions", "3", "--out", str(tmp_path))
+    assert args.only == ["durable", "overload"]
+    options = options_from_args(args)
+    assert (options.durable_sessions, options.durable_rounds, options.durable_lengths) == (3, 1, (512, 2048))
+    assert _parsed("--only", "durable,").only == ["durable"]
+    for bad in ("warm", ",", ""):
+        with pytest.raises(argparse.ArgumentError, match="--only takes a comma-separated list of overload, durable"):
+            _parsed("--only", bad)
+    with pytest.raises(argparse.ArgumentError, match="not allowed with argument"):
+        _parsed("--only", "durable", "--overload-only")
