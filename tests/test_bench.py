@@ -17,13 +17,16 @@ import pytest
 
 from kvpool.bench.cli import add_arguments, options_from_args
 from kvpool.bench.durable import PARKED_SESSION_TOKENS, measure_durable, summarize_durable, tokens_needed
-from kvpool.bench.options import DURABLE_N_CTX, BenchOptions
+from kvpool.bench.move import measure_move, moved_split, summarize_move
+from kvpool.bench.options import DURABLE_N_CTX, MOVE_N_CTX, BenchOptions
 from kvpool.bench.rig import long_history
 from kvpool.bench.table import render_table
+from kvpool.shard.cache import cached_shards
+from kvpool.shard.ranges import LayerRange
 from tests.daemons import run_to_completion
 
 REPOSITORY = pathlib.Path(__file__).resolve().parents[1]
-SECTIONS = ("1", "2", "3", "4", "5", "6", "7", "8", "9", "10")
+SECTIONS = ("1", "2", "3", "4", "5", "6", "7", "8", "9", "10", "11")
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
@@ -66,7 +69,9 @@ def test_quick_bench_prints_every_section_and_writes_json_and_png(tmp_path: path
                      "--mode batched vs --mode process", "--mode auto picks",
                      "`kvpool serve` to first status, middle shard, n_ctx 8192", "start-up at n_ctx 8192 / at n_ctx 2048",
                      "drain: SIGTERM to exit 0, 4 parked sessions", "adoption: `kvpool serve` on the same socket and spill dir",
-                     "512-token session, first append after a restart", "2048-token session, first append after a restart"):
+                     "512-token session, first append after a restart", "2048-token session, first append after a restart",
+                     "128-token session, re-plan 0:10,10:20,20:30 -> 0:14,14:30: Router.replan",
+                     "512-token session, re-plan 0:10,10:20,20:30 -> 0:14,14:30: Router.replan"):
         assert any(expected in line for line in table), expected
     assert "greedy tokens identical in all five paths | yes" in completed.stdout
     assert "bit-identical to the re-prefilled session's | yes" in completed.stdout  # every timed decode restored, none missed
@@ -109,6 +114,8 @@ def test_quick_bench_prints_every_section_and_writes_json_and_png(tmp_path: path
 
     assert summary["s10_adopted_every_session"] and summary["s10_restored_exactly"]
     assert all(summary[f"s10_reprefill_vs_restored_{length}"] > 0 for length in (512, 2048))
+    assert summary["s11_moved_every_session"] and all(summary[f"s11_moved_bytes_{length}"] > 0 for length in (128, 512))
+    assert "| 11 | every re-plan moved its session (RecoveryCounts: 1 move, its bytes, 0 replays), books ok on all 5 daemons | yes |" in completed.stdout
 
     chart = out / "bench-quick.png"
     assert chart.read_bytes()[:8] == PNG_SIGNATURE
@@ -159,15 +166,54 @@ def test_durable_section_refuses_too_few_tokens_before_starting_a_daemon(shards,
     assert not list((tmp_path / "sockets").iterdir())  # no daemon started, no spill dir made
 
 
+# ---- section 11 alone, smallest form ----------------------------------------------------------------------
+
+
+@pytest.mark.timeout(BENCH_HANG_GUARD_S)
+def test_move_section_replans_through_the_router_with_bytes_moved_and_no_replay(shards, shard_root, tokenizer, prompt_ids, socket_dir, tmp_path, model_path):
+    split = moved_split(shards)
+    assert split == [LayerRange(0, 14), LayerRange(14, 30)]  # no split point of the even route survives
+    new_shards = cached_shards(model_path, split, root=shard_root / "bench-moved")
+    options = _options(tmp_path, model_path, move_lengths=(16,), move_rounds=1)
+    move = measure_move(shards, new_shards, long_history(tokenizer, prompt_ids[0], 17), socket_dir, options, say=lambda _line: None)
+
+    assert move["old_route"] == ["0:10", "10:20", "20:30"] and move["new_route"] == ["0:14", "14:30"]
+    runs = move["lengths"][16]
+    assert runs["moved"] == [True] and runs["counted_moves"] == [1] and runs["counted_replays"] == [0]
+    assert runs["counted_moved_bytes"] == runs["imported_bytes"] and runs["imported_bytes"][0] > 0 and runs["exported_bytes"][0] > 0
+    assert runs["logits_identical"] == [True] and runs["logits_max_abs_diff"] == [0.0]
+    assert all(seconds[0] > 0 for key, seconds in runs.items() if key.endswith("_s"))
+    assert move["integrity"] == ["ok"] * 5 and move["sessions_left"] == 0  # every session released, old epochs too
+
+    summary, ratios, rows = summarize_move(move)
+    assert ratios == {} and summary["s11_moved_every_session"] and summary["s11_logits_identical"]
+    assert summary["s11_moved_bytes_16"] == runs["imported_bytes"][0] and summary["s11_replay_vs_move_to_next_token_16"] > 0
+    table = render_table(rows)
+    assert "| 11 | 16-token session, re-plan 0:10,10:20,20:30 -> 0:14,14:30: Router.replan" in table
+    assert "| 11 | the next append's logits after the move bit-identical to the replayed session's | yes |" in table
+
+
+def test_move_section_refuses_too_few_tokens_before_starting_a_daemon(shards, tmp_path, model_path):
+    options = _options(tmp_path, model_path, move_lengths=(128,))
+    (tmp_path / "sockets").mkdir(mode=0o700)
+    with pytest.raises(ValueError, match="128 tokens given, 129 needed"):
+        measure_move(shards, shards, list(range(128)), tmp_path / "sockets", options, say=lambda _line: None)
+    assert not list((tmp_path / "sockets").iterdir())
+
+
 # ---- options and their limits ------------------------------------------------------------------------------
 
 
-def test_durable_lengths_fit_the_sections_n_ctx_at_the_edge(tmp_path, model_path):
+def test_durable_and_move_lengths_fit_the_sections_n_ctx_at_the_edge(tmp_path, model_path):
     assert _options(tmp_path, model_path, durable_lengths=(DURABLE_N_CTX - 1,)).durable_lengths == (DURABLE_N_CTX - 1,)
     for lengths in ((DURABLE_N_CTX,), (0,), ()):
         with pytest.raises(ValueError, match="durable lengths"):
             _options(tmp_path, model_path, durable_lengths=lengths)
-    for field in ("durable_sessions", "durable_rounds"):
+    assert _options(tmp_path, model_path, move_lengths=(MOVE_N_CTX - 1,)).move_lengths == (MOVE_N_CTX - 1,)
+    for lengths in ((MOVE_N_CTX,), (0,), ()):
+        with pytest.raises(ValueError, match="move lengths"):
+            _options(tmp_path, model_path, move_lengths=lengths)
+    for field in ("durable_sessions", "durable_rounds", "move_rounds"):
         assert getattr(_options(tmp_path, model_path, **{field: 1}), field) == 1
         with pytest.raises(ValueError, match="at least 1"):
             _options(tmp_path, model_path, **{field: 0})
@@ -179,14 +225,15 @@ def _parsed(*argv: str):
     return parser.parse_args(argv)
 
 
-def test_only_takes_known_sections_and_the_durable_flags_override_quick(tmp_path):
-    args = _parsed("--only", "durable,overload,durable", "--quick", "--durable-sessions", "3", "--out", str(tmp_path))
-    assert args.only == ["durable", "overload"]
+def test_only_takes_known_sections_and_the_durable_and_move_flags_override_quick(tmp_path):
+    args = _parsed("--only", "durable,overload,durable,move", "--quick", "--durable-sessions", "3", "--move-rounds", "2", "--out", str(tmp_path))
+    assert args.only == ["durable", "overload", "move"]
     options = options_from_args(args)
     assert (options.durable_sessions, options.durable_rounds, options.durable_lengths) == (3, 1, (512, 2048))
+    assert (options.move_rounds, options.move_lengths) == (2, (128, 512))
     assert _parsed("--only", "durable,").only == ["durable"]
     for bad in ("warm", ",", ""):
-        with pytest.raises(argparse.ArgumentError, match="--only takes a comma-separated list of overload, durable"):
+        with pytest.raises(argparse.ArgumentError, match="--only takes a comma-separated list of overload, durable, move"):
             _parsed("--only", bad)
     with pytest.raises(argparse.ArgumentError, match="not allowed with argument"):
         _parsed("--only", "durable", "--overload-only")

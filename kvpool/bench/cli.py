@@ -21,6 +21,7 @@ import psutil
 from kvpool.bench.admission import measure_admission, measure_memory
 from kvpool.bench.chart import write_chart
 from kvpool.bench.durable import measure_durable, tokens_needed
+from kvpool.bench.move import measure_move, moved_split
 from kvpool.bench.one_session import measure_mid_shard, measure_route
 from kvpool.bench.options import BenchOptions, bench_say
 from kvpool.bench.overload import measure_overload
@@ -33,7 +34,7 @@ from kvpool.bench.warm import measure_warm
 from kvpool.shard.bundled import bundled_model_path
 from kvpool.host import work_dir
 from kvpool.shard.header import ShardInfo, file_sha256
-from kvpool.shard.cache import shards_in_parts
+from kvpool.shard.cache import cached_shards, shards_in_parts
 from kvpool.local.tokenizer import Tokenizer
 
 
@@ -117,6 +118,7 @@ def run_bench(options: BenchOptions) -> tuple[dict, str]:
         bench_say("section 9: start-up at several --n-ctx beside a bare context")
         results["startup"] = measure_startup(rig)
         results["durable"] = _run_own_section("durable", rig.shards, rig.tokenizer, rig.socket_dir, options)
+        results["move"] = _run_own_section("move", rig.shards, rig.tokenizer, rig.socket_dir, options)
     finally:
         rig.close()
     results = _jsonable(results)
@@ -161,9 +163,16 @@ def _durable(shards: list[ShardInfo], tokenizer: Tokenizer, socket_dir: pathlib.
     return measure_durable(shards[0].path, long_history(tokenizer, prompt, tokens_needed(options)), socket_dir, options, bench_say)
 
 
+def _move(shards: list[ShardInfo], tokenizer: Tokenizer, socket_dir: pathlib.Path, options: BenchOptions) -> dict:
+    prompt = tokenizer.encode(tokenizer.chat_prompt(PROMPTS[0]))
+    new_shards = cached_shards(options.model, moved_split(shards), progress=bench_say)
+    return measure_move(shards, new_shards, long_history(tokenizer, prompt, max(options.move_lengths) + 1), socket_dir, options, bench_say)
+
+
 OWN_DAEMON_SECTIONS = {  # --only name: (section, what it measures, how)
     "overload": ("8", "overload, 8 sessions on 2 places per daemon", _overload),
     "durable": ("10", "durable sessions: drain and adoption of parked sessions, the first append after a restart vs a re-prefill", _durable),
+    "move": ("11", "a re-plan of the 3-shard route onto other split points: Router.replan vs a replay", _move),
 }
 
 
@@ -218,6 +227,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--overload-steps", type=int, help="decode steps per session in the overload section (default 32, quick 8)")
     parser.add_argument("--durable-sessions", type=int, help="section 10: parked sessions drained and adopted (default 8, quick 4)")
     parser.add_argument("--durable-rounds", type=int, help="section 10: rounds of its three daemon lifetimes (default 2, quick 1)")
+    parser.add_argument("--move-rounds", type=int, help="section 11: interleaved rounds of move against replay per length (default 2, quick 1)")
     alone = parser.add_mutually_exclusive_group()
     alone.add_argument("--only", type=_only, metavar="NAME[,NAME]", help=f"run only these sections, each on daemons of its own: {', '.join(f'{name} ({section})' for name, (section, _what, _how) in OWN_DAEMON_SECTIONS.items())}; writes <out>/bench-<names>.json")
     alone.add_argument("--overload-only", action="store_true", help="run only section 8 (overload) on its own daemons (as --only overload)")
@@ -234,7 +244,8 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
         for field, value in (("rounds", args.rounds), ("decode_steps", args.decode_steps), ("parallel_rounds", args.parallel_rounds),
                              ("parallel_steps", args.parallel_steps), ("repeats", args.repeats),
                              ("warm_repeats", args.warm_repeats), ("overload_rounds", args.overload_rounds), ("overload_steps", args.overload_steps),
-                             ("durable_sessions", args.durable_sessions), ("durable_rounds", args.durable_rounds))
+                             ("durable_sessions", args.durable_sessions), ("durable_rounds", args.durable_rounds),
+                             ("move_rounds", args.move_rounds))
         if value is not None
     }
     json_path = args.json.resolve() if args.json is not None else None
