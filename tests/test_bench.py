@@ -139,6 +139,7 @@ def test_durable_section_drains_adopts_every_parked_session_and_restores_the_fir
     (one,) = durable["rounds"]
     assert one["adopted_at_empty_start"] == 0 and one["adopted"] == one["adopted_on_disk"] == 2 and one["adopted_long"] == 1
     assert one["adopted_lengths"] == [64] and one["integrity_after_adoption"] == "ok"
+    assert one["adopted_line"].startswith("adopted 2 parked sessions from ") and one["adopted_line"].endswith("(128 positions)")
     assert one["drain_parked_line"] == "drain done: parked 2 sessions on disk, dropped 0"
     assert one["drain_hot_long_line"] == "drain done: parked 1 sessions on disk, dropped 0"
     assert one["drain_nothing_line"] == "drain done: parked 0 sessions on disk, dropped 0"

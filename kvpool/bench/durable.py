@@ -34,6 +34,7 @@ STOP_HANG_GUARD_S = 1800.0  # a hang guard, never a verdict on speed
 DAEMON_OPTIONS = ("--threads", "1", "--threads-per-worker", "1", "--max-sessions", "2", "--ttl", "3600", "--n-ctx", str(DURABLE_N_CTX),
                   "--spill-budget", "512MiB", "--spill-disk-budget", "2GiB", "--drain-timeout", "600")
 DRAIN_DONE = re.compile(r"drain done: parked (\d+) sessions on disk, dropped (\d+)")
+ADOPTED = re.compile(r"adopted \d+ parked sessions from \S+ \(\d+ positions\)[^\n]*")
 
 
 class DrainFailed(RuntimeError):
@@ -75,10 +76,12 @@ class DaemonLifetimes:
         self._stack.close()
 
 
-def _adopted(client: Client) -> dict:
+def _adopted(daemon: Daemon, client: Client) -> dict:
     stats = client.stats()
+    line = ADOPTED.search(daemon.log())
     return {"adopted": stats.counters.get("adopted", 0), "disk_sessions": sum(row.tier == "disk" for row in stats.sessions),
-            "lengths": {row.session_id: row.length for row in stats.sessions}, "integrity": stats.integrity}
+            "lengths": {row.session_id: row.length for row in stats.sessions}, "integrity": stats.integrity,
+            "line": line.group(0) if line else ""}
 
 
 def _park_sessions(client: Client, tokens: Sequence[int], names: Sequence[str]) -> None:
@@ -112,13 +115,13 @@ def _one_round(lifetimes: DaemonLifetimes, tokens: Sequence[int], options: Bench
     parked = [f"bench-durable-{round_index}-{index}" for index in range(options.durable_sessions)]
     daemon, ready_empty_s = lifetimes.start()
     with daemon.client(direct=False) as client:
-        nothing = _adopted(client)
+        nothing = _adopted(daemon, client)
         _park_sessions(client, tokens, parked)
     drain_n_s, drain_n_line = lifetimes.drain(daemon)
 
     daemon, ready_n_s = lifetimes.start()
     with daemon.client(direct=False) as client:
-        adopted_n = _adopted(client)
+        adopted_n = _adopted(daemon, client)
         for name in parked:
             client.release(name, EPOCH)
         for length in options.durable_lengths:
@@ -127,7 +130,7 @@ def _one_round(lifetimes: DaemonLifetimes, tokens: Sequence[int], options: Bench
 
     daemon, ready_long_s = lifetimes.start()
     with daemon.client(direct=False) as client:
-        adopted_long = _adopted(client)
+        adopted_long = _adopted(daemon, client)
         firsts = {str(length): _restore_vs_reprefill(client, tokens, length, f"bench-durable-fresh-{round_index}-{length}")
                   for length in options.durable_lengths}
     drain_empty_s, drain_empty_line = lifetimes.drain(daemon)
@@ -136,6 +139,7 @@ def _one_round(lifetimes: DaemonLifetimes, tokens: Sequence[int], options: Bench
         "drain_parked_s": drain_n_s, "drain_parked_line": drain_n_line,
         "ready_adopting_s": ready_n_s, "adopted": adopted_n["adopted"], "adopted_on_disk": adopted_n["disk_sessions"],
         "adopted_lengths": sorted(set(adopted_n["lengths"].values())), "integrity_after_adoption": adopted_n["integrity"],
+        "adopted_line": adopted_n["line"],
         "drain_hot_long_s": drain_hot_s, "drain_hot_long_line": drain_hot_line,
         "ready_adopting_long_s": ready_long_s, "adopted_long": adopted_long["adopted"],
         "drain_nothing_s": drain_empty_s, "drain_nothing_line": drain_empty_line, "first_append": firsts,
@@ -188,7 +192,7 @@ def summarize_durable(durable: dict) -> tuple[dict, dict, list[Row]]:
                                         "s10_adopted_every_session": adopted_all}
     rows = [
         Row("10", f"drain: SIGTERM to exit 0, {sessions} parked sessions of {durable['session_tokens']} tokens written to the disk tier "
-                  f"({shard}) / the same daemon with no session", f"{drain:.2f} s", f"{drain_none:.2f} s", _per_session(drain, drain_none, sessions)),
+                  f"({shard}) / a drain with no session", f"{drain:.2f} s", f"{drain_none:.2f} s", _per_session(drain, drain_none, sessions)),
         Row("10", f"adoption: `kvpool serve` on the same socket and spill dir to its first Hello, adopting {sessions} sessions / "
                   "nothing to adopt", f"{ready:.2f} s", f"{ready_none:.2f} s", _per_session(ready, ready_none, sessions)),
         Row("10", f"drain with the {'- and '.join(map(str, durable['lengths']))}-token sessions hot (parked and written during the drain)",
