@@ -179,6 +179,7 @@ def test_move_section_replans_through_the_router_with_bytes_moved_and_no_replay(
     move = measure_move(shards, new_shards, long_history(tokenizer, prompt_ids[0], 17), socket_dir, options, say=lambda _line: None)
 
     assert move["old_route"] == ["0:10", "10:20", "20:30"] and move["new_route"] == ["0:14", "14:30"]
+    assert sorted(move["shard_sha256"]) == sorted(shard.path.name for shard in [*shards, *new_shards])
     runs = move["lengths"][16]
     assert runs["moved"] == [True] and runs["counted_moves"] == [1] and runs["counted_replays"] == [0]
     assert runs["counted_moved_bytes"] == runs["imported_bytes"] and runs["imported_bytes"][0] > 0 and runs["exported_bytes"][0] > 0

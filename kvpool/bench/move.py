@@ -25,7 +25,7 @@ from kvpool.bench.rig import run_interleaved, start_daemons
 from kvpool.bench.table import Row, ms
 from kvpool.client.client import Client
 from kvpool.router.router import Router
-from kvpool.shard.header import ShardInfo
+from kvpool.shard.header import ShardInfo, file_sha256
 from kvpool.shard.ranges import LayerRange
 
 DAEMON_OPTIONS = ["--threads", "1", "--threads-per-worker", "1", "--max-sessions", "2", "--ttl", "3600", "--n-ctx", str(MOVE_N_CTX),
@@ -110,6 +110,7 @@ def measure_move(old_shards: Sequence[ShardInfo], new_shards: Sequence[ShardInfo
         left = sum(len(client.stats().sessions) for client in clients.values())
     return {"old_route": [str(LayerRange(s.shape.layer_start, s.shape.layer_stop)) for s in old_shards],
             "new_route": [str(LayerRange(s.shape.layer_start, s.shape.layer_stop)) for s in new_shards],
+            "shard_sha256": {shard.path.name: file_sha256(shard.path) for shard in [*old_shards, *new_shards]},
             "daemon_options": DAEMON_OPTIONS, "lengths": lengths, "integrity": integrity, "sessions_left": left}
 
 
