@@ -1,10 +1,13 @@
-"""`kvpool bench --quick` end to end: every section in the table, JSON and PNG written, numbers sane.
+"""`kvpool bench --quick` end to end: every section in the table, JSON and PNG written, numbers sane; the
+sections on daemons of their own (durable sessions) run alone in their smallest form; the options' limits.
 
-A behaviour test: it runs real daemons and llama.cpp on the bundled model, but asserts no speed.
+Behaviour tests: they run real daemons and llama.cpp on the bundled model, but assert no speed.
 """
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import json
 import math
 import pathlib
@@ -12,10 +15,18 @@ import sys
 
 import pytest
 
+from kvpool.bench.cli import add_arguments, options_from_args
+from kvpool.bench.durable import PARKED_SESSION_TOKENS, measure_durable, summarize_durable, tokens_needed
+from kvpool.bench.move import measure_move, moved_split, summarize_move
+from kvpool.bench.options import DURABLE_N_CTX, MOVE_N_CTX, BenchOptions
+from kvpool.bench.rig import long_history
+from kvpool.bench.table import render_table
+from kvpool.shard.cache import cached_shards
+from kvpool.shard.ranges import LayerRange
 from tests.daemons import run_to_completion
 
 REPOSITORY = pathlib.Path(__file__).resolve().parents[1]
-SECTIONS = ("1", "2", "3", "4", "5", "6", "7", "8", "9")
+SECTIONS = ("1", "2", "3", "4", "5", "6", "7", "8", "9", "10", "11")
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
@@ -56,11 +67,16 @@ def test_quick_bench_prints_every_section_and_writes_json_and_png(tmp_path: path
                      "overload, warm tier on", "overload, warm tier off",
                      "four sessions: kvpool whole model, 1 daemon, --mode batched", "four sessions: kvpool 3-shard chain, --mode batched",
                      "--mode batched vs --mode process", "--mode auto picks",
-                     "`kvpool serve` to first status, middle shard, n_ctx 8192", "start-up at n_ctx 8192 / at n_ctx 2048"):
+                     "`kvpool serve` to first status, middle shard, n_ctx 8192", "start-up at n_ctx 8192 / at n_ctx 2048",
+                     "drain: SIGTERM to exit 0, 4 parked sessions", "adoption: `kvpool serve` on the same socket and spill dir",
+                     "512-token session, first append after a restart", "2048-token session, first append after a restart",
+                     "128-token session, re-plan 0:10,10:20,20:30 -> 0:14,14:30: Router.replan",
+                     "512-token session, re-plan 0:10,10:20,20:30 -> 0:14,14:30: Router.replan"):
         assert any(expected in line for line in table), expected
     assert "greedy tokens identical in all five paths | yes" in completed.stdout
     assert "bit-identical to the re-prefilled session's | yes" in completed.stdout  # every timed decode restored, none missed
     assert "greedy tokens identical, all at once and 2 at a time, tier on and off | yes" in completed.stdout  # waits, parks, replays change no bit
+    assert "bit-identical to the re-prefilled session's | yes" in next(line for line in table if line.startswith("| 10 | every one of the 4 parked"))
 
     results = json.loads((out / "bench-quick.json").read_text())
     assert {"four_sessions_vs_batched", "four_sessions_batched_vs_process_mode", "daemon_vs_inprocess"} <= set(results["ratios"])
@@ -96,6 +112,130 @@ def test_quick_bench_prints_every_section_and_writes_json_and_png(tmp_path: path
     for blob, theory, hot in zip(parked["parked_bytes_per_daemon"], parked["theoretical_kv_bytes_per_daemon"], parked["hot_bytes_per_daemon"]):
         assert theory <= blob < 1.25 * theory < hot  # a parked session keeps its positions' KV, about nothing more
 
+    assert summary["s10_adopted_every_session"] and summary["s10_restored_exactly"]
+    assert all(summary[f"s10_reprefill_vs_restored_{length}"] > 0 for length in (512, 2048))
+    assert summary["s11_moved_every_session"] and all(summary[f"s11_moved_bytes_{length}"] > 0 for length in (128, 512))
+    assert "| 11 | every re-plan moved its session (RecoveryCounts: 1 move, its bytes, 0 replays), books ok on all 5 daemons | yes |" in completed.stdout
+
     chart = out / "bench-quick.png"
     assert chart.read_bytes()[:8] == PNG_SIGNATURE
     assert chart.stat().st_size > 10_000
+
+
+# ---- section 10 alone, smallest form ----------------------------------------------------------------------
+
+
+def _options(tmp_path: pathlib.Path, model_path: pathlib.Path, **fields) -> BenchOptions:
+    return dataclasses.replace(BenchOptions.quick_run(tmp_path, model_path), **fields)
+
+
+@pytest.mark.timeout(BENCH_HANG_GUARD_S)
+def test_durable_section_drains_adopts_every_parked_session_and_restores_the_first_append(shards, tokenizer, prompt_ids, socket_dir, tmp_path, model_path):
+    options = _options(tmp_path, model_path, durable_sessions=2, durable_lengths=(16,), durable_rounds=1)
+    assert tokens_needed(options) == PARKED_SESSION_TOKENS == 64  # the parked sessions' history is the longest here
+    tokens = long_history(tokenizer, prompt_ids[0], tokens_needed(options))
+    durable = measure_durable(shards[0].path, tokens, socket_dir, options, say=lambda _line: None)
+
+    (one,) = durable["rounds"]
+    assert one["adopted_at_empty_start"] == 0 and one["adopted"] == one["adopted_on_disk"] == 2 and one["adopted_long"] == 1
+    assert one["adopted_lengths"] == [64] and one["integrity_after_adoption"] == "ok"
+    assert one["adopted_line"].startswith("adopted 2 parked sessions from ") and one["adopted_line"].endswith("(128 positions)")
+    assert one["drain_parked_line"] == "drain done: parked 2 sessions on disk, dropped 0"
+    assert one["drain_hot_long_line"] == "drain done: parked 1 sessions on disk, dropped 0"
+    assert one["drain_nothing_line"] == "drain done: parked 0 sessions on disk, dropped 0"
+    first = one["first_append"]["16"]
+    assert first["restored"] and first["length_after"] == 17 and first["output_identical"]
+    for key in ("ready_nothing_to_adopt_s", "drain_parked_s", "ready_adopting_s", "drain_hot_long_s", "ready_adopting_long_s", "drain_nothing_s"):
+        assert one[key] > 0, key
+    assert first["restore_s"] > 0 and first["reprefill_s"] >= first["reprefill_prefill_s"] > 0
+
+    summary, ratios, rows = summarize_durable(durable)
+    assert ratios == {} and summary["s10_adopted_every_session"] and summary["s10_restored_exactly"]
+    assert summary["s10_reprefill_vs_restored_16"] > 0 and all(math.isfinite(value) for value in summary.values())
+    table = render_table(rows)
+    assert "| 10 | drain: SIGTERM to exit 0, 2 parked sessions of 64 tokens" in table
+    assert "| 10 | 16-token session, first append after a restart" in table
+    assert "bit-identical to the re-prefilled session's | yes |" in table
+    assert not list(socket_dir.glob("durable.sock"))  # every daemon it started has stopped
+
+
+def test_durable_section_refuses_too_few_tokens_before_starting_a_daemon(shards, tmp_path, model_path):
+    options = _options(tmp_path, model_path, durable_lengths=(512,))
+    (tmp_path / "sockets").mkdir(mode=0o700)
+    with pytest.raises(ValueError, match="512 tokens given, 513 needed"):
+        measure_durable(shards[0].path, list(range(512)), tmp_path / "sockets", options, say=lambda _line: None)
+    assert not list((tmp_path / "sockets").iterdir())  # no daemon started, no spill dir made
+
+
+# ---- section 11 alone, smallest form ----------------------------------------------------------------------
+
+
+@pytest.mark.timeout(BENCH_HANG_GUARD_S)
+def test_move_section_replans_through_the_router_with_bytes_moved_and_no_replay(shards, shard_root, tokenizer, prompt_ids, socket_dir, tmp_path, model_path):
+    split = moved_split(shards)
+    assert split == [LayerRange(0, 14), LayerRange(14, 30)]  # no split point of the even route survives
+    new_shards = cached_shards(model_path, split, root=shard_root / "bench-moved")
+    options = _options(tmp_path, model_path, move_lengths=(16,), move_rounds=1)
+    move = measure_move(shards, new_shards, long_history(tokenizer, prompt_ids[0], 17), socket_dir, options, say=lambda _line: None)
+
+    assert move["old_route"] == ["0:10", "10:20", "20:30"] and move["new_route"] == ["0:14", "14:30"]
+    assert sorted(move["shard_sha256"]) == sorted(shard.path.name for shard in [*shards, *new_shards])
+    runs = move["lengths"][16]
+    assert runs["moved"] == [True] and runs["counted_moves"] == [1] and runs["counted_replays"] == [0]
+    assert runs["counted_moved_bytes"] == runs["imported_bytes"] and runs["imported_bytes"][0] > 0 and runs["exported_bytes"][0] > 0
+    assert runs["logits_identical"] == [True] and runs["logits_max_abs_diff"] == [0.0]
+    assert all(seconds[0] > 0 for key, seconds in runs.items() if key.endswith("_s"))
+    assert move["integrity"] == ["ok"] * 5 and move["sessions_left"] == 0  # every session released, old epochs too
+
+    summary, ratios, rows = summarize_move(move)
+    assert ratios == {} and summary["s11_moved_every_session"] and summary["s11_logits_identical"]
+    assert summary["s11_moved_bytes_16"] == runs["imported_bytes"][0] and summary["s11_replay_vs_move_to_next_token_16"] > 0
+    table = render_table(rows)
+    assert "| 11 | 16-token session, re-plan 0:10,10:20,20:30 -> 0:14,14:30: Router.replan" in table
+    assert "| 11 | the next append's logits after the move bit-identical to the replayed session's | yes |" in table
+
+
+def test_move_section_refuses_too_few_tokens_before_starting_a_daemon(shards, tmp_path, model_path):
+    options = _options(tmp_path, model_path, move_lengths=(128,))
+    (tmp_path / "sockets").mkdir(mode=0o700)
+    with pytest.raises(ValueError, match="128 tokens given, 129 needed"):
+        measure_move(shards, shards, list(range(128)), tmp_path / "sockets", options, say=lambda _line: None)
+    assert not list((tmp_path / "sockets").iterdir())
+
+
+# ---- options and their limits ------------------------------------------------------------------------------
+
+
+def test_durable_and_move_lengths_fit_the_sections_n_ctx_at_the_edge(tmp_path, model_path):
+    assert _options(tmp_path, model_path, durable_lengths=(DURABLE_N_CTX - 1,)).durable_lengths == (DURABLE_N_CTX - 1,)
+    for lengths in ((DURABLE_N_CTX,), (0,), ()):
+        with pytest.raises(ValueError, match="durable lengths"):
+            _options(tmp_path, model_path, durable_lengths=lengths)
+    assert _options(tmp_path, model_path, move_lengths=(MOVE_N_CTX - 1,)).move_lengths == (MOVE_N_CTX - 1,)
+    for lengths in ((MOVE_N_CTX,), (0,), ()):
+        with pytest.raises(ValueError, match="move lengths"):
+            _options(tmp_path, model_path, move_lengths=lengths)
+    for field in ("durable_sessions", "durable_rounds", "move_rounds"):
+        assert getattr(_options(tmp_path, model_path, **{field: 1}), field) == 1
+        with pytest.raises(ValueError, match="at least 1"):
+            _options(tmp_path, model_path, **{field: 0})
+
+
+def _parsed(*argv: str):
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def test_only_takes_known_sections_and_the_durable_and_move_flags_override_quick(tmp_path):
+    args = _parsed("--only", "durable,overload,durable,move", "--quick", "--durable-sessions", "3", "--move-rounds", "2", "--out", str(tmp_path))
+    assert args.only == ["durable", "overload", "move"]
+    options = options_from_args(args)
+    assert (options.durable_sessions, options.durable_rounds, options.durable_lengths) == (3, 1, (512, 2048))
+    assert (options.move_rounds, options.move_lengths) == (2, (128, 512))
+    assert _parsed("--only", "durable,").only == ["durable"]
+    for bad in ("warm", ",", ""):
+        with pytest.raises(argparse.ArgumentError, match="--only takes a comma-separated list of overload, durable, move"):
+            _parsed("--only", bad)
+    with pytest.raises(argparse.ArgumentError, match="not allowed with argument"):
+        _parsed("--only", "durable", "--overload-only")

@@ -23,6 +23,19 @@ and noisy: compare the ratios, not the absolute times; every figure is a median)
   9 start-up                       `kvpool serve` to its first status on the middle shard at --n-ctx 512,
                                    2048, 8192 / a bare llama context of that n_ctx; start-up at 8192 / at 2048
                                    (flat: 1.0; the probe fills 2048 cells in both) and at 8192 / at 512
+ 10 durable sessions               one daemon of the first shard with --spill-dir, started and drained (SIGTERM)
+                                   on one socket and spill dir: the drain (SIGTERM to exit 0) with N parked
+                                   sessions / with none; `kvpool serve` to its first answered Hello adopting
+                                   the N / with nothing to adopt (N: 8, quick 4, --durable-sessions); the
+                                   first append after a restart (1 token, restored from the disk tier,
+                                   `restored: true`) / a fresh session's prefill of the same history + that
+                                   token, at 512 and 2048 tokens (`--only durable` runs this section alone)
+ 11 move vs replay                 a session on the 3-shard route (0:10,10:20,20:30 on the bundled model)
+                                   re-planned onto 2 shards cut elsewhere (0:14,14:30) by Router.replan
+                                   (export, re-slice, import under epoch + 1) + its next append / the same
+                                   history appended on the new route from 0 + that append, at 128, 512, 2048
+                                   tokens (quick: 128, 512), with the bytes moved and whether the next
+                                   logits are bit-identical (`--only move` runs this section alone)
 
 Threads: every single-session figure uses 1 llama thread per computing context (kvpool's default
 --threads-per-worker). Four sessions: llama.cpp batched uses 2 threads; the whole-model daemon runs
@@ -39,29 +52,32 @@ The JSON's "ratios" names the headline ratios, each with its target (null: none)
 # rig (daemons, models, timing helpers), one_session (sections 1, 2, 4), parallel (section 3),
 # admission (sections 5, 6), table (rows and cell formats), targets (sections 1-6's targets),
 # one_session_report, parallel_report, admission_report (those sections' summaries and rows), warm
-# (section 7: measurement, summary, chart panels), overload (section 8), startup (section 9), report (`summarize`: every
-# section in order), chart (the PNG), cli (run_bench, the command line).
+# (section 7: measurement, summary, chart panels), overload (section 8), startup (section 9), durable (section 10),
+# move (section 11), report (`summarize`: every section in order), chart (the PNG), cli (run_bench, run_only, the
+# command line).
 
 from kvpool.bench.admission import measure_admission, measure_memory
 from kvpool.bench.chart import write_chart
-from kvpool.bench.cli import add_arguments, environment, main, options_from_args, run, run_bench
+from kvpool.bench.cli import add_arguments, environment, main, options_from_args, run, run_bench, run_only
+from kvpool.bench.durable import DaemonLifetimes, DrainFailed, measure_durable, summarize_durable
+from kvpool.bench.move import measure_move, moved_split, summarize_move
 from kvpool.bench.one_session import IDLE_CHAIN_S, IDLE_MID_S, MID_SESSION, measure_mid_shard, measure_route, mid_shard_variants, route_variants
-from kvpool.bench.options import EPOCH, PARALLEL_THREADS, ROUTE_N_CTX, SESSIONS, SINGLE_THREADS, WARM_N_CTX, BenchOptions
+from kvpool.bench.options import DURABLE_N_CTX, EPOCH, MOVE_N_CTX, PARALLEL_THREADS, ROUTE_N_CTX, SESSIONS, SINGLE_THREADS, WARM_N_CTX, BenchOptions
 from kvpool.bench.overload import OVERLOAD_TARGET, measure_overload, summarize_overload
 from kvpool.bench.parallel import CEILING, CeilingProcesses, measure_parallel
 from kvpool.bench.reference import BatchedContext, PlainContext
 from kvpool.bench.report import summarize
-from kvpool.bench.rig import FILLER_TEXT, PROMPTS, Rig, Variant, daemon_uss, payload_seconds, round_trips, start_daemons
+from kvpool.bench.rig import FILLER_TEXT, PROMPTS, Rig, Variant, daemon_uss, long_history, payload_seconds, round_trips, start_daemons
 from kvpool.bench.table import Row, headline, render_table
 from kvpool.bench.targets import DAEMON_OVERHEAD_TARGET, PARALLEL_TARGET
 from kvpool.bench.warm import PARKED_TARGET, RESTORE_TARGET, measure_warm, summarize_warm
 
 __all__ = [
-    "CEILING", "DAEMON_OVERHEAD_TARGET", "EPOCH", "FILLER_TEXT", "IDLE_CHAIN_S", "IDLE_MID_S", "MID_SESSION", "OVERLOAD_TARGET", "PARALLEL_TARGET",
+    "CEILING", "DAEMON_OVERHEAD_TARGET", "DURABLE_N_CTX", "EPOCH", "FILLER_TEXT", "IDLE_CHAIN_S", "IDLE_MID_S", "MID_SESSION", "MOVE_N_CTX", "OVERLOAD_TARGET", "PARALLEL_TARGET",
     "PARALLEL_THREADS", "PARKED_TARGET", "PROMPTS", "RESTORE_TARGET", "ROUTE_N_CTX", "SESSIONS", "SINGLE_THREADS", "WARM_N_CTX",
-    "BatchedContext", "BenchOptions", "CeilingProcesses", "PlainContext", "Rig", "Row", "Variant",
-    "add_arguments", "daemon_uss", "environment", "headline", "main", "measure_admission", "measure_memory", "measure_mid_shard",
-    "measure_overload", "measure_parallel", "measure_route", "measure_warm", "mid_shard_variants", "options_from_args", "payload_seconds",
-    "render_table", "round_trips", "route_variants", "run", "run_bench", "start_daemons", "summarize", "summarize_overload", "summarize_warm",
+    "BatchedContext", "BenchOptions", "CeilingProcesses", "DaemonLifetimes", "DrainFailed", "PlainContext", "Rig", "Row", "Variant",
+    "add_arguments", "daemon_uss", "environment", "headline", "long_history", "main", "measure_admission", "measure_durable", "measure_memory", "measure_mid_shard", "measure_move",
+    "measure_overload", "measure_parallel", "measure_route", "measure_warm", "mid_shard_variants", "moved_split", "options_from_args", "payload_seconds",
+    "render_table", "round_trips", "route_variants", "run", "run_bench", "run_only", "start_daemons", "summarize", "summarize_durable", "summarize_move", "summarize_overload", "summarize_warm",
     "write_chart",
 ]

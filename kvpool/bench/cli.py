@@ -20,19 +20,21 @@ import psutil
 
 from kvpool.bench.admission import measure_admission, measure_memory
 from kvpool.bench.chart import write_chart
+from kvpool.bench.durable import measure_durable, tokens_needed
+from kvpool.bench.move import measure_move, moved_split
 from kvpool.bench.one_session import measure_mid_shard, measure_route
 from kvpool.bench.options import BenchOptions, bench_say
-from kvpool.bench.overload import measure_overload, summarize_overload
+from kvpool.bench.overload import measure_overload
 from kvpool.bench.startup import measure_startup
 from kvpool.bench.parallel import measure_parallel
 from kvpool.bench.report import summarize
-from kvpool.bench.rig import Rig
+from kvpool.bench.rig import PROMPTS, Rig, long_history
 from kvpool.bench.table import render_table
 from kvpool.bench.warm import measure_warm
 from kvpool.shard.bundled import bundled_model_path
 from kvpool.host import work_dir
-from kvpool.shard.header import file_sha256
-from kvpool.shard.cache import shards_in_parts
+from kvpool.shard.header import ShardInfo, file_sha256
+from kvpool.shard.cache import cached_shards, shards_in_parts
 from kvpool.local.tokenizer import Tokenizer
 
 
@@ -112,11 +114,11 @@ def run_bench(options: BenchOptions) -> tuple[dict, str]:
         results["memory"] = measure_memory(rig)
         bench_say("section 7: warm tier, restore vs re-prefill and sessions per GiB")
         results["warm"] = measure_warm(rig)
-        bench_say("section 8: overload, 8 sessions on 2 places per daemon")
-        results["overload"] = measure_overload([shard.path for shard in rig.shards], rig.tokenizer, rig.socket_dir,
-                                               steps=options.overload_steps, rounds=options.overload_rounds, say=bench_say)
+        results["overload"] = _run_own_section("overload", rig.shards, rig.tokenizer, rig.socket_dir, options)
         bench_say("section 9: start-up at several --n-ctx beside a bare context")
         results["startup"] = measure_startup(rig)
+        results["durable"] = _run_own_section("durable", rig.shards, rig.tokenizer, rig.socket_dir, options)
+        results["move"] = _run_own_section("move", rig.shards, rig.tokenizer, rig.socket_dir, options)
     finally:
         rig.close()
     results = _jsonable(results)
@@ -148,26 +150,67 @@ def run_bench(options: BenchOptions) -> tuple[dict, str]:
     return results, table
 
 
-def run_overload_only(options: BenchOptions) -> tuple[dict, str]:
-    """Section 8 alone (its own daemons); writes <out>/bench-overload.json."""
+# ---- sections on daemons of their own: in the whole run, or alone with --only -------------------------
+
+
+def _overload(shards: list[ShardInfo], tokenizer: Tokenizer, socket_dir: pathlib.Path, options: BenchOptions) -> dict:
+    return measure_overload([shard.path for shard in shards], tokenizer, socket_dir, steps=options.overload_steps,
+                            rounds=options.overload_rounds, say=bench_say)
+
+
+def _durable(shards: list[ShardInfo], tokenizer: Tokenizer, socket_dir: pathlib.Path, options: BenchOptions) -> dict:
+    prompt = tokenizer.encode(tokenizer.chat_prompt(PROMPTS[0]))
+    return measure_durable(shards[0].path, long_history(tokenizer, prompt, tokens_needed(options)), socket_dir, options, bench_say)
+
+
+def _move(shards: list[ShardInfo], tokenizer: Tokenizer, socket_dir: pathlib.Path, options: BenchOptions) -> dict:
+    prompt = tokenizer.encode(tokenizer.chat_prompt(PROMPTS[0]))
+    new_shards = cached_shards(options.model, moved_split(shards), progress=bench_say)
+    return measure_move(shards, new_shards, long_history(tokenizer, prompt, max(options.move_lengths) + 1), socket_dir, options, bench_say)
+
+
+OWN_DAEMON_SECTIONS = {  # --only name: (section, what it measures, how)
+    "overload": ("8", "overload, 8 sessions on 2 places per daemon", _overload),
+    "durable": ("10", "durable sessions: drain and adoption of parked sessions, the first append after a restart vs a re-prefill", _durable),
+    "move": ("11", "a re-plan of the 3-shard route onto other split points: Router.replan vs a replay", _move),
+}
+
+
+def _run_own_section(name: str, shards: list[ShardInfo], tokenizer: Tokenizer, socket_dir: pathlib.Path, options: BenchOptions) -> dict:
+    section, what, measure = OWN_DAEMON_SECTIONS[name]
+    bench_say(f"section {section}: {what}")
+    return measure(shards, tokenizer, socket_dir, options)
+
+
+def run_only(options: BenchOptions, names: list[str]) -> tuple[dict, str]:
+    """The sections `names` of OWN_DAEMON_SECTIONS alone (their own daemons); writes <out>/bench-<names>.json."""
     env = environment(options.model)
     shards = shards_in_parts(options.model, 3, progress=bench_say)
     socket_dir = pathlib.Path(tempfile.mkdtemp(prefix="kvpool-bench-"))
     try:
         with Tokenizer(shards[0].path) as tokenizer:
-            overload = measure_overload([shard.path for shard in shards], tokenizer, socket_dir,
-                                        steps=options.overload_steps, rounds=options.overload_rounds, say=bench_say)
+            measured = {name: _run_own_section(name, shards, tokenizer, socket_dir, options) for name in names}
     finally:
         shutil.rmtree(socket_dir, ignore_errors=True)
     env["load_average_at_end"] = os.getloadavg()
-    summary, ratios, rows = summarize_overload(overload)
+    summary, ratios, rows = summarize(measured)
     table = render_table(rows)
-    results = _jsonable({"environment": env, "options": dataclasses.asdict(options), "overload": overload, "summary": summary, "ratios": ratios, "table": table})
+    results = _jsonable({"environment": env, "options": dataclasses.asdict(options),
+                         "shards": {shard.path.name: file_sha256(shard.path) for shard in shards},
+                         **measured, "summary": summary, "ratios": ratios, "table": table})
     options.out_dir.mkdir(parents=True, exist_ok=True)
-    json_path = options.out_dir / "bench-overload.json"
+    json_path = options.out_dir / f"bench-{'-'.join(names)}.json"
     json_path.write_text(json.dumps(results, indent=1, allow_nan=False) + "\n")
     bench_say(f"wrote {json_path}")
     return results, table
+
+
+def _only(text: str) -> list[str]:
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = sorted(set(names) - set(OWN_DAEMON_SECTIONS))
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(f"--only takes a comma-separated list of {', '.join(OWN_DAEMON_SECTIONS)} (got {text!r})")
+    return list(dict.fromkeys(names))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -182,7 +225,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warm-repeats", type=int, help="rounds of restore against re-prefill per session length (default 3, quick 2)")
     parser.add_argument("--overload-rounds", type=int, help="interleaved rounds of the overload section (default 3, quick 1)")
     parser.add_argument("--overload-steps", type=int, help="decode steps per session in the overload section (default 32, quick 8)")
-    parser.add_argument("--overload-only", action="store_true", help="run only section 8 (overload) on its own daemons")
+    parser.add_argument("--durable-sessions", type=int, help="section 10: parked sessions drained and adopted (default 8, quick 4)")
+    parser.add_argument("--durable-rounds", type=int, help="section 10: rounds of its three daemon lifetimes (default 2, quick 1)")
+    parser.add_argument("--move-rounds", type=int, help="section 11: interleaved rounds of move against replay per length (default 2, quick 1)")
+    alone = parser.add_mutually_exclusive_group()
+    alone.add_argument("--only", type=_only, metavar="NAME[,NAME]", help=f"run only these sections, each on daemons of its own: {', '.join(f'{name} ({section})' for name, (section, _what, _how) in OWN_DAEMON_SECTIONS.items())}; writes <out>/bench-<names>.json")
+    alone.add_argument("--overload-only", action="store_true", help="run only section 8 (overload) on its own daemons (as --only overload)")
     parser.add_argument("--no-chart", action="store_true", help="skip the PNG chart")
     parser.add_argument("--json", type=pathlib.Path, metavar="PATH", help="also write the results (raw figures, summary, and the headline \"ratios\" with their targets) to PATH")
 
@@ -195,7 +243,9 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
         field: value
         for field, value in (("rounds", args.rounds), ("decode_steps", args.decode_steps), ("parallel_rounds", args.parallel_rounds),
                              ("parallel_steps", args.parallel_steps), ("repeats", args.repeats),
-                             ("warm_repeats", args.warm_repeats), ("overload_rounds", args.overload_rounds), ("overload_steps", args.overload_steps))
+                             ("warm_repeats", args.warm_repeats), ("overload_rounds", args.overload_rounds), ("overload_steps", args.overload_steps),
+                             ("durable_sessions", args.durable_sessions), ("durable_rounds", args.durable_rounds),
+                             ("move_rounds", args.move_rounds))
         if value is not None
     }
     json_path = args.json.resolve() if args.json is not None else None
@@ -204,7 +254,8 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
 
 def run(args: argparse.Namespace) -> int:
     options = options_from_args(args)
-    _, table = run_overload_only(options) if args.overload_only else run_bench(options)
+    only = ["overload"] if args.overload_only else args.only
+    _, table = run_only(options, only) if only else run_bench(options)
     print(table)
     return 0
 

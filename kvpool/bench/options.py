@@ -15,6 +15,8 @@ PARALLEL_THREADS = 2  # llama threads computing at once in section 3 (the machin
 SINGLE_THREADS = 1  # llama threads of a single-session context
 ROUTE_N_CTX = 1024  # context of the decode and prefill sessions
 WARM_N_CTX = 2048 + 64  # section 7's daemons: a 2048-token session and its decodes fit
+DURABLE_N_CTX = 2048 + 64  # section 10's daemon: a 2048-token session and its next token fit
+MOVE_N_CTX = 2048 + 64  # section 11's daemons: the same
 EPOCH = 1
 
 
@@ -49,22 +51,32 @@ class BenchOptions:
     warm_repeats: int = 3  # section 7: rounds per length (each re-prefills the length twice)
     overload_rounds: int = 3  # interleaved rounds of section 7 (each variant once per round)
     overload_steps: int = 32  # greedy decode steps per session in section 7
+    durable_sessions: int = 8  # section 10: parked sessions drained and adopted
+    durable_lengths: tuple[int, ...] = (512, 2048)  # section 10: histories restored after a restart and re-prefilled
+    durable_rounds: int = 2  # section 10: rounds of its three daemon lifetimes
+    move_lengths: tuple[int, ...] = (128, 512, 2048)  # section 11: histories moved by a re-plan and replayed
+    move_rounds: int = 2  # section 11: interleaved rounds per length (each variant once per round)
     chart: bool = True
     json_path: pathlib.Path | None = None  # --json: a copy of the results JSON
 
     def __post_init__(self) -> None:
         if min(self.rounds, self.decode_steps, self.history, self.prefill_rows, self.parallel_rounds, self.parallel_steps, self.repeats,
-               self.warm_repeats, *self.warm_lengths, self.overload_rounds, self.overload_steps) < 1:
-            raise ValueError("rounds, steps, history, prefill rows, repeats and warm lengths must be at least 1")
+               self.warm_repeats, *self.warm_lengths, self.overload_rounds, self.overload_steps, self.durable_sessions, self.durable_rounds, self.move_rounds) < 1:
+            raise ValueError("rounds, steps, history, prefill rows, repeats, warm lengths and durable sessions must be at least 1")
         if self.prefill_rows > ROUTE_N_CTX or self.history + self.decode_steps + 8 > ROUTE_N_CTX:
             raise ValueError(f"prefill rows and history + decode steps must fit in n_ctx {ROUTE_N_CTX}")
         if not self.warm_lengths or max(self.warm_lengths) + 2 > WARM_N_CTX:
             raise ValueError(f"warm lengths (at least one) and two decodes must fit in n_ctx {WARM_N_CTX}")
+        if not self.durable_lengths or min(self.durable_lengths) < 1 or max(self.durable_lengths) + 1 > DURABLE_N_CTX:
+            raise ValueError(f"durable lengths (at least one, each at least 1) and their next token must fit in n_ctx {DURABLE_N_CTX}")
+        if not self.move_lengths or min(self.move_lengths) < 1 or max(self.move_lengths) + 1 > MOVE_N_CTX:
+            raise ValueError(f"move lengths (at least one, each at least 1) and their next token must fit in n_ctx {MOVE_N_CTX}")
 
     @classmethod
     def quick_run(cls, out_dir: pathlib.Path, model: pathlib.Path) -> BenchOptions:
         return cls(out_dir=out_dir, model=model, quick=True, rounds=2, decode_steps=8, history=16,
-                   parallel_rounds=1, parallel_steps=8, repeats=2, warm_lengths=(128, 512), warm_repeats=2, overload_rounds=1, overload_steps=8)
+                   parallel_rounds=1, parallel_steps=8, repeats=2, warm_lengths=(128, 512), warm_repeats=2, overload_rounds=1, overload_steps=8,
+                   durable_sessions=4, durable_rounds=1, move_lengths=(128, 512), move_rounds=1)
 
     @property
     def max_n_ctx(self) -> int:

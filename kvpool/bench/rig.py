@@ -110,6 +110,12 @@ def start_daemons(plan: dict[str, tuple[pathlib.Path, list[str]]], socket_dir: p
     return daemons
 
 
+def long_history(tokenizer: Tokenizer, prompt: Sequence[int], needed: int) -> list[int]:
+    """`needed` tokens: the prompt, then the filler text repeated."""
+    filler = tokenizer.encode(FILLER_TEXT, add_special=False)
+    return (list(prompt) + filler * (needed // len(filler) + 1))[:needed]
+
+
 def daemon_uss(daemon: Daemon) -> int:
     """USS of the daemon's whole process tree: supervisor, workers, resource tracker."""
     try:

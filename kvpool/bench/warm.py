@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from kvpool.bench.options import EPOCH, WARM_N_CTX, as_mib, bench_say, median_of
-from kvpool.bench.rig import FILLER_TEXT, Rig, run_interleaved, start_daemons, time_call
+from kvpool.bench.rig import Rig, long_history, run_interleaved, start_daemons, time_call
 from kvpool.bench.table import Row, headline, ms, verdict
 from kvpool.client.client import Client
 from kvpool.wire.protocol import StatsReply
@@ -116,9 +116,7 @@ def measure_warm(rig: Rig) -> dict:
     common = ["--ttl", "600", "--threads-per-worker", "1", "--threads", "1", "--max-sessions", str(WARM_SESSIONS),
               "--n-ctx", str(WARM_N_CTX), "--budget", "1GiB", "--spill-budget", "1GiB"]
     plan = {f"warm{index}": (shard.path, common) for index, shard in enumerate(rig.shards)}
-    filler = rig.tokenizer.encode(FILLER_TEXT, add_special=False)
-    needed = max(*options.warm_lengths, PARKED_TOKENS) + 2
-    tokens = (rig.prompts[0] + filler * (needed // len(filler) + 1))[:needed]
+    tokens = long_history(rig.tokenizer, rig.prompts[0], max(*options.warm_lengths, PARKED_TOKENS) + 2)
     with contextlib.ExitStack() as stack:
         bench_say(f"warm tier: starting {len(plan)} daemons (--n-ctx {WARM_N_CTX}, --max-sessions {WARM_SESSIONS})")
         started = time.perf_counter()
