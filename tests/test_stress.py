@@ -218,7 +218,7 @@ def test_killed_supervisor_with_persist_after_costs_only_the_tail(tmp_path):
     assert kill.victim_copy is not None and kill.victim_copy.session_id == kill.session_id
     assert kill.session_id in {state.session_id for state in kill.adopted} and kill.adoption_line.startswith("adopted ")
     [victim] = [s for s in report.sessions if s.session_id == kill.session_id]
-    assert victim.full_replays == 0 and victim.final_epoch == 1  # the same epoch: nothing replayed from 0
+    assert victim.full_replays == 0 and victim.full_replayed_tokens == 0  # its copy was adopted: nothing replayed from 0
     adopted = {state.session_id for state in kill.adopted}
     assert all(s.full_replays == 0 for s in report.sessions if s.session_id in adopted)
 
