@@ -346,20 +346,26 @@ def test_a_request_that_may_have_run_is_never_sent_again(model_path, socket_dir,
         daemon.stop()
 
 
-def test_a_rolling_restart_loses_no_session(model_path, socket_dir, tmp_path, prompt_ids):
+@pytest.mark.parametrize("mode", ["process", "batched"])
+def test_a_rolling_restart_loses_no_session(model_path, socket_dir, tmp_path, prompt_ids, mode):
     """The drained daemon's parked sessions are adopted by the daemon started next on the same socket and
-    spill dir: the client's next append there is restored, bit-identical to a session that never stopped."""
+    spill dir: the client's next append there is restored, bit-identical to a session that never stopped.
+    In both modes (batched: the sessions are sequences of one context, their states a stream of it)."""
     prompt = prompt_ids[0][:PROMPT_TOKENS]
     spill_dir = tmp_path / "spill"
-    socket_path = socket_dir / "adopt.sock"
-    old = _serve(model_path, socket_path, spill_dir)
+    socket_path = socket_dir / f"adopt-{mode}.sock"
+    mode_options = ("--mode", mode) + (("--seqs-per-worker", "3") if mode == "batched" else ())
+    old = _serve(model_path, socket_path, spill_dir, *mode_options)
     new = None
     try:
         with Client(socket_path) as client:
             client.append("kept", 1, 0, tokens=prompt)
+            client.append("also", 1, 0, tokens=prompt[:-3])  # a second sequence in batched mode
             client.shutdown(drain=True)
             assert _exited(old) == 0
-            new = _serve(model_path, socket_path, spill_dir)
+            new = _serve(model_path, socket_path, spill_dir, *mode_options)
+            adopted = {row.session_id: (row.epoch, row.length, row.tier) for row in client.stats().sessions}
+            assert adopted == {"kept": (1, PROMPT_TOKENS, "disk"), "also": (1, PROMPT_TOKENS - 3, "disk")}
             continued = client.append("kept", 1, PROMPT_TOKENS, tokens=[5])
             assert continued.restored and continued.length == PROMPT_TOKENS + 1
             client.append("reference", 1, 0, tokens=prompt)  # the same partition, never parked

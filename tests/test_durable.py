@@ -231,12 +231,13 @@ def test_a_daemon_adopts_its_own_files_a_crash_left_and_refuses_every_other(shar
         old.stop()
 
 
-def test_after_a_crash_only_the_tail_is_replayed_from_the_copy_written_behind(shards, socket_dir, tmp_path, prompt_ids):
+@pytest.mark.parametrize("mode", ["process", "batched"])
+def test_after_a_crash_only_the_tail_is_replayed_from_the_copy_written_behind(shards, socket_dir, tmp_path, prompt_ids, mode):
     """--persist-after: each daemon writes a copy of an idle hot session behind to its disk tier. The middle
     daemon's supervisor is SIGKILLed mid-generation and a new daemon starts on its socket and spill dir: it
     adopts the copy at the length it was written; the router's next append meets the lost connection, finds
     that length by truncating, replays only the tokens since (same epoch) and the generation goes on bit for
-    bit as an uninterrupted run's (kvpool.local.chain.LocalChain, same partition)."""
+    bit as an uninterrupted run's (kvpool.local.chain.LocalChain, same partition). In both modes."""
     from kvpool.local.chain import LocalChain
     from kvpool.local.generate import greedy_tokens
     from kvpool.router.router import Router
@@ -245,8 +246,8 @@ def test_after_a_crash_only_the_tail_is_replayed_from_the_copy_written_behind(sh
     prompt = prompt_ids[1]
 
     def serve(index: int) -> DaemonProcess:
-        return DaemonProcess(shards[index].path, socket_dir / f"persist{index}.sock", "--threads", "1", "--n-ctx", str(n_ctx),
-                             "--max-sessions", "2", "--spill-dir", str(tmp_path / f"spill{index}"), "--spill-disk-budget", "64MiB",
+        return DaemonProcess(shards[index].path, socket_dir / f"persist-{mode}{index}.sock", "--threads", "1", "--n-ctx", str(n_ctx),
+                             "--max-sessions", "2", "--mode", mode, "--seqs-per-worker", "2", "--spill-dir", str(tmp_path / f"spill{index}"), "--spill-disk-budget", "64MiB",
                              "--persist-after", "2")  # far above a decode step on a slow, busy machine: no copy after the wait
 
     def run(append, before_step):

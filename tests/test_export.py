@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import math
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -15,7 +16,7 @@ from kvpool.client.client import KvpoolError
 from kvpool.client.messages import IMPORT_FRAME_ROOM, Call, import_calls, import_chunk_bytes
 from kvpool.daemon.config import MIN_EXPORT_CHUNK_BYTES, ServeConfig
 from kvpool.daemon.books.transfers import ExportCache, ImportBuffers, TransferRefused
-from kvpool.state.header import read_header
+from kvpool.state.header import open_state, read_header, seal
 from kvpool.wire.protocol import Done, Export, Exported, Import
 from tests.daemons import HANG_GUARD_S, DaemonProcess
 
@@ -194,6 +195,34 @@ def test_damaged_out_of_order_oversized_and_stale_imports_change_nothing(process
         for session_id, epoch in (("bystander", 1), ("fenced", 2)):
             target.release(session_id, epoch)
         assert _checked(target).counters["bad_requests"] >= 9
+
+
+def test_a_state_llama_cpp_refuses_behind_a_valid_header_is_restore_failed_and_touches_nothing_else(process_pair, prompt_ids):
+    """An importer can seal anything with a daemon's identity (its Hello names it): the header and checksum
+    hold, so the import is admitted, but llama.cpp refuses the payload at the restore (another shard's
+    layer count, or bytes cut short): the append is cache_miss restore_failed, that context is freed, no row
+    comes back, and a bystander session on the same daemon continues exactly."""
+    source_daemon, target_daemon = process_pair
+    with source_daemon.client() as source, target_daemon.client() as target:
+        prompt = prompt_ids[0][:10]
+        target.append("bystander", 1, 0, tokens=prompt, n_ctx=N_CTX)
+        source.append("good", 1, 0, tokens=prompt, n_ctx=N_CTX)
+        header, payload = open_state(source.export_state("good", 1), source.hello.state_identity)
+        identity = target.hello.state_identity
+        assert identity == source.hello.state_identity  # the same shard file: one identity
+        damaged = {"cut": payload[: len(payload) // 2], "noise": bytes(len(payload))}
+        for name, bad in damaged.items():
+            forged = seal(msgspec.structs.replace(header, session_id=name, payload_bytes=len(bad)), bad)
+            assert target.import_state(name, 1, forged) == len(prompt)
+            refused = _refused(lambda: target.append(name, 1, len(prompt), tokens=[42]))
+            assert (refused.code, refused.reply.reason) == ("cache_miss", "restore_failed"), refused
+            assert name not in _sessions(target)
+        continued = target.append("bystander", 1, len(prompt), tokens=[42])
+        alone = source.append("good", 1, len(prompt), tokens=[42])
+        assert np.array_equal(continued.rows, alone.rows)
+        assert _sessions(target) == {"bystander": (1, len(prompt) + 1, "hot")}
+        source.release("good", 1)
+        target.release("bystander", 1)
 
 
 def test_another_shards_state_is_refused_identity_mismatch(process_pair, shards, socket_dir, prompt_ids):

@@ -20,7 +20,7 @@ from kvpool.shard.ranges import parse_splits
 from kvpool.shard.writer import write_shards
 from kvpool.state.reslice import ResliceError, ShardState, reslice, reslice_bytes
 from kvpool.state.sequence import (
-    STATE_MAGIC, CellRows, LayerKV, SequenceState, StateFormatError, Stream, TransposedRows, parse_state, write_state,
+    STATE_MAGIC, CellRows, LayerKV, SequenceState, StateFormatError, Stream, TransposedRows, cut_state, parse_state, write_state,
 )
 from tests.conftest import EVEN_SPLIT, TOTAL_LAYERS
 
@@ -118,10 +118,22 @@ def even_states(routes, prompt_ids) -> dict[str, list[bytes]]:
         with LocalChain(_paths(routes["even"]), flash_attn=flash_attn) as chain, chain.new_session(N_CTX) as session:
             session.append(0, prompt)
             states[name] = [context.save_state() for context in session.contexts]
-            if not flash_attn:
-                session.append(len(prompt), [42])
-                states["longer"] = [context.save_state() for context in session.contexts]
+            session.append(len(prompt), [42])
+            states["longer" if not flash_attn else "plain-longer"] = [context.save_state() for context in session.contexts]
     return states
+
+
+@pytest.mark.parametrize("layout", ["transposed", "plain"])
+def test_a_state_cut_to_a_length_is_the_state_saved_at_that_length(even_states, prompt_ids, layout):
+    """cut_state drops the cells past a length with their K rows and V elements (what a truncate of a parked
+    session leaves behind its header): the prompt + one token state cut to the prompt is, byte for byte,
+    the state saved after the prompt; cut to 0 it holds no cells, cut past its end it is unchanged."""
+    longer = even_states["longer" if layout == "transposed" else "plain-longer"]
+    for blob, shorter in zip(longer, even_states[layout], strict=True):
+        state = parse_state(blob)
+        assert write_state(cut_state(state, len(prompt_ids[0]))) == shorter
+        assert write_state(cut_state(state, len(prompt_ids[0]) + 1)) == blob == write_state(cut_state(state, 10**6))
+        assert [stream.n_cells for stream in cut_state(state, 0).streams] == [0]
 
 
 @pytest.mark.parametrize("layout", ["transposed", "plain"])

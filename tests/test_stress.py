@@ -510,3 +510,20 @@ def test_batched_mode_every_session_exact_and_a_killed_worker_loses_only_its_own
     assert report.options["mode"] == "batched"
     assert _verdict(report, "kill_worker").passed
     assert report.errors_by_code.get("worker_lost", 0) >= 1
+
+
+@pytest.mark.timeout(HANG_GUARD_S)
+def test_replan_moves_every_session_onto_another_split_and_back_exactly(tmp_path):
+    """--replan: three sessions re-planned from 3 shards onto 4 cut elsewhere and back, mid-run, while the
+    others keep appending: every re-plan moved its session (no replay), all exact, the second chain empty."""
+    report = _run(tmp_path, replan=True, sessions=3, ops=DRILL_OPS, seed=5)
+    _assert_common(report)
+    assert report.scenario == "replan-3-4" and _verdict(report, "replan").passed
+    assert len(report.replans) == 2 * 3 and [r.onto.split()[0] for r in report.replans if r.session_id.endswith("-0")] == ["second", "first"]
+    moved = [r for r in report.replans if r.outcome == "moved"]
+    assert moved and all(r.moved_bytes > 0 and r.length > 0 for r in moved)
+    assert not [r for r in report.replans if r.outcome == "failed"]
+    with pytest.raises(ValueError):
+        StressOptions(replan=True, kill_worker=True)
+    with pytest.raises(ValueError):
+        StressOptions(replan=True, replan_parts=3)

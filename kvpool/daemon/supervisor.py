@@ -193,7 +193,7 @@ class Supervisor:
             )
             hello = HelloReply(
                 version=PROTOCOL_VERSION, shard=shard, max_n_ctx=config.n_ctx, default_n_ctx=config.n_ctx,
-                max_request_bytes=config.max_request_bytes,
+                max_request_bytes=config.max_request_bytes, state_identity=identity,
             )
             limits = ConnectionLimits(
                 handshake_timeout_s=config.handshake_timeout_s, frame_timeout_s=config.frame_timeout_s,

@@ -4,7 +4,8 @@ failure means is decided in one place (kvpool.router.session)."""
 
 from kvpool.router.recovery import Cancelled, RecoveryCounts, RecoveryFailed, RecoveryPolicy
 from kvpool.router.route import Route, StageFailed
-from kvpool.router.router import Router
+from kvpool.router.move import Moved, MoveFailed
+from kvpool.router.router import Replanned, Router
 from kvpool.router.session import RoutedSession
 
-__all__ = ["Cancelled", "RecoveryCounts", "RecoveryFailed", "RecoveryPolicy", "Route", "RoutedSession", "Router", "StageFailed"]
+__all__ = ["Cancelled", "Moved", "MoveFailed", "RecoveryCounts", "RecoveryFailed", "RecoveryPolicy", "Replanned", "Route", "RoutedSession", "Router", "StageFailed"]

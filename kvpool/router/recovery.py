@@ -49,6 +49,9 @@ class RecoveryCounts:
     tail_replayed_tokens: int = 0  # the tokens tail replays sent
     over_budget_retries: int = 0
     rollbacks: int = 0  # earlier daemons truncated back after a cancel or failure further on
+    moves: int = 0  # sessions a re-plan moved onto the new route (export, re-slice, import: no replay)
+    moved_bytes: int = 0  # the sealed state bytes those moves imported
+    move_failures: int = 0  # sessions whose move failed: each replays on the new route (counted in replays)
 
 
 class Cancelled(Exception):

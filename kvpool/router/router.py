@@ -2,6 +2,7 @@
 recovery policy and the recovery counts of all its sessions; each session (kvpool.router.session) walks
 its appends through the route and decides, in one place, what a failure means: replay, back off, roll
 back. The knobs are a RecoveryPolicy and what recovery did is counted in RecoveryCounts (kvpool.router.recovery).
+`replan` switches the router and every session it made onto a new route, moving their states (kvpool.router.move).
 """
 
 from __future__ import annotations
@@ -9,14 +10,30 @@ from __future__ import annotations
 import dataclasses
 import random
 import threading
+import weakref
 from collections.abc import Sequence
 
 from kvpool.client.client import Client
+from kvpool.router.move import Moved, MoveFailed
 from kvpool.router.recovery import Cancelled, RecoveryCounts, RecoveryFailed, RecoveryPolicy
 from kvpool.router.route import Route
 from kvpool.router.session import RoutedSession
 
-__all__ = ["Cancelled", "RecoveryCounts", "RecoveryFailed", "RecoveryPolicy", "RoutedSession", "Router"]
+__all__ = ["Cancelled", "Replanned", "RecoveryCounts", "RecoveryFailed", "RecoveryPolicy", "RoutedSession", "Router"]
+
+
+@dataclasses.dataclass(slots=True)
+class Replanned:
+    """What one re-plan did to each live session: moved (its state), failed (MoveFailed: it replays on the
+    new route at its next append), or replays (its daemons may not have held its tokens)."""
+
+    moved: dict[str, Moved] = dataclasses.field(default_factory=dict)
+    failed: dict[str, MoveFailed] = dataclasses.field(default_factory=dict)
+    replays: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def moved_bytes(self) -> int:
+        return sum(moved.imported_bytes for moved in self.moved.values())
 
 
 class Router:
@@ -29,16 +46,41 @@ class Router:
         self._seed = seed
         self._lock = threading.Lock()
         self._counts = RecoveryCounts()
+        self._sessions: weakref.WeakSet[RoutedSession] = weakref.WeakSet()
 
     @property
     def clients(self) -> list[Client]:
         return self.route.clients
 
     def session(self, session_id: str, *, epoch: int = 1, n_ctx: int = 0, admit_timeout_s: float = 0.0) -> RoutedSession:
-        return RoutedSession(
-            self.route, self.policy, session_id, epoch=epoch, n_ctx=n_ctx, admit_timeout_s=admit_timeout_s,
-            rng=self._rng(session_id), count=self._count,
-        )
+        with self._lock:
+            session = RoutedSession(
+                self.route, self.policy, session_id, epoch=epoch, n_ctx=n_ctx, admit_timeout_s=admit_timeout_s,
+                rng=self._rng(session_id), count=self._count,
+            )
+            self._sessions.add(session)
+        return session
+
+    def replan(self, clients: Sequence[Client]) -> Replanned:
+        """Switch onto the route of `clients` (checked as a whole model; not owned: the caller closes the old
+        clients once this returns): same split points (a host replaced) or others, any number of shards of
+        the same source. Every live session made by this router moves its state there under epoch + 1 and
+        its old epoch is released; one whose move fails replays on the new route alone, at its next append.
+        Sessions are moved one at a time, each between two of its appends; new sessions start on the new route."""
+        route = Route(clients)
+        with self._lock:
+            self.route = route
+            sessions = list(self._sessions)
+        replanned = Replanned()
+        for session in sessions:
+            outcome = session.move_to(route)
+            if isinstance(outcome, Moved):
+                replanned.moved[session.session_id] = outcome
+            elif isinstance(outcome, MoveFailed):
+                replanned.failed[session.session_id] = outcome
+            else:
+                replanned.replays.append(session.session_id)
+        return replanned
 
     @property
     def counts(self) -> RecoveryCounts:

@@ -18,12 +18,17 @@ means is decided here, in one place:
 A replay is exact: it repeats the session's appends with the same partition (kvpool.router.history), so
 what follows a recovery is bit for bit what an uninterrupted run gives; `exact_replay=False` sends one
 prefill instead. The knobs are a RecoveryPolicy, and what recovery did is counted in RecoveryCounts.
+
+A re-plan (Router.replan) moves the session onto another route between two appends (move_to): its state is
+exported, re-sliced and imported under epoch + 1 (kvpool.router.move); a session whose move fails, or whose
+daemons may not hold its tokens, replays on the new route at its next append instead.
 """
 
 from __future__ import annotations
 
 import contextlib
 import random
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 
@@ -33,6 +38,7 @@ from kvpool.router.history import AppendHistory
 from kvpool.client.client import AppendResult, ConnectionLost, KvpoolError
 from kvpool.local.generate import greedy_tokens
 from kvpool.router.in_flight import InFlightAppend
+from kvpool.router.move import Moved, MoveFailed, move_session
 from kvpool.wire.protocol import ErrorCode
 from kvpool.router.recovery import Cancelled, RecoveryCounts, RecoveryFailed, epoch_floor_of, replay_counter
 from kvpool.router.recovery import RecoveryPolicy
@@ -44,7 +50,8 @@ Count = Callable[[str, int], None]  # adds to a count of the router that made th
 
 class RoutedSession:
     """One session through the router. Between calls, either every daemon holds the session's `tokens`
-    under `epoch`, or the next append replays them first. One thread appends; cancel() may come from any."""
+    under `epoch`, or the next append replays them first. One thread appends; cancel() may come from any,
+    and move_to() (a re-plan) from any: it waits for the append in flight."""
 
     def __init__(
         self, route: Route, policy: RecoveryPolicy, session_id: str, *, epoch: int, n_ctx: int, admit_timeout_s: float,
@@ -64,6 +71,7 @@ class RoutedSession:
         self._rng = rng
         self._count_in_router = count
         self._in_flight = InFlightAppend()
+        self._lock = threading.Lock()  # one of: an append, a truncate, a release, a move
 
     @property
     def tokens(self) -> tuple[int, ...]:
@@ -117,7 +125,7 @@ class RoutedSession:
             pending = [token]
 
     def _guarded_append(self, tokens: list[int], output_rows: str, sampling: Sampling | None) -> AppendResult:
-        with self._in_flight.running():
+        with self._lock, self._in_flight.running():
             return self._append(tokens, output_rows, sampling)
 
     def append_at(self, start_pos: int, tokens: Sequence[int]) -> np.ndarray:
@@ -303,6 +311,10 @@ class RoutedSession:
         """Keep positions [0, length). A daemon that lost the session is caught up by the next append."""
         if not 0 <= length <= self.length:
             raise ValueError(f"cannot truncate to {length}: the session holds {self.length} tokens")
+        with self._lock:
+            self._truncate(length)
+
+    def _truncate(self, length: int) -> None:
         if not self._needs_replay:
             try:
                 self.route.truncate(self.session_id, self.epoch, length)
@@ -318,6 +330,10 @@ class RoutedSession:
 
     def release(self) -> None:
         """Release the session on every daemon; it may start again from an empty append history."""
+        with self._lock:
+            self._release()
+
+    def _release(self) -> None:
         self._history.clear()
         self._needs_replay = False
         self._tail_from = None
@@ -326,6 +342,33 @@ class RoutedSession:
         except BaseException:
             self._needs_replay = True  # the next append releases again, under the next epoch
             raise
+
+    def move_to(self, route: Route) -> Moved | MoveFailed | None:
+        """Switch the session onto `route` (a re-plan): its state moved under the next epoch (Moved), or, when
+        the move fails (MoveFailed) or the daemons may not hold its tokens (None), released on the old route
+        and replayed on the new one by its next append. Waits for an append in flight."""
+        with self._lock:
+            old, self.route = self.route, route
+            if not self._history.length or self._needs_replay or self._tail_from is not None:
+                with contextlib.suppress(KvpoolError, ConnectionLost):
+                    old.release(self.session_id, self.epoch)
+                self._needs_replay = bool(self._history.length)
+                self._tail_from = None
+                return None
+            new_epoch = max(self.epoch + 1, self._epoch_floor)
+            try:
+                moved = move_session(old, route, self.session_id, self.epoch, new_epoch, self._history.length)
+            except MoveFailed as failure:
+                with contextlib.suppress(KvpoolError, ConnectionLost):
+                    old.release(self.session_id, self.epoch)
+                self.epoch = new_epoch  # the replay releases what the new route may hold of it, then takes the next
+                self._needs_replay = True
+                self._count("move_failures")
+                return failure
+            self.epoch = new_epoch
+            self._count("moves")
+            self._count("moved_bytes", moved.imported_bytes)
+            return moved
 
     def _count(self, field: str, amount: int = 1) -> None:
         setattr(self.counts, field, getattr(self.counts, field) + amount)

@@ -87,6 +87,31 @@ class SequenceState:
         return counts.pop() if counts else None
 
 
+def cut_state(state: SequenceState, length: int) -> SequenceState:
+    """The state holding only positions [0, length), as llama.cpp's seq_rm(seq, length, -1) leaves it: every
+    cell at a later position dropped with its K rows and V elements, the others in their order. A daemon
+    truncates a parked session by its header's length alone (kvpool.state.header), so its bytes may hold more."""
+    return SequenceState(state.seq_id, tuple(_cut_stream(stream, length) for stream in state.streams))
+
+
+def _cut_stream(stream: Stream, length: int) -> Stream:
+    keep = stream.positions < length
+    if keep.all():
+        return stream
+    if not keep.any():
+        return Stream(np.zeros(0, np.int32), (), False, ())
+    layers = tuple(LayerKV(_cut_rows(layer.k, keep), _cut_rows(layer.v, keep)) for layer in stream.layers)
+    seq_ids = tuple(ids for ids, kept in zip(stream.seq_ids, keep) if kept)
+    return Stream(stream.positions[keep], seq_ids, stream.v_transposed, layers)
+
+
+def _cut_rows(rows: CellRows | TransposedRows, keep: np.ndarray) -> CellRows | TransposedRows:
+    if isinstance(rows, CellRows):
+        return dataclasses.replace(rows, data=np.ascontiguousarray(rows.data[keep]))
+    elements = rows.data.reshape(rows.width, len(keep), rows.element_bytes)[:, keep, :]
+    return dataclasses.replace(rows, data=np.ascontiguousarray(elements.reshape(rows.width, -1)))
+
+
 # ---- reading ------------------------------------------------------------------------------------------------
 
 

@@ -114,6 +114,7 @@ class DrillFacts:
     leftover_pids: list[int] | None = None  # None: the daemons were not started here (attached)
     leftover_segments: list[str] = dataclasses.field(default_factory=list)
     sampler_gaps: int = 0
+    second_chain: list[DaemonSummary] = dataclasses.field(default_factory=list)  # --replan's second chain, at the end
 
 
 def build_verdicts(options: StressOptions, chain: Chain, drivers: Sequence[SessionDriver], sessions: Sequence[SessionSummary], daemons: Sequence[DaemonSummary], samples: Sequence[Sample], sampler_failures: Sequence[str], drills: DrillFacts | None = None) -> tuple[list[Verdict], list[str]]:
@@ -194,4 +195,8 @@ def build_verdicts(options: StressOptions, chain: Chain, drivers: Sequence[Sessi
         verdict, slow_warnings = drill_checks.slow_reader_verdict(drills.slow_reader, exact)
         verdicts.append(verdict)
         warnings += slow_warnings
+    if options.replan:
+        verdict, replan_warnings = drill_checks.replan_verdict(drivers, drills.second_chain, exact)
+        verdicts.append(verdict)
+        warnings += replan_warnings
     return verdicts, warnings

@@ -48,6 +48,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stall-worker", action="store_true", help="scenario: SIGSTOP the worker of one session on one daemon (started with --request-timeout, see --stall-timeout) just before an append; the append must answer worker_lost once the timeout passes, the worker be killed and replaced, the others continue exactly")
     parser.add_argument("--stall-timeout", type=float, default=30.0, metavar="SECONDS", help="--request-timeout of the daemon whose worker --stall-worker stops (default 30: far above that daemon's largest worker call, its start-up calibration, on a slow busy machine)")
     parser.add_argument("--slow-reader", action="store_true", help="scenario: one connection sends appends to the last daemon (all-row logits, 3 MiB replies) and never reads a reply; the daemon's memory must stay bounded (backpressure) while the other sessions continue exactly")
+    parser.add_argument("--replan", action="store_true", help="scenario: a second chain of daemons is started on the same model cut into --replan-parts shards at other split points; every session's route is re-planned onto it at a third of its operations and back at two thirds (kvpool.router.Router.replan: each daemon's state exported, re-sliced for the new split, imported under epoch + 1). Every re-plan of a session holding tokens must move it (no replay), every session stay exact, and the second chain hold nothing at the end")
+    parser.add_argument("--replan-parts", type=int, metavar="P", help="--replan's second chain: P shards (default --parts + 1; 1: the whole model in one daemon)")
     parser.add_argument("--sockets", help="comma-separated daemon sockets, first shard to last: attach instead of starting daemons")
     parser.add_argument("--model", type=pathlib.Path, help="source GGUF to cut into shards (default: the bundled model)")
     parser.add_argument("--parts", type=int, default=3, help="shards, one daemon each (default 3)")
@@ -71,6 +73,7 @@ def options_from(args: argparse.Namespace) -> StressOptions:
         stall_timeout_s=args.stall_timeout, sockets=sockets, model=args.model, parts=args.parts, n_ctx=args.n_ctx,
         reference=args.reference, final_tokens=args.final_tokens, sample_interval_s=args.sample_interval,
         uss_tolerance_bytes=parse_bytes(args.uss_tolerance), json_path=args.json, progress=not args.quiet, mode=args.mode,
+        replan=args.replan, replan_parts=args.replan_parts,
     )
 
 

@@ -43,7 +43,7 @@ def serve_options(options: StressOptions, *, max_sessions: int, budget: str, ttl
     ]
     if options.mode == "batched":
         flags += ["--mode", "batched", "--seqs-per-worker", str(max_sessions)]  # one worker process holds every session
-    if not options.spill and not options.durable:
+    if not (options.spill or options.replan or options.durable):  # --replan imports into the warm tier; --restart parks there
         flags += ["--spill-budget", "0"]  # every other scenario exercises eviction as it was: a cache miss
     if request_timeout_s is not None:
         flags += ["--request-timeout", f"{request_timeout_s:g}"]

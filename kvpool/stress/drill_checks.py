@@ -196,3 +196,28 @@ def progress_verdict(options: StressOptions, sessions: Sequence[SessionSummary],
     detail = (f"{finished}; longest admission wait {longest.max_admission_wait_s:.2f} s ({longest.session_id})" if longest else finished)
     detail += f"; admissions that waited in line per daemon {queued} (longest {line_max} ms), over_budget replies per daemon {rejects}"
     return Verdict("progress", passed, detail)
+
+
+def replan_verdict(drivers: Sequence[SessionDriver], second_chain: Sequence[DaemonSummary], exact: bool) -> tuple[Verdict, list[str]]:
+    """--replan: every re-plan of a session holding tokens moved it (no failure, no replay), the sessions
+    are exact, and the second chain holds nothing of the run at the end, its books balanced."""
+    records = [record for driver in drivers if driver.replans is not None for record in driver.replans.records]
+    planned = sum(len(driver.replans.points) for driver in drivers if driver.replans is not None)
+    outcomes = Counter(record.outcome for record in records)
+    replays = sum(driver.session.counts.replays for driver in drivers)
+    moved_bytes = sum(record.moved_bytes for record in records)
+    left = [(index, d.our_sessions_after, d.integrity_after) for index, d in enumerate(second_chain) if d.our_sessions_after or d.integrity_after != "ok"]
+    failures = [f"{record.session_id} onto the {record.onto} at length {record.length}: {record.failure}" for record in records if record.outcome == "failed"]
+    warnings = [f"{outcomes['nothing_held']} re-plans found the session holding nothing (just released): nothing to move"] if outcomes["nothing_held"] else []
+    passed = len(records) == planned and not failures and outcomes["moved"] > 0 and replays == 0 and not left and exact
+    seconds = sorted(record.seconds for record in records if record.outcome == "moved")
+    median = f", {seconds[len(seconds) // 2] * 1000:.0f} ms median, {seconds[-1] * 1000:.0f} ms max per session" if seconds else ""
+    detail = (
+        f"{len(records)}/{planned} re-plans: moved {outcomes['moved']} ({format_bytes(moved_bytes)} imported{median}), "
+        f"failed {outcomes['failed']}, nothing held {outcomes['nothing_held']}; replays {replays}; " + ("all exact" if exact else "NOT exact (see exact)")
+    )
+    if failures:
+        detail += "; " + "; ".join(failures)[:1500]
+    if left:
+        detail += f"; the second chain holds sessions of the run at the end or its books do not balance: {left}"
+    return Verdict("replan", passed, detail), warnings

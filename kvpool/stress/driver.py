@@ -64,6 +64,8 @@ class SessionDriver(TappedSession):
     def run(self) -> None:
         try:
             for self.op_index in range(self.options.ops):
+                if self._replan_due():
+                    self._replan()
                 self._do(self.schedule.choose(self))
                 time.sleep(self.rng.random() * JITTER_MAX_S)
             self._finish()
@@ -106,6 +108,8 @@ class SessionDriver(TappedSession):
                     self._survive(lambda: self.append(self.tokens[self.length :], greedy=False))
             elif self.logits is None:
                 self._survive(self.start_over)
+            elif self._replan_due():
+                self._replan()
             elif self.schedule.forced_pending:
                 kind = self.schedule.next_forced(self)
                 if kind is not None:
@@ -139,6 +143,16 @@ class SessionDriver(TappedSession):
                 probes.idle_until_expired(self)
 
     # ---- operations ---------------------------------------------------------------------------------------
+
+    def _replan_due(self) -> bool:
+        """A planned re-plan is due and the session holds tokens to move (else it waits for a later operation)."""
+        return self.replans is not None and self.replans.due(self.op_index) and self.length > 0
+
+    def _replan(self) -> None:
+        self._op_label = "replan"
+        with self.recorder.timed("replan"):
+            record = self.replan()
+        self.recorder.event(f"replan {record.outcome}")
 
     def _decode(self) -> None:
         assert self.logits is not None

@@ -60,6 +60,8 @@ class StressOptions:
     stall_worker: bool = False  # SIGSTOP one session's worker mid-append, past the daemon's request timeout
     slow_reader: bool = False  # a connection that sends appends to the last daemon and never reads replies
     spill: bool = False  # the warm tier on, SPILL_PLACES contexts per daemon: evictions park and restore
+    replan: bool = False  # every session re-planned onto a second chain cut elsewhere, then back (kvpool.stress.replans)
+    replan_parts: int | None = None  # the second chain's shards (None: parts + 1)
     mode: str = "process"  # the daemons' --mode; batched: one worker process per daemon holds every session
     # --request-timeout of the daemon whose worker is stalled. It bounds every worker call of that daemon,
     # the start-up probe (one 512-row batch at n_ctx 512: ~1.1 s for 512 rows on one 10-layer shard on
@@ -120,8 +122,21 @@ class StressOptions:
             problems.append("--restart and --persist-after keep every session's state (a disk tier): not with --budget-for (evictions would park, not miss)")
         if self.restart and self.kill_supervisor:
             problems.append("--restart and --kill-supervisor are two drills: run them one at a time")
+        if self.replan and (self.sockets or self.may_lose_state or self.faults):
+            problems.append("--replan starts a second chain of daemons and needs every session's state kept: not with --sockets, --budget-for, --ttl, --kill-worker, --kill-supervisor or --stall-worker")
+        if self.replan and self.ops < 3:
+            problems.append("--replan needs --ops >= 3 (a session re-plans at a third and at two thirds of its operations)")
+        if self.replan_parts is not None and (self.replan_parts < 1 or self.replan_parts == self.parts):
+            problems.append("--replan-parts must be at least 1 (1: the whole model in one daemon) and differ from --parts")
+        if self.durable and self.replan:
+            problems.append("--restart and --persist-after are not drills of --replan: run them one at a time")
         if problems:
             raise ValueError("; ".join(problems))
+
+    @property
+    def second_parts(self) -> int:
+        """--replan's second chain: --replan-parts shards, or one more than --parts."""
+        return self.replan_parts if self.replan_parts is not None else self.parts + 1
 
     @property
     def scenario(self) -> str:
@@ -148,6 +163,8 @@ class StressOptions:
             parts.append("slow-reader")
         if self.spill:
             parts.append("spill")
+        if self.replan:
+            parts.append(f"replan-{self.parts}-{self.second_parts}")
         return "+".join(parts) or "default"
 
     @property

@@ -93,7 +93,7 @@ class DaemonSummary(msgspec.Struct):
     counters: dict[str, int]
     workers: list[WorkerMemory]
     replaced_pids: list[int]
-    restarted: bool = False  # restarted during the run (--kill-supervisor): counters are since the restart
+    restarted: bool = False  # restarted during the run (--kill-supervisor, --restart): counters are since the restart
 
 
 class KillRecord(msgspec.Struct):
@@ -193,6 +193,18 @@ class SlowReaderRecord(msgspec.Struct):
     detail: str = ""
 
 
+class ReplanRecord(msgspec.Struct):
+    """One session's re-plan (--replan): onto which chain, at what length, and what it did."""
+
+    session_id: str
+    onto: str  # "second chain (P shards)" or "first chain (P shards)"
+    length: int  # the session's length when it moved
+    seconds: float  # Router.replan's time for this session (export, re-slice, import, release)
+    outcome: str  # moved, failed (replays on the new route) or nothing_held (length 0: nothing to move)
+    moved_bytes: int = 0
+    failure: str = ""
+
+
 class StressReport(msgspec.Struct):
     scenario: str
     options: dict[str, object]
@@ -214,6 +226,7 @@ class StressReport(msgspec.Struct):
     supervisor_kills: list[SupervisorKillRecord] = msgspec.field(default_factory=list)
     slow_reader: SlowReaderRecord | None = None
     restarts: list[RestartRecord] = msgspec.field(default_factory=list)
+    replans: list[ReplanRecord] = msgspec.field(default_factory=list)
 
 
 # ---- the table -----------------------------------------------------------------------------------------
@@ -253,6 +266,10 @@ def render(report: StressReport) -> str:
         )
     if any(d.restarted for d in report.daemons):
         lines.append("* restarted during the run (--kill-supervisor, --restart): its counters are since the restart")
+    if report.replans:
+        lines += ["", f"{'RE-PLAN':<22} {'ONTO':<26} {'LEN':>4} {'OUTCOME':<12} {'BYTES':>10} {'ms':>8}"]
+        for r in report.replans:
+            lines.append(f"{r.session_id[-22:]:<22} {r.onto:<26} {r.length:>4} {r.outcome:<12} {format_bytes(r.moved_bytes):>10} {r.seconds * 1000:>8.1f}")
     lines += ["", "VERDICTS"]
     for verdict in report.verdicts:
         lines.append(f"  {'PASS' if verdict.passed else 'FAIL'}  {verdict.name:<22} {verdict.detail}")

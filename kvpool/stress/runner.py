@@ -30,6 +30,7 @@ from kvpool.stress.options import UNLIMITED_BUDGET, StressOptions
 from kvpool.stress.plans import SessionSetup, build_plans
 from kvpool.stress.processes import Footprint
 from kvpool.stress.recording import Recorder, Sampler
+from kvpool.stress.replans import SessionReplans, open_replan_chain
 from kvpool.stress.report import SessionSummary, StressReport
 from kvpool.stress.restarts import ChainControl, RollingRestart
 from kvpool.stress.slow_reader import SlowReader
@@ -85,8 +86,10 @@ def _progress_loop(stop: threading.Event, recorder: Recorder, sampler: Sampler, 
         say(f"{time.monotonic() - started:6.1f} s  ops {recorder.ops_done}/{total_ops}  reserved {reserved}  replies with errors: {errors}")
 
 
-def _run_sessions(options: StressOptions, chain: Chain, setups: Sequence[SessionSetup], recorder: Recorder, sampler: Sampler, say: Say, control: ChainControl | None,
-                  rolling: RollingRestart | None = None) -> tuple[list[SessionDriver], float]:
+def _run_sessions(
+    options: StressOptions, chain: Chain, setups: Sequence[SessionSetup], recorder: Recorder, sampler: Sampler, say: Say, control: ChainControl | None,
+    second: Chain | None, rolling: RollingRestart | None = None,
+) -> tuple[list[SessionDriver], float]:
     """The drivers once every session is done, and when they started (monotonic); `rolling` drains the
     daemons in turn meanwhile (--restart)."""
     drivers: list[SessionDriver] = []
@@ -101,6 +104,8 @@ def _run_sessions(options: StressOptions, chain: Chain, setups: Sequence[Session
                     client.close()
                 raise
             drivers.append(SessionDriver(setup, clients, options, recorder, control))
+            if second is not None:
+                drivers[-1].replans = SessionReplans(second, setup.session_id, options.ops)
         threads = [threading.Thread(target=driver.run, name=driver.session_id, daemon=True) for driver in drivers]
         stop = threading.Event()
         progress = threading.Thread(
@@ -120,8 +125,10 @@ def _run_sessions(options: StressOptions, chain: Chain, setups: Sequence[Session
         progress.join()
     finally:
         for driver in drivers:  # a session replaces its client of a restarted daemon
-            for client in driver.clients:
+            for client in driver.first_clients:
                 client.close()
+            if driver.replans is not None:
+                driver.replans.close()
     return drivers, started
 
 
@@ -192,7 +199,12 @@ def run_stress(options: StressOptions, *, say: Say = say_on_stderr) -> StressRep
         chain = open_chain(options, socket_dir, prompts[0], say, shard_paths, plans)
         footprint = Footprint()
         drills = DrillFacts()
+        second: Chain | None = None
         try:
+            if options.replan:
+                second = open_replan_chain(source, options.second_parts, socket_dir, chain.serve_options[0], chain.workers_expected, say)
+                footprint.add(second.daemons)
+                before_second = take_snapshot(second.sockets)
             setups = [SessionSetup(i, f"{run_prefix}{i}", prompts[i], filler, plans[i]) for i in range(options.sessions)]
             control = ChainControl(chain, say) if options.kill_supervisor or options.restart else None
             footprint.add(chain.daemons)
@@ -207,7 +219,7 @@ def run_stress(options: StressOptions, *, say: Say = say_on_stderr) -> StressRep
                     slow.start()
                     say(f"slow reader: {slow.record.appends_planned} appends to daemon {slow.record.daemon} on a connection that never reads")
                 rolling = RollingRestart(control, recorder, len(chain.sockets), options.sessions * options.ops) if control is not None and options.restart else None
-                drivers, sessions_started = _run_sessions(options, chain, setups, recorder, sampler, say, control, rolling)
+                drivers, sessions_started = _run_sessions(options, chain, setups, recorder, sampler, say, control, second, rolling)
                 if rolling is not None:
                     drills.restart_error = rolling.error
                 if slow is not None:
@@ -224,8 +236,11 @@ def run_stress(options: StressOptions, *, say: Say = say_on_stderr) -> StressRep
             say(f"sessions done in {time.monotonic() - started:.1f} s; waiting for the daemons to settle")
             after = settle_daemons(chain.sockets, before, run_prefix, options.uss_tolerance_bytes, chain.workers_expected)
             footprint.add(chain.daemons)
+            if second is not None:
+                after_second = settle_daemons(second.sockets, before_second, run_prefix, options.uss_tolerance_bytes, second.workers_expected)
+                drills.second_chain = daemon_summaries(second, before_second, after_second, [], options.uss_tolerance_bytes, run_prefix)
         finally:
-            codes = stop_all(chain.daemons)
+            codes = stop_all(chain.daemons) + (stop_all(second.daemons) if second is not None else [])
             if chain.daemons and any(codes):
                 keep_logs = True
                 say(f"daemon exit codes {codes}: logs kept in {socket_dir}")
@@ -250,6 +265,7 @@ def run_stress(options: StressOptions, *, say: Say = say_on_stderr) -> StressRep
             kills=[driver.faults.kill for driver in drivers if driver.faults.kill is not None], verdicts=verdicts,
             passed=all(verdict.passed for verdict in verdicts), warnings=warnings, stalls=drills.stalls,
             supervisor_kills=drills.supervisor_kills, slow_reader=drills.slow_reader, restarts=drills.restarts,
+            replans=[record for driver in drivers if driver.replans is not None for record in driver.replans.records],
         )
         keep_logs = keep_logs or not report.passed
         if options.json_path is not None:

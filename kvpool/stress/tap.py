@@ -43,6 +43,10 @@ class TappedClient:
     def socket_path(self) -> str:
         return self.client.socket_path
 
+    @property
+    def hello(self):
+        return self.client.hello
+
     def _call(self, request):
         try:
             return request(self.client)
@@ -85,6 +89,13 @@ class TappedClient:
     def cancel(self, session_id: str, epoch: int) -> Done:
         """Passed through (the drills send cancels from their own thread and judge every answer)."""
         return self.client.cancel(session_id, epoch)
+
+    def export_state(self, session_id: str, epoch: int) -> bytes:
+        """A re-plan's export (kvpool.router.move), answered like every request."""
+        return self._answered(lambda client: client.export_state(session_id, epoch))
+
+    def import_state(self, session_id: str, epoch: int, state: bytes) -> int:
+        return self._answered(lambda client: client.import_state(session_id, epoch, state))
 
     def stats(self) -> StatsReply:
         return self._call(lambda client: client.stats())

@@ -28,6 +28,8 @@ from kvpool.stress.log import LogEntry, LoggedAppend, LoggedReset, LoggedTruncat
 from kvpool.stress.options import StressOptions
 from kvpool.stress.plans import SessionSetup
 from kvpool.stress.recording import Recorder
+from kvpool.stress.replans import SessionReplans, timed
+from kvpool.stress.report import ReplanRecord
 from kvpool.stress.restarts import ChainControl
 from kvpool.stress.state import StageHook
 from kvpool.stress.tap import Reconnected, TappedClient
@@ -72,6 +74,8 @@ class TappedSession:
         self._releasing = False
         self._unanswered_losses = 0  # reconnections the router has not answered with a replay at a new epoch
         self.admission_waits: list[float] = []  # seconds each admission took, queue and back-off included
+        self.replans: SessionReplans | None = None  # --replan: the second chain's clients and the re-plans done
+        self.first_clients = self.clients
 
     @property
     def epoch(self) -> int:
@@ -125,6 +129,22 @@ class TappedSession:
     def truncate_to(self, length: int) -> None:
         self.session.truncate(length)
         self.log.append(LoggedTruncate(length))
+
+    def replan(self) -> ReplanRecord:
+        """Re-plan the session's route (kvpool.router.Router.replan) onto the second chain, or back onto the
+        first; the daemons hold the same tokens afterwards, so nothing is logged for the run alone."""
+        assert self.replans is not None
+        onto_second = len(self.replans.records) % 2 == 0
+        if onto_second:
+            target = [TappedClient(stage, client, self) for stage, client in enumerate(self.replans.clients)]
+        else:
+            target = self.first_clients
+        length = self.length
+        replanned, seconds = timed(lambda: self.router.replan(target))
+        self.clients = target
+        outcome = replanned.moved.get(self.session_id) or replanned.failed.get(self.session_id)
+        name = f"{'second' if onto_second else 'first'} chain ({len(target)} shards)"
+        return self.replans.record(self.session_id, name, length, outcome, seconds)
 
     def start_over(self) -> None:
         """Release the session everywhere (at the router session's epoch); the next append starts from 0."""

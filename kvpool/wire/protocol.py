@@ -18,6 +18,7 @@ import msgspec
 from kvpool.wire.framing import framed
 from kvpool.wire.shape import ShardShape
 from kvpool.wire.sampling import Sampling
+from kvpool.state.header import StateIdentity
 
 PROTOCOL_VERSION = 3  # 2: request_id on every request and reply; 3: ShardDescription.shape, Park, Fork, tiers, sampling, Export, Import
 DEFAULT_MAX_REQUEST_BYTES = 64 * 1024 * 1024
@@ -190,6 +191,9 @@ class HelloReply(ReplyMessage):
     max_n_ctx: int
     default_n_ctx: int
     max_request_bytes: int
+    # what this daemon's saved states are sealed with and what an Import must carry (kvpool.state.header):
+    # a router re-slicing states for this daemon seals them with it (kvpool.router.move)
+    state_identity: StateIdentity | None = None
 
 
 class AppendReply(ReplyMessage):
