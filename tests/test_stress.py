@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import random
 import signal
 import subprocess
 import sys
@@ -20,7 +21,10 @@ import msgspec
 import numpy as np
 import pytest
 
-from kvpool.client.client import Client, ConnectionLost
+from kvpool.client.client import AppendResult, Client, ConnectionLost, KvpoolError
+from kvpool.router.recovery import RecoveryPolicy
+from kvpool.router.route import StageFailed
+from kvpool.router.session import RoutedSession
 from kvpool.shard.cache import shards_in_parts
 from kvpool.stress import (
     LATE_CANCEL,
@@ -40,6 +44,9 @@ from kvpool.stress import (
     row_digest,
     run_stress,
 )
+from kvpool.stress.drill_checks import kill_supervisor_verdict, restart_verdict
+from kvpool.stress.report import DaemonSummary, RestartRecord, SavedState, SupervisorKillRecord
+from kvpool.wire.protocol import ErrorCode, ErrorReply
 from tests.conftest import EVEN_SPLIT
 
 SESSIONS = 4
@@ -48,6 +55,8 @@ DRILL_OPS = 16
 OVERLOAD_SESSIONS = 8
 OVERLOAD_OPS = 12
 HANG_GUARD_S = 1200
+DURABLE_SESSIONS = 2  # --restart, --persist-after: small runs (each restart starts a daemon)
+DURABLE_OPS = 12
 COMMON_VERDICTS = {"contract", "exact", "operations", "books_at_every_sample", "released", "worker_memory"}
 
 
@@ -179,6 +188,39 @@ def test_killed_supervisor_leaves_nothing_is_restarted_and_every_session_replays
     assert victim.recoveries >= 1 and victim.final_epoch >= 2  # its state died with the daemon: replayed at a new epoch
     assert all(session.recoveries >= 1 and session.final_epoch >= 2 for session in lost)
     assert any(session.connection_losses or session.release_reconnects for session in report.sessions)
+
+
+@pytest.mark.timeout(HANG_GUARD_S)
+def test_rolling_restart_drains_each_daemon_in_turn_and_no_session_replays_from_zero(tmp_path):
+    """Issue 20: every daemon of the route drained (SIGTERM) in turn mid-run and a successor started on its
+    socket and spill dir; the clients wait for it, the sessions' next appends are answered restored: true, no
+    session replays from 0, and every session equals its run alone."""
+    report = _run(tmp_path, restart=True, sessions=DURABLE_SESSIONS, ops=DURABLE_OPS, seed=1)
+    _assert_common(report)
+    assert report.scenario == "restart" and _verdict(report, "rolling_restart").passed
+    assert sorted(r.daemon for r in report.restarts) == [0, 1, 2]
+    assert all(r.exit_code == 0 and r.new_pid != r.pid and r.drain_line.startswith("drain done") and not r.left_alive for r in report.restarts)
+    assert all(report.daemons[r.daemon].restarted for r in report.restarts)
+    assert sum(s.full_replays for s in report.sessions) == 0 and sum(s.full_replayed_tokens for s in report.sessions) == 0
+    assert sum(s.restores for s in report.sessions) >= 1
+    assert not {code for code in report.errors_by_code if code.startswith("cache_miss/")} - {"cache_miss/new_epoch"}
+
+
+@pytest.mark.timeout(HANG_GUARD_S)
+def test_killed_supervisor_with_persist_after_costs_only_the_tail(tmp_path):
+    """Issue 20: --persist-after with a disk tier. The killed session waits idle for its copy on the daemon
+    about to be killed and is killed 2 decodes later; the daemon restarted on its socket and spill dir adopts
+    every copy, and the router replays only the tail since each (same epoch): no adopted session replays from 0."""
+    report = _run(tmp_path, kill_supervisor=True, persist_after_s=1.0, sessions=DURABLE_SESSIONS, ops=DURABLE_OPS, seed=4)
+    _assert_common(report)
+    assert report.scenario == "kill-supervisor+persist-after-1" and _verdict(report, "kill_supervisor").passed
+    [kill] = report.supervisor_kills
+    assert kill.victim_copy is not None and kill.victim_copy.session_id == kill.session_id
+    assert kill.session_id in {state.session_id for state in kill.adopted} and kill.adoption_line.startswith("adopted ")
+    [victim] = [s for s in report.sessions if s.session_id == kill.session_id]
+    assert victim.full_replays == 0 and victim.full_replayed_tokens == 0  # its copy was adopted: nothing replayed from 0
+    adopted = {state.session_id for state in kill.adopted}
+    assert all(s.full_replays == 0 for s in report.sessions if s.session_id in adopted)
 
 
 @pytest.mark.timeout(HANG_GUARD_S)
@@ -345,28 +387,117 @@ def test_replay_alone_catches_other_logits_a_different_partition_and_a_wrong_gre
         local.close()
 
 
+def _daemon() -> DaemonSummary:
+    return DaemonSummary(socket="d.sock", layers="[0, 10)", limit_bytes=1, session_charge_bytes=0, peak_reserved_bytes=0, reserved_before=0, reserved_after=0,
+                         our_sessions_after=0, integrity_after="ok", counters={}, workers=[], replaced_pids=[])
+
+
+def test_restart_verdict_fails_on_a_full_replay_a_missing_drain_or_no_restore():
+    restarts = [RestartRecord(daemon=i, pid=10 + i, at_ops=4 * i, exit_code=0, new_pid=20 + i) for i in range(3)]
+    good = [_summary("a", restores=2), _summary("b", restores=1, tail_replays=1, tail_replayed_tokens=3)]
+    assert restart_verdict(restarts, "", good, 3, True).passed
+    assert not restart_verdict(restarts, "", [_summary("a", restores=2, full_replays=1)], 3, True).passed
+    assert not restart_verdict(restarts[:2], "", good, 3, True).passed  # daemon 2 never drained
+    assert not restart_verdict([msgspec.structs.replace(restarts[0], exit_code=1), *restarts[1:]], "", good, 3, True).passed
+    assert not restart_verdict(restarts, "", [_summary("a")], 3, True).passed  # nothing restored
+    assert not restart_verdict(restarts, "", good, 3, False).passed  # not exact
+
+
+def test_kill_supervisor_verdict_with_persist_after_fails_when_an_adopted_session_replays_from_zero():
+    def kill(adopted):
+        return SupervisorKillRecord(daemon=1, pid=5, session_id="a", op_index=3, descendants=[6], segments=[], all_gone_s=0.1, new_pid=7,
+                                    victim_copy=SavedState("a", 1, 40), adopted=[SavedState(s, 1, 40) for s in adopted])
+    daemons = [_daemon() for _ in range(3)]
+    tail = _summary("a", tail_replays=1, tail_replayed_tokens=2)
+    assert kill_supervisor_verdict([kill(["a"])], [tail, _summary("b", full_replays=1)], daemons, [], True, 1.0).passed  # b had no copy
+    assert not kill_supervisor_verdict([kill(["a", "b"])], [tail, _summary("b", full_replays=1)], daemons, [], True, 1.0).passed
+    assert not kill_supervisor_verdict([kill(["b"])], [tail, _summary("b")], daemons, [], True, 1.0).passed  # the victim's copy not adopted
+
+
+class _Route:
+    """A route of two fake daemons, each holding a length of one session: what RoutedSession relies on."""
+
+    clients = [None, None]
+
+    def __init__(self) -> None:
+        self.held = [0, 0]
+        self.calls: list[tuple] = []
+        self.restart_with: int | None = None  # the next truncate loses daemon 1, which comes back holding this
+
+    def __len__(self) -> int:
+        return 2
+
+    def _mismatch(self, stage: int) -> StageFailed:
+        return StageFailed(stage, KvpoolError(ErrorReply(code=ErrorCode.POSITION_MISMATCH, message="", length=self.held[stage])))
+
+    def append_at(self, stage, session_id, epoch, start, rows, **options) -> AppendResult:
+        if self.held[stage] != start:
+            raise self._mismatch(stage)
+        self.held[stage] = start + len(rows)
+        self.calls.append(("append", stage, start, len(rows)))
+        return AppendResult(length=self.held[stage], rows=np.zeros((len(rows), 4), np.float32), admitted=start == 0)
+
+    def truncate(self, session_id, epoch, length, *, stages=None) -> None:
+        for stage in range(2) if stages is None else stages:
+            if stage == 1 and self.restart_with is not None:
+                self.held[1], self.restart_with = self.restart_with, None
+                raise ConnectionLost("daemon 1 restarted")
+            if self.held[stage] < length:
+                raise self._mismatch(stage)
+            self.held[stage] = length
+            self.calls.append(("truncate", stage, length))
+
+    def release(self, session_id, epoch) -> None:
+        self.held = [0, 0]
+        self.calls.append(("release",))
+
+
+def test_a_connection_lost_in_a_truncate_costs_only_the_tail_from_what_the_restarted_daemon_holds():
+    """The router's rule the drills rely on: a truncate whose connection to a daemon was lost (a daemon
+    restarted with a copy written behind at length 4) is followed by a tail replay from 4, not from 0."""
+    route = _Route()
+    session = RoutedSession(route, RecoveryPolicy(), "s", epoch=1, n_ctx=64, admit_timeout_s=0.0, rng=random.Random(0), count=lambda field, amount: None)
+    for chunk in ([1, 2, 3, 4], [5, 6, 7], [8, 9]):
+        session.append(chunk)
+    route.restart_with = 4
+    session.truncate(7)
+    route.calls.clear()
+    session.append([10])
+    assert ("release",) not in route.calls and session.epoch == 1
+    assert route.calls == [("truncate", 0, 7), ("truncate", 0, 4), ("truncate", 1, 4), ("append", 0, 4, 3), ("append", 1, 4, 3), ("append", 0, 7, 1), ("append", 1, 7, 1)]
+    counts = session.counts
+    assert (counts.replays, counts.tail_replays, counts.tail_replayed_tokens, counts.connections_lost) == (0, 1, 3, 1)
+    assert route.held == [8, 8] and session.length == 8
+
+
 def test_options_are_validated():
     for bad in (dict(sessions=0), dict(ops=-1), dict(budget_for=0), dict(ttl_s=0), dict(parts=1), dict(n_ctx=64),
                 dict(reference="nope"), dict(sockets=(pathlib.Path("/tmp/x.sock"),), budget_for=2)):
         with pytest.raises(ValueError):
             StressOptions(**bad)
     for bad in (dict(stall_timeout_s=0), dict(sockets=(pathlib.Path("/tmp/x.sock"),), kill_supervisor=True),
-                dict(sockets=(pathlib.Path("/tmp/x.sock"),), stall_worker=True)):
+                dict(sockets=(pathlib.Path("/tmp/x.sock"),), stall_worker=True), dict(persist_after_s=-0.1, kill_supervisor=True),
+                dict(sockets=(pathlib.Path("/tmp/x.sock"),), restart=True), dict(restart=True, budget_for=2), dict(restart=True, kill_supervisor=True)):
         with pytest.raises(ValueError):
             StressOptions(**bad)
     assert StressOptions(budget_for=2, ttl_s=1.0, kill_worker=True).scenario == "budget-for-2+ttl-1+kill-worker"
     assert StressOptions(kill_supervisor=True, stall_worker=True, slow_reader=True).scenario == "kill-supervisor+stall-worker+slow-reader"
+    edge = StressOptions(kill_supervisor=True, persist_after_s=0)  # 0: a copy as soon as a session is idle
+    assert edge.durable and edge.scenario == "kill-supervisor+persist-after-0"
+    assert StressOptions(restart=True).durable and not StressOptions(restart=True).may_lose_state  # a drain loses nothing
 
 
 def test_script_and_subcommand_help_and_bad_options():
     root = pathlib.Path(__file__).resolve().parent.parent
     script = subprocess.run([sys.executable, str(root / "scripts" / "stress_four_sessions.py"), "--help"], capture_output=True, text=True, timeout=60)
     assert script.returncode == 0 and "--budget-for" in script.stdout and "--kill-worker" in script.stdout
-    assert all(flag in script.stdout for flag in ("--kill-supervisor", "--stall-worker", "--stall-timeout", "--slow-reader"))
+    assert all(flag in script.stdout for flag in ("--kill-supervisor", "--stall-worker", "--stall-timeout", "--slow-reader", "--restart", "--persist-after"))
     command = subprocess.run([sys.executable, "-m", "kvpool", "stress", "--help"], capture_output=True, text=True, timeout=60)
     assert command.returncode == 0 and "--sockets" in command.stdout
     bad = subprocess.run([sys.executable, "-m", "kvpool", "stress", "--sessions", "0"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--sessions must be at least 1" in bad.stderr
+    bad = subprocess.run([sys.executable, "-m", "kvpool", "stress", "--persist-after", "-1"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--persist-after must be >= 0" in bad.stderr
 
 
 @pytest.mark.timeout(HANG_GUARD_S)

@@ -319,9 +319,13 @@ class RoutedSession:
             try:
                 self.route.truncate(self.session_id, self.epoch, length)
             except (StageFailed, ConnectionLost) as failure:
-                self._needs_replay = True
-                if replay_counter(failure) is None:
-                    raise
+                tail = self._tail_for(failure, length)  # the daemons hold `length` or less: the next append replays the tail
+                if tail is not None:
+                    self._tail_from = min(tail, self._tail_from if self._tail_from is not None else tail)
+                else:
+                    self._needs_replay = True
+                    if replay_counter(failure) is None:
+                        raise
         self._history.truncate(length)
 
     def release(self) -> None:

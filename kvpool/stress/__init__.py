@@ -11,7 +11,10 @@ and fails the run.
 Scenarios add faults, each bounded by operations: a byte budget for fewer sessions than are active (LRU
 eviction), a short TTL (expiry), a SIGKILLed worker, a SIGKILLed supervisor (restarted on its socket), a
 SIGSTOPped worker (the daemon's request timeout), and a connection that never reads its replies
-(backpressure). After every run each daemon must hold no session of ours, have its reserved bytes back
+(backpressure). Two drills check the durability contract on daemons with a disk tier: a rolling restart
+(--restart: each daemon drained by SIGTERM in turn and a successor started on its socket and spill dir; no
+session replays from 0, appends are answered restored: true) and a crash with --persist-after (a SIGKILLed
+supervisor; the restarted daemon adopts the copies written behind and the router replays only the tail). After every run each daemon must hold no session of ours, have its reserved bytes back
 where they were, balanced books, its workers' measured memory back within a stated tolerance, and no
 process or shared-memory segment of the daemons may outlive them.
 

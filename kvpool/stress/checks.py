@@ -15,7 +15,7 @@ from kvpool.stress import drill_checks
 from kvpool.stress.daemons import Chain
 from kvpool.stress.driver import SessionDriver
 from kvpool.stress.options import IDLE_MARGIN_S, SPILL_PLACES, StressOptions
-from kvpool.stress.report import DaemonSummary, Sample, SessionSummary, SlowReaderRecord, StallRecord, SupervisorKillRecord, Verdict, WorkerMemory
+from kvpool.stress.report import DaemonSummary, RestartRecord, Sample, SessionSummary, SlowReaderRecord, StallRecord, SupervisorKillRecord, Verdict, WorkerMemory
 
 SETTLE_TIMEOUT_S = 30.0
 NOT_COUNTS = ("peak_concurrent_compute_threads", "min_residency_ms", "admission_wait_max_ms")  # values, not counts: shown as they end
@@ -107,6 +107,8 @@ class DrillFacts:
     """What the fault drills recorded during the run, for their verdicts."""
 
     supervisor_kills: list[SupervisorKillRecord] = dataclasses.field(default_factory=list)
+    restarts: list[RestartRecord] = dataclasses.field(default_factory=list)
+    restart_error: str = ""  # the rolling restart stopped: a successor did not start
     stalls: list[StallRecord] = dataclasses.field(default_factory=list)
     slow_reader: SlowReaderRecord | None = None
     leftover_pids: list[int] | None = None  # None: the daemons were not started here (attached)
@@ -184,7 +186,9 @@ def build_verdicts(options: StressOptions, chain: Chain, drivers: Sequence[Sessi
     if options.kill_worker:
         verdicts.append(drill_checks.kill_worker_verdict(drivers, sessions, daemons, chain.workers_expected, exact))
     if options.kill_supervisor:
-        verdicts.append(drill_checks.kill_supervisor_verdict(drills.supervisor_kills, sessions, daemons, samples, exact))
+        verdicts.append(drill_checks.kill_supervisor_verdict(drills.supervisor_kills, sessions, daemons, samples, exact, options.persist_after_s))
+    if options.restart:
+        verdicts.append(drill_checks.restart_verdict(drills.restarts, drills.restart_error, sessions, len(chain.sockets), exact))
     if options.stall_worker:
         verdicts.append(drill_checks.stall_worker_verdict(drills.stalls, sessions, daemons, chain.workers_expected, exact))
     if options.slow_reader:

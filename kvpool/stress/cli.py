@@ -25,7 +25,8 @@ DESCRIPTION = (
     "truncate then replay, cancel in the middle of a long prefill (on each daemon) and after it completed, release and re-open, an epoch bump and a "
     "stale-epoch request. Every session's operations are then replayed alone on a fresh chain of daemons: every "
     "output row, greedy token and the final logits must be bit-identical, or the run fails (exit code 1). "
-    "Scenario flags add faults (each bounded by operations, not time); after each run every daemon must have "
+    "Scenario flags add faults (each bounded by operations, not time; --restart and --persist-after give the daemons a disk tier and check "
+    "the durability contract: a drain loses no session, a crash costs only the tail); after each run every daemon must have "
     "released everything, balanced its books and returned its workers' memory within --uss-tolerance, and no process or "
     "shared-memory segment of the daemons may outlive them. What timing did not let a run exercise is listed as a "
     "warning, not a failure. Progress goes to stderr, the table to stdout."
@@ -41,7 +42,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--spill", action="store_true", help="scenario: the warm tier: --sessions (default 8) through daemons holding 2 contexts each (--max-sessions 2) with a spill budget large enough: every eviction parks the session's state and its next append restores it: zero cache misses, every session exact")
     parser.add_argument("--ttl", type=float, metavar="SECONDS", help="scenario: daemons expire sessions idle this long; each session idles once and must get cache_miss/expired")
     parser.add_argument("--kill-worker", action="store_true", help="scenario: SIGKILL the worker of one session on one daemon mid-decode; it must report worker_lost and recover by replay, the others continue exactly")
-    parser.add_argument("--kill-supervisor", action="store_true", help="scenario: SIGKILL one daemon's supervisor mid-run; its processes must be gone within 5 s and its /dev/shm segments removed; the daemon is restarted on the same socket, every session that lost its connection replays from 0 at a new epoch, all stay exact")
+    parser.add_argument("--kill-supervisor", action="store_true", help="scenario: SIGKILL one daemon's supervisor mid-run; its processes must be gone within 5 s and its /dev/shm segments removed; the daemon is restarted on the same socket, every session that lost its connection replays from 0 at a new epoch, all stay exact (with --persist-after: only the tail since each copy)")
+    parser.add_argument("--persist-after", type=float, metavar="S", help="the daemons get a disk tier (--spill-dir, one each) and --persist-after S: a hot session idle S seconds is copied to disk. With --kill-supervisor the killed session first waits idle for its copy and is killed 2 decodes later; the restarted daemon (same socket and spill dir) adopts every copy, and the router replays only the tokens since: the run fails if a session whose copy was adopted replays from 0; the tail replays and their total length are reported")
+    parser.add_argument("--restart", action="store_true", help="scenario: a rolling restart; the daemons get a disk tier (--spill-dir, one each); daemon 0, 1, ... is drained in turn (SIGTERM) once 1/(n+1), 2/(n+1), ... of the operations are done and a new daemon started on its socket and spill dir, which adopts the parked sessions; the clients wait for it and send again what the old one took nothing of. Fails unless every daemon drained with exit 0, no session replayed from 0, some append was answered restored: true and every session is exact; the drain and restart times and the restores are reported")
     parser.add_argument("--stall-worker", action="store_true", help="scenario: SIGSTOP the worker of one session on one daemon (started with --request-timeout, see --stall-timeout) just before an append; the append must answer worker_lost once the timeout passes, the worker be killed and replaced, the others continue exactly")
     parser.add_argument("--stall-timeout", type=float, default=30.0, metavar="SECONDS", help="--request-timeout of the daemon whose worker --stall-worker stops (default 30: far above that daemon's largest worker call, its start-up calibration, on a slow busy machine)")
     parser.add_argument("--slow-reader", action="store_true", help="scenario: one connection sends appends to the last daemon (all-row logits, 3 MiB replies) and never reads a reply; the daemon's memory must stay bounded (backpressure) while the other sessions continue exactly")
@@ -66,6 +69,7 @@ def options_from(args: argparse.Namespace) -> StressOptions:
         sessions=args.sessions if args.sessions is not None else (8 if args.spill else 4), spill=args.spill, ops=args.ops, seed=args.seed, budget_for=args.budget_for,
         min_residency_s=args.min_residency, ttl_s=args.ttl,
         kill_worker=args.kill_worker, kill_supervisor=args.kill_supervisor, stall_worker=args.stall_worker, slow_reader=args.slow_reader,
+        restart=args.restart, persist_after_s=args.persist_after,
         stall_timeout_s=args.stall_timeout, sockets=sockets, model=args.model, parts=args.parts, n_ctx=args.n_ctx,
         reference=args.reference, final_tokens=args.final_tokens, sample_interval_s=args.sample_interval,
         uss_tolerance_bytes=parse_bytes(args.uss_tolerance), json_path=args.json, progress=not args.quiet, mode=args.mode,

@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 from kvpool.host import format_bytes
 from kvpool.launcher import Daemon, start_daemons
 from kvpool.router.route import Route
-from kvpool.stress.options import SPILL_PLACES, UNLIMITED_BUDGET, FaultKind, StressOptions
+from kvpool.stress.options import DRAIN_TIMEOUT_S, SPILL_DISK_BUDGET, SPILL_PLACES, UNLIMITED_BUDGET, FaultKind, StressOptions
 from kvpool.stress.plans import SessionPlan, fault_stage
 
 Say = Callable[[str], None]
@@ -19,7 +19,8 @@ Say = Callable[[str], None]
 class Chain:
     """The daemons under test: started here (daemons set) or attached to (sockets only).
 
-    `daemons[i]` is replaced when daemon i is restarted (--kill-supervisor); `serve_options[i]` are its flags.
+    `daemons[i]` is replaced when daemon i is restarted (--kill-supervisor, --restart); `serve_options[i]` are
+    its flags, `spill_dirs[i]` its disk tier (--restart, --persist-after), which its successor adopts.
     """
 
     sockets: list[pathlib.Path]
@@ -28,6 +29,7 @@ class Chain:
     charges: list[int]
     workers_expected: int | None
     serve_options: list[list[str]] = dataclasses.field(default_factory=list)
+    spill_dirs: list[pathlib.Path] = dataclasses.field(default_factory=list)
 
 
 def stop_all(daemons: Sequence[Daemon]) -> list[int]:
@@ -41,12 +43,21 @@ def serve_options(options: StressOptions, *, max_sessions: int, budget: str, ttl
     ]
     if options.mode == "batched":
         flags += ["--mode", "batched", "--seqs-per-worker", str(max_sessions)]  # one worker process holds every session
-    if not (options.spill or options.replan):  # --replan imports into the warm tier
+    if not (options.spill or options.replan or options.durable):  # --replan imports into the warm tier; --restart parks there
         flags += ["--spill-budget", "0"]  # every other scenario exercises eviction as it was: a cache miss
     if request_timeout_s is not None:
         flags += ["--request-timeout", f"{request_timeout_s:g}"]
     if options.min_residency_s is not None:
         flags += ["--min-residency", f"{options.min_residency_s:g}"]
+    return flags
+
+
+def disk_tier_options(options: StressOptions, spill_dir: pathlib.Path) -> list[str]:
+    """The flags of a daemon of the chain under --restart or --persist-after: its own disk tier, kept by a
+    drain (and by a crash, for what --persist-after wrote), adopted by the daemon started after it."""
+    flags = ["--spill-dir", str(spill_dir), "--spill-disk-budget", SPILL_DISK_BUDGET, "--drain-timeout", f"{DRAIN_TIMEOUT_S:g}"]
+    if options.persist_after_s is not None:
+        flags += ["--persist-after", f"{options.persist_after_s:g}"]
     return flags
 
 
@@ -93,7 +104,10 @@ def open_chain(options: StressOptions, socket_dir: pathlib.Path, prompt: Sequenc
         serve_options(options, max_sessions=max_sessions, budget=budget, ttl_s=ttl, request_timeout_s=options.stall_timeout_s if index == stalled else None)
         for index, budget in enumerate(budgets)
     ]
-    plain = serve_options(options, max_sessions=max_sessions, budget=budgets[0], ttl_s=ttl)
+    spill_dirs = [socket_dir / f"spill{index}" for index in range(len(shard_paths))] if options.durable else []
+    for flags, spill_dir in zip(serve, spill_dirs):
+        flags += disk_tier_options(options, spill_dir)
+    plain = serve_options(options, max_sessions=max_sessions, budget=budgets[0], ttl_s=ttl) + (disk_tier_options(options, socket_dir / "spillN") if options.durable else [])
     say(f"starting {len(shard_paths)} daemons: {' '.join(plain)}" + (f" (daemon {stalled}: --request-timeout {options.stall_timeout_s:g})" if stalled is not None else ""))
     daemons = start_daemons(shard_paths, socket_dir, serve, prefix="shard")
-    return Chain([daemon.socket for daemon in daemons], shard_paths, daemons, charges, max_sessions, serve)
+    return Chain([daemon.socket for daemon in daemons], shard_paths, daemons, charges, max_sessions, serve, spill_dirs)

@@ -1,5 +1,5 @@
-"""Verdicts of the operations and of the fault drills (kill worker, kill supervisor, stall worker,
-slow reader, nothing left over). A drill that ran and went wrong fails; what timing did not let the run
+"""Verdicts of the operations and of the fault drills (kill worker, kill supervisor, with --persist-after
+only tail replays, the rolling restart, stall worker, slow reader, nothing left over). A drill that ran and went wrong fails; what timing did not let the run
 exercise is a warning."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from kvpool.host import format_bytes
 from kvpool.stress.options import FORCED_KINDS, OpKind, StressOptions
 from kvpool.stress.processes import ORPHAN_DEADLINE_S
-from kvpool.stress.report import DaemonSummary, Sample, SessionSummary, SlowReaderRecord, StallRecord, SupervisorKillRecord, Verdict
+from kvpool.stress.report import DaemonSummary, RestartRecord, Sample, SessionSummary, SlowReaderRecord, StallRecord, SupervisorKillRecord, Verdict
 
 if TYPE_CHECKING:
     from kvpool.stress.driver import SessionDriver
@@ -70,7 +70,8 @@ def kill_worker_verdict(drivers: Sequence[SessionDriver], sessions: Sequence[Ses
                    f"(their recoveries: {sum(s.recoveries for s in others)})")
 
 
-def kill_supervisor_verdict(kills: Sequence[SupervisorKillRecord], sessions: Sequence[SessionSummary], daemons: Sequence[DaemonSummary], samples: Sequence[Sample], exact: bool) -> Verdict:
+def kill_supervisor_verdict(kills: Sequence[SupervisorKillRecord], sessions: Sequence[SessionSummary], daemons: Sequence[DaemonSummary], samples: Sequence[Sample], exact: bool,
+                            persist_after_s: float | None = None) -> Verdict:
     if not kills:
         return Verdict("kill_supervisor", False, "the planned supervisor kill never happened")
     kill = kills[0]
@@ -78,12 +79,16 @@ def kill_supervisor_verdict(kills: Sequence[SupervisorKillRecord], sessions: Seq
     segments_ok = not kill.segments_left
     restarted = kill.new_pid > 0 and not kill.restart_error
     lost = [s for s in sessions if s.connection_losses]
-    # The killed daemon's sessions are gone with it: the session it was killed under must have replayed at a new
-    # epoch, however it learnt of the loss (a lost connection, or a cache miss on the restarted daemon); so must
-    # every session that lost a connection while it ran. One lost only at its final release is released again.
     victim = next((s for s in sessions if s.session_id == kill.session_id), None)
-    recovered = (victim is not None and victim.recoveries >= 1 and victim.final_epoch >= 2 and not victim.violations
-                 and all(s.recoveries >= 1 and s.final_epoch >= 2 and not s.violations for s in lost))
+    if persist_after_s is not None:
+        recovered, recovery = _tail_recovered(kill, sessions, victim)
+    else:
+        # The killed daemon's sessions are gone with it: the session it was killed under must have replayed at a new
+        # epoch, however it learnt of the loss (a lost connection, or a cache miss on the restarted daemon); so must
+        # every session that lost a connection while it ran. One lost only at its final release is released again.
+        recovered = (victim is not None and victim.recoveries >= 1 and victim.final_epoch >= 2 and not victim.violations
+                     and all(s.recoveries >= 1 and s.final_epoch >= 2 and not s.violations for s in lost))
+        recovery = f"the killed session and those replayed from 0 at a new epoch: {recovered}"
     released_again = sum(s.release_reconnects for s in sessions)
     survivors = [i for i in range(len(daemons)) if i != kill.daemon]
     books = all(daemons[i].integrity_after == "ok" for i in survivors) and all(s.integrity == "ok" for s in samples if s.daemon in survivors)
@@ -94,7 +99,47 @@ def kill_supervisor_verdict(kills: Sequence[SupervisorKillRecord], sessions: Seq
                    f"(deadline {ORPHAN_DEADLINE_S:g} s); its {len(kill.segments)} /dev/shm segments " + ("all removed" if segments_ok else f"left: {kill.segments_left}")
                    + (f"; restarted on the same socket by {kill.restarted_by} in {kill.restart_s:g} s (pid {kill.new_pid})" if restarted else f"; restart failed: {kill.restart_error or 'never restarted'}")
                    + f"; {len(lost)} sessions got ConnectionLost while running, {released_again} at their final release (released again); "
-                   f"the killed session and those replayed from 0 at a new epoch: {recovered}; books of daemons {survivors} balanced at every sample and after: {books}; every session exact: {exact}")
+                   f"{recovery}; books of daemons {survivors} balanced at every sample and after: {books}; every session exact: {exact}")
+
+
+def _tail_recovered(kill: SupervisorKillRecord, sessions: Sequence[SessionSummary], victim: SessionSummary | None) -> tuple[bool, str]:
+    """--persist-after: the restarted daemon adopted the killed session's copy, and no session whose state it
+    adopted replayed from 0 (the router replayed only the tail since each copy); the others may (cache_miss)."""
+    adopted = {state.session_id for state in kill.adopted}
+    full = [s.session_id for s in sessions if s.session_id in adopted and s.full_replays]
+    victim_adopted = victim is not None and kill.victim_copy is not None and victim.session_id in adopted
+    passed = victim_adopted and not full and not any(s.violations for s in sessions)
+    tails = sum(s.tail_replays for s in sessions)
+    tokens = sum(s.tail_replayed_tokens for s in sessions)
+    others = [s for s in sessions if s.session_id not in adopted]
+    copy = f"at length {kill.victim_copy.length} (it waited {kill.copy_wait_s:g} s idle for it)" if kill.victim_copy is not None else "none"
+    return passed, (f"the killed session's copy {copy}, adopted: {victim_adopted}; {len(adopted)} sessions adopted "
+                    f"({', '.join(f'{a.session_id[-8:]}@{a.length}' for a in kill.adopted) or 'none'}), full replays among them {len(full)}{' ' + str(full) if full else ''}; "
+                    f"tail replays {tails} of {tokens} tokens in all (victim: {victim.tail_replays if victim else 0} of {victim.tail_replayed_tokens if victim else 0}); "
+                    f"sessions without a copy replayed from 0: {sum(s.full_replays for s in others)} times")
+
+
+def restart_verdict(restarts: Sequence[RestartRecord], error: str, sessions: Sequence[SessionSummary], n_stages: int, exact: bool) -> Verdict:
+    """--restart: every daemon of the route drained once (exit 0, nothing of it left) and followed by a daemon on
+    its socket and spill dir; no session replayed from 0 (their states were parked and adopted); the appends
+    after a drain answered restored: true; every session exact."""
+    each_once = sorted(r.daemon for r in restarts) == list(range(n_stages))
+    drained = all(r.exit_code == 0 and not r.left_alive and r.new_pid and not r.restart_error for r in restarts)
+    full = sum(s.full_replays for s in sessions)
+    restores = sum(s.restores for s in sessions)
+    passed = each_once and drained and not error and full == 0 and restores > 0 and exact
+    steps = "; ".join(
+        f"daemon {r.daemon} at op {r.at_ops}: drained in {r.drain_s:g} s (exit {r.exit_code}"
+        + (f", still alive after {ORPHAN_DEADLINE_S:g} s: {r.left_alive}" if r.left_alive else "") + f"), successor answered in {r.restart_s:g} s"
+        + (f" ({r.adoption_line})" if r.adoption_line else "") + (f", start failed: {r.restart_error[:300]}" if r.restart_error else "")
+        for r in restarts
+    ) or "no daemon was drained"
+    missing = sorted(set(range(n_stages)) - {r.daemon for r in restarts})
+    return Verdict("rolling_restart", passed,
+                   f"{steps}" + (f"; never drained: daemons {missing}" if missing else "") + (f"; stopped: {error[:300]}" if error else "")
+                   + f"; appends answered restored: true {restores}; full replays {full} ({sum(s.full_replayed_tokens for s in sessions)} tokens); "
+                   f"tail replays {sum(s.tail_replays for s in sessions)} ({sum(s.tail_replayed_tokens for s in sessions)} tokens); "
+                   f"lost connections {sum(s.connection_losses for s in sessions)}; every session exact: {exact}")
 
 
 def stall_worker_verdict(stalls: Sequence[StallRecord], sessions: Sequence[SessionSummary], daemons: Sequence[DaemonSummary], workers_expected: int | None, exact: bool) -> Verdict:

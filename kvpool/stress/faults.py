@@ -7,7 +7,9 @@
   replace it. Should it never answer, the driver sends SIGCONT after the timeout plus STALL_GRACE_S, so
   the run ends (and fails) rather than hangs.
 - kill_supervisor: SIGKILL daemon k's supervisor (kvpool.stress.restarts); the request then fails with
-  ConnectionLost, and the session recovers like every other session of the route.
+  ConnectionLost, and the session recovers like every other session of the route. With --persist-after the
+  session first waits idle until daemon k has written its copy behind, and the kill comes TAIL_TOKENS
+  decodes later: the restarted daemon adopts the copy, and the router replays only those tokens.
 """
 
 from __future__ import annotations
@@ -25,11 +27,16 @@ from kvpool.client.client import KvpoolError
 from kvpool.wire.protocol import SessionRow
 from kvpool.stress.options import FaultKind
 from kvpool.stress.processes import stopped
-from kvpool.stress.report import KillRecord, StallRecord, SupervisorKillRecord
+from kvpool.stress.errors import ContractViolation
+from kvpool.stress.report import KillRecord, SavedState, StallRecord, SupervisorKillRecord
+from kvpool.stress.restarts import copies_in
 from kvpool.stress.state import SessionState
 
 STALL_GRACE_S = 30.0
 DEAD_WAIT_S = 10.0
+TAIL_TOKENS = 2  # --persist-after: decodes after the killed session's copy was written, so a tail is replayed
+COPY_HANG_GUARD_S = 120.0  # past --persist-after, waiting for that copy
+COPY_POLL_S = 0.05
 
 
 def describe(error: KvpoolError | None) -> str:
@@ -59,6 +66,7 @@ class FaultInjector:
         self.stall: StallRecord | None = None
         self.supervisor_kill: SupervisorKillRecord | None = None
         self._stalled_at = 0.0
+        self._copy_wait_s = 0.0  # --persist-after: how long the killed session waited idle for its copy
         self._timer: threading.Timer | None = None
         self._awaiting: int | None = None  # the daemon whose next reply answers the injected fault
 
@@ -123,9 +131,33 @@ class FaultInjector:
     def _kill_supervisor(self, stage: int) -> bool:
         d = self.state
         assert d.control is not None, "--kill-supervisor needs the chain's control"
+        copy = self._copy_behind(stage) if d.options.persist_after_s is not None else None
+        if d.options.persist_after_s is not None and (copy is None or d.length < copy.length + TAIL_TOKENS):
+            return False  # the copy is too recent: a later decode kills, so that a tail is left to replay
         self.supervisor_kill = d.control.kill_supervisor(stage, d.session_id, min(d.op_index, d.options.ops))
+        self.supervisor_kill.victim_copy, self.supervisor_kill.copy_wait_s = copy, self._copy_wait_s
         d.recorder.event("supervisors_killed")
         return True
+
+    def _copy_behind(self, stage: int) -> SavedState | None:
+        """--persist-after: this session's copy on daemon `stage`'s disk tier (under its epoch, at most its
+        length). Without one, the session stays idle there until the daemon writes one at its length (a hang
+        guard only: the daemon writes it once the session is idle --persist-after seconds); None then."""
+        d = self.state
+        assert d.control is not None and d.options.persist_after_s is not None
+        spill_dir = d.control.spill_dir(stage)
+        length = copies_in(spill_dir).get((d.session_id, d.epoch), -1)
+        if 0 < length <= d.length:
+            return SavedState(d.session_id, d.epoch, length)
+        began = time.monotonic()
+        deadline = began + d.options.persist_after_s + COPY_HANG_GUARD_S
+        while copies_in(spill_dir).get((d.session_id, d.epoch)) != d.length:
+            if time.monotonic() > deadline:
+                raise ContractViolation(f"{d.session_id}: idle {time.monotonic() - began:.0f} s on daemon {stage} (--persist-after {d.options.persist_after_s:g}) "
+                                        f"and no copy of its {d.length} positions was written behind")
+            time.sleep(COPY_POLL_S)
+        self._copy_wait_s = round(time.monotonic() - began, 3)
+        return None
 
     def answered(self, stage: int, error: KvpoolError | None) -> None:
         """Daemon `stage` answered a request: the first answer after a fault injected there is its reply."""

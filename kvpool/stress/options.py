@@ -10,6 +10,11 @@ MiB = 1024**2
 UNLIMITED_BUDGET = "64GiB"  # scenarios without --budget-for: the budget is no constraint
 SPILL_PLACES = 2  # --spill: contexts per daemon (--max-sessions), fewer than the sessions
 IDLE_MARGIN_S = 1.5  # past the TTL: two housekeeping ticks (0.5 s each) and slack
+# The disk tier of --restart and --persist-after: room for every session's state many times over.
+SPILL_DISK_BUDGET = "4GiB"
+# --drain-timeout of those daemons: a hang guard, far above any append in flight on a slow, busy machine,
+# so a drain never cancels one (a cancelled append is the cancel drills' business).
+DRAIN_TIMEOUT_S = 600.0
 
 
 class OpKind(enum.StrEnum):
@@ -50,6 +55,8 @@ class StressOptions:
     ttl_s: float | None = None
     kill_worker: bool = False
     kill_supervisor: bool = False  # SIGKILL one daemon's supervisor mid-run; restart it on its socket
+    restart: bool = False  # drain (SIGTERM) each daemon of the route in turn mid-run; a successor adopts its sessions
+    persist_after_s: float | None = None  # the daemons' --persist-after (a disk tier): a crash costs only the tail
     stall_worker: bool = False  # SIGSTOP one session's worker mid-append, past the daemon's request timeout
     slow_reader: bool = False  # a connection that sends appends to the last daemon and never reads replies
     spill: bool = False  # the warm tier on, SPILL_PLACES contexts per daemon: evictions park and restore
@@ -107,12 +114,22 @@ class StressOptions:
             problems.append("--budget-for, --ttl and --min-residency configure the daemons: they need started daemons, not --sockets")
         if self.sockets and (self.kill_supervisor or self.stall_worker):
             problems.append("--kill-supervisor and --stall-worker restart or configure the daemons: they need started daemons, not --sockets")
+        if self.persist_after_s is not None and self.persist_after_s < 0:
+            problems.append("--persist-after must be >= 0")
+        if self.durable and self.sockets:
+            problems.append("--restart and --persist-after configure and restart the daemons: they need started daemons, not --sockets")
+        if self.durable and self.budget_for is not None:
+            problems.append("--restart and --persist-after keep every session's state (a disk tier): not with --budget-for (evictions would park, not miss)")
+        if self.restart and self.kill_supervisor:
+            problems.append("--restart and --kill-supervisor are two drills: run them one at a time")
         if self.replan and (self.sockets or self.may_lose_state or self.faults):
             problems.append("--replan starts a second chain of daemons and needs every session's state kept: not with --sockets, --budget-for, --ttl, --kill-worker, --kill-supervisor or --stall-worker")
         if self.replan and self.ops < 3:
             problems.append("--replan needs --ops >= 3 (a session re-plans at a third and at two thirds of its operations)")
         if self.replan_parts is not None and (self.replan_parts < 1 or self.replan_parts == self.parts):
             problems.append("--replan-parts must be at least 1 (1: the whole model in one daemon) and differ from --parts")
+        if self.durable and self.replan:
+            problems.append("--restart and --persist-after are not drills of --replan: run them one at a time")
         if problems:
             raise ValueError("; ".join(problems))
 
@@ -136,6 +153,10 @@ class StressOptions:
             parts.append("kill-worker")
         if self.kill_supervisor:
             parts.append("kill-supervisor")
+        if self.restart:
+            parts.append("restart")
+        if self.persist_after_s is not None:
+            parts.append(f"persist-after-{self.persist_after_s:g}")
         if self.stall_worker:
             parts.append("stall-worker")
         if self.slow_reader:
@@ -150,6 +171,11 @@ class StressOptions:
     def faults(self) -> tuple[FaultKind, ...]:
         wanted = ((self.kill_worker, FaultKind.KILL_WORKER), (self.kill_supervisor, FaultKind.KILL_SUPERVISOR), (self.stall_worker, FaultKind.STALL_WORKER))
         return tuple(kind for on, kind in wanted if on)
+
+    @property
+    def durable(self) -> bool:
+        """The daemons have a disk tier (--spill-dir): a drain or a crash keeps what was written there."""
+        return self.restart or self.persist_after_s is not None
 
     @property
     def may_lose_state(self) -> bool:

@@ -63,6 +63,12 @@ class SessionSummary(msgspec.Struct):
     completed_s: float | None = None  # from the start of the sessions to this one's last operation (None: did not finish)
     admissions: int = 0  # appends that admitted the session on a daemon (first appends and replays)
     max_admission_wait_s: float = 0.0  # the longest of them: the daemon's line and the router's back-off included
+    full_replays: int = 0  # replays from position 0: the router's, and the driver's own after a lost connection
+    full_replayed_tokens: int = 0  # the tokens the router's full replays sent
+    tail_replays: int = 0  # the router's replays from the shortest length a daemon held (kvpool.router.session)
+    tail_replayed_tokens: int = 0
+    position_mismatches: int = 0  # a daemon held fewer of the session's tokens than the router sent it
+    restores: int = 0  # appends answered restored: true (the session was parked, or adopted by a successor)
 
 
 class WorkerMemory(msgspec.Struct):
@@ -87,7 +93,7 @@ class DaemonSummary(msgspec.Struct):
     counters: dict[str, int]
     workers: list[WorkerMemory]
     replaced_pids: list[int]
-    restarted: bool = False  # restarted during the run (--kill-supervisor): counters are since the restart
+    restarted: bool = False  # restarted during the run (--kill-supervisor, --restart): counters are since the restart
 
 
 class KillRecord(msgspec.Struct):
@@ -115,6 +121,14 @@ class StallRecord(msgspec.Struct):
     left_stopped: bool = False  # still alive and stopped at the end of the run (then SIGCONT + SIGKILL)
 
 
+class SavedState(msgspec.Struct):
+    """A session's state as a daemon adopted it from its disk tier, or as a copy written behind there."""
+
+    session_id: str
+    epoch: int
+    length: int
+
+
 class SupervisorKillRecord(msgspec.Struct):
     """--kill-supervisor: one daemon's supervisor SIGKILLed, its processes and segments, and the restart."""
 
@@ -130,6 +144,31 @@ class SupervisorKillRecord(msgspec.Struct):
     restarted_by: str = ""
     restart_s: float = 0.0
     new_pid: int = 0
+    restart_error: str = ""
+    # with --persist-after: the killed session's copy on that daemon's disk tier when it was killed, how long
+    # its idle wait for that copy took, and what the restarted daemon adopted (its stats before any session
+    # reached it) with its adoption log line
+    victim_copy: SavedState | None = None
+    copy_wait_s: float = 0.0
+    adopted: list[SavedState] = msgspec.field(default_factory=list)
+    adoption_line: str = ""
+
+
+class RestartRecord(msgspec.Struct):
+    """--restart: one daemon drained (SIGTERM) mid-run, and its successor on the same socket and spill dir."""
+
+    daemon: int
+    pid: int
+    at_ops: int  # operations the run had done when the drain began
+    descendants: list[int] = msgspec.field(default_factory=list)  # its processes (workers) at the SIGTERM
+    exit_code: int | None = None  # the drained daemon's (0: a drain)
+    drain_s: float = 0.0  # SIGTERM to its exit
+    drain_line: str = ""  # its "drain done: ..." log line
+    left_alive: list[int] = msgspec.field(default_factory=list)  # its processes still alive after the deadline (then killed)
+    new_pid: int = 0
+    restart_s: float = 0.0  # the successor's start until it answered on the socket
+    adopted: list[SavedState] = msgspec.field(default_factory=list)  # parked states the successor had adopted (its stats once it answered)
+    adoption_line: str = ""
     restart_error: str = ""
 
 
@@ -186,6 +225,7 @@ class StressReport(msgspec.Struct):
     stalls: list[StallRecord] = msgspec.field(default_factory=list)
     supervisor_kills: list[SupervisorKillRecord] = msgspec.field(default_factory=list)
     slow_reader: SlowReaderRecord | None = None
+    restarts: list[RestartRecord] = msgspec.field(default_factory=list)
     replans: list[ReplanRecord] = msgspec.field(default_factory=list)
 
 
@@ -214,6 +254,8 @@ def render(report: StressReport) -> str:
             f"{s.session_id[-22:]:<22} {sum(s.ops.values()):>4} {s.appends:>7} {s.resets:>6} {s.recoveries:>5} {s.final_epoch:>5} "
             f"{s.final_length:>4} {s.checked_rows:>5} {s.greedy_checked:>7} {done:>7} {s.max_admission_wait_s:>9.2f}  {result}"
         )
+    if report.options.get("restart") or report.options.get("persist_after_s") is not None:
+        lines += _recovery_lines(report)
     lines += ["", f"{'DAEMON':<7} {'LAYERS':<9} {'LIMIT':>10} {'PEAK RES':>10} {'RES AFTER':>10} {'EVICT':>5} {'EXPIRE':>6} {'RESTART':>7} {'CANCEL':>6}  WORKER USS max |delta|"]
     for index, d in enumerate(report.daemons):
         worst = max((abs(w.delta_bytes) for w in d.workers), default=0)
@@ -223,7 +265,7 @@ def render(report: StressReport) -> str:
             f"{d.counters.get('cancels', 0):>6}  {format_bytes(worst)} (tolerance {format_bytes(report.uss_tolerance_bytes)})"
         )
     if any(d.restarted for d in report.daemons):
-        lines.append("* restarted during the run (--kill-supervisor): its counters are since the restart")
+        lines.append("* restarted during the run (--kill-supervisor, --restart): its counters are since the restart")
     if report.replans:
         lines += ["", f"{'RE-PLAN':<22} {'ONTO':<26} {'LEN':>4} {'OUTCOME':<12} {'BYTES':>10} {'ms':>8}"]
         for r in report.replans:
@@ -236,3 +278,23 @@ def render(report: StressReport) -> str:
         lines += [f"  WARNING  {warning}" for warning in report.warnings]
     lines += ["", f"RESULT: {'PASS' if report.passed else 'FAIL'}"]
     return "\n".join(lines)
+
+
+def _recovery_lines(report: StressReport) -> list[str]:
+    """--restart and --persist-after: what recovery cost each session, and each restart."""
+    lines = ["", f"{'SESSION':<22} {'FULL':>4} {'TOKENS':>6} {'TAIL':>4} {'TOKENS':>6} {'MISMATCH':>8} {'RESTORED':>8} {'LOST CONN':>9}"]
+    for s in report.sessions:
+        lines.append(f"{s.session_id[-22:]:<22} {s.full_replays:>4} {s.full_replayed_tokens:>6} {s.tail_replays:>4} {s.tail_replayed_tokens:>6} "
+                     f"{s.position_mismatches:>8} {s.restores:>8} {s.connection_losses:>9}")
+    lines.append(f"{'total':<22} {sum(s.full_replays for s in report.sessions):>4} {sum(s.full_replayed_tokens for s in report.sessions):>6} "
+                 f"{sum(s.tail_replays for s in report.sessions):>4} {sum(s.tail_replayed_tokens for s in report.sessions):>6} "
+                 f"{sum(s.position_mismatches for s in report.sessions):>8} {sum(s.restores for s in report.sessions):>8} {sum(s.connection_losses for s in report.sessions):>9}")
+    for r in report.restarts:
+        lines.append(f"restart of daemon {r.daemon} at op {r.at_ops}: drained in {r.drain_s:.2f} s (exit {r.exit_code}), successor answered in {r.restart_s:.2f} s, "
+                     f"{len(r.adopted)} sessions still parked then; {r.drain_line or 'no drain line'}; {r.adoption_line or 'no adoption line'}")
+    for k in report.supervisor_kills:
+        if k.victim_copy is not None or k.adopted:
+            copy = f"{k.session_id}'s copy at length {k.victim_copy.length}" if k.victim_copy is not None else "no copy of the killed session"
+            lines.append(f"kill of daemon {k.daemon}: {copy} (idle wait {k.copy_wait_s:.2f} s); restarted in {k.restart_s:.2f} s; adopted "
+                         + (", ".join(f"{a.session_id[-8:]}@{a.length}" for a in k.adopted) or "nothing") + f"; {k.adoption_line or 'no adoption line'}")
+    return lines

@@ -32,7 +32,7 @@ from kvpool.stress.processes import Footprint
 from kvpool.stress.recording import Recorder, Sampler
 from kvpool.stress.replans import SessionReplans, open_replan_chain
 from kvpool.stress.report import SessionSummary, StressReport
-from kvpool.stress.restarts import ChainControl
+from kvpool.stress.restarts import ChainControl, RollingRestart
 from kvpool.stress.slow_reader import SlowReader
 from kvpool.local.tokenizer import Tokenizer
 
@@ -88,9 +88,10 @@ def _progress_loop(stop: threading.Event, recorder: Recorder, sampler: Sampler, 
 
 def _run_sessions(
     options: StressOptions, chain: Chain, setups: Sequence[SessionSetup], recorder: Recorder, sampler: Sampler, say: Say, control: ChainControl | None,
-    second: Chain | None,
+    second: Chain | None, rolling: RollingRestart | None = None,
 ) -> tuple[list[SessionDriver], float]:
-    """The drivers once every session is done, and when they started (monotonic)."""
+    """The drivers once every session is done, and when they started (monotonic); `rolling` drains the
+    daemons in turn meanwhile (--restart)."""
     drivers: list[SessionDriver] = []
     try:
         for setup in setups:
@@ -114,8 +115,12 @@ def _run_sessions(
         started = time.monotonic()
         for thread in threads:
             thread.start()
+        if rolling is not None:
+            rolling.start()
         for thread in threads:
             thread.join()
+        if rolling is not None:
+            rolling.stop()
         stop.set()
         progress.join()
     finally:
@@ -152,6 +157,7 @@ def _replay_all(options: StressOptions, chain: Chain, drivers: Sequence[SessionD
 
 def _session_summary(driver: SessionDriver, replay: ReplayOutcome, started: float) -> SessionSummary:
     diff: float | None = None
+    counts = driver.session.counts
     mismatches = list(replay.mismatches)
     if driver.logits is not None and replay.final_row is not None and not driver.violations:
         diff = float(np.abs(driver.logits - replay.final_row).max())
@@ -169,6 +175,8 @@ def _session_summary(driver: SessionDriver, replay: ReplayOutcome, started: floa
         release_reconnects=driver.release_reconnects, failed_op=driver.failed_op,
         completed_s=round(driver.finished_at - started, 3) if driver.finished_at is not None else None,
         admissions=len(driver.admission_waits), max_admission_wait_s=round(max(driver.admission_waits, default=0.0), 3),
+        full_replays=driver.full_replays, full_replayed_tokens=counts.replayed_tokens, tail_replays=counts.tail_replays,
+        tail_replayed_tokens=counts.tail_replayed_tokens, position_mismatches=counts.position_mismatches, restores=driver.restores,
     )
 
 
@@ -198,7 +206,7 @@ def run_stress(options: StressOptions, *, say: Say = say_on_stderr) -> StressRep
                 footprint.add(second.daemons)
                 before_second = take_snapshot(second.sockets)
             setups = [SessionSetup(i, f"{run_prefix}{i}", prompts[i], filler, plans[i]) for i in range(options.sessions)]
-            control = ChainControl(chain, say) if options.kill_supervisor else None
+            control = ChainControl(chain, say) if options.kill_supervisor or options.restart else None
             footprint.add(chain.daemons)
             before = take_snapshot(chain.sockets)
             recorder = Recorder()
@@ -210,7 +218,10 @@ def run_stress(options: StressOptions, *, say: Say = say_on_stderr) -> StressRep
                 if slow is not None:
                     slow.start()
                     say(f"slow reader: {slow.record.appends_planned} appends to daemon {slow.record.daemon} on a connection that never reads")
-                drivers, sessions_started = _run_sessions(options, chain, setups, recorder, sampler, say, control, second)
+                rolling = RollingRestart(control, recorder, len(chain.sockets), options.sessions * options.ops) if control is not None and options.restart else None
+                drivers, sessions_started = _run_sessions(options, chain, setups, recorder, sampler, say, control, second, rolling)
+                if rolling is not None:
+                    drills.restart_error = rolling.error
                 if slow is not None:
                     drills.slow_reader = slow.finish()
             finally:
@@ -220,6 +231,7 @@ def run_stress(options: StressOptions, *, say: Say = say_on_stderr) -> StressRep
             drills.stalls = [driver.faults.stall for driver in drivers if driver.faults.stall is not None]
             resume_stalled(drills.stalls)
             drills.supervisor_kills = control.kills if control is not None else []
+            drills.restarts = control.restarts if control is not None else []
             drills.sampler_gaps = sampler.gaps
             say(f"sessions done in {time.monotonic() - started:.1f} s; waiting for the daemons to settle")
             after = settle_daemons(chain.sockets, before, run_prefix, options.uss_tolerance_bytes, chain.workers_expected)
@@ -236,7 +248,7 @@ def run_stress(options: StressOptions, *, say: Say = say_on_stderr) -> StressRep
             drills.leftover_pids, drills.leftover_segments = footprint.leftovers()
         replays = _replay_all(options, chain, drivers, socket_dir, say)
         sessions = [_session_summary(driver, replay, sessions_started) for driver, replay in zip(drivers, replays)]
-        restarted = frozenset(kill.daemon for kill in drills.supervisor_kills)
+        restarted = frozenset(kill.daemon for kill in drills.supervisor_kills) | frozenset(restart.daemon for restart in drills.restarts)
         daemons = daemon_summaries(chain, before, after, sampler.samples, options.uss_tolerance_bytes, run_prefix, restarted)
         verdicts, warnings = build_verdicts(options, chain, drivers, sessions, daemons, sampler.samples, sampler.failures, drills)
         ops_by_kind = Counter()
@@ -252,7 +264,7 @@ def run_stress(options: StressOptions, *, say: Say = say_on_stderr) -> StressRep
             uss_tolerance_bytes=options.uss_tolerance_bytes, samples=sampler.samples, sessions=sessions, daemons=daemons,
             kills=[driver.faults.kill for driver in drivers if driver.faults.kill is not None], verdicts=verdicts,
             passed=all(verdict.passed for verdict in verdicts), warnings=warnings, stalls=drills.stalls,
-            supervisor_kills=drills.supervisor_kills, slow_reader=drills.slow_reader,
+            supervisor_kills=drills.supervisor_kills, slow_reader=drills.slow_reader, restarts=drills.restarts,
             replans=[record for driver in drivers if driver.replans is not None for record in driver.replans.records],
         )
         keep_logs = keep_logs or not report.passed

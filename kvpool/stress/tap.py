@@ -24,7 +24,7 @@ class Tap(Protocol):
     session_id: str
 
     def sending(self, stage: int, start_pos: int, rows: int) -> None: ...
-    def answered(self, stage: int, error: KvpoolError | None, *, admitted: bool = False, waited_s: float = 0.0) -> None: ...
+    def answered(self, stage: int, error: KvpoolError | None, *, admitted: bool = False, waited_s: float = 0.0, restored: bool = False) -> None: ...
     def lost(self, stage: int, error: ConnectionLost) -> None: ...
 
 
@@ -71,7 +71,7 @@ class TappedClient:
             raise
         since, self._admitting_since = self._admitting_since, None
         waited = time.monotonic() - since if since is not None and result.admitted else 0.0
-        self.tap.answered(self.stage, None, admitted=result.admitted, waited_s=waited)
+        self.tap.answered(self.stage, None, admitted=result.admitted, waited_s=waited, restored=result.restored)
         return result
 
     def truncate(self, session_id: str, epoch: int, length: int) -> int:

@@ -2,9 +2,13 @@
 the daemons were made to hold, and what each request to a daemon came back with (the Tap of
 kvpool.stress.tap).
 
-Recovery is the router's (replay from 0 at a new epoch with the session's own partition; over_budget
-retried after retry_after_s). The session logs what the daemons were made to hold, for the run alone: a
-replay inside an append as a reset and the session's appends again (kvpool.stress.log.replayed).
+Recovery is the router's (kvpool.router.session: a replay from 0 at a new epoch with the session's own
+partition; a tail replay from the shortest length a daemon holds after a lost connection or a shorter
+position_mismatch; over_budget retried after retry_after_s). The session logs what the daemons were made to
+hold, for the run alone: a full replay inside an append as a reset and the session's appends again
+(kvpool.stress.log.replayed). A tail replay is not logged: it must leave the daemons holding what they held
+before, bit for bit, so the run alone (uninterrupted) checks it. A drain is not seen at all: the clients
+wait for the daemon that follows and send again what the old one took nothing of (kvpool.client.successor).
 `logits` is the output for position length - 1 when known.
 """
 
@@ -65,6 +69,7 @@ class TappedSession:
         self._generations = control.generations() if control is not None else []
         self.misses: Counter[str] = Counter()
         self.appends = self.resets = self.connection_losses = self.restarts = 0
+        self.restores = 0  # appends a daemon answered restored: true (parked, or adopted after a restart)
         self.release_reconnects = 0  # losses at the session's final release: released again, nothing to replay
         self._releasing = False
         self._unanswered_losses = 0  # reconnections the router has not answered with a replay at a new epoch
@@ -89,6 +94,11 @@ class TappedSession:
         """Replays the router started, and restarts after a connection lost outside the router."""
         counts = self.session.counts
         return counts.cache_misses + counts.workers_lost + counts.connections_lost + self.restarts
+
+    @property
+    def full_replays(self) -> int:
+        """Replays from position 0: the router's, and this driver's own after a lost connection (not durable)."""
+        return self.session.counts.replays + self.restarts
 
     # ---- through the router ------------------------------------------------------------------------------
 
@@ -163,10 +173,12 @@ class TappedSession:
         if self.stage_hook is not None:
             self.stage_hook(stage, start_pos, rows)
 
-    def answered(self, stage: int, error: KvpoolError | None, *, admitted: bool = False, waited_s: float = 0.0) -> None:
+    def answered(self, stage: int, error: KvpoolError | None, *, admitted: bool = False, waited_s: float = 0.0, restored: bool = False) -> None:
         self.stage = -1
         if admitted:
             self.admission_waits.append(waited_s)
+        if restored:
+            self.restores += 1
         if error is not None:
             self.recorder.error(error)
             if error.code == ErrorCode.CACHE_MISS and error.reason in (MissReason.EVICTED, MissReason.EXPIRED, MissReason.WORKER_LOST):
@@ -178,8 +190,8 @@ class TappedSession:
         self.faults.answered(stage, error)
 
     def lost(self, _stage: int, error: ConnectionLost) -> None:
-        """Only a killed supervisor (the drill) explains a lost connection: reconnect to every daemon
-        restarted since this session last looked (kvpool.stress.restarts), or fail the run."""
+        """Only a drill that stopped a daemon (a killed supervisor, a drain) explains a lost connection:
+        reconnect to every daemon restarted since this session last looked (kvpool.stress.restarts), or fail the run."""
         self.stage = -1
         if self.control is None or not self.control.reconnect(self._generations, self.clients, self.session_id):
             raise ContractViolation(f"connection lost (did a daemon die?): {error}")
@@ -188,11 +200,14 @@ class TappedSession:
             return
         self.connection_losses += 1
         self._unanswered_losses += 1
-        self.recorder.event("connection lost (supervisor killed): replayed at a new epoch")
+        self.recorder.event("connection lost (daemon restarted): the router replays what it lacks" if self.options.durable
+                            else "connection lost (supervisor killed): replayed at a new epoch")
 
     def _survive(self, action: Callable[[], object]) -> None:
         """Run `action`. A connection lost where the router did not replay (a truncate, a release, a probe's
-        or a drill's own request) is answered here as the router would: start again from 0 at a new epoch."""
+        or a drill's own request): with a disk tier (--restart, --persist-after) the router's next append
+        finds what the restarted daemon holds (position_mismatch: the tail; cache_miss: from 0), so nothing
+        is done here; without one, it is answered here as the router would: start again from 0 at a new epoch."""
         for _ in range(MAX_CONNECTION_RECOVERIES):
             try:
                 action()
@@ -202,6 +217,8 @@ class TappedSession:
             if not self._unanswered_losses:
                 return
             self._unanswered_losses = 0
+            if self.options.durable:
+                return
             self.restarts += 1
             self.epoch += 1
             action = self.start_over
