@@ -14,6 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvpool.daemon.config import ServeConfig
 from kvpool.daemon.admission.calibration import (
     CALIBRATION_ROWS, LLAMA_CTX_PAD, PROBE_CELLS, ROUND_BYTES, ChargeFit, Probe, SharedContextCharge,
 )
@@ -110,10 +111,19 @@ def test_a_shared_context_is_charged_its_share_and_its_touched_pages() -> None:
     assert charge.sizes() == [1024]
 
 
+# What the allocator may add beyond a context's own buffers in one run and not another: once in seven runs of
+# this test (a fresh clone's CI) the worker grew by 103.1 MiB where it otherwise grows by 86.6-86.9 MiB, with the
+# same 94.5-95.2 MiB charge (glibc keeps or returns freed heap by its history; a thread's first allocation opens
+# an arena). The daemon absorbs such slack in its recycle margin (--memory-margin, 64 MiB by default); this is
+# well inside it, and far below the size of the context's buffers the charge is fitted to.
+ALLOCATOR_SLACK_BYTES = 24 * MIB
+
+
 def test_a_session_that_fills_its_context_uses_no_more_than_its_charge(shards, socket_dir) -> None:
     """End to end, the point of the fit: a session filled to the daemon's largest n_ctx grows its worker's
-    anonymous memory by no more than it is charged. (Measured after one 512-row batch only, the charge was
-    about half of what a full context touches: llama.cpp's compute buffers fill as the attention grows.)"""
+    anonymous memory by no more than it is charged, up to the allocator's slack (above). (Measured after one
+    512-row batch only, the charge was about half of what a full context touches: llama.cpp's compute buffers
+    fill as the attention grows.)"""
     shard = shards[1]
     n_ctx = 2048
     daemon = DaemonProcess(shard.path, socket_dir / "fill.sock",
@@ -128,7 +138,8 @@ def test_a_session_that_fills_its_context_uses_no_more_than_its_charge(shards, s
             grown = anonymous_bytes(pid) - before
             charged = client.stats().sessions[0].charged_bytes
             assert before > 0 and grown > 0
-            assert grown <= charged, f"a full context grew its worker by {grown / MIB:.1f} MiB, charged {charged / MIB:.1f} MiB"
+            assert ALLOCATOR_SLACK_BYTES < ServeConfig(model="m", socket="/tmp/s").memory_margin_bytes
+            assert grown <= charged + ALLOCATOR_SLACK_BYTES, f"a full context grew its worker by {grown / MIB:.1f} MiB, charged {charged / MIB:.1f} MiB"
     finally:
         daemon.stop()
 
