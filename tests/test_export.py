@@ -67,6 +67,14 @@ def _round_trip(source, target, prompt, session_id="moved"):
     return state
 
 
+def _continue_alike(source, target, session_id, position, token):
+    """Both daemons append `token` at `position` (epoch 1): the rows must be equal; then both release the session."""
+    expected = source.append(session_id, 1, position, tokens=[token])
+    assert np.array_equal(target.append(session_id, 1, position, tokens=[token]).rows, expected.rows)
+    source.release(session_id, 1)
+    target.release(session_id, 1)
+
+
 # ---- two daemons of the first shard, process mode ----------------------------------------------------
 
 
@@ -116,10 +124,7 @@ def test_a_parked_session_exports_from_the_store(process_pair, prompt_ids):
         chunk = import_chunk_bytes(IMPORTER_MAX_REQUEST)
         assert chunk == IMPORTER_MAX_REQUEST - IMPORT_FRAME_ROOM
         assert _checked(target).counters["import_chunks"] - before == math.ceil(len(state) / chunk) > 1
-        expected = source.append("parked", 1, len(prompt), tokens=[3])
-        assert np.array_equal(target.append("parked", 1, len(prompt), tokens=[3]).rows, expected.rows)
-        source.release("parked", 1)
-        target.release("parked", 1)
+        _continue_alike(source, target, "parked", len(prompt), 3)
 
 
 def test_the_async_client_exports_and_imports_the_same_way(process_pair, prompt_ids):
@@ -135,10 +140,7 @@ def test_the_async_client_exports_and_imports_the_same_way(process_pair, prompt_
     state, length = asyncio.run(asyncio.wait_for(move(), HANG_GUARD_S))
     assert length == len(prompt) == read_header(state).length
     with source_daemon.client() as source, target_daemon.client() as target:
-        expected = source.append("async", 1, len(prompt), tokens=[5])
-        assert np.array_equal(target.append("async", 1, len(prompt), tokens=[5]).rows, expected.rows)
-        source.release("async", 1)
-        target.release("async", 1)
+        _continue_alike(source, target, "async", len(prompt), 5)
 
 
 def test_damaged_out_of_order_oversized_and_stale_imports_change_nothing(process_pair, prompt_ids):

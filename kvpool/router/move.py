@@ -1,14 +1,14 @@
 """Moving one session from a route onto another (Router.replan): every old daemon's sealed state is exported,
 opened and read into per-layer K/V; for each new daemon the layers of its range are assembled from them
 (kvpool.state.reslice: any split of the same source), sealed with that daemon's identity (its Hello names it)
-under the next epoch, and imported there. The old epoch is released on the old daemons before the imports,
-so a daemon on both routes holds the session once.
+under the next epoch, and imported there. The old epoch is released on the old daemons right after the
+exports, before the imports, so a daemon on both routes holds the session once.
 
 What a move checks before a byte reaches a new daemon: every exported state is whole (its CRC-32C), of the
 session at the length the router holds, and of the source, llama.cpp build and KV layout of every new daemon
 (K/V types, V layout, mode); the inputs cover the new daemons' layers. Anything else is MoveFailed, and the
 caller replays that session instead; what a new daemon refuses is MoveFailed too, after the daemons that
-took it are released again.
+took it are released again. Either way the old epoch is released once the exports are done.
 """
 
 from __future__ import annotations
@@ -44,14 +44,17 @@ class Moved:
 
 
 def move_session(old: Route, new: Route, session_id: str, epoch: int, new_epoch: int, length: int) -> Moved:
-    """Move (session_id, epoch) of `length` positions from `old` onto `new` as (session_id, new_epoch)."""
-    exported = [_export(stage, client, session_id, epoch) for stage, client in enumerate(old.clients)]
+    """Move (session_id, epoch) of `length` positions from `old` onto `new` as (session_id, new_epoch). The
+    old epoch is released on `old` whatever happens (a failed move replays on `new`), once every state is out."""
+    try:
+        exported = [_export(stage, client, session_id, epoch) for stage, client in enumerate(old.clients)]
+    finally:
+        _release(old, session_id, epoch)
     headers = [header for header, _, _ in exported]
     targets = [_identity(stage, client) for stage, client in enumerate(new.clients)]
     _check_same(headers, targets, session_id, epoch, length)
     inputs = [_shard_state(header, payload) for header, payload, _ in exported]
     sealed = [_sealed_for(target, headers[0], inputs, new_epoch) for target in targets]
-    _release(old, session_id, epoch)
     _import_all(new, session_id, new_epoch, length, sealed)
     return Moved(length, sum(size for _, _, size in exported), sum(len(blob) for blob in sealed))
 

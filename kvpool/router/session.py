@@ -358,9 +358,7 @@ class RoutedSession:
             new_epoch = max(self.epoch + 1, self._epoch_floor)
             try:
                 moved = move_session(old, route, self.session_id, self.epoch, new_epoch, self._history.length)
-            except MoveFailed as failure:
-                with contextlib.suppress(KvpoolError, ConnectionLost):
-                    old.release(self.session_id, self.epoch)
+            except MoveFailed as failure:  # move_session released the old epoch
                 self.epoch = new_epoch  # the replay releases what the new route may hold of it, then takes the next
                 self._needs_replay = True
                 self._count("move_failures")
