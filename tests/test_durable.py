@@ -115,6 +115,7 @@ def _killed(daemon: DaemonProcess) -> None:
     wait_until(lambda: not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE for pid in workers),
                "the killed supervisor's workers exit")
     daemon.socket.unlink()  # a killed daemon cannot remove its socket file
+    daemon.stop()  # nothing left to stop: its log and lifeline are closed
 
 
 def _reseal(data: bytes, **changes) -> bytes:
@@ -295,3 +296,67 @@ def test_after_a_crash_only_the_tail_is_replayed_from_the_copy_written_behind(sh
             client.close()
         for daemon in daemons:
             daemon.stop()
+
+
+@pytest.mark.parametrize("mode", ["process", "batched"])
+def test_a_copy_written_behind_never_outlives_a_truncate_of_a_parked_session(model_path, socket_dir, tmp_path, prompt_ids, mode):
+    """Issue 26 item 1, end to end through the router: a session idle long enough is copied to disk
+    (--persist-after) and parked (--park-after); the router truncates it to 20 and regenerates other tokens
+    from there past the copy's length; the daemon is SIGKILLed and restarted on its socket and spill dir. The
+    copy of the old history must not come back: the next logits are those of the session's history now, bit
+    for bit (a LocalChain of the same tokens in the same chunks), in both modes. On the old code the successor
+    adopted the copy of length 30, the router replayed a 5-token tail onto it and the logits were the old
+    history's (max |delta| 4.75, another argmax)."""
+    from kvpool.local.chain import LocalChain
+    from kvpool.router.router import Router
+
+    n_ctx = 128
+    before = (prompt_ids[0] + prompt_ids[1])[:30]
+    after = before[:20] + prompt_ids[1][::-1][:16]  # what the session holds from the truncate on
+    assert len(after) == 36 and after[20:30] != before[20:30]
+    spill_dir = tmp_path / f"spill-{mode}"
+
+    def serve() -> DaemonProcess:
+        return DaemonProcess(model_path, socket_dir / f"regen-{mode}.sock", "--threads", "1", "--n-ctx", str(n_ctx), "--max-sessions", "2",
+                             "--mode", mode, "--seqs-per-worker", "2", "--spill-dir", str(spill_dir), "--spill-disk-budget", "64MiB",
+                             # a copy after 2 s idle: far above the few steps between the restore and the kill on a slow machine
+                             "--persist-after", "2", "--park-after", "3")
+
+    def steps(append, truncate) -> np.ndarray:
+        append(0, before)
+        yield
+        truncate(20)
+        append(20, after[20:30])
+        append(30, after[30:35])
+        yield
+        return append(35, after[35:36])
+
+    with LocalChain([model_path]) as chain, chain.new_session(n_ctx) as alone:
+        plan = steps(alone.append, alone.truncate)
+        next(plan), next(plan)
+        with pytest.raises(StopIteration) as reference:
+            next(plan)
+    expected = reference.value.value
+
+    daemon = serve()
+    client = daemon.client()
+    try:
+        session = Router([client]).session("regen", n_ctx=n_ctx)
+        plan = steps(session.append_at, session.truncate)
+        next(plan)
+        wait_until(lambda: client.stats().counters.get("persisted", 0) >= 1, "the copy written behind")
+        wait_until(lambda: [row.tier for row in client.stats().sessions] == ["ram"], "the idle session parked")
+        next(plan)  # truncated while parked, regenerated past the copy's length
+        _killed(daemon)
+        daemon = serve()
+        with pytest.raises(StopIteration) as got:
+            next(plan)
+        assert np.array_equal(got.value.value, expected), float(np.abs(got.value.value - expected).max())
+        counts = session.counts
+        assert counts.tail_replays == 0 and counts.replays == 1  # nothing of the old history adopted: replayed from 0
+        assert "adopted 0 parked sessions" in daemon.log()
+        session.release()
+        assert client.stats().integrity == "ok"
+    finally:
+        client.close()
+        daemon.stop()

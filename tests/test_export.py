@@ -5,6 +5,7 @@ typed error and changes nothing. The books of the transfers (kvpool.daemon.books
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 
 import msgspec
@@ -15,8 +16,9 @@ from kvpool.client.aio import AsyncClient
 from kvpool.client.client import KvpoolError
 from kvpool.client.messages import IMPORT_FRAME_ROOM, Call, import_calls, import_chunk_bytes
 from kvpool.daemon.config import MIN_EXPORT_CHUNK_BYTES, ServeConfig
-from kvpool.daemon.books.transfers import ExportCache, ImportBuffers, TransferRefused
+from kvpool.daemon.books.transfers import ExportCache, ExportsFull, ImportBuffers, TransferRefused
 from kvpool.state.header import open_state, read_header, seal
+from kvpool.state.sequence import parse_state, write_state
 from kvpool.wire.protocol import Done, Export, Exported, Import
 from tests.daemons import HANG_GUARD_S, DaemonProcess
 
@@ -227,6 +229,55 @@ def test_a_state_llama_cpp_refuses_behind_a_valid_header_is_restore_failed_and_t
         target.release("bystander", 1)
 
 
+def _forged_cells(payload: bytes) -> dict[str, bytes]:
+    """The state with its cells' positions no longer [0, n) once each, its K/V bytes untouched."""
+    state = parse_state(payload)
+    (stream,) = [stream for stream in state.streams if stream.n_cells]
+
+    def with_positions(change) -> bytes:
+        positions = stream.positions.copy()
+        change(positions)
+        streams = tuple(dataclasses.replace(each, positions=positions) if each is stream else each for each in state.streams)
+        return write_state(dataclasses.replace(state, streams=streams))
+
+    return {
+        "shifted": with_positions(lambda positions: positions.__iadd__(1)),
+        "negative": with_positions(lambda positions: positions.__setitem__(0, -1)),
+        "duplicated": with_positions(lambda positions: positions.__setitem__(1, positions[0])),
+    }
+
+
+def _forged_cells_are_refused_before_any_compute(source, target, prompt):
+    """Issue 26 item 5: a state sealed with the daemon's identity whose cells hold shifted, negative or duplicated
+    positions is imported (its header and checksum hold) but never restored: the append is cache_miss
+    restore_failed, no row comes back, and a bystander continues exactly. Process mode used to restore such
+    states and compute on them (max |delta| 2.41); batched mode refused them: both now check the same rule
+    (kvpool.state.sequence.check_cells, in Books.take_blob) before a worker sees the bytes."""
+    target.append("bystander", 1, 0, tokens=prompt, n_ctx=N_CTX)
+    source.append("good", 1, 0, tokens=prompt, n_ctx=N_CTX)
+    header, payload = open_state(source.export_state("good", 1), source.hello.state_identity)
+    failures = _checked(target).counters.get("restore_failures", 0)
+    forged = _forged_cells(payload)
+    for name, bad in forged.items():
+        assert target.import_state(name, 1, seal(msgspec.structs.replace(header, session_id=name, payload_bytes=len(bad)), bad)) == len(prompt)
+        refused = _refused(lambda: target.append(name, 1, len(prompt), tokens=[42]))
+        assert (refused.code, refused.reply.reason) == ("cache_miss", "restore_failed"), (name, refused)
+        assert "cells" in str(refused), refused
+    stats = _checked(target)
+    assert stats.counters["restore_failures"] == failures + len(forged)
+    assert np.array_equal(target.append("bystander", 1, len(prompt), tokens=[42]).rows, source.append("good", 1, len(prompt), tokens=[42]).rows)
+    sessions = _sessions(target)
+    assert sessions["bystander"] == (1, len(prompt) + 1, "hot") and not set(forged) & set(sessions)
+    source.release("good", 1)
+    target.release("bystander", 1)
+
+
+def test_a_state_whose_cells_do_not_hold_positions_0_to_length_is_never_restored(process_pair, prompt_ids):
+    source_daemon, target_daemon = process_pair
+    with source_daemon.client() as source, target_daemon.client() as target:
+        _forged_cells_are_refused_before_any_compute(source, target, prompt_ids[0][:10])
+
+
 def test_another_shards_state_is_refused_identity_mismatch(process_pair, shards, socket_dir, prompt_ids):
     source_daemon, _target = process_pair
     middle = _serve(shards[1].path, socket_dir, "middle", "--n-ctx", str(N_CTX))
@@ -269,6 +320,34 @@ def test_an_export_is_one_state_and_refuses_unknown_sessions_and_stale_chunks(pr
         assert _refused(lambda: source._call(_chunk(offset=CHUNK, export_id=first.export_id))).code == "cache_miss"
 
 
+def test_two_callers_export_one_session_at_once_and_each_gets_a_whole_state(process_pair, prompt_ids):
+    """Issue 26 item 6, on a daemon: a second caller's offset-0 export of a session does not invalidate the first
+    caller's export in the middle of its transfer: their chunks interleave and both states import and continue."""
+    source_daemon, target_daemon = process_pair
+    with source_daemon.client() as source, source_daemon.client() as other:
+        source.append("chunked", 1, 0, tokens=prompt_ids[1][:8], n_ctx=N_CTX)
+        first = [source._call(_chunk(offset=0))]
+        assert first[0].total_bytes > CHUNK  # several chunks: the second export starts in the middle of the first
+        second = [other._call(_chunk(offset=0))]
+        assert second[0].export_id != first[0].export_id
+        states = []
+        for client, chunks in ((source, first), (other, second)):
+            while (offset := sum(len(chunk.state) for chunk in chunks)) < chunks[0].total_bytes:
+                chunks.append(client._call(_chunk(offset=offset, export_id=chunks[0].export_id)))
+            states.append(b"".join(chunk.state for chunk in chunks))
+        with target_daemon.client() as target:
+            continued = []
+            for state in states:
+                assert target.import_state("chunked", 1, state) == 8
+                continued.append(target.append("chunked", 1, 8, tokens=[4]).rows)
+                target.release("chunked", 1)
+            _checked(target)
+        expected = source.append("chunked", 1, 8, tokens=[4]).rows
+        assert all(np.array_equal(rows, expected) for rows in continued)
+        source.release("chunked", 1)
+        _checked(source)
+
+
 def _chunk(*, offset: int, export_id: int = 0) -> Call[Exported]:
     return Call(Export(session_id="chunked", epoch=1, offset=offset, export_id=export_id), Exported)
 
@@ -285,6 +364,7 @@ def test_a_batched_session_moves_between_batched_daemons(shards, socket_dir, pro
             source.append("neighbour", 1, 0, tokens=prompt_ids[1][:5])  # the other sequence of the context
             _round_trip(source, target, prompt_ids[0][:15])
             assert _sessions(source)["neighbour"] == (1, 5, "hot")
+            _forged_cells_are_refused_before_any_compute(source, target, prompt_ids[1][:10])  # the same rule in batched mode
     finally:
         source_daemon.stop()
         target_daemon.stop()
@@ -359,18 +439,37 @@ def test_the_export_cache_serves_one_state_per_export():
     cache = ExportCache(kept=2, keep_s=5.0, clock=clock)
     first = cache.keep("a", 1, b"abcdef", 3)
     assert cache.find("a", 1, first.export_id).chunk(4, 4) == b"ef"
-    again = cache.keep("a", 1, b"ABCDEF", 3)  # a new export of the session replaces it
     with pytest.raises(TransferRefused):
-        cache.find("a", 1, first.export_id)
+        cache.find("a", 2, first.export_id)
     with pytest.raises(TransferRefused):
-        cache.find("a", 2, again.export_id)
+        cache.find("b", 1, first.export_id)
     with pytest.raises(TransferRefused):
-        again.chunk(6, 1)
-    cache.keep("b", 1, b"b", 1)
-    cache.keep("c", 1, b"c", 1)  # past `kept`: the oldest goes
-    with pytest.raises(TransferRefused):
-        cache.find("a", 1, again.export_id)
-    assert cache.held_bytes == 2
+        first.chunk(6, 1)
     clock.now = 6.0
     with pytest.raises(TransferRefused):
-        cache.find("c", 1, 4)
+        cache.find("a", 1, first.export_id)  # idle past keep_s: gone
+    assert len(cache) == 0
+
+
+def test_a_second_export_of_a_session_leaves_the_first_standing_until_it_is_finished_or_idle():
+    """Issue 26 item 6: an offset-0 export by a second caller used to replace the first caller's export in
+    the middle of its transfer. Each export stands until its last chunk was handed out or it sat idle; past
+    `kept` a finished export gives way, an unfinished one never does (the new export waits: ExportsFull)."""
+    clock = Clock()
+    cache = ExportCache(kept=2, keep_s=5.0, clock=clock)
+    first = cache.keep("a", 1, b"abcdef", 3)
+    second = cache.keep("a", 1, b"ABCDEF", 3)  # another caller, same session
+    assert first.export_id != second.export_id
+    assert cache.find("a", 1, first.export_id).chunk(0, 4) == b"abcd"
+    assert cache.find("a", 1, second.export_id).chunk(0, 4) == b"ABCD"
+    with pytest.raises(ExportsFull) as full:
+        cache.keep("b", 1, b"b", 1)  # both still being read: nothing is cut short for a third
+    assert 0 < full.value.retry_after_s <= 5.0
+    assert cache.find("a", 1, first.export_id).chunk(4, 4) == b"ef"  # the first one finishes
+    third = cache.keep("b", 1, b"b", 1)  # the finished export gives way
+    with pytest.raises(TransferRefused):
+        cache.find("a", 1, first.export_id)
+    assert cache.find("a", 1, second.export_id).chunk(4, 4) == b"EF"
+    assert cache.find("b", 1, third.export_id).chunk(0, 4) == b"b"
+    cache.drop("a")  # the session ended: its exports with it
+    assert len(cache) == 1 and cache.held_bytes == 1

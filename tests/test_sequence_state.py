@@ -69,3 +69,45 @@ def test_refused_states_raise_restore_failed(model, prompt_ids):
         busy.append(0, **_rows(model, prompt))
         with pytest.raises(BadInput):
             busy.restore_state(blob, len(prompt))
+
+
+def test_check_cells_passes_llama_cpps_own_states_and_refuses_any_other_positions(model, prompt_ids):
+    """kvpool.state.sequence.check_cells, the rule every restore passes in both modes (issue 26 item 5): a state
+    llama.cpp wrote (after a truncate and a re-append too, so its cells need not be in order) holds [0, n)
+    once each; shifted, negative, duplicated or missing positions, a length beyond n, or a cell of another
+    sequence are StateFormatError."""
+    import dataclasses
+
+    from kvpool.state.sequence import StateFormatError, check_cells, parse_state, write_state
+
+    prompt = prompt_ids[1]
+    with model.new_context(N_CTX) as context:
+        context.append(0, **_rows(model, prompt))
+        context.truncate(5)
+        context.append(5, **_rows(model, prompt[5:9]))
+        blob = context.save_state()
+    assert check_cells(blob, 9) == 9 and check_cells(blob, 0) == 9
+    with pytest.raises(StateFormatError, match="9 positions, 10 expected"):
+        check_cells(blob, 10)
+    state = parse_state(blob)
+    (stream,) = [stream for stream in state.streams if stream.n_cells]
+
+    def forged(positions=None, seq_ids=None) -> bytes:
+        changed = dataclasses.replace(stream, positions=stream.positions if positions is None else positions,
+                                      seq_ids=stream.seq_ids if seq_ids is None else seq_ids)
+        return write_state(dataclasses.replace(state, streams=tuple(changed if s is stream else s for s in state.streams)))
+
+    positions = stream.positions
+    for bad in (positions + 1, np.where(positions == 0, -1, positions), np.where(positions == 1, 0, positions),
+                np.where(positions == 8, 9, positions)):
+        with pytest.raises(StateFormatError, match="out of place"):
+            check_cells(forged(positions=bad.astype(np.int32)), 1)
+    with pytest.raises(StateFormatError, match="a cell of sequence"):
+        check_cells(forged(seq_ids=((state.seq_id + 1,),) + stream.seq_ids[1:]), 1)
+    with pytest.raises(StateFormatError, match="names 2 sequences"):
+        check_cells(forged(seq_ids=((state.seq_id, state.seq_id + 1),) + stream.seq_ids[1:]), 1)
+    for cut in (len(blob) // 2, len(blob) - 1):
+        with pytest.raises(StateFormatError):
+            check_cells(blob[:cut], 1)
+    with pytest.raises(StateFormatError):
+        check_cells(blob + b"\0", 1)

@@ -185,14 +185,12 @@ class KvService:
         async with self.gate.entered(session):
             if request.length > session.length:
                 raise RequestFailed(ErrorCode.POSITION_MISMATCH, f"cannot truncate to {request.length}: length is {session.length}", length=session.length)
+            self.books.truncating(session, request.length)  # in either tier, before its length changes
             if not session.hot:
                 session.length = request.length  # the saved state is cut to this length when restored
                 self._reseal(session)
                 self.metrics.count("truncates")
                 return Done(length=session.length, session_id=session.session_id, epoch=session.epoch, detail="parked")
-            if request.length < session.persisted_length:  # its copy on disk holds positions it no longer has
-                self.books.spill.drop_behind(session.key)
-                session.persisted_length = -1
             async with self.lifecycle.worker_call(session, refused="truncate failed"):
                 session.length = await self.pool.get(session.worker_name).truncate(request.length)
             self.metrics.count("truncates")

@@ -6,11 +6,16 @@ relay's job. Fenced like every session request.
 Consistency: an Export at offset 0 saves the state once (a hot session is saved without being parked, and
 stays hot; a parked one is read from the store) and keeps it (kvpool.daemon.books.transfers.ExportCache);
 its later chunks are cut from that copy only, named by export_id, while the session stays live at that epoch.
+Each export stands until its last chunk was handed out or it sat idle (kvpool.daemon.books.transfers): another
+caller's export of the same session never cuts it short; past the daemon's limit a new export is over_budget
+with retry_after_s.
 
 An imported state is untrusted: it is opened with this daemon's identity before anything is admitted. Another
 shard's, build's or layout's state is cache_miss with reason identity_mismatch (the caller replays instead);
 a failed checksum, a truncated or undecodable state, a header beyond --n-ctx, chunks out of order or a total
-that changes or exceeds the cap are bad_request. A refused import leaves the books as they were.
+that changes or exceeds the cap are bad_request. A refused import leaves the books as they were. What llama.cpp
+would restore is checked when the state is restored, as every parked state's (Books.take_blob): bytes it
+refuses, or cells that do not hold positions [0, length) once each, are cache_miss restore_failed then.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import time
 
 from kvpool.daemon.books.books import Books
 from kvpool.daemon.books.sessions import Session
-from kvpool.daemon.books.transfers import ExportCache, ImportBuffers, KeptExport, TransferRefused
+from kvpool.daemon.books.transfers import ExportCache, ExportsFull, ImportBuffers, KeptExport, TransferRefused
 from kvpool.daemon.config import ServeConfig
 from kvpool.daemon.gate import Gate
 from kvpool.daemon.metrics import Metrics
@@ -56,22 +61,29 @@ class Transfers:
             self.exports.drop(request.session_id)
             raise self.gate.miss(request.session_id, request.epoch, "no state for this session")
         kept = await self._saved(session) if request.offset == 0 else self._kept(request)
+        try:
+            chunk = kept.chunk(request.offset, self.config.export_chunk_bytes)
+        except TransferRefused as refused:
+            raise _bad(str(refused)) from None
         self.metrics.count("export_chunks")
         return Exported(
-            session_id=request.session_id, epoch=request.epoch, state=kept.chunk(request.offset, self.config.export_chunk_bytes),
+            session_id=request.session_id, epoch=request.epoch, state=chunk,
             offset=request.offset, total_bytes=len(kept.state), length=kept.length, export_id=kept.export_id,
         )
 
     async def _saved(self, session: Session) -> KeptExport:
         payload, length = await self.warm.saved_state(session)
         self.gate.check_live(session)  # nothing of a session that ended, or went stale, while it was saved
+        try:
+            kept = self.exports.keep(session.session_id, session.epoch, self.books.sealing.seal(session, payload, length=length), length)
+        except ExportsFull as full:
+            raise RequestFailed(ErrorCode.OVER_BUDGET, str(full), retry_after_s=full.retry_after_s) from None
         self.metrics.count("exports")
-        return self.exports.keep(session.session_id, session.epoch, self.books.sealing.seal(session, payload, length=length), length)
+        return kept
 
     def _kept(self, request: Export) -> KeptExport:
         try:
             kept = self.exports.find(request.session_id, request.epoch, request.export_id)
-            kept.chunk(request.offset, 1)  # the offset lies inside the state
         except TransferRefused as refused:
             raise _bad(str(refused)) from None
         return kept

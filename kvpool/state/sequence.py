@@ -160,6 +160,53 @@ def parse_state(blob: bytes) -> SequenceState:
     return state
 
 
+def check_cells(blob: bytes, length: int) -> int:
+    """The number of positions a one-sequence state holds, once its cells are known to hold exactly positions
+    [0, n) with n >= `length`, each once, each of the state's own sequence alone; StateFormatError otherwise
+    (a shifted, negative, duplicated or missing position, a cell of several sequences, framing). Reads the
+    cells only (layer data is skipped, not copied): the check every restore passes before a worker sees the
+    bytes, in both modes, since llama.cpp restores whatever positions the cells name."""
+    reader = _Reader(blob)
+    magic, seq_id = reader.unpack("<Ii", "the preamble")
+    if magic != STATE_MAGIC:
+        raise StateFormatError(f"not a sequence state: magic {magic:#010x}, expected {STATE_MAGIC:#010x}")
+    (n_stream,) = reader.unpack("<I", "the stream count")
+    positions = []
+    for _ in range(n_stream):
+        (n_cells,) = reader.unpack("<I", "a cell count")
+        if not n_cells:
+            continue
+        cells = np.frombuffer(reader.take(12 * n_cells, "the cells"), dtype="<i4").reshape(n_cells, 3)
+        if (cells[:, 1] != 1).any():
+            raise StateFormatError(f"a cell names {int(cells[cells[:, 1] != 1][0, 1])} sequences: a one-sequence state names one")
+        if (cells[:, 2] != seq_id).any():
+            raise StateFormatError(f"a cell of sequence {int(cells[cells[:, 2] != seq_id][0, 2])} in a state of sequence {seq_id}")
+        positions.append(cells[:, 0])
+        _skip_layers(reader, n_cells)
+    if reader.remaining():
+        raise StateFormatError(f"{reader.remaining()} bytes after the last stream")
+    held = np.sort(np.concatenate(positions)) if positions else np.zeros(0, np.int32)
+    if not np.array_equal(held, np.arange(len(held), dtype=held.dtype)):
+        wrong = held[held != np.arange(len(held), dtype=held.dtype)][0]
+        raise StateFormatError(f"the cells do not hold positions [0, {len(held)}) once each (position {int(wrong)} is out of place)")
+    if len(held) < length:
+        raise StateFormatError(f"the state holds {len(held)} positions, {length} expected")
+    return len(held)
+
+
+def _skip_layers(reader: _Reader, n_cells: int) -> None:
+    v_trans, n_layer = reader.unpack("<II", "the layer header")
+    if v_trans > 1:
+        raise StateFormatError(f"V transposition flag {v_trans}, expected 0 or 1")
+    for kind in ["K"] * _layer_count(reader, n_layer) + ["V"] * n_layer:
+        if kind == "V" and v_trans:
+            _, element_bytes, width = reader.unpack("<iII", "a transposed V header")
+            reader.take(width * n_cells * element_bytes, "transposed V")
+        else:
+            _, row_bytes = reader.unpack("<iQ", f"a {kind} header")
+            reader.take(n_cells * row_bytes, f"{kind} rows")
+
+
 def _read_stream(reader: _Reader) -> Stream:
     (n_cells,) = reader.unpack("<I", "a cell count")
     if n_cells == 0:

@@ -22,8 +22,9 @@ from kvpool.daemon.books.integrity import require
 from kvpool.wire.protocol import MissReason
 from kvpool.daemon.books.sealing import StateSeal, monotonic_of
 from kvpool.daemon.books.sessions import Session, SessionTable
-from kvpool.daemon.books.spill import FoundFile, SpillStore
+from kvpool.daemon.books.spill import CorruptBlob, FoundFile, SpillStore
 from kvpool.state.header import UNBOUND, StateIdentity
+from kvpool.state.sequence import StateFormatError, check_cells
 
 Usable = Callable[[str], bool]
 
@@ -128,10 +129,16 @@ class Books:
 
     def take_blob(self, session: Session) -> bytes:
         """A parked session's blob leaves the store for its restore (so making room for the restore never
-        drops it); raises CorruptBlob (the blob is then gone too). put_back_blob or unpark follows."""
+        drops it); raises CorruptBlob (the blob is then gone too), also when its cells do not hold positions
+        [0, its length) (kvpool.state.sequence.check_cells: llama.cpp would restore them as they are).
+        put_back_blob or unpark follows."""
         require(not session.hot and session.key not in self._restoring, "only a parked session's blob is taken")
         try:
             blob = self.sealing.open(session, self.spill.read(session.key))
+            try:
+                check_cells(blob, session.length)
+            except StateFormatError as error:
+                raise CorruptBlob(f"the saved state's cells are refused: {error}") from None
         finally:
             self.spill.discard(session.key)
         self._restoring[session.key] = len(blob)
@@ -149,6 +156,15 @@ class Books:
         dropped = self._drop_spilled(self.spill.put(session.key, self.sealing.seal(session, blob)))
         self._on_change(self)
         return dropped
+
+    def truncating(self, session: Session, length: int) -> None:
+        """The session is about to keep only positions [0, length), hot or parked: its copy written behind
+        (--persist-after) goes when it holds later positions, since those may be computed again from other
+        tokens. The rule it keeps: no file on disk claims a position whose tokens differ from the session's
+        now (a parked state's own file is resealed by `reseal`; a copy of length <= `length` stays a prefix)."""
+        if length < session.persisted_length:
+            self.spill.drop_behind(session.key)
+            session.persisted_length = -1
 
     def put_back_blob(self, session: Session, blob: bytes) -> list[Session]:
         """A restore that could not start: the blob goes back (newest); returns the sessions dropped for room."""

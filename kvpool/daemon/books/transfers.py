@@ -14,7 +14,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
-EXPORTS_KEPT = 4  # exports whose later chunks may still be asked for: the oldest is dropped past this
+EXPORTS_KEPT = 8  # exports whose chunks may still be asked for at once: a new one past this waits (over_budget)
 EXPORT_KEEP_S = 10.0  # an export not asked for a chunk this long is dropped
 IMPORT_KEEP_S = 30.0  # an import that received no chunk this long is dropped
 
@@ -23,55 +23,87 @@ class TransferRefused(ValueError):
     """A chunk that does not belong where it claims (the import it named is dropped): bad_request."""
 
 
+class ExportsFull(Exception):
+    """Every kept export is still being read: a new one must wait (over_budget, retry_after_s)."""
+
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
 @dataclass(slots=True)
 class KeptExport:
+    session_id: str
     epoch: int
     export_id: int
     state: bytes
     length: int
     touched: float
+    finished: bool = False  # its last byte was handed out: it gives way first
 
     def chunk(self, offset: int, chunk_bytes: int) -> bytes:
         if not 0 <= offset < len(self.state):
             raise TransferRefused(f"offset {offset} is outside the export's {len(self.state)} bytes")
+        if offset + chunk_bytes >= len(self.state):
+            self.finished = True
         return self.state[offset : offset + chunk_bytes]
 
 
 class ExportCache:
+    """Every export stands, named by its export_id, until its last chunk was handed out or it sat idle for
+    `keep_s`: a second export of the same session (another caller's) never cuts a first one short. At most
+    `kept` exports are held; a finished one gives way to a new one, an unfinished one never does."""
+
     def __init__(self, *, kept: int = EXPORTS_KEPT, keep_s: float = EXPORT_KEEP_S, clock=time.monotonic) -> None:
         self._kept = kept
         self._keep_s = keep_s
         self._clock = clock
         self._ids = itertools.count(1)
-        self._exports: collections.OrderedDict[str, KeptExport] = collections.OrderedDict()
+        self._exports: collections.OrderedDict[int, KeptExport] = collections.OrderedDict()
 
     def keep(self, session_id: str, epoch: int, state: bytes, length: int) -> KeptExport:
-        """A new export of the session (replacing the one before it), the oldest dropped past `kept`."""
-        self._expire()
-        self._exports.pop(session_id, None)
-        export = KeptExport(epoch, next(self._ids), state, length, self._clock())
-        self._exports[session_id] = export
-        while len(self._exports) > self._kept:
-            self._exports.popitem(last=False)
+        """A new export of the session, beside any other in progress; ExportsFull when `kept` unfinished
+        exports are held (nothing is dropped for it)."""
+        self._make_room()
+        export = KeptExport(session_id, epoch, next(self._ids), state, length, self._clock())
+        self._exports[export.export_id] = export
         return export
 
-    def find(self, session_id: str, epoch: int, export_id: int) -> KeptExport:
-        """The kept export that `export_id` names; TransferRefused when it is gone or another."""
+    def _make_room(self) -> None:
         self._expire()
-        export = self._exports.get(session_id)
-        if export is None or (export.epoch, export.export_id) != (epoch, export_id):
-            raise TransferRefused(f"export {export_id} of {session_id!r} epoch {epoch} is not kept (ended, replaced or idle): export again from offset 0")
+        if len(self._exports) < self._kept:
+            return
+        finished = next((export_id for export_id, export in self._exports.items() if export.finished), None)
+        if finished is None:
+            oldest = min(export.touched for export in self._exports.values())
+            raise ExportsFull(
+                f"{len(self._exports)} exports are being read (this daemon keeps {self._kept} at once): export again later",
+                retry_after_s=max(0.1, oldest + self._keep_s - self._clock()),
+            )
+        del self._exports[finished]
+
+    def find(self, session_id: str, epoch: int, export_id: int) -> KeptExport:
+        """The kept export that `export_id` names; TransferRefused when it is gone or another session's."""
+        self._expire()
+        export = self._exports.get(export_id)
+        if export is None or (export.session_id, export.epoch) != (session_id, epoch):
+            raise TransferRefused(f"export {export_id} of {session_id!r} epoch {epoch} is not kept (ended or idle): export again from offset 0")
         export.touched = self._clock()
-        self._exports.move_to_end(session_id)
+        self._exports.move_to_end(export_id)
         return export
 
     def drop(self, session_id: str) -> None:
-        self._exports.pop(session_id, None)
+        """Every export of a session that ended."""
+        for export_id in [key for key, export in self._exports.items() if export.session_id == session_id]:
+            del self._exports[export_id]
 
     def _expire(self) -> None:
         now = self._clock()
-        for session_id in [key for key, export in self._exports.items() if now - export.touched > self._keep_s]:
-            del self._exports[session_id]
+        for export_id in [key for key, export in self._exports.items() if now - export.touched > self._keep_s]:
+            del self._exports[export_id]
+
+    def __len__(self) -> int:
+        return len(self._exports)
 
     @property
     def held_bytes(self) -> int:
