@@ -19,8 +19,10 @@ from kvpool.cli import shard as cli_shard
 
 from kvpool.shard import contents as shard_contents
 from kvpool.shard.bundled import bundled_model_path
+from kvpool.shard.digests import block_digests
 from kvpool.shard.header import (
     KEY_FORMAT,
+    KEY_LAYER_SHA256,
     KEY_LAYER_START,
     KEY_LAYER_STOP,
     KEY_LOOKAHEAD_LAYERS,
@@ -42,7 +44,7 @@ N_EMBD = 576
 N_VOCAB = 49152
 SPLITS = [LayerRange(0, 10), LayerRange(10, 20), LayerRange(20, 30)]
 KINDS = ["first", "middle", "last"]
-KVPOOL_KEYS = {KEY_FORMAT, KEY_LAYER_START, KEY_LAYER_STOP, KEY_TOTAL_LAYERS, KEY_SOURCE_SHA256}
+KVPOOL_KEYS = {KEY_FORMAT, KEY_LAYER_START, KEY_LAYER_STOP, KEY_TOTAL_LAYERS, KEY_SOURCE_SHA256, KEY_LAYER_SHA256}
 GGUF_COUNT_KEYS = {"GGUF.tensor_count", "GGUF.kv_count"}
 LOOKAHEAD = {"first": 1, "middle": 0, "last": 0}  # the first shard also stores the next layer, never run
 
@@ -82,6 +84,11 @@ def source() -> pathlib.Path:
 @pytest.fixture(scope="session")
 def source_sha256(source: pathlib.Path) -> str:
     return hashlib.sha256(source.read_bytes()).hexdigest()
+
+
+@pytest.fixture(scope="session")
+def source_layer_sha256(source: pathlib.Path) -> tuple[str, ...]:
+    return block_digests(source)
 
 
 @pytest.fixture(scope="session")
@@ -153,10 +160,12 @@ def test_shard_metadata_round_trip(
     shard_readers: dict[str, gguf.GGUFReader],
     source: pathlib.Path,
     source_sha256: str,
+    source_layer_sha256: tuple[str, ...],
 ) -> None:
     path = shard_paths[kind]
     assert file_sha256(source) == source_sha256
     info = read_shard_info(path)
+    stored = source_layer_sha256[layers.start : layers.stop + LOOKAHEAD[kind]]
     assert info == ShardInfo(
         path=path,
         arch="llama",
@@ -170,6 +179,7 @@ def test_shard_metadata_round_trip(
         source_sha256=source_sha256,
         vocab_free=kind == "middle",
         lookahead_layers=LOOKAHEAD[kind],
+        layer_sha256=stored,
     )
     assert (info.shape.is_first, info.shape.is_last, info.shape.n_layers) == (kind == "first", kind == "last", 10)
     reader = shard_readers[kind]
@@ -185,6 +195,8 @@ def test_shard_metadata_round_trip(
         assert field_value(reader, key) == value
         assert field_types(reader, key) == [gguf.GGUFValueType.UINT32]
     assert field_types(reader, KEY_SOURCE_SHA256) == [gguf.GGUFValueType.STRING]
+    assert field_types(reader, KEY_LAYER_SHA256) == [gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.STRING]
+    assert tuple(reader.fields[KEY_LAYER_SHA256].contents()) == stored
 
 
 def test_whole_model_info(source: pathlib.Path) -> None:
@@ -320,7 +332,8 @@ def test_write_shard_reports_progress_and_writes_atomically(
     messages: list[str] = []
     out = tmp_path / "nested" / "mid.gguf"
     info = write_shard(source, LayerRange(12, 13), out, source_sha256=source_sha256, progress=messages.append)
-    assert messages == [f"reading {source.name}", "writing mid.gguf"]  # a given hash is trusted, not recomputed
+    # a given file hash is trusted, not recomputed; the layers' digests are
+    assert messages == [f"reading {source.name}", "hashing source layers", "writing mid.gguf"]
     assert tree(tmp_path) == {"nested", "nested/mid.gguf"}
     assert info == read_shard_info(out)
     assert (info.shape.n_layers, info.vocab_free, info.shape.n_vocab) == (1, True, 32)

@@ -27,6 +27,7 @@ from kvpool.daemon.config import ServeConfig
 from kvpool.host import format_bytes
 from kvpool.wire.errors import RequestFailed
 from kvpool.daemon.books.sealing import shard_identity
+from kvpool.shard.digests import verified_block_digests
 from kvpool.shard.header import ShardInfo, read_shard_info
 from kvpool.daemon.pool.pool import WorkerPool
 from kvpool.wire.protocol import (
@@ -146,6 +147,7 @@ class Supervisor:
         mode_reason = await self._resolve_mode()
         config = self.config
         info = read_shard_info(config.model)
+        block_sha256 = verified_block_digests(info)  # WeightsMismatch: refused before any worker starts
         pool = build_pool(config, info)
         check_room_for(config.worker_processes, pool.spec.worker.segment)
         self._announce(
@@ -165,7 +167,7 @@ class Supervisor:
             self.notifier.status(f"{config.worker_processes} workers started; probing charges")
             shard = ShardDescription(shape=ready.shape, model_path=str(config.model), source_sha256=info.source_sha256 or "")
             identity = shard_identity(
-                info, flash_attn=config.flash_attn, kv_bytes_per_position=ready.kv_bytes_per_position,
+                info, block_sha256=block_sha256, flash_attn=config.flash_attn, kv_bytes_per_position=ready.kv_bytes_per_position,
                 seqs_per_context=config.seqs_per_worker if config.batched else 1,
             )
             self.service = service = KvService(config, pool, shard, ready.kv_bytes_per_position, identity)

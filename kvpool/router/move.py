@@ -6,9 +6,12 @@ exports, before the imports, so a daemon on both routes holds the session once.
 
 What a move checks before a byte reaches a new daemon: every exported state is whole (its CRC-32C), of the
 session at the length the router holds, and of the source, llama.cpp build and KV layout of every new daemon
-(K/V types, V layout, mode); the inputs cover the new daemons' layers. Anything else is MoveFailed, and the
-caller replays that session instead; what a new daemon refuses is MoveFailed too, after the daemons that
-took it are released again. Either way the old epoch is released once the exports are done.
+(K/V types, V layout, mode); every layer a new daemon computes holds the weights of the old daemon whose
+state has that layer (their identities' per-layer digests, kvpool.shard.digests: K/V computed with one
+layer's weights never continues on others; a digest missing on either side fails too); the inputs cover the
+new daemons' layers. Anything else is MoveFailed, and the caller replays that session instead; what a new
+daemon refuses is MoveFailed too, after the daemons that took it are released again. Either way the old
+epoch is released once the exports are done.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ _SHARED_LAYOUT = ("llama_build", "type_k", "type_v", "flash_attn", "seqs_per_con
 
 
 class MoveFailed(Exception):
-    """The session could not be moved; `step` names where: export, state, layout, reslice or import."""
+    """The session could not be moved; `step` names where: export, state, layout, weights, reslice or import."""
 
     def __init__(self, step: str, message: str) -> None:
         super().__init__(f"{step}: {message}")
@@ -53,6 +56,7 @@ def move_session(old: Route, new: Route, session_id: str, epoch: int, new_epoch:
     headers = [header for header, _, _ in exported]
     targets = [_identity(stage, client) for stage, client in enumerate(new.clients)]
     _check_same(headers, targets, session_id, epoch, length)
+    _check_weights([header.identity for header in headers], targets)
     inputs = [_shard_state(header, payload) for header, payload, _ in exported]
     sealed = [_sealed_for(target, headers[0], inputs, new_epoch) for target in targets]
     _import_all(new, session_id, new_epoch, length, sealed)
@@ -93,6 +97,25 @@ def _check_same(headers: list[StateHeader], targets: list[StateIdentity], sessio
             differ.insert(0, "source model")
         if differ:
             raise MoveFailed("layout", f"the routes' daemons differ in {', '.join(differ)}: a state cannot move between them")
+
+
+def _check_weights(held: list[StateIdentity], targets: list[StateIdentity]) -> None:
+    """Every layer of every new daemon has the digest the old daemon holding it names (a layer no old daemon
+    holds is the re-slice's to refuse)."""
+    for stage, target in enumerate(targets):
+        for layer in range(target.layer_start, target.layer_stop):
+            old_stage = next((index for index, identity in enumerate(held) if identity.layer_start <= layer < identity.layer_stop), None)
+            if old_stage is None:
+                continue
+            old, new = held[old_stage].layer_digest(layer), target.layer_digest(layer)
+            if old is None or new is None:
+                side = f"daemon {old_stage} of the old route" if old is None else f"daemon {stage} of the new route"
+                raise MoveFailed("weights", f"layer {layer}: {side} names no digest of its weights (an older kvpool)")
+            if old != new:
+                raise MoveFailed(
+                    "weights", f"layer {layer}: daemon {stage} of the new route holds other weights (sha256 {new[:16]}...) "
+                    f"than daemon {old_stage} of the old route computed its K/V with ({old[:16]}...)",
+                )
 
 
 def source_of(identity: StateIdentity) -> str:

@@ -25,9 +25,11 @@ def cached_shards(
     paths = [directory / shard_file_name(source, layers) for layers in ranges]
     if all(path.is_file() for path in paths):
         infos = [read_shard_info(path) for path in paths]
-        # a shard written by an older kvpool (no lookahead layer on the first shard) is cut again
+        # a shard written by an older kvpool (no lookahead layer on the first shard, no layer digests) is cut again
         if all(
-            info.source_sha256 == source_sha256 and info.lookahead_layers == lookahead_layers(info.shape.total_layers, info.layers)
+            info.source_sha256 == source_sha256
+            and info.lookahead_layers == lookahead_layers(info.shape.total_layers, info.layers)
+            and info.layer_sha256 is not None
             for info in infos
         ):
             return infos

@@ -2,7 +2,8 @@
 
 Every metadata key is copied with its type, `<arch>.block_count` becomes the local layer count, per-layer
 arrays keep their entries for [A, B), the tensors `blk.i.*` for i in [A, B) are copied byte for byte as
-`blk.(i-A).*`, and the shard records where it came from under `kvpool.shard.*`.
+`blk.(i-A).*`, and the shard records where it came from under `kvpool.shard.*`, with the source's digest of
+every block it stores (kvpool.shard.digests: what a daemon checks its file against at load).
 
 Invariants of a shard file:
 - the first shard (A == 0) keeps the real vocabulary and embeddings: it takes token ids;
@@ -22,14 +23,16 @@ Invariants of a shard file:
 from __future__ import annotations
 
 import pathlib
-import re
+from collections.abc import Sequence
 from typing import Any
 
 import gguf
 import numpy as np
 
 from kvpool.shard.header import (
+    BLOCK_TENSOR,
     KEY_FORMAT,
+    KEY_LAYER_SHA256,
     KEY_LAYER_START,
     KEY_LAYER_STOP,
     KEY_LOOKAHEAD_LAYERS,
@@ -47,18 +50,22 @@ VOCAB_FREE_SIZE = 32
 
 # Keys gguf.GGUFWriter emits itself; copying them would duplicate or contradict its own.
 _WRITER_OWNED_KEYS = frozenset({"GGUF.version", "GGUF.tensor_count", "GGUF.kv_count", "general.architecture"})
-_BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(.+)")
 
 
-def shard_info(model: ShardInfo, layers: LayerRange, path: pathlib.Path, source_sha256: str) -> ShardInfo:
-    """The ShardInfo of the shard of `model` holding `layers`, as read_shard_info will read it back."""
+def shard_info(
+    model: ShardInfo, layers: LayerRange, path: pathlib.Path, source_sha256: str, source_layer_sha256: Sequence[str]
+) -> ShardInfo:
+    """The ShardInfo of the shard of `model` holding `layers`, as read_shard_info will read it back;
+    `source_layer_sha256`: the source's digest of every layer (kvpool.shard.digests.block_digests)."""
     vocab_free = model.vocab_free or _is_middle(model, layers)
     n_vocab = VOCAB_FREE_SIZE if _is_middle(model, layers) else model.shape.n_vocab
     shape = ShardShape(
         layer_start=layers.start, layer_stop=layers.stop, total_layers=model.shape.total_layers, n_embd=model.shape.n_embd, n_vocab=n_vocab
     )
+    stored = stored_layers(model.shape.total_layers, layers)
     return ShardInfo(
-        path, model.arch, shape, source_sha256, vocab_free, lookahead_layers(model.shape.total_layers, layers)
+        path, model.arch, shape, source_sha256, vocab_free, lookahead_layers(model.shape.total_layers, layers),
+        tuple(source_layer_sha256[stored.start : stored.stop]),
     )
 
 
@@ -67,13 +74,25 @@ def lookahead_layers(total_layers: int, layers: LayerRange) -> int:
     return 1 if layers.start == 0 and layers.stop < total_layers else 0
 
 
+def stored_layers(total_layers: int, layers: LayerRange) -> LayerRange:
+    """The source layers a shard of `layers` stores as its blocks: its range, then its lookahead layers."""
+    return LayerRange(layers.start, layers.stop + lookahead_layers(total_layers, layers))
+
+
 def write_shard_file(
-    reader: gguf.GGUFReader, model: ShardInfo, layers: LayerRange, source_sha256: str, path: pathlib.Path
+    reader: gguf.GGUFReader,
+    model: ShardInfo,
+    layers: LayerRange,
+    source_sha256: str,
+    source_layer_sha256: Sequence[str],
+    path: pathlib.Path,
 ) -> None:
     """Write the shard of `model` holding `layers` to `path` itself; making it appear atomically is the caller's."""
+    if len(source_layer_sha256) != model.shape.total_layers:
+        raise ShardError(f"{len(source_layer_sha256)} layer digests for a source of {model.shape.total_layers} layers")
     writer = gguf.GGUFWriter(path, model.arch)
     try:
-        _add_metadata(writer, reader, model, layers, source_sha256)
+        _add_metadata(writer, reader, model, layers, source_sha256, source_layer_sha256)
         _add_tensors(writer, reader, model, layers)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
@@ -87,11 +106,16 @@ def _is_middle(model: ShardInfo, layers: LayerRange) -> bool:
 
 
 def _add_metadata(
-    writer: gguf.GGUFWriter, reader: gguf.GGUFReader, model: ShardInfo, layers: LayerRange, source_sha256: str
+    writer: gguf.GGUFWriter,
+    reader: gguf.GGUFReader,
+    model: ShardInfo,
+    layers: LayerRange,
+    source_sha256: str,
+    source_layer_sha256: Sequence[str],
 ) -> None:
     arch = model.arch
     vocab_free = _is_middle(model, layers)
-    stored = LayerRange(layers.start, layers.stop + lookahead_layers(model.shape.total_layers, layers))
+    stored = stored_layers(model.shape.total_layers, layers)
     for key, field in reader.fields.items():
         if key in _WRITER_OWNED_KEYS:
             continue
@@ -117,6 +141,7 @@ def _add_metadata(
     writer.add_string(KEY_SOURCE_SHA256, source_sha256)
     if stored.stop > layers.stop:
         writer.add_uint32(KEY_LOOKAHEAD_LAYERS, stored.stop - layers.stop)
+    writer.add_array(KEY_LAYER_SHA256, list(source_layer_sha256[stored.start : stored.stop]))
 
 
 def field_value(key: str, field: Any) -> tuple[Any, gguf.GGUFValueType, gguf.GGUFValueType | None]:
@@ -181,12 +206,12 @@ def _add_dummy_vocabulary(writer: gguf.GGUFWriter, reader: gguf.GGUFReader, arch
 def _add_tensors(writer: gguf.GGUFWriter, reader: gguf.GGUFReader, model: ShardInfo, layers: LayerRange) -> None:
     vocab_free = _is_middle(model, layers)
     runs_head = layers.stop == model.shape.total_layers
-    stop = layers.stop + lookahead_layers(model.shape.total_layers, layers)
+    stored = stored_layers(model.shape.total_layers, layers)
     for tensor in reader.tensors:
-        match = _BLOCK_TENSOR.fullmatch(tensor.name)
+        match = BLOCK_TENSOR.fullmatch(tensor.name)
         if match is not None:
             layer = int(match.group(1))
-            if layers.start <= layer < stop:
+            if stored.start <= layer < stored.stop:
                 _copy_tensor(writer, tensor, f"blk.{layer - layers.start}.{match.group(2)}")
         elif vocab_free and tensor.name == "token_embd.weight":
             writer.add_tensor(tensor.name, np.zeros((VOCAB_FREE_SIZE, model.shape.n_embd), dtype=np.float32))

@@ -1,8 +1,9 @@
 """Writing shard files: one layer range, or every range of a route at once (all or nothing).
 
 A shard is written with gguf-py (the reader/writer llama.cpp publishes); what it holds is
-kvpool/shard_contents.py. Files appear atomically: written to `.{name}.partial-{pid}` beside the target,
-then renamed.
+kvpool/shard/contents.py. Files appear atomically: written to `.{name}.partial-{pid}` beside the target,
+then renamed. The source is hashed once per call: its file (the shards' source_sha256) and its layers (the
+digests every shard records of the blocks it stores: kvpool.shard.digests).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import gguf
 from kvpool.shard.header import ShardInfo, check_model_file, file_sha256, read_whole_model_info
 from kvpool.shard.ranges import LayerRange, validate_range
 from kvpool.shard.contents import shard_info, write_shard_file
+from kvpool.shard.digests import block_digests
 from kvpool.shard.errors import ShardError
 
 Progress = Callable[[str], None]
@@ -48,7 +50,9 @@ def write_shard(
         if source_sha256 is None:
             report("hashing source")
             source_sha256 = file_sha256(source)
-        written = _publish(reader, model, [(layers, out)], source_sha256, report)
+        else:
+            report("hashing source layers")  # a given file hash is trusted; the layers' digests are not given
+        written = _publish(reader, model, [(layers, out)], source_sha256, block_digests(source), report)
     except BaseException:
         _remove_empty_directories(created_dirs)
         raise
@@ -82,8 +86,7 @@ def write_shards(
     created_dirs = _make_directory(out_dir)
     try:
         report("hashing source")
-        source_sha256 = file_sha256(source)
-        return _publish(reader, model, targets, source_sha256, report)
+        return _publish(reader, model, targets, file_sha256(source), block_digests(source), report)
     except BaseException:
         _remove_empty_directories(created_dirs)
         raise
@@ -145,6 +148,7 @@ def _publish(
     model: ShardInfo,
     targets: Sequence[tuple[LayerRange, pathlib.Path]],
     source_sha256: str,
+    source_layer_sha256: Sequence[str],
     report: Progress,
 ) -> list[ShardInfo]:
     """Write every target to its partial file, then rename them all into place; on failure leave none behind."""
@@ -155,7 +159,7 @@ def _publish(
             report(f"writing {target.name}" + (f" ({index}/{len(targets)})" if len(targets) > 1 else ""))
             partial = _partial_path(target)
             partials.append(partial)
-            write_shard_file(reader, model, layers, source_sha256, partial)
+            write_shard_file(reader, model, layers, source_sha256, source_layer_sha256, partial)
         for partial, (_, target) in zip(partials, targets):
             os.replace(partial, target)
             published.append(target)
@@ -166,7 +170,7 @@ def _publish(
     except BaseException:
         _unlink_all([*partials, *published])
         raise
-    return [shard_info(model, layers, target, source_sha256) for layers, target in targets]
+    return [shard_info(model, layers, target, source_sha256, source_layer_sha256) for layers, target in targets]
 
 
 def _unlink_all(paths: Iterable[pathlib.Path]) -> None:

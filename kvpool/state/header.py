@@ -52,6 +52,15 @@ class StateIdentity(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     flash_attn: bool  # V is stored transposed without flash attention
     kv_bytes_per_position: int  # every layer's K and V widths, summed
     seqs_per_context: int = 1  # batched mode's sequences per context (a KV stream each): states stay within one mode
+    # sha256 (hex) of the weights of each layer the shard computes, layer_start first (kvpool.shard.digests);
+    # () in a header written before digests: such a state opens under no identity that names them
+    layer_sha256: tuple[str, ...] = ()
+
+    def layer_digest(self, layer: int) -> str | None:
+        """The digest of source layer `layer` (one this shard computes), None when this identity names none."""
+        if len(self.layer_sha256) != self.layer_stop - self.layer_start or not self.layer_start <= layer < self.layer_stop:
+            return None
+        return self.layer_sha256[layer - self.layer_start]
 
 
 UNBOUND = StateIdentity("", 0, 0, 0, "", "", 0, 0, False, 0, 0)  # books without a shard (pure-logic tests)

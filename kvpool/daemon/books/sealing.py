@@ -6,6 +6,7 @@ checksum; another session's) raises CorruptBlob and never reaches a worker."""
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
 import llama_cpp
 
@@ -56,10 +57,13 @@ class StateSeal:
         return payload
 
 
-def shard_identity(info: ShardInfo, *, flash_attn: bool, kv_bytes_per_position: int, seqs_per_context: int) -> StateIdentity:
-    """This daemon's identity: its shard file (hashed once at start), the source it was cut from, the
-    llama.cpp build and the cache layout of kvpool's contexts (workers.runtime.params keeps llama.cpp's
-    default K/V types)."""
+def shard_identity(
+    info: ShardInfo, *, block_sha256: Sequence[str], flash_attn: bool, kv_bytes_per_position: int, seqs_per_context: int
+) -> StateIdentity:
+    """This daemon's identity: its shard file (hashed once at start), the source it was cut from, the weights
+    of the layers it computes (`block_sha256`: kvpool.shard.digests.verified_block_digests of its file, whose
+    first n_layers blocks are those layers), the llama.cpp build and the cache layout of kvpool's contexts
+    (workers.runtime.params keeps llama.cpp's default K/V types)."""
     defaults = llama_cpp.llama_context_default_params()
     shape = info.shape
     return StateIdentity(
@@ -67,4 +71,5 @@ def shard_identity(info: ShardInfo, *, flash_attn: bool, kv_bytes_per_position: 
         lookahead_layers=info.lookahead_layers, shard_sha256=file_sha256(info.path),
         llama_build=f"llama-cpp-python {llama_cpp.__version__}", type_k=int(defaults.type_k), type_v=int(defaults.type_v),
         flash_attn=flash_attn, kv_bytes_per_position=kv_bytes_per_position, seqs_per_context=seqs_per_context,
+        layer_sha256=tuple(block_sha256[: shape.n_layers]),
     )
