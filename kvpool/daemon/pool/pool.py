@@ -76,9 +76,10 @@ class WorkerPool:
 
     def _spawn(self) -> WorkerHandle:
         number = self._next_number()
+        single, batched = self.spec.kinds or (WorkerHandle, BatchedWorker)
         if self.batched:
-            return BatchedWorker(f"kvpool-worker-{number}", self.spec, number, compute=self.compute)
-        return WorkerHandle(f"kvpool-worker-{number}", self.spec, number)
+            return batched(f"kvpool-worker-{number}", self.spec, number, compute=self.compute)
+        return single(f"kvpool-worker-{number}", self.spec, number)
 
     def use_compute_slots(self, compute: ComputeSlots) -> None:
         self.compute = compute

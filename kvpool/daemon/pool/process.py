@@ -24,6 +24,7 @@ from kvpool.daemon.pool.errors import WorkerLost, WorkerStartFailed
 from kvpool.daemon.pool.segment import WorkerSegment
 from workers.server.commands import AnyCommand, AnyWorkerReply, CancelDirect, Exit, Failed, Ready
 from workers.server.main import anonymous_bytes, worker_main
+from workers.server.spec import WorkerSpec
 
 
 class WorkerProcess:
@@ -52,13 +53,19 @@ class WorkerProcess:
         cancel_end, child_cancel_end = context.Pipe(duplex=True)
         self._cancel_connection: Connection = cancel_end
         worker_spec = spec.worker_spec(shm_name=self.segment.name, parent_pid=os.getpid(), direct_address=self.direct_address, worker_index=index)
-        self.process = context.Process(target=worker_main, args=(child_end, worker_spec, child_cancel_end), name=name, daemon=True)
-        self.process.start()
-        child_end.close()  # so a dead worker reads as EOF on our end
-        child_cancel_end.close()
+        self.process = self._start(context, worker_spec, child_end, child_cancel_end)
         self.ready: Ready | None = None
         self.baseline_uss = 0
         self.lost = False
+
+    def _start(self, context, worker_spec: WorkerSpec, child_end: Connection, child_cancel_end: Connection):
+        """The worker, started on the child's ends of its pipes (which it then owns). The one place a worker
+        runs: a spawned process serving workers.server.main.worker_main."""
+        process = context.Process(target=worker_main, args=(child_end, worker_spec, child_cancel_end), name=self.name, daemon=True)
+        process.start()
+        child_end.close()  # so a dead worker reads as EOF on our end
+        child_cancel_end.close()
+        return process
 
     @property
     def segment(self) -> shared_memory.SharedMemory | None:

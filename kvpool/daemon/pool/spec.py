@@ -1,4 +1,9 @@
-"""PoolSpec: what every worker process of a pool is started with (one WorkerSpec), and how the pool treats them."""
+"""PoolSpec: what every worker process of a pool is started with (one WorkerSpec), and how the pool treats them.
+
+`kinds` is the seam at the worker pipe: the classes the pool starts for a process-mode worker and a batched
+one (kvpool.daemon.pool.handle.WorkerHandle and kvpool.daemon.pool.batched.BatchedWorker when None). A test
+double of kvpool's own worker (tests/support/fake_worker.py) subclasses them, answering the same pipe
+commands in-process; the daemon never names one itself."""
 
 from __future__ import annotations
 
@@ -16,6 +21,7 @@ class PoolSpec:
     ready_timeout_s: float
     request_timeout_s: float  # a call not answered by then: the worker is killed and counts as lost
     direct: bool = True  # each worker also listens on its direct channel
+    kinds: tuple[type, type] | None = None  # (process-mode worker, batched worker) classes; None: the real ones
 
     def worker_spec(self, **own) -> WorkerSpec:
         """One worker's WorkerSpec: the shared settings and `own` (its segment's name, parent, channel address, index)."""
