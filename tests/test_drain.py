@@ -183,19 +183,71 @@ def test_a_second_sigterm_during_the_drain_stops_at_once(model_path, socket_dir,
         assert _exited(daemon) == 1
         log = daemon.log()
         assert "drain done: parked 0 sessions on disk" in log and "kvpool serve: stopped" in log
-        assert not _own_files(spill_dir)  # a drain cut short keeps nothing
+        assert not _own_files(spill_dir)  # cut short before it parked anything: both sessions were only in memory
     finally:
         daemon.stop()
 
 
-def test_sigint_stops_at_once_without_a_drain(model_path, socket_dir, tmp_path, prompt_ids):
+def test_an_interrupted_drain_keeps_the_files_it_adopted_and_the_next_daemon_adopts_them(model_path, socket_dir, tmp_path, prompt_ids):
+    """A stop may lose what it had not yet written, never what was already safe on disk: the states a
+    daemon adopted from the run before and never touched outlast a drain cut short by a second SIGTERM (as
+    they would a SIGKILL at that moment), and the daemon after it adopts them."""
+    prompt = prompt_ids[0][:PROMPT_TOKENS]
     spill_dir = tmp_path / "spill"
-    daemon = _serve(model_path, socket_dir / "int.sock", spill_dir)
+    socket_path = socket_dir / "kept.sock"
+    daemons: list[DaemonProcess] = []
+    try:
+        daemons.append(first := _serve(model_path, socket_path, spill_dir))
+        with first.client() as client:
+            for session in ("a", "b"):
+                client.append(session, 1, 0, tokens=prompt)
+        first.process.send_signal(signal.SIGTERM)
+        assert _exited(first) == 0
+        saved = {name: (spill_dir / name).read_bytes() for name in _own_files(spill_dir)}
+        assert len(saved) == 2
+
+        daemons.append(second := _serve(model_path, socket_path, spill_dir, "--drain-timeout", "600"))
+        with second.client(direct=False) as client, second.client(direct=False) as other:
+            assert {row.session_id: row.tier for row in client.stats().sessions} == {"a": "disk", "b": "disk"}
+            client.append("held", 1, 0, tokens=prompt)
+            with stopped(_worker_of(client, "held")):
+                thread, outcome = in_thread(lambda: client.append("held", 1, PROMPT_TOKENS, tokens=[5]))
+                wait_until(lambda: _busy(other, "held"), "the append in flight")
+                second.process.send_signal(signal.SIGTERM)
+                _in_log(second, "drain started")  # it waits for the held append: the drain is in progress
+                second.process.send_signal(signal.SIGTERM)
+                _in_log(second, "stop requested during the drain: stopping at once (exit status 1)")
+            joined(thread, outcome)
+        assert _exited(second) == 1
+        assert {name: (spill_dir / name).read_bytes() for name in _own_files(spill_dir)} == saved  # "held" was only in memory
+
+        daemons.append(third := _serve(model_path, socket_path, spill_dir))
+        with third.client() as client:
+            assert {row.session_id: (row.length, row.tier) for row in client.stats().sessions} == {"a": (PROMPT_TOKENS, "disk"), "b": (PROMPT_TOKENS, "disk")}
+            continued = client.append("a", 1, PROMPT_TOKENS, tokens=[5])
+            client.append("reference", 1, 0, tokens=prompt)
+            assert continued.restored and np.array_equal(continued.rows, client.append("reference", 1, PROMPT_TOKENS, tokens=[5]).rows)
+    finally:
+        for daemon in reversed(daemons):
+            daemon.stop()
+
+
+def test_sigint_stops_at_once_without_a_drain_and_keeps_what_was_on_disk(model_path, socket_dir, tmp_path, prompt_ids):
+    """An immediate stop loses what was only in memory (the hot session) and keeps what was on disk (the
+    parked one, written there at once with --spill-budget 1), as a crash would."""
+    prompt = prompt_ids[0][:PROMPT_TOKENS]
+    spill_dir = tmp_path / "spill"
+    daemon = _serve(model_path, socket_dir / "int.sock", spill_dir, "--spill-budget", "1")
     try:
         with daemon.client() as client:
-            client.append("a", 1, 0, tokens=prompt_ids[0][:PROMPT_TOKENS])
+            client.append("hot", 1, 0, tokens=prompt)
+            client.append("parked", 1, 0, tokens=prompt)
+            client.park("parked", 1)
+            on_disk = {name: (spill_dir / name).read_bytes() for name in _own_files(spill_dir)}
+            assert len(on_disk) == 1
         assert daemon.stop(sig=signal.SIGINT) == 0
-        assert "drain started" not in daemon.log() and not _own_files(spill_dir)
+        assert "drain started" not in daemon.log()
+        assert {name: (spill_dir / name).read_bytes() for name in _own_files(spill_dir)} == on_disk
     finally:
         daemon.stop()
 

@@ -7,15 +7,19 @@ import contextlib
 import logging
 import os
 import pathlib
+import signal
 import stat
 import subprocess
+import sys
 
+import psutil
 import pytest
 
 from kvpool.daemon.books import spill
 from kvpool.daemon.books.integrity import IntegrityError
 from kvpool.daemon.books.spill import CorruptBlob, SpillStore, prepare_disk_dir
 from kvpool.state.header import UNBOUND
+from tests.daemons import in_thread, result, wait_until
 
 OLD_MAGIC = b"KVPSPIL1"  # the disk format before states carried a header: such files are never adopted
 FULL_FS_BYTES = 64 * 1024
@@ -111,6 +115,7 @@ def test_a_blob_bigger_than_memory_on_a_full_disk_is_dropped_itself(tmp_path):
         assert store.put("big", BLOB) == ["big"]
         assert "big" not in store and store.disk_failures == 1 and own_files(directory) == []
         store.check_integrity(set())
+        store.close()  # lets go of the directory (its lock file held open would keep the file system busy)
 
 
 def test_a_disk_file_is_the_blob_private_and_read_back_checks_it(tmp_path):
@@ -241,3 +246,107 @@ def test_a_spill_dir_or_parent_of_another_user_is_refused(tmp_path):
     assert "not owned by this user" in refused(directory)
     assert f"belongs to uid {other}" in refused(directory / "spill")
     assert not (directory / "spill").exists()  # nothing created under their directory
+
+
+# ---- one owner at a time -------------------------------------------------------------------------
+
+# A store held by another process: it prints its pid's "held" line, then on "stopping" says so in the lock
+# file (as a daemon's teardown does) and waits; on end of input it lets go.
+HOLDER = """
+import pathlib, subprocess, sys
+from kvpool.daemon.books.spill import SpillStore
+store = SpillStore(1, disk_dir=pathlib.Path(sys.argv[1]), disk_limit_bytes=1 << 20)
+child = subprocess.Popen(["sleep", "600"], close_fds=False) if "--with-child" in sys.argv else None
+print("held", child.pid if child else 0, flush=True)
+for line in sys.stdin:
+    store.stopping()
+    print("stopping", flush=True)
+store.close(keep_files=True)
+"""
+
+
+def _holder(directory: pathlib.Path, *flags: str) -> tuple[subprocess.Popen, int]:
+    """A process holding `directory`'s store; returns it and the pid of the child it started (0: none)."""
+    process = subprocess.Popen([sys.executable, "-c", HOLDER, str(directory), *flags], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    line = process.stdout.readline().split()
+    assert line[:1] == ["held"], line
+    return process, int(line[1])
+
+
+def _in_use(directory: pathlib.Path, pid: int) -> str:
+    return f"--spill-dir {directory} is in use by kvpool serve pid {pid} (one daemon per spill directory)"
+
+
+def _contents(directory: pathlib.Path) -> dict[str, bytes]:
+    return {path.name: path.read_bytes() for path in directory.iterdir() if path.name.startswith("kvpool-")}
+
+
+def test_a_second_store_on_a_held_directory_is_refused_and_touches_nothing(tmp_path):
+    """The store owns its directory from before it removes or reads anything there until it closes: a
+    second one (another daemon) is refused with one line naming the holder's pid, and every file stays,
+    an unfinished write of the holder's and its states too. Once the holder closes, the next store takes
+    the directory, and the lock file stays (it is not the store's to clean)."""
+    directory = tmp_path / "spill"
+    owner = SpillStore(len(BLOB) // 2, disk_dir=directory, disk_limit_bytes=len(BLOB) * 10)
+    assert owner.put("x", BLOB) == []
+    (directory / "kvpool-00000002.kvstate.partial").write_bytes(b"a write of the holder's in progress")
+    (directory / "kvpool-00000003.kvstate").write_bytes(spill.MAGIC + b"a state the holder adopted")
+    before = _contents(directory)
+    for _attempt in range(2):
+        with pytest.raises(ValueError) as raised:  # SpillDirRefused: `kvpool serve` prints it as one line
+            SpillStore(len(BLOB), disk_dir=directory, disk_limit_bytes=len(BLOB) * 10)
+        assert str(raised.value) == _in_use(directory, os.getpid())
+        assert _contents(directory) == before
+    assert owner.read("x") == BLOB
+    owner.close(keep_files=True)
+    successor = SpillStore(len(BLOB), disk_dir=directory, disk_limit_bytes=len(BLOB) * 10)
+    assert not (directory / "kvpool-00000002.kvstate.partial").exists()  # its start-up work ran: it owns the directory
+    found, rejected = successor.scan(UNBOUND)
+    assert found == [] and sum(rejected.values()) == 2  # the two store files; the lock file is none of them
+    lock = directory / spill.LOCK_NAME
+    assert lock.is_file() and stat.S_IMODE(lock.stat().st_mode) == 0o600
+    assert lock.read_text().split() == [str(os.getpid())]
+    successor.close()
+    assert lock.is_file()
+
+
+def test_a_killed_holder_lets_go_at_once_and_its_children_never_held_the_lock(tmp_path):
+    """The kernel ends a SIGKILLed holder's lock: the next store takes the directory without waiting, even
+    while a process the holder started (as a daemon starts its workers) still runs."""
+    directory = tmp_path / "spill"
+    holder, child = _holder(directory, "--with-child")
+    try:
+        with pytest.raises(ValueError) as raised:
+            SpillStore(1, disk_dir=directory, disk_limit_bytes=1 << 20)
+        assert str(raised.value) == _in_use(directory, holder.pid)
+        holder.kill()
+        holder.wait()
+        assert psutil.pid_exists(child)
+        SpillStore(1, disk_dir=directory, disk_limit_bytes=1 << 20).close()
+    finally:
+        holder.kill()
+        holder.wait()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child, signal.SIGKILL)
+
+
+def test_a_holder_that_is_stopping_is_waited_for_with_a_progress_line(tmp_path, caplog):
+    """A rolling restart: a daemon started while its predecessor tears down (its socket gone, its workers
+    stopping) waits for the directory, saying so, and takes it once the predecessor lets go."""
+    directory = tmp_path / "spill"
+    holder, _ = _holder(directory)
+    try:
+        holder.stdin.write("stop\n")
+        holder.stdin.flush()
+        assert holder.stdout.readline().strip() == "stopping"
+        with caplog.at_level(logging.INFO, logger="kvpool.serve"):
+            thread, outcome = in_thread(lambda: SpillStore(1, disk_dir=directory, disk_limit_bytes=1 << 20))
+            waiting = f"--spill-dir {directory} is held by kvpool serve pid {holder.pid}, which is stopping: waiting for it to let go"
+            wait_until(lambda: not thread.is_alive() or any(waiting in record.getMessage() for record in caplog.records), "the progress line")
+            assert thread.is_alive(), outcome
+            holder.stdin.close()  # it lets go
+            store = result(thread, outcome)
+        store.close()
+    finally:
+        holder.kill()
+        holder.wait()

@@ -12,6 +12,7 @@ import pytest
 from kvpool.client.client import KvpoolError
 from kvpool.launcher import Daemon, DaemonStartFailed
 from tests.daemons import START_HANG_GUARD_S, DaemonProcess, in_thread, joined, stopped, wait_until
+from kvpool.daemon.books import spill
 from kvpool.daemon.books.spill import MAGIC
 from tests.test_spill_store import OLD_MAGIC, failing_writes, own_files
 from workers.runtime.model import ShardModel
@@ -221,7 +222,8 @@ NOT_OURS = {
 
 
 def _own_files(spill_dir):
-    return sorted(path for path in spill_dir.iterdir() if path.name not in NOT_OURS)
+    """Everything the store wrote or left (its lock file aside)."""
+    return sorted(path for path in spill_dir.iterdir() if path.name not in NOT_OURS and path.name != spill.LOCK_NAME)
 
 
 def test_the_disk_tier_checks_every_blob_and_removes_only_its_own_files(model_path, socket_dir, tmp_path, whole, prompt_ids):
@@ -268,11 +270,14 @@ def test_the_disk_tier_checks_every_blob_and_removes_only_its_own_files(model_pa
             assert got.restored and np.array_equal(got.rows, reference.append(10, [3]))
             stats = _checked(client)
             assert stats.counters["restore_failures"] == 3
-            assert {row.session_id for row in stats.sessions} == {"intact", "hot"}
+            assert {row.session_id: row.tier for row in stats.sessions} == {"intact": "hot", "hot": "disk"}
+            (parked,) = _own_files(spill_dir)  # "hot", parked for "intact"'s restore; the others' files are gone
     finally:
         reference.close()
-        daemon.stop(sig=signal.SIGINT)  # at once: SIGTERM drains, and a drain keeps its files (tests/test_drain.py)
-    assert sorted(path.name for path in spill_dir.iterdir()) == sorted(NOT_OURS)  # its own removed at shutdown
+        daemon.stop(sig=signal.SIGINT)  # at once: SIGTERM drains (tests/test_drain.py)
+    # An immediate stop loses only what was in memory: what was on disk stays, as after a crash (README, "the
+    # drain"), beside the user's files and the directory's lock file.
+    assert sorted(path.name for path in spill_dir.iterdir()) == sorted([*NOT_OURS, parked.name, spill.LOCK_NAME])
 
 
 def test_a_full_disk_drops_only_the_pushed_session_and_the_daemon_keeps_serving(model_path, socket_dir, tmp_path, whole, prompt_ids):
@@ -343,6 +348,64 @@ def test_an_untrusted_spill_dir_is_refused_at_start_and_its_files_kept(model_pat
     assert code == 2 and len(errors) == 1 and errors[0].startswith("kvpool serve: error: --spill-dir") and expected in errors[0], log
     assert "Traceback" not in log and "starting" not in log, log  # refused before any worker started
     assert {name: (target / name).read_bytes() for name in files} == files and len(list(target.iterdir())) == len(files)
+
+
+def _refused_start(model, socket_path, spill_dir) -> str:
+    """The log of a daemon on `spill_dir` that exited before it served: exit status 2, one error line."""
+    daemon = Daemon(
+        model, socket_path, ["--threads", "1", "--n-ctx", str(N_CTX), "--max-sessions", "1", "--spill-dir", str(spill_dir), "--spill-disk-budget", "64MiB"],
+    )
+    try:
+        with pytest.raises(DaemonStartFailed):
+            daemon.wait_ready(timeout_s=START_HANG_GUARD_S)
+    finally:
+        code = daemon.stop()
+    log = daemon.log()
+    assert code == 2 and "Traceback" not in log, log
+    return log
+
+
+def test_a_spill_dir_has_one_owner_and_the_daemon_after_it_adopts(model_path, shards, socket_dir, tmp_path, whole, prompt_ids):
+    """A second daemon on a live daemon's spill dir, of the same shard (it would adopt the live one's parked
+    session, and remove its file on restore) or of another (it would remove every file as another shard's),
+    is refused before any worker starts, with one line naming the owner's pid; the owner's files and
+    sessions are untouched. Once the owner has stopped, a daemon on that directory adopts its sessions."""
+    prompt = prompt_ids[0][:10]
+    spill_dir = tmp_path / "owned"
+    disk = ("--spill-dir", str(spill_dir), "--spill-disk-budget", "64MiB")
+    owner = _serve(model_path, socket_dir, "owner", "--max-sessions", "2", "--spill-budget", "1", *disk)  # a parked state goes to disk
+    reference = Reference(whole)
+    successor = None
+    try:
+        with owner.client() as client:
+            client.append("parked", 1, 0, tokens=prompt)
+            reference.append(0, prompt)
+            client.park("parked", 1)
+            client.append("hot", 1, 0, tokens=prompt)
+            files = {path.name: path.read_bytes() for path in spill_dir.iterdir() if path.name.startswith("kvpool-")}
+            assert len(files) == 1
+            for name, model in (("same-shard", model_path), ("other-shard", shards[0].path)):
+                log = _refused_start(model, socket_dir / f"second-{name}.sock", spill_dir)
+                errors = [line for line in log.splitlines() if "error" in line.lower()]
+                line = f"kvpool serve: error: --spill-dir {spill_dir} is in use by kvpool serve pid {owner.process.pid} (one daemon per spill directory)"
+                assert errors == [line] and "starting" not in log, (name, log)  # refused before any worker started
+                assert {path.name: path.read_bytes() for path in spill_dir.iterdir() if path.name.startswith("kvpool-")} == files, name
+            got = client.append("parked", 1, len(prompt), tokens=[5])
+            assert got.restored and np.array_equal(got.rows, reference.append(len(prompt), [5]))
+            assert client.append("hot", 1, len(prompt), tokens=[5]).length == len(prompt) + 1
+            _checked(client)
+        assert owner.stop() == 0  # SIGTERM: a drain, both sessions parked on disk
+        successor = _serve(model_path, socket_dir, "successor", "--max-sessions", "2", *disk)
+        with successor.client() as client:
+            adopted = {row.session_id: (row.length, row.tier) for row in _checked(client).sessions}
+            assert adopted == {"parked": (len(prompt) + 1, "disk"), "hot": (len(prompt) + 1, "disk")}
+            got = client.append("parked", 1, len(prompt) + 1, tokens=[6])
+            assert got.restored and np.array_equal(got.rows, reference.append(len(prompt) + 1, [6]))
+    finally:
+        reference.close()
+        if successor is not None:
+            successor.stop()
+        owner.stop()
 
 
 def test_a_park_whose_worker_dies_mid_save_answers_worker_lost(model_path, socket_dir, prompt_ids):

@@ -7,7 +7,8 @@ socket. Requests read before the start finish within --drain-timeout; appends st
 cancelled (their replies say `cancelled`). Then every hot session is parked into the spill store and, with a
 disk tier, every parked state is written to disk, so the states outlast the process (one that fits nowhere,
 or whose write fails, is dropped with its session and counted; the store leaves no partial file). The books
-balance at the end. A second signal (kvpool.daemon.supervisor) ends the drain where it stands.
+balance at the end. A second signal (kvpool.daemon.supervisor) ends the drain where it stands: what was
+on disk by then (written by the drain, or before it) stays, as it would after a crash.
 """
 
 from __future__ import annotations

@@ -6,8 +6,12 @@ cleaned up the same way.
 
 Stopping: SIGTERM and Shutdown{drain: true} drain first (kvpool.daemon.drain), then say farewell on every
 connection (an ErrorReply `draining` as request 0: its client knows a successor may take over the socket)
-and tear down, keeping the spill files the drain wrote; exit status 0. SIGINT and Shutdown{} stop at once,
-as does a second SIGTERM, a SIGINT or a Shutdown{} during a drain (exit status 1: sessions were not kept).
+and tear down; exit status 0. SIGINT and Shutdown{} stop at once, as does a second SIGTERM, a SIGINT or a
+Shutdown{} during a drain (exit status 1: sessions were not all kept). No stop removes a spill file: what was
+already on disk outlasts every stop, as it would a crash, and only what was in memory is lost.
+
+The spill dir has one owner (kvpool.daemon.books.spill.SpillDirLock, taken by the store): a daemon on a dir
+another one owns is refused before any worker starts; one started while the owner tears down waits for it.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from kvpool.daemon.config import ServeConfig
 from kvpool.host import format_bytes
 from kvpool.wire.errors import RequestFailed
 from kvpool.daemon.books.sealing import shard_identity
+from kvpool.daemon.books.spill import wait_for_disk_dir
 from kvpool.shard.digests import verified_block_digests
 from kvpool.shard.header import ShardInfo, read_shard_info
 from kvpool.daemon.pool.pool import WorkerPool
@@ -144,6 +149,8 @@ class Supervisor:
 
     async def run(self) -> None:
         prepare_socket_path(self.config.socket)  # refuse at once when a live daemon serves there
+        if self.config.spill_dir is not None:
+            await asyncio.to_thread(wait_for_disk_dir, self.config.spill_dir)  # refused before any worker starts
         mode_reason = await self._resolve_mode()
         config = self.config
         info = read_shard_info(config.model)
@@ -221,6 +228,8 @@ class Supervisor:
                 self._after_drain(outcome)
             self._announce("shutting down")
         finally:
+            if self.service is not None:
+                self.service.books.spill.stopping()  # a successor on the spill dir waits from now, not refused
             for signum in (signal.SIGTERM, signal.SIGINT):
                 loop.remove_signal_handler(signum)
             await self._stopped(housekeeping)
@@ -230,7 +239,7 @@ class Supervisor:
                 worker.set_abort(True)  # interrupt in-flight appends so workers can exit promptly
             await asyncio.to_thread(pool.close)
             if self.service is not None:
-                self.service.close(keep_spill_files=self._kept())
+                self.service.close(keep_spill_files=True)  # every stop: what is on disk stays for the next daemon
             self._announce("stopped")
 
     @staticmethod
@@ -245,10 +254,6 @@ class Supervisor:
             self.exit_code = 1
         elif outcome.integrity != "ok":
             self.exit_code = 1
-
-    def _kept(self) -> bool:
-        """The spill files stay for the daemon that follows: a drain that was not cut short wrote them."""
-        return self.drain is not None and self.drain.active and not self.drain.interrupted
 
     def _farewell(self) -> ErrorReply | None:
         """After a drain: every connection is told, so its client waits for the daemon that follows."""

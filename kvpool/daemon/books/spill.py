@@ -7,19 +7,28 @@ checked when it is read back. A blob is a sealed state (kvpool.state.header: it 
 ends with a CRC-32C); a disk file is the blob, written durably: under a temporary name, fsync'd, renamed,
 and the directory fsync'd. A write that fails (the file system full, an I/O error) drops that blob alone,
 leaves no file behind, and is counted in `disk_failures` (logged once per run of failures). Files survive
-the process unless it removes them (an immediate stop does; a drain and a crash leave them), and a store
-started on the directory lists them for adoption (`scan_disk_dir`).
+the process: a release, a new epoch or an expiry removes its session's, no stop of the daemon does (a drain
+writes every parked state first; an interrupted drain and an immediate stop lose only what was in memory, as
+a crash would). A store started on the directory lists them for adoption (`scan_disk_dir`).
+
+A spill directory has one owner at a time (`SpillDirLock`): the store locks it before it removes or reads
+anything there and holds it until it closes; a second daemon is refused at start, and one started while the
+owner stops waits for it to let go.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
+import fcntl
 import logging
+import math
 import os
 import pathlib
 import re
 import stat
+import time
 import zlib
 from collections.abc import Hashable
 
@@ -31,6 +40,12 @@ DISK = "disk"
 OLD_MAGIC = b"KVPSPIL1"  # the files of kvpool before states carried a header: never adopted, removed
 FILE_PREFIX, FILE_SUFFIX, PARTIAL_SUFFIX = "kvpool-", ".kvstate", ".partial"
 OWN_FILE = re.compile(re.escape(FILE_PREFIX) + r"\d+" + re.escape(FILE_SUFFIX))  # every name the store writes, `.partial` aside
+LOCK_NAME = "kvpool.lock"  # the owner's lock file: none of OWN_FILE's names, so never scanned nor removed
+STOPPING = "stopping"  # the lock file's second word once its owner stops
+LOCK_TEXT_BYTES = 32
+OWNER_WAIT_S = 300.0  # hang guard: how long a daemon waits for an owner that is stopping to let go
+OWNER_POLL_S = 0.05
+OWNER_PROGRESS_EVERY_S = 15.0
 
 log = logging.getLogger("kvpool.serve")
 
@@ -68,8 +83,7 @@ class SpillStore:
         self._tier_bytes = {RAM: 0, DISK: 0}
         self.disk_failures = 0  # disk operations that raised OSError, since start
         self._disk_failing = False  # the last disk write failed: further failures are counted, not logged
-        if disk_dir is not None:
-            prepare_disk_dir(disk_dir)
+        self._owner = prepare_disk_dir(disk_dir) if disk_dir is not None else None  # held until close()
 
     @property
     def enabled(self) -> bool:
@@ -254,9 +268,15 @@ class SpillStore:
             dropped += self._to_disk(key, item)
         return dropped
 
+    def stopping(self) -> None:
+        """The daemon stops: one started on the directory from now waits for the store to close."""
+        if self._owner is not None:
+            self._owner.stopping()
+
     def close(self, *, keep_files: bool = False) -> None:
-        """Forget every blob; the disk files are removed unless `keep_files` (a drain wrote them to outlast
-        the process)."""
+        """Forget every blob (what was only in memory is gone) and let go of the directory. The disk files
+        stay with `keep_files`, for the daemon that follows (every stop of a daemon: no stop removes a file
+        already on disk); without it they are removed."""
         for key in list(self._disk):
             if keep_files:
                 self._tier_bytes[DISK] -= self._disk.pop(key).nbytes
@@ -269,6 +289,8 @@ class SpillStore:
                 self.drop_behind(key)
         self._ram.clear()
         self._tier_bytes[RAM] = 0
+        if self._owner is not None:
+            self._owner.close()
 
     def check_integrity(self, parked_keys: set[Hashable], hot_keys: set[Hashable] | None = None) -> None:
         require(set(self._ram) | set(self._disk) == parked_keys, "stored blobs != the parked sessions")
@@ -342,9 +364,10 @@ def check_disk_dir(directory: pathlib.Path) -> None:
     _check_private(directory, info)
 
 
-def prepare_disk_dir(directory: pathlib.Path) -> None:
-    """Check (check_disk_dir) and create (0700) the user's spill directory, then delete the temporary files
-    of writes an earlier run did not finish; its finished files are for scan_disk_dir. Raises SpillDirRefused."""
+def prepare_disk_dir(directory: pathlib.Path) -> SpillDirLock:
+    """Check (check_disk_dir) and create (0700) the user's spill directory, lock it (lock_disk_dir), then
+    delete the temporary files of writes an earlier run did not finish; its finished files are for
+    scan_disk_dir. Returns the lock, the caller's to close. Raises SpillDirRefused."""
     directory = directory.absolute()
     check_disk_dir(directory)
     try:
@@ -353,14 +376,124 @@ def prepare_disk_dir(directory: pathlib.Path) -> None:
         descriptor = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)  # ELOOP: swapped for a symlink
     except OSError as error:
         raise SpillDirRefused(f"--spill-dir {directory}: {error.strerror or error}") from None
+    owner = None
     try:
         _check_private(directory, os.fstat(descriptor))  # the directory opened, not the name checked
+        owner = lock_disk_dir(directory, descriptor)
         os.fchmod(descriptor, 0o700)
         _remove_partials(descriptor)
     except OSError as error:
+        if owner is not None:
+            owner.close()
         raise SpillDirRefused(f"--spill-dir {directory}: {error.strerror or error}") from None
     finally:
         os.close(descriptor)
+    return owner
+
+
+# ---- its one owner -------------------------------------------------------------------------------------
+
+
+class SpillDirLock:
+    """The one owner of a spill directory: an exclusive advisory lock (flock) on its LOCK_NAME file, whose
+    text is the owner's pid (then STOPPING once it stops). The descriptor is close-on-exec, so no process the
+    daemon starts holds the lock; the kernel lets go of it when the owner exits, however it ends (a SIGKILLed
+    daemon's successor takes the directory at once). The file itself is never removed: a daemon locking a
+    new file of that name while another holds the old one would be a second owner."""
+
+    def __init__(self, descriptor: int) -> None:
+        self._descriptor = descriptor
+        _write_owner(descriptor, str(os.getpid()))
+
+    def stopping(self) -> None:
+        """Says so in the lock file: a daemon started on the directory from now waits instead of being
+        refused. Never raises: a mark that fails costs that daemon's wait (it is refused), not the stop."""
+        if self._descriptor >= 0:
+            with contextlib.suppress(OSError):
+                _write_owner(self._descriptor, f"{os.getpid()} {STOPPING}")
+
+    def close(self) -> None:
+        """Lets go (idempotent)."""
+        if self._descriptor >= 0:
+            os.close(self._descriptor)
+            self._descriptor = -1
+
+
+def lock_disk_dir(directory: pathlib.Path, directory_fd: int) -> SpillDirLock:
+    """Take the directory (opened as `directory_fd`, already checked private) for this process: the lock
+    file created if missing, then locked (_take). Raises SpillDirRefused, or OSError."""
+    descriptor = _open_lock_file(directory, directory_fd, create=True)
+    try:
+        _take(descriptor, directory)
+        return SpillDirLock(descriptor)
+    except BaseException:
+        os.close(descriptor)
+        raise
+
+
+def wait_for_disk_dir(directory: pathlib.Path) -> None:
+    """The check of `kvpool serve` before any worker starts: SpillDirRefused at once when another daemon
+    owns `directory`, or after waiting (_take) while its owner stops. Takes nothing for good (the store
+    locks the directory when it opens: prepare_disk_dir) and creates nothing: a directory or lock file not
+    there yet has no owner."""
+    directory = directory.absolute()
+    try:
+        directory_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return
+    except OSError as error:
+        raise SpillDirRefused(f"--spill-dir {directory}: {error.strerror or error}") from None
+    try:
+        descriptor = _open_lock_file(directory, directory_fd, create=False)
+    except FileNotFoundError:
+        return
+    except OSError as error:
+        raise SpillDirRefused(f"--spill-dir {directory}: {error.strerror or error}") from None
+    finally:
+        os.close(directory_fd)
+    try:
+        _take(descriptor, directory)
+    finally:
+        os.close(descriptor)  # lets go
+
+
+def _open_lock_file(directory: pathlib.Path, directory_fd: int, *, create: bool) -> int:
+    flags = os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | (os.O_CREAT if create else 0)
+    descriptor = os.open(LOCK_NAME, flags, 0o600, dir_fd=directory_fd)
+    if not stat.S_ISREG(os.fstat(descriptor).st_mode):
+        os.close(descriptor)
+        raise SpillDirRefused(f"--spill-dir {directory}: its {LOCK_NAME} is not a regular file")
+    return descriptor
+
+
+def _take(descriptor: int, directory: pathlib.Path) -> None:
+    """Lock the lock file, or refuse (SpillDirRefused, one line naming the owner's pid) when a daemon that is
+    not stopping holds it. While its owner stops (or has not yet written its pid), waits up to OWNER_WAIT_S,
+    logging a progress line at once and every OWNER_PROGRESS_EVERY_S."""
+    deadline = time.monotonic() + OWNER_WAIT_S
+    said_at = -math.inf
+    while True:
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            pass
+        words = os.pread(descriptor, LOCK_TEXT_BYTES, 0).decode("ascii", "replace").split()  # [] until its first write
+        pid = words[0] if words else "(not written yet)"
+        stopping = words[1:] == [STOPPING]
+        if (words and not stopping) or time.monotonic() > deadline:
+            late = f"; it was still stopping after {OWNER_WAIT_S:.0f} s" if stopping else ""
+            raise SpillDirRefused(f"--spill-dir {directory} is in use by kvpool serve pid {pid} (one daemon per spill directory){late}")
+        if stopping and time.monotonic() - said_at >= OWNER_PROGRESS_EVERY_S:
+            said_at = time.monotonic()
+            log.info("--spill-dir %s is held by kvpool serve pid %s, which is stopping: waiting for it to let go", directory, pid)
+        time.sleep(OWNER_POLL_S)
+
+
+def _write_owner(descriptor: int, text: str) -> None:
+    """One write of the whole text, padded to LOCK_TEXT_BYTES: a reader never sees the file empty once
+    written, and rewriting it needs no room on the file system."""
+    os.pwrite(descriptor, f"{text:<{LOCK_TEXT_BYTES - 1}}\n".encode("ascii"), 0)
 
 
 def _check_private(directory: pathlib.Path, info: os.stat_result) -> None:
