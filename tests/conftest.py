@@ -18,6 +18,12 @@ from tests.daemons import private_socket_dir
 EVEN_SPLIT = "0:10,10:20,20:30"
 UNEVEN_SPLIT = "0:7,7:22,22:30"
 TOTAL_LAYERS = 30
+# Largest |logit difference| against process mode (one ShardContext per session, same appends), measured
+# on an Intel Xeon (AVX-512) with llama-cpp-python 0.3.36 built here: 0.0 for prefills, one-row decodes
+# of four sessions in one llama_decode, and a prefill chunk beside decoding sessions. What differs
+# between the two is the row count of the weight matmuls; a CPU whose kernels depend on it fails this
+# test with the difference it measured.
+PROCESS_MODE_TOLERANCE = 0.0
 
 PROMPTS = (
     "What is the capital of France?",
@@ -90,3 +96,15 @@ def no_leftover_children():
     psutil.wait_procs(leftovers, timeout=10)
     alive = [child.pid for child in leftovers if child.is_running() and child.status() != psutil.STATUS_ZOMBIE]
     assert not leftovers, f"test left child processes behind: {[c.pid for c in leftovers]} (still alive: {alive})"
+
+
+TIERS = {  # folder -> markers: `pytest -m unit`, `-m "not slow"`; scripts/test.sh --fast runs tests/unit
+    "unit": ("unit",), "runtime": ("runtime",), "daemon": ("daemon",), "drills": ("drills", "slow"),
+}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Each test is marked with its tier, the folder it lives in."""
+    for item in items:
+        for marker in TIERS.get(item.path.parent.name, ()):
+            item.add_marker(marker)

@@ -19,8 +19,9 @@ import time
 import psutil
 import pytest
 
+from kvpool.client.client import Client, KvpoolError
 from kvpool.launcher import Daemon
-from kvpool.wire.framing import receive_frame
+from kvpool.wire.framing import FRAME_HEADER, receive_frame
 from kvpool.wire.protocol import MAX_REPLY_BYTES, PROTOCOL_VERSION, Hello, decode_reply, encode
 
 
@@ -203,3 +204,52 @@ def sent_and_read(path, request) -> socket.socket:
     sock.sendall(encode(request))
     wait_until(lambda: unread_bytes(sock) == 0, f"the daemon to read {type(request).__name__}")
     return sock
+
+
+class RawConnection:
+    def __init__(self, path, *, hello: bool = True) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(HANG_GUARD_S)
+        self.sock.connect(str(path))
+        if hello:
+            self.sock.sendall(encode(Hello(version=PROTOCOL_VERSION, client="test")))
+            assert self.read().version == PROTOCOL_VERSION
+
+    def send(self, data: bytes) -> None:
+        self.sock.sendall(data)
+
+    def read(self):
+        """The next reply, or None once the daemon has closed the connection."""
+        header = self._exactly(FRAME_HEADER.size)
+        if header is None:
+            return None
+        (size,) = FRAME_HEADER.unpack(header)
+        payload = self._exactly(size)
+        assert payload is not None, "connection closed in the middle of a reply"
+        return decode_reply(payload)
+
+    def _exactly(self, size: int) -> bytes | None:
+        data = b""
+        while len(data) < size:
+            try:
+                chunk = self.sock.recv(size - len(data))
+            except ConnectionResetError:
+                chunk = b""
+            if not chunk:
+                assert not data, "connection closed in the middle of a frame"
+                return None
+            data += chunk
+        return data
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def admission_line_full(client: Client) -> bool:
+    """A probe admission (admit_timeout_s 0: it waits for nothing) is refused for a full line, or for room."""
+    try:
+        client.append("probe", 1, 0, tokens=[1])
+    except KvpoolError as refused:
+        assert refused.code == "over_budget", refused
+        return "the line's limit" in str(refused)
+    raise AssertionError("the probe was admitted: the only place is not held")

@@ -10,7 +10,6 @@ import pytest
 
 from tests.support.fake_daemon import TOTAL_LAYERS, FakeDaemon, fake_shard_file
 
-pytestmark = pytest.mark.unit
 
 
 @pytest.fixture(autouse=True)

@@ -24,7 +24,7 @@ import workers.runtime.native as native
 from kvpool.shard.header import read_shard_info
 from tests.daemons import run_to_completion
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 # Hang guards only: building the wheel and the fresh venv takes seconds, `kvpool shard` a few more.
 COMMAND_HANG_GUARD_S = 600
 pytestmark = pytest.mark.timeout(4 * COMMAND_HANG_GUARD_S)

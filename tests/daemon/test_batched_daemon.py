@@ -27,7 +27,7 @@ from workers.server.spec import WorkerSpec
 from workers.runtime.model import ShardModel
 from tests.daemons import DaemonProcess
 from tests.daemons import in_thread, joined, result, stopped, wait_until
-from tests.test_batched_runtime import PROCESS_MODE_TOLERANCE
+from tests.conftest import PROCESS_MODE_TOLERANCE
 
 N_CTX = 256
 GREEDY = 8

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from kvpool.local.generate import greedy_tokens
-from tests.conftest import EVEN_SPLIT
+from tests.conftest import EVEN_SPLIT, PROCESS_MODE_TOLERANCE
 from workers.runtime.batched import BatchedShardContext, SeqAppend, plan_ubatches
 from workers.runtime.errors import BadInput, Cancelled, ContextFull, PositionMismatch
 from workers.runtime.model import ShardModel
@@ -32,12 +32,6 @@ PROMPTS = (
     "Name three colours.",
     "Why is the sky blue?",
 )
-# Largest |logit difference| against process mode (one ShardContext per session, same appends), measured
-# on an Intel Xeon (AVX-512) with llama-cpp-python 0.3.36 built here: 0.0 for prefills, one-row decodes
-# of four sessions in one llama_decode, and a prefill chunk beside decoding sessions. What differs
-# between the two is the row count of the weight matmuls; a CPU whose kernels depend on it fails this
-# test with the difference it measured.
-PROCESS_MODE_TOLERANCE = 0.0
 
 Call = list[tuple[int, int, list[int]]]  # (sequence, start_pos, token ids)
 

@@ -488,7 +488,7 @@ def test_options_are_validated():
 
 
 def test_script_and_subcommand_help_and_bad_options():
-    root = pathlib.Path(__file__).resolve().parent.parent
+    root = pathlib.Path(__file__).resolve().parents[2]
     script = subprocess.run([sys.executable, str(root / "scripts" / "stress_four_sessions.py"), "--help"], capture_output=True, text=True, timeout=60)
     assert script.returncode == 0 and "--budget-for" in script.stdout and "--kill-worker" in script.stdout
     assert all(flag in script.stdout for flag in ("--kill-supervisor", "--stall-worker", "--stall-timeout", "--slow-reader", "--restart", "--persist-after"))

@@ -39,7 +39,7 @@ from kvpool.daemon.transport import frames as server
 from kvpool.wire.shape import ShardShape
 from tests.conftest import EVEN_SPLIT
 from tests.daemons import HANG_GUARD_S, DaemonProcess, stopped, wait_until
-from tests.test_fuzz import RawConnection
+from tests.daemons import RawConnection
 
 pytestmark = pytest.mark.timeout(3600)
 ONE_PLACE = ("--threads", "1", "--n-ctx", "256", "--max-sessions", "1")
@@ -236,16 +236,6 @@ def test_cancel_and_stats_are_read_on_a_connection_at_its_in_flight_limit(one_pl
     prefill = next(reply for reply in rest if reply.request_id == 1)
     assert isinstance(prefill, ErrorReply) and prefill.code == "cancelled" and prefill.length == 10
     assert sorted(reply.request_id for reply in rest if reply.request_id != 1) == list(range(100, 100 + waiting))
-
-
-def admission_line_full(client: Client) -> bool:
-    """A probe admission (admit_timeout_s 0: it waits for nothing) is refused for a full line, or for room."""
-    try:
-        client.append("probe", 1, 0, tokens=[1])
-    except KvpoolError as refused:
-        assert refused.code == "over_budget", refused
-        return "the line's limit" in str(refused)
-    raise AssertionError("the probe was admitted: the only place is not held")
 
 
 # ---- issue 17 item 6: deadlines -----------------------------------------------------------------------

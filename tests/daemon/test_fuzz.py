@@ -150,45 +150,6 @@ def live(fuzz_daemons, fuzz_shards, prompt_ids):
 # ---- raw connections ---------------------------------------------------------------------------------
 
 
-class RawConnection:
-    def __init__(self, path, *, hello: bool = True) -> None:
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.settimeout(HANG_GUARD_S)
-        self.sock.connect(str(path))
-        if hello:
-            self.sock.sendall(encode(Hello(version=PROTOCOL_VERSION, client="fuzz")))
-            assert self.read().version == PROTOCOL_VERSION
-
-    def send(self, data: bytes) -> None:
-        self.sock.sendall(data)
-
-    def read(self):
-        """The next reply, or None once the daemon has closed the connection."""
-        header = self._exactly(FRAME_HEADER.size)
-        if header is None:
-            return None
-        (size,) = FRAME_HEADER.unpack(header)
-        payload = self._exactly(size)
-        assert payload is not None, "connection closed in the middle of a reply"
-        return decode_reply(payload)
-
-    def _exactly(self, size: int) -> bytes | None:
-        data = b""
-        while len(data) < size:
-            try:
-                chunk = self.sock.recv(size - len(data))
-            except ConnectionResetError:
-                chunk = b""
-            if not chunk:
-                assert not data, "connection closed in the middle of a frame"
-                return None
-            data += chunk
-        return data
-
-    def close(self) -> None:
-        self.sock.close()
-
-
 # ---- what gets sent ------------------------------------------------------------------------------------
 
 

@@ -25,7 +25,7 @@ from kvpool.shard.cache import cached_shards
 from kvpool.shard.ranges import LayerRange
 from tests.daemons import run_to_completion
 
-REPOSITORY = pathlib.Path(__file__).resolve().parents[1]
+REPOSITORY = pathlib.Path(__file__).resolve().parents[2]
 SECTIONS = ("1", "2", "3", "4", "5", "6", "7", "8", "9", "10", "11")
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

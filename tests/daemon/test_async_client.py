@@ -21,8 +21,8 @@ from kvpool.daemon.transport.frames import MAX_IN_FLIGHT_PER_CONNECTION
 from kvpool.wire.shape import ShardShape
 from tests.conftest import EVEN_SPLIT
 from tests.daemons import HANG_GUARD_S, DaemonProcess, exited, stopped, wait_until
-from tests.test_fuzz import RawConnection
-from tests.test_transport import admission_line_full
+from tests.daemons import RawConnection
+from tests.daemons import admission_line_full
 
 pytestmark = pytest.mark.timeout(3600)
 N_CTX = 256
