@@ -23,6 +23,7 @@ import logging
 import pathlib
 import signal
 import sys
+import threading
 import traceback
 from collections.abc import Callable
 
@@ -73,7 +74,7 @@ MODE_PROBE_N_CTX = 64  # per probe session: its sessions hold a few rows  # hous
 log = logging.getLogger("kvpool.serve")
 
 
-def build_pool(config: ServeConfig, info: ShardInfo) -> WorkerPool:
+def build_pool(config: ServeConfig, info: ShardInfo, kinds: tuple[type, type] | None = None) -> WorkerPool:
     """The daemon's worker pool (not started): one worker per session place, segments sized for the shard."""
     segment = SegmentRegions.for_shard(info.shape, n_ctx=config.n_ctx, max_request_bytes=config.max_request_bytes)
     return WorkerPool(
@@ -95,6 +96,7 @@ def build_pool(config: ServeConfig, info: ShardInfo) -> WorkerPool:
             ready_timeout_s=config.ready_timeout_s,
             request_timeout_s=config.request_timeout_s,
             direct=config.uses_direct_channels,
+            kinds=kinds,
         )
     )
 
@@ -106,8 +108,13 @@ def compute_lock_path(config: ServeConfig) -> pathlib.Path:
 
 
 class Supervisor:
-    def __init__(self, config: ServeConfig, *, announce: Callable[[str], None] | None = None, notifier: Notifier | None = None) -> None:
+    def __init__(
+        self, config: ServeConfig, *, announce: Callable[[str], None] | None = None, notifier: Notifier | None = None,
+        worker_kinds: tuple[type, type] | None = None,
+    ) -> None:
+        """`worker_kinds`: PoolSpec.kinds (a test double of the worker; None: the real worker process)."""
         self.config = config
+        self._worker_kinds = worker_kinds
         self._announce = announce or (lambda message: print(f"kvpool serve: {message}", file=sys.stderr, flush=True))
         self.notifier = notifier or Notifier(None)
         self._stop = asyncio.Event()
@@ -155,7 +162,7 @@ class Supervisor:
         config = self.config
         info = read_shard_info(config.model)
         block_sha256 = verified_block_digests(info)  # WeightsMismatch: refused before any worker starts
-        pool = build_pool(config, info)
+        pool = build_pool(config, info, self._worker_kinds)
         check_room_for(config.worker_processes, pool.spec.worker.segment)
         self._announce(
             f"starting {config.worker_processes} workers on {config.model.name} "
@@ -163,8 +170,10 @@ class Supervisor:
             + f"shared memory {format_bytes(pool.spec.worker.segment.total_bytes)} each)"
         )
         loop = asyncio.get_running_loop()
-        loop.add_signal_handler(signal.SIGTERM, self.request_drain)
-        loop.add_signal_handler(signal.SIGINT, self.request_stop)
+        signals = threading.current_thread() is threading.main_thread()  # a daemon run in a test's thread takes none
+        if signals:
+            loop.add_signal_handler(signal.SIGTERM, self.request_drain)
+            loop.add_signal_handler(signal.SIGINT, self.request_stop)
         server: SocketTransport | None = None
         housekeeping: asyncio.Task | None = None
         try:
@@ -230,7 +239,7 @@ class Supervisor:
         finally:
             if self.service is not None:
                 self.service.books.spill.stopping()  # a successor on the spill dir waits from now, not refused
-            for signum in (signal.SIGTERM, signal.SIGINT):
+            for signum in (signal.SIGTERM, signal.SIGINT) if signals else ():
                 loop.remove_signal_handler(signum)
             await self._stopped(housekeeping)
             if server is not None:
