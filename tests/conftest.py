@@ -13,7 +13,7 @@ from kvpool.shard.cache import cached_shards
 from kvpool.shard.header import ShardInfo
 from kvpool.shard.ranges import parse_splits
 from kvpool.local.tokenizer import Tokenizer
-from tests.daemons import private_socket_dir
+from tests.support.daemons import private_socket_dir
 
 EVEN_SPLIT = "0:10,10:20,20:30"
 UNEVEN_SPLIT = "0:7,7:22,22:30"

@@ -15,7 +15,7 @@ from kvpool.router.router import RecoveryPolicy, Router
 from kvpool.shard.cache import cached_shards
 from kvpool.shard.ranges import parse_splits
 from tests.conftest import EVEN_SPLIT, TOTAL_LAYERS
-from tests.daemons import DaemonProcess
+from tests.support.daemons import DaemonProcess
 
 pytestmark = pytest.mark.timeout(3600)
 N_CTX = 256

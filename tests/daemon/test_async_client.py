@@ -20,9 +20,9 @@ from kvpool.wire.protocol import PROTOCOL_VERSION, Append, Cancel, Done, ErrorRe
 from kvpool.daemon.transport.frames import MAX_IN_FLIGHT_PER_CONNECTION
 from kvpool.wire.shape import ShardShape
 from tests.conftest import EVEN_SPLIT
-from tests.daemons import HANG_GUARD_S, DaemonProcess, exited, stopped, wait_until
-from tests.daemons import RawConnection
-from tests.daemons import admission_line_full
+from tests.support.daemons import HANG_GUARD_S, DaemonProcess, exited, stopped, wait_until
+from tests.support.daemons import RawConnection
+from tests.support.daemons import admission_line_full
 
 pytestmark = pytest.mark.timeout(3600)
 N_CTX = 256

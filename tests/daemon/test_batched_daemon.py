@@ -25,8 +25,8 @@ from workers.server.segment import SegmentRegions
 from kvpool.daemon.pool.handle import PoolSpec, WorkerFailed, WorkerLost
 from workers.server.spec import WorkerSpec
 from workers.runtime.model import ShardModel
-from tests.daemons import DaemonProcess
-from tests.daemons import in_thread, joined, result, stopped, wait_until
+from tests.support.daemons import DaemonProcess
+from tests.support.daemons import in_thread, joined, result, stopped, wait_until
 from tests.conftest import PROCESS_MODE_TOLERANCE
 
 N_CTX = 256

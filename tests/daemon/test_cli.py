@@ -11,7 +11,7 @@ import pytest
 from kvpool.local.chain import LocalChain
 from kvpool.local.generate import greedy_tokens
 from tests.conftest import EVEN_SPLIT
-from tests.daemons import run_to_completion
+from tests.support.daemons import run_to_completion
 
 PROMPT = "Name three colors."
 # Hang guards only: the slowest command here (demo: cut 3 shards, start 3 daemons, 16 tokens) takes

@@ -22,8 +22,8 @@ from kvpool.local.generate import greedy_tokens
 from kvpool.wire.protocol import PROTOCOL_VERSION, Append, AppendReply, Done, Hello, Release, Stats, encode
 from kvpool.wire.framing import FRAME_HEADER
 from kvpool.daemon.admission.admission import MAX_ADMIT_WAIT_S
-from tests.daemons import STOP_HANG_GUARD_S, DaemonProcess, raw_connection, read_reply, sent_and_read
-from tests.daemons import in_thread as _in_thread, joined as _joined, result as _result, stopped as _stopped, wait_until as _wait_until
+from tests.support.daemons import STOP_HANG_GUARD_S, DaemonProcess, raw_connection, read_reply, sent_and_read
+from tests.support.daemons import in_thread as _in_thread, joined as _joined, result as _result, stopped as _stopped, wait_until as _wait_until
 
 N_CTX = 512
 GREEDY = 16

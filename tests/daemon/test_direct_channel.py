@@ -28,7 +28,7 @@ from kvpool.daemon.pool.spec import PoolSpec, shared_settings
 from kvpool.wire.protocol import Append, AppendReply, decode_reply, encode
 from kvpool.wire.framing import FRAME_HEADER, receive_exactly
 from workers.server.segment import SegmentRegions
-from tests.daemons import HANG_GUARD_S, DaemonProcess, in_thread, joined, stopped, wait_until
+from tests.support.daemons import HANG_GUARD_S, DaemonProcess, in_thread, joined, stopped, wait_until
 from workers.server.segment import CONTROL_BYTES
 from workers.server.compute_locks import ComputeLocks
 from workers.server.direct import MAX_FRAME_BYTES, DirectChannel

@@ -21,7 +21,7 @@ from kvpool.daemon.books.sessions import Session
 from kvpool.daemon.books.spill import CorruptBlob, SpillStore
 from kvpool.state import header as state_header
 from kvpool.state.header import FORMAT_VERSION, UNBOUND, StateHeader, StateIdentity, StateRejected, open_state, read_header, seal
-from tests.daemons import STOP_HANG_GUARD_S, DaemonProcess, wait_until
+from tests.support.daemons import STOP_HANG_GUARD_S, DaemonProcess, wait_until
 
 N_CTX = 64
 IDENTITY = StateIdentity("ab" * 32, 10, 20, 0, "cd" * 32, "llama-cpp-python 0.3.36", 1, 1, False, 7680)

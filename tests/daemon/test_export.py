@@ -20,7 +20,7 @@ from kvpool.daemon.books.transfers import ExportCache, ExportsFull, ImportBuffer
 from kvpool.state.header import open_state, read_header, seal
 from kvpool.state.sequence import parse_state, write_state
 from kvpool.wire.protocol import Done, Export, Exported, Import
-from tests.daemons import HANG_GUARD_S, DaemonProcess
+from tests.support.daemons import HANG_GUARD_S, DaemonProcess
 
 pytestmark = pytest.mark.timeout(3600)
 

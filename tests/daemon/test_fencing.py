@@ -14,7 +14,7 @@ from kvpool.daemon.admission.admission import MAX_ADMIT_WAIT_S
 from kvpool.client.client import KvpoolError
 from kvpool.wire.protocol import ErrorReply, Fork, Release
 from kvpool.router.router import Router
-from tests.daemons import DaemonProcess, in_thread, joined, read_reply, result, sent_and_read, stopped, wait_until
+from tests.support.daemons import DaemonProcess, in_thread, joined, read_reply, result, sent_and_read, stopped, wait_until
 
 pytestmark = pytest.mark.timeout(3600)
 

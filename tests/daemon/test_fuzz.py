@@ -41,7 +41,7 @@ from kvpool.wire.protocol import (
 )
 from kvpool.wire.framing import FRAME_HEADER
 from tests.conftest import EVEN_SPLIT
-from tests.daemons import DaemonProcess, private_socket_dir
+from tests.support.daemons import DaemonProcess, private_socket_dir
 from workers.runtime.model import ShardModel
 
 N_CTX = 512

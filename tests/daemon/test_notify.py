@@ -27,7 +27,7 @@ from kvpool.client.client import Client, ConnectionLost
 from kvpool.daemon import logs
 from kvpool.daemon.notify import Notifier, socket_address
 from kvpool.launcher import Daemon, wait_answering
-from tests.daemons import HANG_GUARD_S, START_HANG_GUARD_S, DaemonProcess, wait_until
+from tests.support.daemons import HANG_GUARD_S, START_HANG_GUARD_S, DaemonProcess, wait_until
 
 SMALL = ("--threads", "1", "--n-ctx", "64", "--max-sessions", "2")
 KVPOOL = [sys.executable, "-m", "kvpool"]

@@ -50,7 +50,7 @@ from kvpool.shard.header import read_shard_info
 from kvpool.daemon.supervisor import build_pool
 from kvpool.daemon.pool.handle import PoolSpec
 from workers.server.spec import WorkerSpec
-from tests.daemons import DaemonProcess, private_socket_dir
+from tests.support.daemons import DaemonProcess, private_socket_dir
 from workers.runtime.model import ShardModel
 
 HANG_GUARD_S = float(os.environ.get("KVPOOL_TEST_HANG_GUARD_S", "600"))

@@ -18,7 +18,7 @@ from kvpool.wire.protocol import ShardDescription
 from kvpool.shard.route import check_route
 from kvpool.router.router import Cancelled, RecoveryPolicy, Router
 from kvpool.shard.errors import ShardError
-from tests.daemons import DaemonProcess, exited, in_thread, joined, result, stopped, wait_until
+from tests.support.daemons import DaemonProcess, exited, in_thread, joined, result, stopped, wait_until
 
 pytestmark = pytest.mark.timeout(3600)
 N_CTX = 512

@@ -38,8 +38,8 @@ from kvpool.wire.framing import FRAME_HEADER
 from kvpool.daemon.transport import frames as server
 from kvpool.wire.shape import ShardShape
 from tests.conftest import EVEN_SPLIT
-from tests.daemons import HANG_GUARD_S, DaemonProcess, stopped, wait_until
-from tests.daemons import RawConnection
+from tests.support.daemons import HANG_GUARD_S, DaemonProcess, stopped, wait_until
+from tests.support.daemons import RawConnection
 
 pytestmark = pytest.mark.timeout(3600)
 ONE_PLACE = ("--threads", "1", "--n-ctx", "256", "--max-sessions", "1")

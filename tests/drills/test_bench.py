@@ -23,7 +23,7 @@ from kvpool.bench.rig import long_history
 from kvpool.bench.table import render_table
 from kvpool.shard.cache import cached_shards
 from kvpool.shard.ranges import LayerRange
-from tests.daemons import run_to_completion
+from tests.support.daemons import run_to_completion
 
 REPOSITORY = pathlib.Path(__file__).resolve().parents[2]
 SECTIONS = ("1", "2", "3", "4", "5", "6", "7", "8", "9", "10", "11")

@@ -18,7 +18,7 @@ from kvpool.daemon.config import ServeConfig
 from kvpool.daemon.admission.calibration import (
     CALIBRATION_ROWS, LLAMA_CTX_PAD, PROBE_CELLS, ROUND_BYTES, ChargeFit, Probe, SharedContextCharge,
 )
-from tests.daemons import DaemonProcess
+from tests.support.daemons import DaemonProcess
 from workers.server.main import anonymous_bytes
 
 MIB = 1 << 20
@@ -145,9 +145,9 @@ def test_a_session_that_fills_its_context_uses_no_more_than_its_charge(shards, s
 
 
 def _full_context_bytes(shard_path, n_ctx: int, n_seqs: int) -> int:
-    """A full context's real bytes per session, read in a fresh process (tests.filled_context)."""
+    """A full context's real bytes per session, read in a fresh process (tests.support.filled_context)."""
     done = subprocess.run(
-        [sys.executable, "-m", "tests.filled_context", str(shard_path), str(n_ctx), str(n_seqs)],
+        [sys.executable, "-m", "tests.support.filled_context", str(shard_path), str(n_ctx), str(n_seqs)],
         capture_output=True, text=True, timeout=1800, check=False,
     )
     assert done.returncode == 0, done.stderr

@@ -22,7 +22,7 @@ import pytest
 
 import workers.runtime.native as native
 from kvpool.shard.header import read_shard_info
-from tests.daemons import run_to_completion
+from tests.support.daemons import run_to_completion
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 # Hang guards only: building the wheel and the fresh venv takes seconds, `kvpool shard` a few more.

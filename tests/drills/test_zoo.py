@@ -24,7 +24,7 @@ from kvpool.shard.errors import ShardError
 from kvpool.shard.ranges import parse_splits
 from kvpool.shard.synthetic import SPM_BOS_ID, ZOO, ZOO_TYPES, ZooSpec, zoo_model
 from kvpool.shard.writer import write_shards
-from tests.daemons import DaemonProcess
+from tests.support.daemons import DaemonProcess
 from workers.runtime.model import ShardModel
 from workers.runtime.shard import AttentionShape, row_bytes
 

@@ -8,7 +8,7 @@ import pytest
 
 from kvpool.client.client import KvpoolError
 from tests.conftest import EVEN_SPLIT
-from tests.daemons import DaemonProcess, private_socket_dir
+from tests.support.daemons import DaemonProcess, private_socket_dir
 from workers.runtime.model import ShardModel
 from kvpool.wire.sampling import Sampling
 from workers.runtime.sampling import sample

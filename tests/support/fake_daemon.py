@@ -66,7 +66,7 @@ def fake_shard_file(directory: pathlib.Path, layer_start: int = 0, layer_stop: i
 
 class FakeDaemon:
     """The real Supervisor on fake workers, in a thread of this process, configured by `kvpool serve` flags
-    (`options`, as tests.daemons.DaemonProcess takes them); `kinds`: fake_kinds(...) with behaviour knobs."""
+    (`options`, as tests.support.daemons.DaemonProcess takes them); `kinds`: fake_kinds(...) with behaviour knobs."""
 
     def __init__(self, model: pathlib.Path, socket_path: pathlib.Path, *options: str, kinds: tuple[type, type] | None = None) -> None:
         parser = argparse.ArgumentParser()

@@ -11,10 +11,10 @@ import pytest
 
 from kvpool.client.client import KvpoolError
 from kvpool.launcher import Daemon, DaemonStartFailed
-from tests.daemons import START_HANG_GUARD_S, DaemonProcess, in_thread, joined, stopped, wait_until
+from tests.support.daemons import START_HANG_GUARD_S, DaemonProcess, in_thread, joined, stopped, wait_until
 from kvpool.daemon.books import spill
 from kvpool.daemon.books.spill import MAGIC
-from tests.test_spill_store import OLD_MAGIC, failing_writes, own_files
+from tests.support.disks import OLD_MAGIC, failing_writes, own_files
 from workers.runtime.model import ShardModel
 
 N_CTX = 256

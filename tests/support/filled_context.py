@@ -1,5 +1,5 @@
 """What a full context really takes, read in a fresh process that never held one: `python -m
-tests.filled_context PATH N_CTX N_SEQS` creates the context as a kvpool worker does (one sequence:
+tests.support.filled_context PATH N_CTX N_SEQS` creates the context as a kvpool worker does (one sequence:
 ShardContext; more: the batched context of N_SEQS sequences), fills every sequence to N_CTX in 512-row
 batches and prints, as JSON, the growth of the process's anonymous memory (the mmap'd weights left out)."""
 

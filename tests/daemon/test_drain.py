@@ -18,8 +18,8 @@ from kvpool.client.aio import AsyncClient
 from kvpool.client.client import Client, ConnectionLost, KvpoolError
 from kvpool.daemon.books import spill
 from kvpool.daemon.config import ServeConfig
-from tests.daemons import HANG_GUARD_S, STOP_HANG_GUARD_S, DaemonProcess, in_thread, joined, result, stopped, wait_until
-from tests.test_spill_store import failing_writes
+from tests.support.daemons import HANG_GUARD_S, STOP_HANG_GUARD_S, DaemonProcess, in_thread, joined, result, stopped, wait_until
+from tests.support.disks import failing_writes
 
 N_CTX = 64
 PROMPT_TOKENS = 12
