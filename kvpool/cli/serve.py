@@ -14,7 +14,7 @@ from kvpool.daemon.logs import LOG_FORMATS, configure as configure_logs
 from kvpool.daemon.notify import Notifier
 from kvpool.host import format_bytes, notify_socket_address, parse_bytes, work_dir
 from kvpool.daemon.lifeline import watch_lifeline
-from kvpool.daemon.pool.segments import SharedMemoryTooSmall
+from kvpool.daemon.pool.shm_room import SharedMemoryTooSmall
 from kvpool.daemon.transport.listener import SocketSetupError
 from kvpool.shard.errors import ShardError
 from kvpool.daemon.supervisor import Supervisor

@@ -60,7 +60,7 @@ from kvpool.wire.protocol import (
 from kvpool.daemon.drain import Drain, DrainOutcome
 from kvpool.daemon.mode_probe import probe_modes
 from kvpool.daemon.notify import Notifier
-from kvpool.daemon.pool.segments import check_room_for
+from kvpool.daemon.pool.shm_room import check_room_for
 from workers.server.segment import SegmentRegions
 from kvpool.daemon.transport.frames import ConnectionLimits, SocketTransport
 from kvpool.daemon.transport.listener import prepare_socket_path

@@ -4,9 +4,9 @@ identity, as a new parked session. The bytes travel through the caller: moving t
 relay's job. Fenced like every session request.
 
 Consistency: an Export at offset 0 saves the state once (a hot session is saved without being parked, and
-stays hot; a parked one is read from the store) and keeps it (kvpool.daemon.books.transfers.ExportCache);
+stays hot; a parked one is read from the store) and keeps it (kvpool.daemon.books.in_transit.ExportCache);
 its later chunks are cut from that copy only, named by export_id, while the session stays live at that epoch.
-Each export stands until its last chunk was handed out or it sat idle (kvpool.daemon.books.transfers): another
+Each export stands until its last chunk was handed out or it sat idle (kvpool.daemon.books.in_transit): another
 caller's export of the same session never cuts it short; past the daemon's limit a new export is over_budget
 with retry_after_s.
 
@@ -24,7 +24,7 @@ import time
 
 from kvpool.daemon.books.books import Books
 from kvpool.daemon.books.sessions import Session
-from kvpool.daemon.books.transfers import ExportCache, ExportsFull, ImportBuffers, KeptExport, TransferRefused
+from kvpool.daemon.books.in_transit import ExportCache, ExportsFull, ImportBuffers, KeptExport, TransferRefused
 from kvpool.daemon.config import ServeConfig
 from kvpool.daemon.gate import Gate
 from kvpool.daemon.metrics import Metrics

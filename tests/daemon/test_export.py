@@ -1,6 +1,6 @@
 """Export and Import: a session's sealed state moves between two daemons of the same shard and continues
 bit-exactly; an imported state that is not this shard's, damaged, out of order or too large is refused with a
-typed error and changes nothing. The books of the transfers (kvpool.daemon.books.transfers) with fake bytes."""
+typed error and changes nothing. The books of the transfers (kvpool.daemon.books.in_transit) with fake bytes."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from kvpool.client.aio import AsyncClient
 from kvpool.client.client import KvpoolError
 from kvpool.client.messages import IMPORT_FRAME_ROOM, Call, import_calls, import_chunk_bytes
 from kvpool.daemon.config import MIN_EXPORT_CHUNK_BYTES, ServeConfig
-from kvpool.daemon.books.transfers import ExportCache, ExportsFull, ImportBuffers, TransferRefused
+from kvpool.daemon.books.in_transit import ExportCache, ExportsFull, ImportBuffers, TransferRefused
 from kvpool.state.header import open_state, read_header, seal
 from kvpool.state.sequence import parse_state, write_state
 from kvpool.wire.protocol import Done, Export, Exported, Import

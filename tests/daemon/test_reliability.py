@@ -42,7 +42,7 @@ from kvpool.wire.protocol import (
     encode,
 )
 from kvpool.wire.framing import FRAME_HEADER
-from kvpool.daemon.pool.segments import free_shared_memory_bytes
+from kvpool.daemon.pool.shm_room import free_shared_memory_bytes
 from workers.server.segment import LOGIT_ROWS_IN_SEGMENT, SegmentRegions
 from kvpool.daemon.service import KvService
 from kvpool.wire.shape import ShardShape

@@ -5,9 +5,7 @@ from __future__ import annotations
 import os
 
 from kvpool.host import format_bytes
-from workers.server.segment import LOGIT_ROWS_IN_SEGMENT, SegmentRegions
-
-__all__ = ["LOGIT_ROWS_IN_SEGMENT", "SHARED_MEMORY_DIR", "SegmentRegions", "SharedMemoryTooSmall", "check_room_for", "free_shared_memory_bytes"]
+from workers.server.segment import SegmentRegions
 
 SHARED_MEMORY_DIR = "/dev/shm"
 
