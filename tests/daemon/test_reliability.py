@@ -1,6 +1,6 @@
 """Reliability (issue 8): a reply never reaches another request, no process outlives its parent, and the
 smaller defects: a late cancel's abort flag, a dead free worker, shared-memory sizing, worker names,
-integrity under -O (tests/test_books.py), a stalled worker. Real daemons on real shards throughout.
+integrity under -O (tests/unit/test_books.py), a stalled worker. Real daemons on real shards throughout.
 
 Waits are hang guards only: every one waits for an event, never for an amount of time to pass.
 """

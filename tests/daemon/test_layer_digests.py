@@ -22,7 +22,7 @@ from kvpool.shard.header import read_shard_info
 from kvpool.shard.ranges import LayerRange, parse_splits
 from tests.conftest import EVEN_SPLIT, TOTAL_LAYERS, UNEVEN_SPLIT
 from tests.support.daemons import START_HANG_GUARD_S, DaemonProcess
-from tests.test_replan import CHUNK, N_CTX, QUICK, Greedy
+from tests.daemon.test_replan import CHUNK, N_CTX, QUICK, Greedy
 
 pytestmark = pytest.mark.timeout(3600)
 OPTIONS = ("--threads", "1", "--n-ctx", str(N_CTX), "--max-sessions", "2")
