@@ -10,7 +10,7 @@ import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from kvpool.bench import main  # noqa: E402
+from kvpool.bench.cli import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

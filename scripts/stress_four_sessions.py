@@ -19,7 +19,7 @@ import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))  # run from a clone without installing
 
-from kvpool.stress import main  # noqa: E402
+from kvpool.stress.cli import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

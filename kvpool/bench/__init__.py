@@ -47,7 +47,7 @@ Flash attention is off everywhere. Greedy decoding continues past end-of-generat
 The JSON's "ratios" names the headline ratios, each with its target (null: none) and whether it was met.
 """
 
-# The package's docstring is `kvpool bench --help`'s description (here and in kvpool/cli_bench.py).
+# The package's docstring is `kvpool bench --help`'s description (here and in kvpool/cli/bench.py).
 # Modules, in import order: options (BenchOptions, shared constants), reference (llama.cpp contexts),
 # rig (daemons, models, timing helpers), one_session (sections 1, 2, 4), parallel (section 3),
 # admission (sections 5, 6), table (rows and cell formats), targets (sections 1-6's targets),
@@ -55,29 +55,3 @@ The JSON's "ratios" names the headline ratios, each with its target (null: none)
 # (section 7: measurement, summary, chart panels), overload (section 8), startup (section 9), durable (section 10),
 # move (section 11), report (`summarize`: every section in order), chart (the PNG), cli (run_bench, run_only, the
 # command line).
-
-from kvpool.bench.admission import measure_admission, measure_memory
-from kvpool.bench.chart import write_chart
-from kvpool.bench.cli import add_arguments, environment, main, options_from_args, run, run_bench, run_only
-from kvpool.bench.durable import DaemonLifetimes, DrainFailed, measure_durable, summarize_durable
-from kvpool.bench.move import measure_move, moved_split, summarize_move
-from kvpool.bench.one_session import IDLE_CHAIN_S, IDLE_MID_S, MID_SESSION, measure_mid_shard, measure_route, mid_shard_variants, route_variants
-from kvpool.bench.options import DURABLE_N_CTX, EPOCH, MOVE_N_CTX, PARALLEL_THREADS, ROUTE_N_CTX, SESSIONS, SINGLE_THREADS, WARM_N_CTX, BenchOptions
-from kvpool.bench.overload import OVERLOAD_TARGET, measure_overload, summarize_overload
-from kvpool.bench.parallel import CEILING, CeilingProcesses, measure_parallel
-from kvpool.bench.reference import BatchedContext, PlainContext
-from kvpool.bench.report import summarize
-from kvpool.bench.rig import FILLER_TEXT, PROMPTS, Rig, Variant, daemon_uss, long_history, payload_seconds, round_trips, start_daemons
-from kvpool.bench.table import Row, headline, render_table
-from kvpool.bench.targets import DAEMON_OVERHEAD_TARGET, PARALLEL_TARGET
-from kvpool.bench.warm import PARKED_TARGET, RESTORE_TARGET, measure_warm, summarize_warm
-
-__all__ = [
-    "CEILING", "DAEMON_OVERHEAD_TARGET", "DURABLE_N_CTX", "EPOCH", "FILLER_TEXT", "IDLE_CHAIN_S", "IDLE_MID_S", "MID_SESSION", "MOVE_N_CTX", "OVERLOAD_TARGET", "PARALLEL_TARGET",
-    "PARALLEL_THREADS", "PARKED_TARGET", "PROMPTS", "RESTORE_TARGET", "ROUTE_N_CTX", "SESSIONS", "SINGLE_THREADS", "WARM_N_CTX",
-    "BatchedContext", "BenchOptions", "CeilingProcesses", "DaemonLifetimes", "DrainFailed", "PlainContext", "Rig", "Row", "Variant",
-    "add_arguments", "daemon_uss", "environment", "headline", "long_history", "main", "measure_admission", "measure_durable", "measure_memory", "measure_mid_shard", "measure_move",
-    "measure_overload", "measure_parallel", "measure_route", "measure_warm", "mid_shard_variants", "moved_split", "options_from_args", "payload_seconds",
-    "render_table", "round_trips", "route_variants", "run", "run_bench", "run_only", "start_daemons", "summarize", "summarize_durable", "summarize_move", "summarize_overload", "summarize_warm",
-    "write_chart",
-]

@@ -1,7 +1,2 @@
 """`kvpool serve`: the shard daemon. The supervisor wires the transport (transport/), the request semantics
 (service, gate, warm), the books (books/), the worker processes (pool/) and admission (admission/)."""
-
-from kvpool.daemon.config import ServeConfig
-from kvpool.daemon.supervisor import Supervisor
-
-__all__ = ["ServeConfig", "Supervisor"]

@@ -23,37 +23,3 @@ as a warning. The operations of each session are seeded; how the sessions' reque
 the scheduler, so two runs with one seed issue the same operations per session but not in the same
 global order.
 """
-
-from __future__ import annotations
-
-from kvpool.stress.cli import DESCRIPTION, add_arguments, main, run
-from kvpool.stress.drill_checks import operations_verdict
-from kvpool.stress.log import LocalReference, LoggedAppend, LoggedReset, LoggedTruncate, replay_alone, row_digest
-from kvpool.stress.options import LATE_CANCEL, FaultKind, OpKind, StressOptions
-from kvpool.stress.plans import build_plans, cancel_targets
-from kvpool.stress.report import SessionSummary, StressReport, render
-from kvpool.stress.runner import run_stress
-
-__all__ = [
-    "DESCRIPTION",
-    "LATE_CANCEL",
-    "FaultKind",
-    "LocalReference",
-    "LoggedAppend",
-    "LoggedReset",
-    "LoggedTruncate",
-    "OpKind",
-    "SessionSummary",
-    "StressOptions",
-    "StressReport",
-    "add_arguments",
-    "build_plans",
-    "cancel_targets",
-    "main",
-    "operations_verdict",
-    "render",
-    "replay_alone",
-    "row_digest",
-    "run",
-    "run_stress",
-]

@@ -26,24 +26,12 @@ from kvpool.router.recovery import RecoveryPolicy
 from kvpool.router.route import StageFailed
 from kvpool.router.session import RoutedSession
 from kvpool.shard.cache import shards_in_parts
-from kvpool.stress import (
-    LATE_CANCEL,
-    FaultKind,
-    LocalReference,
-    LoggedAppend,
-    LoggedReset,
-    LoggedTruncate,
-    OpKind,
-    SessionSummary,
-    StressOptions,
-    StressReport,
-    build_plans,
-    cancel_targets,
-    operations_verdict,
-    replay_alone,
-    row_digest,
-    run_stress,
-)
+from kvpool.stress.drill_checks import operations_verdict
+from kvpool.stress.log import LocalReference, LoggedAppend, LoggedReset, LoggedTruncate, replay_alone, row_digest
+from kvpool.stress.options import LATE_CANCEL, FaultKind, OpKind, StressOptions
+from kvpool.stress.plans import build_plans, cancel_targets
+from kvpool.stress.report import SessionSummary, StressReport
+from kvpool.stress.runner import run_stress
 from kvpool.stress.drill_checks import kill_supervisor_verdict, restart_verdict
 from kvpool.stress.report import DaemonSummary, RestartRecord, SavedState, SupervisorKillRecord
 from kvpool.wire.protocol import ErrorCode, ErrorReply

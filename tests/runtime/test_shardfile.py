@@ -61,7 +61,7 @@ class CliResult:
 
 
 def run_cli(*argv: str | os.PathLike[str]) -> CliResult:
-    """Run `kvpool shard ...` in-process, built the way kvpool/cli.py builds its parser."""
+    """Run `kvpool shard ...` in-process, built the way kvpool/cli/main.py builds its parser."""
     parser = argparse.ArgumentParser(prog="kvpool")
     subparsers = parser.add_subparsers(dest="command", required=True)
     cli_shard.add_parser(subparsers)

@@ -73,7 +73,7 @@ class UbatchDecoder:
                     self._batch_outputs[stop - 1] = 1
             elif not shape.is_last and self._model.lookahead_layers:
                 # Pruning to the marked rows happens in the lookahead layer, which never runs (see
-                # workers/context.py): one output for the whole ubatch, marked below.
+                # workers/runtime/context.py): one output for the whole ubatch, marked below.
                 self._batch_outputs[offset:stop] = 0
             else:
                 # Non-final shards mark every row: llama.cpp prunes unmarked rows in the last layer.
