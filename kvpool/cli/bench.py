@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kvpool import bench
+import kvpool.bench
+from kvpool.bench import cli as bench
 from kvpool.shard.bundled import BundledModelMissing
 from kvpool.launcher import DaemonStartFailed
 from kvpool.shard.errors import ShardError
@@ -15,7 +16,7 @@ def add_parser(subcommands: argparse._SubParsersAction) -> None:
     parser = subcommands.add_parser(
         "bench",
         help="benchmark kvpool against llama.cpp in-process and batched (one table, JSON, PNG)",
-        description=bench.__doc__,
+        description=kvpool.bench.__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     bench.add_arguments(parser)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from kvpool import stress
+from kvpool.stress import cli as stress
 
 
 def add_parser(subcommands: argparse._SubParsersAction) -> None:

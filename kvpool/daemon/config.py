@@ -1,12 +1,19 @@
-"""The daemon's settings: one frozen, validated object (`kvpool serve` builds it from its command line)."""
+"""The daemon's settings: one frozen, validated object (`kvpool serve` builds it from its command line).
+
+Each setting is written once, as a field of ServeConfig: its type and default, and, for what the command line
+sets, its flag, help and parser (`flag`, read by kvpool.cli.serve to define the flags, parse them and take
+the --config file's keys)."""
 
 from __future__ import annotations
 
 import dataclasses
 import os
 import pathlib
+import types
+from collections.abc import Callable
+from typing import Any
 
-from kvpool.host import available_cores
+from kvpool.host import available_cores, format_bytes, parse_bytes
 from kvpool.wire.protocol import DEFAULT_MAX_REQUEST_BYTES
 from kvpool.daemon.books.spill import SpillDirRefused, check_disk_dir
 
@@ -20,57 +27,103 @@ MODES = ("process", "batched", "auto")  # auto: resolved at start-up (kvpool.dae
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class Flag:
+    """How one ServeConfig field is set on `kvpool serve`'s command line and in a --config file."""
+
+    name: str  # the long flag, e.g. --n-ctx (its file key: n-ctx)
+    help: str  # "{default}" in it is replaced by the default as the command line shows it
+    parse: Callable[[Any], Any] | None  # the flag's argument -> the field's value; None: argparse's `type` does it
+    shown: Any  # the default the help shows (the field's own, unless it is a placeholder such as None)
+    argparse: types.MappingProxyType  # add_argument's type, metavar, choices or action (a --no-X switch: store_false into X)
+
+    @property
+    def dest(self) -> str:
+        """The parsed arguments' attribute: the flag's name (--n-ctx: n_ctx; --no-direct: direct)."""
+        return self.name.removeprefix("--no-").removeprefix("--").replace("-", "_")
+
+    def help_text(self) -> str:
+        if self.parse is parse_bytes and isinstance(self.shown, int):
+            shown = format_bytes(self.shown)
+        elif isinstance(self.shown, float):
+            shown = f"{self.shown:g}"
+        else:
+            shown = str(self.shown)
+        return self.help.format(default=shown)
+
+
+def flag(name: str, help: str, *, default: Any = dataclasses.MISSING, default_factory: Any = dataclasses.MISSING,
+         parse: Callable[[Any], Any] | None = None, shown: Any = dataclasses.MISSING, **argparse_options: Any) -> Any:
+    """A ServeConfig field set by the command-line flag `name` (see Flag)."""
+    if shown is dataclasses.MISSING:
+        shown = default if default is not dataclasses.MISSING else default_factory()
+    metadata = {"flag": Flag(name, help, parse, shown, types.MappingProxyType(argparse_options))}
+    if default_factory is not dataclasses.MISSING:
+        return dataclasses.field(default_factory=default_factory, metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+def bytes_or_zero(text: str) -> int:
+    """A byte size, where a bare 0 turns the thing off (parse_bytes wants a unit)."""
+    return 0 if text.strip() == "0" else parse_bytes(text)
+
+
+def flags() -> list[tuple[str, Flag]]:
+    """(ServeConfig field, its Flag) for every field the command line sets, in the fields' order."""
+    return [(field.name, field.metadata["flag"]) for field in dataclasses.fields(ServeConfig) if "flag" in field.metadata]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class ServeConfig:
     """Everything `kvpool serve` is configured with; validated on construction."""
 
     model: pathlib.Path
     socket: pathlib.Path
-    budget_bytes: int = 1024**3
-    max_sessions: int = 4  # also the number of warm worker processes
-    ttl_s: float = 300.0
-    threads: int = dataclasses.field(default_factory=available_cores)  # llama threads computing at once, all workers
-    threads_per_worker: int = 1
-    n_ctx: int = 2048  # the largest context a session may ask for, and the default
-    flash_attn: bool = False
-    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    budget_bytes: int = flag('--budget', "bytes all sessions' contexts may reserve, e.g. 1GiB, 512MiB (default {default})", default=1024 ** 3, parse=parse_bytes)
+    max_sessions: int = flag('--max-sessions', 'live sessions at most = warm worker processes (default {default})', default=4, type=int)  # also the number of warm worker processes
+    ttl_s: float = flag('--ttl', 'seconds an idle session lives (default {default})', default=300.0, type=float)
+    threads: int = flag('--threads', 'llama threads computing at once across all workers (default: cores available, {default})', default_factory=available_cores, type=int)  # llama threads computing at once, all workers
+    threads_per_worker: int = flag('--threads-per-worker', 'process mode: llama threads per worker (default {default}); a batched worker process gets --threads divided by the number of worker processes', default=1, type=int)
+    n_ctx: int = flag('--n-ctx', 'largest (and default) context per session (default {default})', default=2048, type=int)  # the largest context a session may ask for, and the default
+    flash_attn: bool = flag('--flash-attn', 'use flash attention (all shards of a route must agree)', default=False, action='store_true')
+    max_request_bytes: int = flag('--max-request-bytes', 'largest request frame accepted (default {default})', default=DEFAULT_MAX_REQUEST_BYTES, parse=parse_bytes)
     ready_timeout_s: float = 60.0
-    request_timeout_s: float = 600.0  # a worker call not answered by then: worker killed, request worker_lost
-    memory_margin_bytes: int = 64 * 1024**2  # measured USS above charge + this -> recycle when idle
-    housekeeping_interval_s: float = 0.5
+    request_timeout_s: float = flag('--request-timeout', 'seconds a worker may take to answer one call (an append of --n-ctx rows included); a worker that does not is killed and replaced, and its request answered worker_lost (default {default})', default=600.0, type=float)  # a worker call not answered by then: worker killed, request worker_lost
+    memory_margin_bytes: int = flag('--memory-margin', 'recycle an idle worker whose measured memory exceeds its charge by this (default {default})', default=64 * 1024 ** 2, parse=parse_bytes)  # measured USS above charge + this -> recycle when idle
+    housekeeping_interval_s: float = flag('--housekeeping-interval', 'seconds between housekeeping passes: TTL expiry, replacing dead idle workers, memory checks (default {default})', default=0.5, type=float)
     # An idle session that appended less than this long ago is not evicted by an admission, which waits for
     # the protection to lapse instead (kvpool.daemon.admission.residency). None: derived from the step time measured at
     # start-up, a few of this route's steps (kvpool.daemon.admission.residency.derived_min_residency_s).
-    min_residency_s: float | None = None
-    admit_queue_limit: int = 64  # admissions waiting for room at once; one more is answered over_budget
-    metrics_port: int | None = None
-    n_gpu_layers: int = 0
-    verbose: bool = False
-    spill_budget_bytes: int | None = None  # the warm tier's memory limit; None: equal to budget_bytes, 0: off
-    park_after_s: float = 0.0  # park hot sessions idle this long (0: only when their place is needed)
-    persist_after_s: float | None = None  # copy hot sessions idle this long to the disk tier (None: never)
-    spill_dir: pathlib.Path | None = None  # the disk tier (opt-in, with spill_disk_budget_bytes)
-    spill_disk_budget_bytes: int = 0
-    direct: bool = True  # each worker offers a direct channel to clients that ask for it (process mode)
+    min_residency_s: float | None = flag('--min-residency', "an idle session that appended within the last S seconds is not evicted to admit another: the admission waits for it to lapse instead (default: derived at start-up from the measured decode step, a few of the route's steps; 0 turns it off)", default=None, type=float, metavar='S')
+    admit_queue_limit: int = flag('--admit-queue', 'admissions that may wait for room at once, served first come first served; one more is answered over_budget with retry_after_s (default {default})', default=64, type=int, metavar='N')  # admissions waiting for room at once; one more is answered over_budget
+    metrics_port: int | None = flag('--metrics-port', 'serve Prometheus metrics on 127.0.0.1:PORT', default=None, type=int)
+    n_gpu_layers: int = flag('--n-gpu-layers', 'layers to offload to a GPU build of llama.cpp (default {default})', default=0, type=int)
+    verbose: bool = flag('--verbose', "show llama.cpp's log", default=False, action='store_true')
+    spill_budget_bytes: int | None = flag('--spill-budget', "bytes of parked sessions' saved states kept in memory (the warm tier): an evicted or parked session is restored exactly by its next append instead of a cache miss; 0 turns the tier off (default: equal to --budget)", default=None, parse=bytes_or_zero)  # the warm tier's memory limit; None: equal to budget_bytes, 0: off
+    park_after_s: float = flag('--park-after', 'park a session idle this many seconds even when nobody needs its place; 0: only when its place is needed (default {default})', default=0.0, type=float)
+    persist_after_s: float | None = flag('--persist-after', "with --spill-dir: write a copy of a hot session's state to the disk tier once it has been idle S seconds (it stays hot; written again after it grows): after a crash the next daemon adopts it, and the router replays only the tokens since (default: never)", default=None, type=float, metavar='S')
+    spill_dir: pathlib.Path | None = flag('--spill-dir', "the disk tier: a private directory (created 0700; a symlink or a directory others can write is refused) for saved states pushed out of memory; the store's own files of an earlier run are deleted at start, nothing else (needs --spill-disk-budget)", default=None, parse=pathlib.Path.absolute, type=pathlib.Path)
+    spill_disk_budget_bytes: int = flag('--spill-disk-budget', 'bytes of saved states kept in --spill-dir', default=0, parse=parse_bytes)
+    direct: bool = flag('--no-direct', "no direct channels: every append goes through the supervisor (by default a client that asks gets its session's worker's channel, and its appends skip the supervisor)", default=True, action='store_false')
     # "process": one worker process per session; "batched": a worker process holds seqs_per_worker sessions
     # as sequences of one context and decodes their appends together (kvpool.daemon.pool.batched)
-    mode: str = "process"
-    seqs_per_worker: int = 4
+    mode: str = flag('--mode', 'process: one worker process per session (each its own llama context); batched: each worker process holds --seqs-per-worker sessions as isolated sequences of one context and decodes the appends that arrive together in one batch, through the supervisor (no direct channels); auto: measure both schedules on this shard with --threads at start-up (a few seconds) and run the faster (`kvpool status` says which and why) (default {default})', default='process', choices=MODES)
+    seqs_per_worker: int = flag('--seqs-per-worker', 'batched mode: sessions per worker process; must divide --max-sessions (default {default})', default=4, type=int, metavar='N')
     # Session ids whose highest epoch is remembered besides the live ones; past it the lowest epoch is
     # forgotten and the epoch floor rises to it (kvpool.daemon.books.sessions: the fencing rule).
-    fence_ids: int = 65536
+    fence_ids: int = flag('--fence-ids', "session ids whose highest epoch is remembered besides the live sessions' (default {default}); past N the lowest epoch is forgotten and the daemon's epoch floor rises to it: a request for an id it does not know below the floor is refused stale_epoch (the reply names the floor), never admitted", default=65536, type=int, metavar='N')
     # The socket transport (kvpool.daemon.transport.frames): a connection's Hello must arrive whole within handshake_timeout_s
     # of its accept, and every later frame within frame_timeout_s of its first byte (idle between frames: no limit)
-    handshake_timeout_s: float = 10.0
-    frame_timeout_s: float = 30.0
-    max_buffered_bytes: int | None = None  # request bytes held across all connections; None: DEFAULT_MAX_BUFFERED_BYTES or one largest frame
-    max_connections: int | None = None  # None: derived at start-up from RLIMIT_NOFILE (kvpool.daemon.transport.frames.derived_max_connections)
+    handshake_timeout_s: float = flag('--handshake-timeout', 'a connection whose Hello has not arrived whole S seconds after it connected is closed (default {default})', default=10.0, type=float, metavar='S')
+    frame_timeout_s: float = flag('--frame-timeout', 'a frame must arrive whole within S seconds of its first byte, or its connection is closed; a connection idle between frames stays open (default {default})', default=30.0, type=float, metavar='S')
+    max_buffered_bytes: int | None = flag('--max-buffered-bytes', 'request bytes held across all connections: a frame that does not fit waits, unread, for room (default {default}, at least --max-request-bytes)', default=None, parse=parse_bytes, shown=DEFAULT_MAX_BUFFERED_BYTES)  # request bytes held across all connections; None: DEFAULT_MAX_BUFFERED_BYTES or one largest frame
+    max_connections: int | None = flag('--max-connections', 'open connections at most; one more is answered over_budget and closed (default: what the open-files limit leaves, at most 1024)', default=None, type=int, metavar='N')
     # A drain (SIGTERM, Shutdown{drain: true}: kvpool.daemon.drain) lets requests in flight finish this long,
     # then cancels the appends still computing, parks every hot session and exits
-    drain_timeout_s: float = 30.0
+    drain_timeout_s: float = flag('--drain-timeout', 'on SIGTERM (or `kvpool status --drain`) the daemon drains: new requests are answered draining (a client sends them again to the daemon that takes over the socket), requests in flight get S seconds to finish, appends still computing then are cancelled, every hot session is parked (to --spill-dir when given, so the states outlast the process), then it exits 0; a second SIGTERM or a SIGINT stops at once (exit 1); SIGINT before a drain stops at once (default {default})', default=30.0, type=float, metavar='S')
     # Export / Import (kvpool.daemon.transfer): the state bytes of one Exported reply, and the bytes one
     # import may total (all imports in progress together as well); an import must also fit the spill store
-    export_chunk_bytes: int = DEFAULT_EXPORT_CHUNK_BYTES
-    max_import_bytes: int = DEFAULT_MAX_IMPORT_BYTES
+    export_chunk_bytes: int = flag('--export-chunk-bytes', 'state bytes per Exported reply: an export travels in chunks of this size (default {default}, at least 1KiB)', default=DEFAULT_EXPORT_CHUNK_BYTES, parse=parse_bytes)
+    max_import_bytes: int = flag('--max-import-bytes', 'the largest state an Import may carry, and the bytes all imports in progress may hold together (default {default}); an import must fit the spill store too', default=DEFAULT_MAX_IMPORT_BYTES, parse=parse_bytes)
 
     def __post_init__(self) -> None:
         problems = []
