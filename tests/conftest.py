@@ -8,12 +8,14 @@ from multiprocessing import resource_tracker
 import psutil
 import pytest
 
+from kvpool.local.chain import LocalChain
 from kvpool.shard.bundled import bundled_model_path
 from kvpool.shard.cache import cached_shards
 from kvpool.shard.header import ShardInfo
 from kvpool.shard.ranges import parse_splits
 from kvpool.local.tokenizer import Tokenizer
 from tests.support.daemons import private_socket_dir
+from workers.runtime.model import ShardModel
 
 EVEN_SPLIT = "0:10,10:20,20:30"
 UNEVEN_SPLIT = "0:7,7:22,22:30"
@@ -64,6 +66,22 @@ def prompt_ids(tokenizer: Tokenizer) -> list[list[int]]:
 def shards(shard_sets: dict[str, list[ShardInfo]]) -> list[ShardInfo]:
     """The even split in 3 shards (the chain most daemon tests run)."""
     return shard_sets[EVEN_SPLIT]
+
+
+@pytest.fixture(scope="module")
+def local_chain(shards: list[ShardInfo]):
+    """The even split's shards in process, one compute thread each: the reference a chain of daemons is
+    compared with (kvpool.local.chain.LocalChain, the same partition of appends gives the same bits)."""
+    with LocalChain([shard.path for shard in shards]) as chain:
+        yield chain
+
+
+@pytest.fixture(scope="module")
+def whole_model(model_path: pathlib.Path):
+    """The unsharded bundled model in process (workers.runtime.model.ShardModel, its defaults: one thread,
+    flash attention off), whose contexts the shards and daemons are compared with."""
+    with ShardModel(model_path) as model:
+        yield model
 
 
 @pytest.fixture(scope="module")

@@ -16,15 +16,14 @@ import numpy as np
 import pytest
 
 from kvpool.daemon.pool.batched import BatchedWorker
-from kvpool.local.chain import LocalChain
 from kvpool.client.client import KvpoolError
 from kvpool.daemon.pool.compute import ComputeSlots
-from kvpool.local.generate import greedy_tokens
 from kvpool.router.router import Router
 from workers.server.segment import SegmentRegions
 from kvpool.daemon.pool.handle import PoolSpec, WorkerFailed, WorkerLost
 from workers.server.spec import WorkerSpec
 from workers.runtime.model import ShardModel
+from tests.support.chains import daemon_chain, greedy_with_logits, release_all
 from tests.support.daemons import DaemonProcess
 from tests.support.daemons import in_thread, joined, result, stopped, wait_until
 from tests.conftest import PROCESS_MODE_TOLERANCE
@@ -39,57 +38,25 @@ BATCHED = ("--mode", "batched", "--seqs-per-worker", "4", "--max-sessions", "4",
 @pytest.fixture(scope="module")
 def chain(shards, socket_dir):
     """Three batched daemons, one per shard: one worker process of 4 sequences each, one llama thread."""
-    daemons = []
-    try:
-        for index, shard in enumerate(shards):
-            daemons.append(DaemonProcess(shard.path, socket_dir / f"batched{index}.sock", *BATCHED))
+    with daemon_chain([shard.path for shard in shards], socket_dir, "batched", *BATCHED) as daemons:
         yield daemons
-    finally:
-        for daemon in daemons:
-            daemon.stop()
 
 
 @pytest.fixture
 def daemons(chain):
     yield chain
-    for daemon in chain:
-        with daemon.client() as client:
-            for row in client.stats().sessions:
-                client.release(row.session_id, row.epoch)
-            stats = client.stats()
-            assert stats.sessions == [] and stats.budget.reserved_bytes == 0 and stats.integrity == "ok"
-
-
-@pytest.fixture(scope="module")
-def local_chain(shards):
-    with LocalChain([shard.path for shard in shards]) as local:
-        yield local
+    release_all(chain)
 
 
 def _alone(local_chain, prompt):
-    rows = []
     with local_chain.new_session(N_CTX) as session:
-        def append(start, tokens):
-            logits = session.append(start, tokens)
-            rows.append(logits[-1].copy())
-            return logits
-        tokens = list(greedy_tokens(append, prompt, GREEDY))
-    return tokens, np.stack(rows[: len(tokens)])
+        return greedy_with_logits(session.append, prompt, GREEDY)
 
 
 def _through(daemons, session_id, prompt):
     clients = [daemon.client() for daemon in daemons]
     try:
-        session = Router(clients).session(session_id, epoch=1)
-        rows = []
-
-        def append(start, tokens):
-            logits = session.append_at(start, tokens)
-            rows.append(logits[-1].copy())
-            return logits
-
-        tokens = list(greedy_tokens(append, prompt, GREEDY))
-        return tokens, np.stack(rows[: len(tokens)])
+        return greedy_with_logits(Router(clients).session(session_id, epoch=1).append_at, prompt, GREEDY)
     finally:
         for client in clients:
             client.close()

@@ -33,7 +33,6 @@ from workers.server.segment import CONTROL_BYTES
 from workers.server.compute_locks import ComputeLocks
 from workers.server.direct import MAX_FRAME_BYTES, DirectChannel
 from workers.server.spec import FRAME_DEADLINE_S
-from workers.runtime.model import ShardModel
 
 N_CTX = 256
 pytestmark = pytest.mark.timeout(3600)
@@ -178,12 +177,6 @@ def test_compute_locks_bound_the_workers_computing_and_a_dead_holder_frees_its_s
         release.set()
         waiter.join(600)
         assert waiter.exitcode == 0
-
-
-@pytest.fixture(scope="module")
-def whole_model(model_path):
-    with ShardModel(model_path) as model:
-        yield model
 
 
 def test_an_idle_direct_session_is_the_least_recently_used_only_when_it_is(model_path, socket_dir, prompt_ids):

@@ -21,6 +21,7 @@ from kvpool.daemon.books.sessions import Session
 from kvpool.daemon.books.spill import CorruptBlob, SpillStore
 from kvpool.state import header as state_header
 from kvpool.state.header import FORMAT_VERSION, UNBOUND, StateHeader, StateIdentity, StateRejected, open_state, read_header, seal
+from tests.support.chains import daemon_chain, greedy_with_logits
 from tests.support.daemons import STOP_HANG_GUARD_S, DaemonProcess, wait_until
 
 N_CTX = 64
@@ -233,69 +234,51 @@ def test_a_daemon_adopts_its_own_files_a_crash_left_and_refuses_every_other(shar
 
 
 @pytest.mark.parametrize("mode", ["process", "batched"])
-def test_after_a_crash_only_the_tail_is_replayed_from_the_copy_written_behind(shards, socket_dir, tmp_path, prompt_ids, mode):
+def test_after_a_crash_only_the_tail_is_replayed_from_the_copy_written_behind(shards, socket_dir, tmp_path, local_chain, prompt_ids, mode):
     """--persist-after: each daemon writes a copy of an idle hot session behind to its disk tier. The middle
     daemon's supervisor is SIGKILLed mid-generation and a new daemon starts on its socket and spill dir: it
     adopts the copy at the length it was written; the router's next append meets the lost connection, finds
     that length by truncating, replays only the tokens since (same epoch) and the generation goes on bit for
     bit as an uninterrupted run's (kvpool.local.chain.LocalChain, same partition). In both modes."""
-    from kvpool.local.chain import LocalChain
-    from kvpool.local.generate import greedy_tokens
     from kvpool.router.router import Router
 
     n_ctx, chunk, greedy = 512, 7, 12
     prompt = prompt_ids[1]
+    options = ("--threads", "1", "--n-ctx", str(n_ctx), "--max-sessions", "2", "--mode", mode, "--seqs-per-worker", "2", "--spill-disk-budget", "64MiB",
+               "--persist-after", "2")  # far above a decode step on a slow, busy machine: no copy after the wait
+    spill_dirs = [("--spill-dir", str(tmp_path / f"spill{index}")) for index in range(3)]
 
-    def serve(index: int) -> DaemonProcess:
-        return DaemonProcess(shards[index].path, socket_dir / f"persist-{mode}{index}.sock", "--threads", "1", "--n-ctx", str(n_ctx),
-                             "--max-sessions", "2", "--mode", mode, "--seqs-per-worker", "2", "--spill-dir", str(tmp_path / f"spill{index}"), "--spill-disk-budget", "64MiB",
-                             "--persist-after", "2")  # far above a decode step on a slow, busy machine: no copy after the wait
+    with local_chain.new_session(n_ctx) as alone:
+        expected = greedy_with_logits(alone.append, prompt, greedy, prefill_chunk=chunk)
+    with daemon_chain([shard.path for shard in shards], socket_dir, f"persist-{mode}", *options, per_daemon=spill_dirs) as daemons:
+        clients = [daemon.client() for daemon in daemons]
+        adopted_length = []
+        try:
+            session = Router(clients).session("tail")
+            steps = len(range(0, len(prompt), chunk))
 
-    def run(append, before_step):
-        rows = []
+            def crash_the_middle_daemon(step):
+                if step == steps + 2:
+                    wait_until(lambda: clients[1].stats().counters.get("persisted", 0) >= 1, "a copy written behind")
+                if step == steps + 5:
+                    _killed(daemons[1])
+                    daemons[1] = DaemonProcess(shards[1].path, daemons[1].socket, *options, *spill_dirs[1])
+                    with daemons[1].client() as fresh:
+                        (row,) = fresh.stats().sessions
+                        adopted_length.append(row.length)
 
-        def step(start, tokens):
-            before_step(len(rows))
-            logits = append(start, tokens)
-            rows.append(logits[-1].copy())
-            return logits
-
-        tokens = list(greedy_tokens(step, prompt, greedy, prefill_chunk=chunk))
-        return tokens, np.stack(rows[: len(tokens)])
-
-    with LocalChain([shard.path for shard in shards]) as chain, chain.new_session(n_ctx) as alone:
-        expected = run(alone.append, lambda step: None)
-    daemons = [serve(index) for index in range(3)]
-    clients = [daemon.client() for daemon in daemons]
-    adopted_length = []
-    try:
-        session = Router(clients).session("tail")
-        steps = len(range(0, len(prompt), chunk))
-
-        def crash_the_middle_daemon(step):
-            if step == steps + 2:
-                wait_until(lambda: clients[1].stats().counters.get("persisted", 0) >= 1, "a copy written behind")
-            if step == steps + 5:
-                _killed(daemons[1])
-                daemons[1] = serve(1)
-                with daemons[1].client() as fresh:
-                    (row,) = fresh.stats().sessions
-                    adopted_length.append(row.length)
-
-        got = run(session.append_at, crash_the_middle_daemon)
-        assert got[0] == expected[0] and np.array_equal(got[1], expected[1])
-        counts = session.counts
-        (length,) = adopted_length
-        assert len(prompt) + 2 <= length < len(prompt) + 5
-        assert (counts.connections_lost, counts.tail_replays, counts.tail_replayed_tokens) == (1, 1, len(prompt) + 5 - length)
-        assert (counts.replays, counts.replayed_tokens, counts.cache_misses) == (0, 0, 0) and session.epoch == 1
-        assert "adopted 1 parked sessions" in daemons[1].log()
-        session.release()
-    finally:
-        for client in clients:
-            client.close()
-        for daemon in daemons:
-            daemon.stop()
+            got = greedy_with_logits(session.append_at, prompt, greedy, prefill_chunk=chunk, before_step=crash_the_middle_daemon)
+            assert got[0] == expected[0] and np.array_equal(got[1], expected[1])
+            counts = session.counts
+            (length,) = adopted_length
+            assert len(prompt) + 2 <= length < len(prompt) + 5
+            assert (counts.connections_lost, counts.tail_replays, counts.tail_replayed_tokens) == (1, 1, len(prompt) + 5 - length)
+            assert (counts.replays, counts.replayed_tokens, counts.cache_misses) == (0, 0, 0) and session.epoch == 1
+            assert "adopted 1 parked sessions" in daemons[1].log()
+            session.release()
+        finally:
+            for client in clients:
+                client.close()
 
 
 @pytest.mark.parametrize("mode", ["process", "batched"])

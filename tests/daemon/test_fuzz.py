@@ -13,7 +13,6 @@ appends, bit for bit.
 from __future__ import annotations
 
 import dataclasses
-import socket
 
 import msgspec
 import numpy as np
@@ -35,13 +34,13 @@ from kvpool.wire.protocol import (
     StatsReply,
     Stats,
     Truncate,
-    decode_reply,
     decode_request,
     encode,
 )
 from kvpool.wire.framing import FRAME_HEADER
 from tests.conftest import EVEN_SPLIT
-from tests.support.daemons import DaemonProcess, private_socket_dir
+from tests.support.chains import daemon_chain
+from tests.support.daemons import RawConnection, private_socket_dir
 from workers.runtime.model import ShardModel
 
 N_CTX = 512
@@ -78,14 +77,8 @@ def fuzz_shards(shard_sets):
 @pytest.fixture(scope="module")
 def fuzz_daemons(fuzz_shards, tmp_path_factory):
     directory = private_socket_dir(tmp_path_factory.mktemp("fuzz"))
-    daemons = []
-    try:
-        for index, shard in enumerate(fuzz_shards):
-            daemons.append(DaemonProcess(shard.path, directory / f"fuzz{index}.sock", "--threads", "1", "--n-ctx", str(N_CTX), "--max-sessions", "2"))
+    with daemon_chain([shard.path for shard in fuzz_shards], directory, "fuzz", "--threads", "1", "--n-ctx", str(N_CTX), "--max-sessions", "2") as daemons:
         yield daemons
-    finally:
-        for daemon in daemons:
-            daemon.stop()
 
 
 class LiveSession:
@@ -145,9 +138,6 @@ def live(fuzz_daemons, fuzz_shards, prompt_ids):
     session.step(FIRST_ROWS)
     yield session
     session.close()
-
-
-# ---- raw connections ---------------------------------------------------------------------------------
 
 
 # ---- what gets sent ------------------------------------------------------------------------------------

@@ -11,13 +11,12 @@ import signal
 import numpy as np
 import pytest
 
-from kvpool.local.chain import LocalChain
 from kvpool.client.client import Client
-from kvpool.local.generate import greedy_tokens
 from kvpool.wire.protocol import ShardDescription
 from kvpool.shard.route import check_route
 from kvpool.router.router import Cancelled, RecoveryPolicy, Router
 from kvpool.shard.errors import ShardError
+from tests.support.chains import daemon_chain, greedy_with_logits, release_all
 from tests.support.daemons import DaemonProcess, exited, in_thread, joined, result, stopped, wait_until
 
 pytestmark = pytest.mark.timeout(3600)
@@ -30,14 +29,8 @@ QUICK = RecoveryPolicy(backoff_base_s=0.01, backoff_max_s=0.1)
 
 @pytest.fixture(scope="module")
 def daemons(shards, socket_dir):
-    started = []
-    try:
-        for index, shard in enumerate(shards):
-            started.append(DaemonProcess(shard.path, socket_dir / f"route{index}.sock", *OPTIONS))
+    with daemon_chain([shard.path for shard in shards], socket_dir, "route", *OPTIONS) as started:
         yield started
-    finally:
-        for daemon in started:
-            daemon.stop()
 
 
 @pytest.fixture
@@ -45,30 +38,13 @@ def clients(daemons):
     clients = [daemon.client() for daemon in daemons]
     yield clients
     for client in clients:
-        for row in client.stats().sessions:
-            client.release(row.session_id, row.epoch)
-        assert client.stats().sessions == []
         client.close()
+    release_all(daemons)
 
 
-@pytest.fixture(scope="module")
-def local_chain(shards):
-    with LocalChain([shard.path for shard in shards]) as chain:
-        yield chain
-
-
-def _greedy(append, prompt, before_step=lambda step: None):
+def _greedy(append, prompt, before_step=None):
     """Greedy tokens and the logits each was chosen from; before_step(n) runs before the n-th append."""
-    rows = []
-
-    def step(start, tokens):
-        before_step(len(rows))
-        logits = append(start, tokens)
-        rows.append(logits[-1].copy())
-        return logits
-
-    tokens = list(greedy_tokens(step, prompt, GREEDY, prefill_chunk=CHUNK))
-    return tokens, np.stack(rows[: len(tokens)])
+    return greedy_with_logits(append, prompt, GREEDY, prefill_chunk=CHUNK, before_step=before_step)
 
 
 def _alone(local_chain, prompt):

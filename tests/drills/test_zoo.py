@@ -17,14 +17,13 @@ import numpy as np
 import pytest
 
 from kvpool.local.chain import LocalChain
-from kvpool.local.generate import greedy_tokens
 from kvpool.local.tokenizer import Tokenizer
 from kvpool.router.router import Router
 from kvpool.shard.errors import ShardError
 from kvpool.shard.ranges import parse_splits
 from kvpool.shard.synthetic import SPM_BOS_ID, ZOO, ZOO_TYPES, ZooSpec, zoo_model
 from kvpool.shard.writer import write_shards
-from tests.support.daemons import DaemonProcess
+from tests.support.chains import daemon_chain, greedy_with_logits
 from workers.runtime.model import ShardModel
 from workers.runtime.shard import AttentionShape, row_bytes
 
@@ -42,22 +41,9 @@ def _prompt(model_path) -> list[int]:
         return tokenizer.encode(PROMPT)
 
 
-def _greedy_with_logits(append, prompt, count=GREEDY):
-    """Greedy tokens plus the logits row each one was chosen from."""
-    rows = []
-
-    def recording_append(start, tokens):
-        logits = append(start, tokens)
-        rows.append(logits[-1].copy())
-        return logits
-
-    tokens = list(greedy_tokens(recording_append, prompt, count))
-    return tokens, np.stack(rows[: len(tokens)])
-
-
 def _whole_model_greedy(model_path, prompt, *, flash_attn=False):
     with ShardModel(model_path, flash_attn=flash_attn) as whole, whole.new_context(N_CTX) as context:
-        return _greedy_with_logits(lambda start, tokens: context.append(start, tokens=np.asarray(tokens, dtype=np.int32)), prompt)
+        return greedy_with_logits(lambda start, tokens: context.append(start, tokens=np.asarray(tokens, dtype=np.int32)), prompt, GREEDY)
 
 
 def _shards(spec: ZooSpec, model_path, directory):
@@ -76,7 +62,7 @@ def test_shards_of_every_zoo_model_reproduce_the_whole_model_exactly(spec, file_
     shards = _shards(spec, model_path, tmp_path)
     assert [shard.layers for shard in shards] == parse_splits(SPLITS[spec.name], spec.n_layer)
     with LocalChain([shard.path for shard in shards]) as chain, chain.new_session(N_CTX) as session:
-        tokens, logits = _greedy_with_logits(session.append, prompt)
+        tokens, logits = greedy_with_logits(session.append, prompt, GREEDY)
     assert len(tokens) == GREEDY
     assert tokens == expected_tokens
     assert np.abs(logits - expected_logits).max() == 0.0
@@ -91,7 +77,7 @@ def test_with_flash_attention_on_in_every_context_the_shards_stay_exact(file_typ
     expected_tokens, expected_logits = _whole_model_greedy(model_path, prompt, flash_attn=True)
     shards = _shards(spec, model_path, tmp_path)
     with LocalChain([shard.path for shard in shards], flash_attn=True) as chain, chain.new_session(N_CTX) as session:
-        tokens, logits = _greedy_with_logits(session.append, prompt)
+        tokens, logits = greedy_with_logits(session.append, prompt, GREEDY)
     assert tokens == expected_tokens
     assert np.abs(logits - expected_logits).max() == 0.0
 
@@ -143,7 +129,7 @@ def test_a_first_shard_leaves_a_separate_output_head_to_the_last_and_the_chain_s
     prompt = _prompt(model_path)
     expected = _whole_model_greedy(model_path, prompt)
     with LocalChain([shard.path for shard in shards]) as chain, chain.new_session(N_CTX) as session:
-        tokens, logits = _greedy_with_logits(session.append, prompt)
+        tokens, logits = greedy_with_logits(session.append, prompt, GREEDY)
     assert tokens == expected[0]
     assert np.abs(logits - expected[1]).max() == 0.0
 
@@ -217,10 +203,7 @@ def test_a_chain_of_daemons_with_a_truncate_and_a_park_reproduces_the_whole_mode
     prompt = _prompt(model_path)
     shards = _shards(spec, model_path, tmp_path)
     options = ("--threads", "1", "--n-ctx", str(N_CTX), "--max-sessions", "1")
-    daemons: list[DaemonProcess] = []
-    try:
-        for index, shard in enumerate(shards):
-            daemons.append(DaemonProcess(shard.path, socket_dir / f"{name}-{index}.sock", *options))
+    with daemon_chain([shard.path for shard in shards], socket_dir, f"{name}-", *options) as daemons:
         clients = [daemon.client() for daemon in daemons]
         try:
             got = _history(Router(clients).session("zoo", n_ctx=N_CTX), clients, prompt)
@@ -228,9 +211,6 @@ def test_a_chain_of_daemons_with_a_truncate_and_a_park_reproduces_the_whole_mode
         finally:
             for client in clients:
                 client.close()
-    finally:
-        for daemon in daemons:
-            daemon.stop()
     with ShardModel(model_path) as whole, whole.new_context(N_CTX) as context:
         expected = _history(_WholeModelSession(context), None, prompt)
     assert len(set(expected[0])) > 1

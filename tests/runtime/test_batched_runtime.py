@@ -10,13 +10,14 @@ from __future__ import annotations
 import ctypes
 import random
 import threading
-import time
 
+import llama_cpp
 import numpy as np
 import pytest
 
-from kvpool.local.generate import greedy_tokens
-from tests.conftest import EVEN_SPLIT, PROCESS_MODE_TOLERANCE
+from tests.conftest import PROCESS_MODE_TOLERANCE
+from tests.support.chains import greedy_with_logits
+from tests.support.daemons import HANG_GUARD_S
 from workers.runtime.batched import BatchedShardContext, SeqAppend, plan_ubatches
 from workers.runtime.errors import BadInput, Cancelled, ContextFull, PositionMismatch
 from workers.runtime.model import ShardModel
@@ -37,17 +38,9 @@ Call = list[tuple[int, int, list[int]]]  # (sequence, start_pos, token ids)
 
 
 @pytest.fixture(scope="module")
-def whole_model(model_path):
-    with ShardModel(model_path) as model:
-        yield model
-
-
-@pytest.fixture(scope="module")
-def split_models(shard_sets):
-    models = [ShardModel(shard.path) for shard in shard_sets[EVEN_SPLIT]]
-    yield models
-    for model in models:
-        model.close()
+def split_models(local_chain):
+    """The even split's shards, first to last."""
+    return local_chain.models
 
 
 @pytest.fixture(scope="module")
@@ -56,17 +49,10 @@ def sessions(tokenizer, whole_model):
     streams, logits = [], []
     for text in PROMPTS:
         prompt = tokenizer.encode(tokenizer.chat_prompt(text))
-        rows = []
         with whole_model.new_context(N_CTX) as context:
-
-            def append(start, tokens, context=context, rows=rows):
-                out = context.append(start, tokens=np.asarray(tokens))
-                rows.append(out[-1].copy())
-                return out
-
-            tokens = list(greedy_tokens(append, prompt, STEPS))
+            tokens, rows = greedy_with_logits(lambda start, tokens: context.append(start, tokens=np.asarray(tokens)), prompt, STEPS)
         streams.append((prompt, tokens))
-        logits.append(np.stack(rows[:STEPS]))
+        logits.append(rows)
     return streams, logits
 
 
@@ -362,9 +348,10 @@ def test_errors_leave_every_sequence_untouched(split_models, whole_model):
         assert context.append_many([SeqAppend(1, 0, np.zeros((3, 576), np.float32))])[0].shape == (3, 576)
 
 
-def test_cancel_mid_append_rolls_every_sequence_back_and_continuation_stays_exact(split_models):
-    """The middle shard's append runs 20 llama_decode calls; the abort flag is raised after the third,
-    so earlier calls' rows sit in the KV cache and must be removed."""
+def test_cancel_mid_append_rolls_every_sequence_back_and_continuation_stays_exact(split_models, monkeypatch):
+    """The middle shard's append runs 20 llama_decode calls; a canceller thread raises the abort flag once the
+    third has returned (the append waits there until it has, on any machine), so the fourth is aborted and
+    the rows of the three before sit in the KV cache and must be removed."""
     middle = split_models[1]
     rng = np.random.default_rng(3)
     head = [rng.standard_normal((5, 576)).astype(np.float32) for _ in range(N_SEQS)]
@@ -373,22 +360,33 @@ def test_cancel_mid_append_rolls_every_sequence_back_and_continuation_stays_exac
         context.append_many([SeqAppend(seq, 0, head[seq]) for seq in range(N_SEQS)])
         flag = ctypes.c_int32.from_address(context.abort_flag_address)
         start = context.decode_calls
+        third_returned, flag_raised = threading.Event(), threading.Event()
+        decode, calls = llama_cpp.llama_decode, []
+
+        def decode_and_wait_for_the_canceller(ctx, batch):
+            status = decode(ctx, batch)
+            calls.append(status)
+            if len(calls) == 3:
+                third_returned.set()
+                assert flag_raised.wait(HANG_GUARD_S), "hang guard: the canceller never raised the abort flag"
+            return status
 
         def cancel_after_three_calls() -> None:
-            deadline = time.monotonic() + 60
-            while context.decode_calls < start + 3 and time.monotonic() < deadline:
-                time.sleep(0.0005)
-            flag.value = 1
+            if third_returned.wait(HANG_GUARD_S):
+                flag.value = 1
+                flag_raised.set()
 
         canceller = threading.Thread(target=cancel_after_three_calls)
         canceller.start()
         try:
-            with pytest.raises(Cancelled) as cancelled:
+            with monkeypatch.context() as patched, pytest.raises(Cancelled) as cancelled:
+                patched.setattr(llama_cpp, "llama_decode", decode_and_wait_for_the_canceller)
                 context.append_many([SeqAppend(seq, 5, tail[seq]) for seq in range(N_SEQS)])
         finally:
-            canceller.join()
+            third_returned.set()  # a canceller still waiting (the append failed before its third call) ends
+            canceller.join(HANG_GUARD_S)
             flag.value = 0
-        assert 3 <= context.decode_calls - start < 20
+        assert context.decode_calls - start == 4  # three decoded, the fourth aborted
         assert cancelled.value.lengths == {seq: 5 for seq in range(N_SEQS)}
         assert context.lengths == (5,) * N_SEQS
         flag.value = 1

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from kvpool.local.chain import LocalChain
-from kvpool.local.generate import greedy_tokens
 from tests.conftest import EVEN_SPLIT, UNEVEN_SPLIT
+from tests.support.chains import greedy_with_logits
 from workers.runtime.errors import BadInput, Cancelled, ContextFull, PositionMismatch
 from workers.runtime.model import ShardModel
 
@@ -18,29 +18,10 @@ N_CTX = 256
 GREEDY_TOKENS = 32
 
 
-@pytest.fixture(scope="module")
-def whole_model(model_path):
-    with ShardModel(model_path) as model:
-        yield model
-
-
 @pytest.fixture(scope="module", params=[EVEN_SPLIT, UNEVEN_SPLIT])
 def chain(request, shard_sets):
     with LocalChain([shard.path for shard in shard_sets[request.param]]) as chain:
         yield chain
-
-
-def _greedy_with_logits(append, prompt, count):
-    """Greedy tokens plus the logits row each one was chosen from."""
-    rows = []
-
-    def recording_append(start, tokens):
-        logits = append(start, tokens)
-        rows.append(logits[-1].copy())
-        return logits
-
-    tokens = list(greedy_tokens(recording_append, prompt, count))
-    return tokens, np.stack(rows[: len(tokens)])
 
 
 def test_whole_model_runtime_matches_llama_cpp_python(model_path, whole_model, prompt_ids):
@@ -65,10 +46,10 @@ def test_whole_model_runtime_matches_llama_cpp_python(model_path, whole_model, p
 def test_chain_reproduces_whole_model_exactly(chain, whole_model, prompt_ids, prompt_index):
     prompt = prompt_ids[prompt_index]
     with whole_model.new_context(N_CTX) as whole, chain.new_session(N_CTX) as sharded:
-        expected_tokens, expected_logits = _greedy_with_logits(
+        expected_tokens, expected_logits = greedy_with_logits(
             lambda start, tokens: whole.append(start, tokens=np.asarray(tokens)), prompt, GREEDY_TOKENS
         )
-        tokens, logits = _greedy_with_logits(sharded.append, prompt, GREEDY_TOKENS)
+        tokens, logits = greedy_with_logits(sharded.append, prompt, GREEDY_TOKENS)
     assert len(expected_tokens) == GREEDY_TOKENS
     assert tokens == expected_tokens
     assert np.abs(logits - expected_logits).max() == 0.0

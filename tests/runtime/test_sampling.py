@@ -7,9 +7,8 @@ import numpy as np
 import pytest
 
 from kvpool.client.client import KvpoolError
-from tests.conftest import EVEN_SPLIT
-from tests.support.daemons import DaemonProcess, private_socket_dir
-from workers.runtime.model import ShardModel
+from tests.support.chains import daemon_chain
+from tests.support.daemons import DaemonProcess
 from kvpool.wire.sampling import Sampling
 from workers.runtime.sampling import sample
 
@@ -48,19 +47,18 @@ def test_logprobs_are_the_log_softmax_of_the_unscaled_logits():
     assert np.allclose(picked.top_logprobs, reference[picked.top_ids])
 
 
-def test_a_daemon_samples_on_the_last_shard_only(model_path, shard_sets, tmp_path, prompt_ids):
-    socket_dir = private_socket_dir(tmp_path)
+def test_a_daemon_samples_on_the_last_shard_only(model_path, shards, socket_dir, whole_model, prompt_ids):
     prompt = prompt_ids[0][:12]
     whole = DaemonProcess(model_path, socket_dir / "whole.sock", "--threads", "1", "--n-ctx", "128", "--max-sessions", "2")
-    first = DaemonProcess(shard_sets[EVEN_SPLIT][0].path, socket_dir / "first.sock", "--threads", "1", "--n-ctx", "128", "--max-sessions", "1")
+    first = DaemonProcess(shards[0].path, socket_dir / "first.sock", "--threads", "1", "--n-ctx", "128", "--max-sessions", "1")
     try:
-        with whole.client() as client, ShardModel(model_path) as model, model.new_context(128) as reference:
+        with whole.client() as client, whole_model.new_context(128) as reference:
             expected = reference.append(0, tokens=np.asarray(prompt, np.int32))[-1]
             got = client.append("greedy", 1, 0, tokens=prompt, sample=Sampling(logits=True, logprobs=3))
             assert got.token == int(np.argmax(expected)) and np.array_equal(got.rows[-1], expected)
             assert got.top_ids[0] == got.token and len(got.top_logprobs) == 3
             lean = client.append("greedy", 1, 12, tokens=[got.token], sample=Sampling())
-            assert lean.rows.shape == (0, model.shape.n_vocab) and lean.length == 13
+            assert lean.rows.shape == (0, whole_model.shape.n_vocab) and lean.length == 13
             assert lean.token == int(np.argmax(reference.append(12, tokens=np.asarray([got.token], np.int32))[-1]))
             seeded = Sampling(temperature=0.9, top_k=40, top_p=0.9, seed=5)
             runs = []
@@ -85,26 +83,16 @@ def test_a_daemon_samples_on_the_last_shard_only(model_path, shard_sets, tmp_pat
         first.stop()
 
 
-def test_generation_through_three_daemons_sampling_on_the_last_equals_the_in_process_greedy(shard_sets, tmp_path, prompt_ids):
-    from kvpool.local.chain import LocalChain
+def test_generation_through_three_daemons_sampling_on_the_last_equals_the_in_process_greedy(shards, socket_dir, local_chain, prompt_ids):
     from kvpool.local.generate import greedy_tokens
     from kvpool.router.router import Router
 
-    socket_dir = private_socket_dir(tmp_path)
-    shards = shard_sets[EVEN_SPLIT]
     prompt = prompt_ids[1][:10]
-    daemons = [
-        DaemonProcess(shard.path, socket_dir / f"gen{index}.sock", "--threads", "1", "--n-ctx", "128", "--max-sessions", "1")
-        for index, shard in enumerate(shards)
-    ]
-    try:
+    with daemon_chain([shard.path for shard in shards], socket_dir, "gen", "--threads", "1", "--n-ctx", "128", "--max-sessions", "1") as daemons:
         clients = [daemon.client() for daemon in daemons]
         routed = list(Router(clients).session("gen", epoch=1).generate(prompt, 12))
         for client in clients:
             client.close()
-        with LocalChain([shard.path for shard in shards]) as chain, chain.new_session(128) as session:
-            expected = list(greedy_tokens(session.append, prompt, 12))
-        assert routed == expected
-    finally:
-        for daemon in daemons:
-            daemon.stop()
+    with local_chain.new_session(128) as session:
+        expected = list(greedy_tokens(session.append, prompt, 12))
+    assert routed == expected
