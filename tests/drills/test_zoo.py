@@ -1,4 +1,4 @@
-"""The zoo (kvpool.shard.synthetic): random-weight llama GGUFs of other shapes and types, made at test time.
+"""The zoo (kvpool.tools.synthetic): random-weight llama GGUFs of other shapes and types, made at test time.
 
 On each shape x type, shards cut with an uneven split give the whole model's greedy ids and logits exactly
 (max |Δ| = 0), with flash attention as kvpool sets it (off, explicitly); on two of them a chain of real
@@ -21,7 +21,7 @@ from kvpool.local.tokenizer import Tokenizer
 from kvpool.router.router import Router
 from kvpool.shard.errors import ShardError
 from kvpool.shard.ranges import parse_splits
-from kvpool.shard.synthetic import SPM_BOS_ID, ZOO, ZOO_TYPES, ZooSpec, zoo_model
+from kvpool.tools.synthetic import SPM_BOS_ID, ZOO, ZOO_TYPES, ZooSpec, zoo_model
 from kvpool.shard.writer import write_shards
 from tests.support.chains import daemon_chain, greedy_with_logits
 from workers.runtime.model import ShardModel

@@ -348,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     import time
 
     parser = argparse.ArgumentParser(
-        prog="python -m kvpool.shard.synthetic",
+        prog="python -m kvpool.tools.synthetic",
         description="Write random-weight llama GGUFs (gguf-py writes F16 tensors with the bundled model's tokenizer; "
         "llama.cpp's own quantizer makes the other types) under <work dir>/models, built once and reused.",
     )
