@@ -28,7 +28,7 @@ from kvpool.daemon.pool.spec import PoolSpec, shared_settings
 from kvpool.wire.protocol import Append, AppendReply, decode_reply, encode
 from kvpool.wire.framing import FRAME_HEADER, receive_exactly
 from workers.server.segment import SegmentRegions
-from tests.support.daemons import HANG_GUARD_S, DaemonProcess, in_thread, joined, stopped, wait_until
+from tests.support.daemons import HANG_GUARD_S, DaemonProcess, in_thread, joined, refused, stopped, wait_until
 from workers.server.segment import CONTROL_BYTES
 from workers.server.compute_locks import ComputeLocks
 from workers.server.direct import MAX_FRAME_BYTES, DirectChannel
@@ -42,10 +42,6 @@ def _serve(model_path, socket_dir, name, *options):
     return DaemonProcess(model_path, socket_dir / f"{name}.sock", "--threads", "1", "--n-ctx", str(N_CTX), *options)
 
 
-def _error(call) -> KvpoolError:
-    with pytest.raises(KvpoolError) as raised:
-        call()
-    return raised.value
 
 
 def _direct_appends(client) -> int:
@@ -69,13 +65,13 @@ def test_appends_skip_the_supervisor_and_equal_the_supervisor_path(model_path, s
             assert stats.counters["direct_appends"] == 4 and stats.counters["appends"] == 6  # 1 + 5 through the supervisor
             assert {row.session_id: row.length for row in stats.sessions} == {"d": 14, "p": 14}
             # a direct append's errors are the supervisor's, word for word
-            via_direct = _error(lambda: direct.append("d", 1, 3, tokens=[1]))
+            via_direct = refused(lambda: direct.append("d", 1, 3, tokens=[1]))
             assert (via_direct.code, via_direct.length) == ("position_mismatch", 14)
             direct_count = _direct_appends(plain)
-            via_plain = _error(lambda: plain.append("d", 1, 3, tokens=[1]))
+            via_plain = refused(lambda: plain.append("d", 1, 3, tokens=[1]))
             assert (via_plain.code, via_plain.length, str(via_plain)) == (via_direct.code, via_direct.length, str(via_direct))
             assert _direct_appends(plain) == direct_count
-            assert _error(lambda: direct.append("d", 1, 14, tokens=[10**6])).code == "bad_request"
+            assert refused(lambda: direct.append("d", 1, 14, tokens=[10**6])).code == "bad_request"
             assert stats.integrity == "ok"
     finally:
         daemon.stop()
@@ -89,18 +85,18 @@ def test_revocation_release_epoch_eviction_truncate_and_park(model_path, socket_
             router.append("a", 1, 0, tokens=prompt)
             router.append("a", 1, 8, tokens=[5])  # direct now
             other.release("a", 1)
-            assert _error(lambda: router.append("a", 1, 9, tokens=[5])).reason == "released"
+            assert refused(lambda: router.append("a", 1, 9, tokens=[5])).reason == "released"
             router.append("b", 1, 0, tokens=prompt)
             router.append("b", 1, 8, tokens=[5])
             other.append("b", 2, 0, tokens=prompt)  # a newer epoch fences the old one
-            assert _error(lambda: router.append("b", 1, 9, tokens=[5])).code == "stale_epoch"
+            assert refused(lambda: router.append("b", 1, 9, tokens=[5])).code == "stale_epoch"
             router.append("c", 1, 0, tokens=prompt)  # the only place: evicts b (epoch 2), bound to its channel
             router.append("c", 1, 8, tokens=[5])
             other.append("d", 1, 0, tokens=prompt)  # evicts c
-            assert _error(lambda: router.append("c", 1, 9, tokens=[5])).reason == "evicted"
+            assert refused(lambda: router.append("c", 1, 9, tokens=[5])).reason == "evicted"
             router.append("d", 1, 8, tokens=[5])
             assert other.truncate("d", 1, 4) == 4
-            assert _error(lambda: router.append("d", 1, 9, tokens=[5])).code == "position_mismatch"
+            assert refused(lambda: router.append("d", 1, 9, tokens=[5])).code == "position_mismatch"
             got = router.append("d", 1, 4, tokens=[5])
             with whole_model.new_context(N_CTX) as reference:
                 reference.append(0, tokens=np.asarray(prompt[:4], np.int32))

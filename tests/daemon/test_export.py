@@ -21,6 +21,7 @@ from kvpool.state.header import open_state, read_header, seal
 from kvpool.state.sequence import parse_state, write_state
 from kvpool.wire.protocol import Done, Export, Exported, Import
 from tests.support.daemons import HANG_GUARD_S, DaemonProcess
+from tests.support.daemons import checked as _checked, refused as _refused
 
 pytestmark = pytest.mark.timeout(3600)
 
@@ -35,16 +36,8 @@ def _serve(model, socket_dir, name, *options):
     return DaemonProcess(model, socket_dir / f"{name}.sock", "--threads", "1", "--max-sessions", "2", *options)
 
 
-def _refused(call) -> KvpoolError:
-    with pytest.raises(KvpoolError) as raised:
-        call()
-    return raised.value
 
 
-def _checked(client):
-    stats = client.stats()
-    assert stats.integrity == "ok", stats.integrity
-    return stats
 
 
 def _sessions(client) -> dict[str, tuple[int, int, str]]:

@@ -13,18 +13,20 @@ import gguf
 import numpy as np
 import pytest
 
-from kvpool.launcher import Daemon, DaemonStartFailed
-from kvpool.router.router import Router
+from kvpool.router.router import RecoveryPolicy, Router
 from kvpool.shard import contents as shard_contents
 from kvpool.shard.cache import cached_shards
 from kvpool.shard.digests import WeightsMismatch, block_digests, verified_block_digests
 from kvpool.shard.header import read_shard_info
 from kvpool.shard.ranges import LayerRange, parse_splits
 from tests.conftest import EVEN_SPLIT, TOTAL_LAYERS, UNEVEN_SPLIT
-from tests.support.daemons import START_HANG_GUARD_S, DaemonProcess
-from tests.daemon.test_replan import CHUNK, N_CTX, QUICK, Greedy
+from tests.support.chains import SteppedGreedy, daemon_chain
+from tests.support.daemons import refused_start
 
 pytestmark = pytest.mark.timeout(3600)
+N_CTX = 256
+CHUNK = 7  # the prompt's appends
+QUICK = RecoveryPolicy(backoff_base_s=0.01, backoff_max_s=0.1)
 OPTIONS = ("--threads", "1", "--n-ctx", str(N_CTX), "--max-sessions", "2")
 NEW_SPLIT = "0:14,14:30"
 
@@ -105,15 +107,9 @@ def test_the_shard_cache_cuts_again_a_shard_written_without_layer_digests(model_
 
 def test_kvpool_serve_refuses_a_shard_whose_weights_differ_from_what_it_records_with_one_line(shards, socket_dir, tmp_path):
     tampered = tampered_copy(shards[1].path, tmp_path / "tampered")
-    daemon = Daemon(tampered, socket_dir / "tampered.sock", list(OPTIONS))
-    try:
-        with pytest.raises(DaemonStartFailed):
-            daemon.wait_ready(timeout_s=START_HANG_GUARD_S)
-    finally:
-        code = daemon.stop()
-    log = daemon.log()
+    log = refused_start(tampered, socket_dir / "tampered.sock", *OPTIONS)
     errors = [line for line in log.splitlines() if "error" in line.lower()]
-    assert code == 2 and len(errors) == 1, log
+    assert len(errors) == 1, log
     assert errors[0].startswith(f"kvpool serve: error: {tampered}: layer 10 (blk.0 of this file) does not hold the weights"), log
     assert "Traceback" not in log and "starting" not in log, log  # refused before any worker started
 
@@ -129,18 +125,12 @@ def digest_routes(model_path, shard_root, socket_dir, tmp_path_factory):
     first, second = cached_shards(model_path, parse_splits(NEW_SPLIT, TOTAL_LAYERS), root=shard_root / NEW_SPLIT.replace(",", "_"))
     tampered = tampered_copy(second.path, tmp_path_factory.mktemp("tampered"))
     recorded_as_found(tampered, block_digests(model_path)[second.shape.layer_start], block_digests(tampered)[0])
-    started: list[DaemonProcess] = []
-    try:
-        for name, path in (("whole", model_path), ("new0", first.path), ("new1", tampered)):
-            started.append(DaemonProcess(path, socket_dir / f"{name}.sock", *OPTIONS))
-        yield started[0], started[1:]
-    finally:
-        for daemon in started:
-            daemon.stop()
+    with daemon_chain([model_path], socket_dir, "whole", *OPTIONS) as old, daemon_chain([first.path, tampered], socket_dir, "new", *OPTIONS) as new:
+        yield old[0], new
 
 
 def _rows(append, prompt: list[int], tokens: list[int]) -> list[np.ndarray]:
-    """The last row of each append of `prompt` in CHUNKs, then of `tokens` one at a time (Greedy's partition)."""
+    """The last row of each append of `prompt` in CHUNKs, then of `tokens` one at a time (SteppedGreedy's partition)."""
     parts = [prompt[start : start + CHUNK] for start in range(0, len(prompt), CHUNK)] + [[token] for token in tokens]
     rows, length = [], 0
     for part in parts:
@@ -159,7 +149,7 @@ def test_a_replan_onto_a_layer_with_other_weights_is_refused_at_the_weights_step
     try:
         router = Router(old_clients, policy=QUICK)
         session = router.session("wa", n_ctx=N_CTX)
-        run = Greedy(session.append_at, prompt_ids[0])
+        run = SteppedGreedy(session.append_at, prompt_ids[0], CHUNK)
         run.step()
         replanned = router.replan(new_clients)
         run.step()

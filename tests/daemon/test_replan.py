@@ -15,6 +15,7 @@ from kvpool.router.router import RecoveryPolicy, Router
 from kvpool.shard.cache import cached_shards
 from kvpool.shard.ranges import parse_splits
 from tests.conftest import EVEN_SPLIT, TOTAL_LAYERS
+from tests.support.chains import SteppedGreedy, start_chain, stop_all
 from tests.support.daemons import DaemonProcess
 
 pytestmark = pytest.mark.timeout(3600)
@@ -36,14 +37,10 @@ def routes(model_path, shard_sets, shard_root, socket_dir):
     started: dict[str, list[DaemonProcess]] = {}
     try:
         for name, shard_paths in paths.items():
-            started[name] = []
-            for index, path in enumerate(shard_paths):
-                started[name].append(DaemonProcess(path, socket_dir / f"{name}{index}.sock", *OPTIONS))
+            started[name] = start_chain(shard_paths, socket_dir, name, *OPTIONS)
         yield started
     finally:
-        for daemons in started.values():
-            for daemon in daemons:
-                daemon.stop()
+        stop_all([daemon for daemons in started.values() for daemon in daemons])
 
 
 @pytest.fixture
@@ -64,30 +61,12 @@ def whole_model(model_path):
         yield chain
 
 
-class Greedy:
-    """A session decoded greedily: its prompt in appends of CHUNK tokens, then one token per step; the logits
-    of every step are kept. `append(start, tokens)` is the session's (routed or in process)."""
-
-    def __init__(self, append, prompt: list[int]) -> None:
-        self._append = append
-        self.length = 0
-        self.rows: list[np.ndarray] = []
-        self.tokens: list[int] = []
-        for start in range(0, len(prompt), CHUNK):
-            self._next(prompt[start : start + CHUNK])
-
-    def step(self) -> None:
-        token = int(np.argmax(self.rows[-1]))
-        self.tokens.append(token)
-        self._next([token])
-
-    def _next(self, tokens: list[int]) -> None:
-        logits = self._append(self.length, tokens)
-        self.length += len(tokens)
-        self.rows.append(logits[-1].copy())
+def Greedy(append, prompt: list[int]) -> SteppedGreedy:
+    """A session of this module: its prompt in appends of CHUNK tokens, then one token per step."""
+    return SteppedGreedy(append, prompt, CHUNK)
 
 
-def _reference(whole_model, prompt: list[int], steps: int) -> Greedy:
+def _reference(whole_model, prompt: list[int], steps: int) -> SteppedGreedy:
     session = whole_model.new_session(N_CTX)
     reference = Greedy(session.append, prompt)
     for _ in range(steps):
@@ -96,7 +75,7 @@ def _reference(whole_model, prompt: list[int], steps: int) -> Greedy:
     return reference
 
 
-def _assert_exact(got: Greedy, expected: Greedy) -> None:
+def _assert_exact(got: SteppedGreedy, expected: SteppedGreedy) -> None:
     assert got.tokens == expected.tokens
     assert np.abs(np.stack(got.rows) - np.stack(expected.rows)).max() == 0.0
 

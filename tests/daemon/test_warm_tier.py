@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 
 from kvpool.client.client import KvpoolError
-from kvpool.launcher import Daemon, DaemonStartFailed
-from tests.support.daemons import START_HANG_GUARD_S, DaemonProcess, in_thread, joined, stopped, wait_until
+from tests.support.daemons import DaemonProcess, checked, in_thread, joined, refused, refused_start, stopped, wait_until
 from kvpool.daemon.books import spill
 from kvpool.daemon.books.spill import MAGIC
 from tests.support.disks import OLD_MAGIC, failing_writes, own_files
@@ -41,16 +40,8 @@ def _serve(model_path, socket_dir, name, *options):
     return DaemonProcess(model_path, socket_dir / f"{name}.sock", "--threads", "1", "--n-ctx", str(N_CTX), *options)
 
 
-def _miss(call) -> KvpoolError:
-    with pytest.raises(KvpoolError) as raised:
-        call()
-    return raised.value
 
 
-def _checked(client):
-    stats = client.stats()
-    assert stats.integrity == "ok", stats.integrity
-    return stats
 
 
 def test_four_sessions_on_two_places_park_and_restore_bit_identically(model_path, socket_dir, whole_model, prompt_ids):
@@ -72,8 +63,8 @@ def test_four_sessions_on_two_places_park_and_restore_bit_identically(model_path
                     assert np.array_equal(got.rows, references[name].append(lengths[name], [token])), (name, step)
                     restored += got.restored
                     lengths[name] = got.length
-                    _checked(client)
-            stats = _checked(client)
+                    checked(client)
+            stats = checked(client)
             assert restored == 12 and stats.counters["misses"] == 0
             assert stats.counters["spills"] >= 12 and stats.counters["restores"] == 12
             tiers = sorted(row.tier for row in stats.sessions)
@@ -81,7 +72,7 @@ def test_four_sessions_on_two_places_park_and_restore_bit_identically(model_path
             assert stats.budget.spill_bytes > 0 and stats.budget.reserved_bytes == sum(row.charged_bytes for row in stats.sessions)
             for name in sessions:
                 client.release(name, 1)
-            stats = _checked(client)
+            stats = checked(client)
             assert stats.sessions == [] and stats.budget.spill_bytes == 0 and stats.budget.reserved_bytes == 0
     finally:
         for reference in references.values():
@@ -108,10 +99,10 @@ def test_budget_pressure_parks_instead_of_refusing(model_path, socket_dir, whole
                     start = 0 if step == 0 else 5
                     got = client.append(name, 1, start, tokens=tokens)
                     assert np.array_equal(got.rows, references[name].append(start, tokens))
-                    stats = _checked(client)
+                    stats = checked(client)
                     assert stats.budget.reserved_bytes <= stats.budget.limit_bytes
                     assert sum(row.tier == "hot" for row in stats.sessions) <= 2
-            stats = _checked(client)
+            stats = checked(client)
             assert stats.counters["misses"] == 0 and stats.counters["restores"] == 3 and stats.counters["evictions"] == 0
     finally:
         for reference in references.values():
@@ -132,13 +123,13 @@ def test_a_full_spill_store_drops_the_oldest_blob_only(model_path, socket_dir, w
             client.append("middle", 1, 0, tokens=prompt)  # parks "oldest"
             reference.append(0, prompt)
             client.append("newest", 1, 0, tokens=prompt)  # parks "middle": the store holds one blob
-            stats = _checked(client)
+            stats = checked(client)
             assert {row.session_id for row in stats.sessions} == {"middle", "newest"} and stats.counters["spill_drops"] == 1
-            miss = _miss(lambda: client.append("oldest", 1, 12, tokens=[5]))
+            miss = refused(lambda: client.append("oldest", 1, 12, tokens=[5]))
             assert (miss.code, miss.reason) == ("cache_miss", "evicted")
             got = client.append("middle", 1, 12, tokens=[5])
             assert got.restored and np.array_equal(got.rows, reference.append(12, [5]))
-            _checked(client)
+            checked(client)
     finally:
         reference.close()
         daemon.stop()
@@ -154,7 +145,7 @@ def test_park_truncate_fork_fencing_and_release_of_parked_sessions(model_path, s
             source_reference.append(0, prompt)
             fork_reference.append(0, prompt)
             assert client.park("source", 3).detail == "parked"
-            stats = _checked(client)
+            stats = checked(client)
             assert [row.tier for row in stats.sessions] == ["ram"] and stats.budget.reserved_bytes == 0
             assert client.park("source", 3).detail == "already parked"
             # truncate a parked session: the restore cuts the saved state
@@ -171,20 +162,20 @@ def test_park_truncate_fork_fencing_and_release_of_parked_sessions(model_path, s
             got = client.append("source", 3, 12, tokens=[7])  # the fork's appends changed nothing here
             assert got.restored and np.array_equal(got.rows, source_reference.append(12, [7]))
             # a fork of a hot source, past its length, and onto a live id are refused
-            assert _miss(lambda: client.fork("source", 3, "fork2", 1, 14)).code == "position_mismatch"
-            assert _miss(lambda: client.fork("source", 3, "fork", 1, 5)).code == "bad_request"
+            assert refused(lambda: client.fork("source", 3, "fork2", 1, 14)).code == "position_mismatch"
+            assert refused(lambda: client.fork("source", 3, "fork", 1, 5)).code == "bad_request"
             # fencing of a parked session: a stale epoch is refused, a newer one drops the saved state
             client.park("fork", 1)
-            assert _miss(lambda: client.append("fork", 0, 13, tokens=[1])).code == "stale_epoch"
+            assert refused(lambda: client.append("fork", 0, 13, tokens=[1])).code == "stale_epoch"
             got = client.append("fork", 2, 0, tokens=prompt[:4])
             assert got.admitted and got.length == 4
-            assert _miss(lambda: client.append("fork", 1, 13, tokens=[1])).code == "stale_epoch"
+            assert refused(lambda: client.append("fork", 1, 13, tokens=[1])).code == "stale_epoch"
             client.park("fork", 2)
-            spill_before = _checked(client).budget.spill_bytes
+            spill_before = checked(client).budget.spill_bytes
             client.release("fork", 2)
-            stats = _checked(client)
+            stats = checked(client)
             assert stats.budget.spill_bytes < spill_before and {row.session_id for row in stats.sessions} == {"source"}
-            assert (_miss(lambda: client.append("fork", 2, 4, tokens=[1])).reason) == "released"
+            assert (refused(lambda: client.append("fork", 2, 4, tokens=[1])).reason) == "released"
     finally:
         source_reference.close()
         fork_reference.close()
@@ -197,12 +188,12 @@ def test_parked_sessions_expire_after_the_ttl_and_park_after_parks_idle_ones(mod
         with daemon.client() as client:
             client.append("idle", 1, 0, tokens=prompt_ids[0][:4])
             # parked (tier ram) and counted: the count follows the park by one await (its worker's context freed)
-            stats = wait_until(lambda: (s := _checked(client)).sessions and s.sessions[0].tier == "ram" and s.counters["parks"] and s,
+            stats = wait_until(lambda: (s := checked(client)).sessions and s.sessions[0].tier == "ram" and s.counters["parks"] and s,
                                "the idle session to be parked and counted")
             assert stats.budget.reserved_bytes == 0 and stats.counters["parks"] >= 1
-            stats = wait_until(lambda: (s := _checked(client)).counters["expirations"] and s, "the parked session to expire")
+            stats = wait_until(lambda: (s := checked(client)).counters["expirations"] and s, "the parked session to expire")
             assert stats.sessions == [] and stats.budget.spill_bytes == 0
-            assert _miss(lambda: client.append("idle", 1, 4, tokens=[1])).reason == "expired"
+            assert refused(lambda: client.append("idle", 1, 4, tokens=[1])).reason == "expired"
     finally:
         daemon.stop()
 
@@ -240,7 +231,7 @@ def test_the_disk_tier_checks_every_blob_and_removes_only_its_own_files(model_pa
             for name in ("corrupt", "truncated", "fork-source", "intact", "hot"):
                 client.append(name, 1, 0, tokens=prompt)
             reference.append(0, prompt)
-            stats = _checked(client)
+            stats = checked(client)
             assert sorted(row.tier for row in stats.sessions) == ["disk", "disk", "disk", "disk", "hot"]
             assert stats.budget.spill_bytes == 0 and stats.budget.spill_disk_bytes > 0
             files = _own_files(spill_dir)
@@ -255,14 +246,14 @@ def test_the_disk_tier_checks_every_blob_and_removes_only_its_own_files(model_pa
             with open(truncated, "r+b") as stream:
                 stream.truncate(os.path.getsize(truncated) // 2)
             for name in ("corrupt", "truncated"):
-                miss = _miss(lambda: client.append(name, 1, 10, tokens=[3]))
+                miss = refused(lambda: client.append(name, 1, 10, tokens=[3]))
                 assert (miss.code, miss.reason) == ("cache_miss", "restore_failed")
             # a fork reads its source's saved state: damaged, it is a failed restore like the others (counted once)
-            miss = _miss(lambda: client.fork("fork-source", 1, "child", 1, 5))
+            miss = refused(lambda: client.fork("fork-source", 1, "child", 1, 5))
             assert (miss.code, miss.reason) == ("cache_miss", "restore_failed")
             got = client.append("intact", 1, 10, tokens=[3])
             assert got.restored and np.array_equal(got.rows, reference.append(10, [3]))
-            stats = _checked(client)
+            stats = checked(client)
             assert stats.counters["restore_failures"] == 3
             assert {row.session_id: row.tier for row in stats.sessions} == {"intact": "hot", "hot": "disk"}
             (parked,) = _own_files(spill_dir)  # "hot", parked for "intact"'s restore; the others' files are gone
@@ -294,16 +285,16 @@ def test_a_full_disk_drops_only_the_pushed_session_and_the_daemon_keeps_serving(
                 reference.append(0, prompt)
                 got = client.append("newest", 1, 0, tokens=prompt)  # parks "kept": "pushed" must go to disk, and cannot
                 assert got.admitted and got.length == len(prompt)
-                stats = _checked(client)
+                stats = checked(client)
                 assert {row.session_id: row.tier for row in stats.sessions} == {"kept": "ram", "newest": "hot"}
                 assert stats.counters["spill_disk_failures"] >= 1 and stats.budget.spill_disk_bytes == 0
                 assert own_files(spill_dir) == []  # no .partial (nor anything else of the store's) left
-                miss = _miss(lambda: client.append("pushed", 1, 12, tokens=[5]))
+                miss = refused(lambda: client.append("pushed", 1, 12, tokens=[5]))
                 assert (miss.code, miss.reason) == ("cache_miss", "evicted")
                 got = client.append("kept", 1, 12, tokens=[5])  # the worker came back: "kept" is restored on it
                 assert got.restored and np.array_equal(got.rows, reference.append(12, [5]))
                 assert client.append("later", 1, 0, tokens=prompt).admitted  # and serves a new session too
-                stats = _checked(client)
+                stats = checked(client)
                 assert {row.session_id for row in stats.sessions} >= {"later"} and stats.counters["spill_disk_failures"] >= 2
                 assert own_files(spill_dir) == []
         finally:
@@ -337,17 +328,7 @@ def test_an_untrusted_spill_dir_is_refused_at_start_and_its_files_kept(model_pat
 
 def _refused_start(model, socket_path, spill_dir, *, disk_budget="64MiB") -> str:
     """The log of a daemon on `spill_dir` that exited before it served: exit status 2, no traceback."""
-    daemon = Daemon(
-        model, socket_path, ["--threads", "1", "--n-ctx", str(N_CTX), "--max-sessions", "1", "--spill-dir", str(spill_dir), "--spill-disk-budget", disk_budget],
-    )
-    try:
-        with pytest.raises(DaemonStartFailed):
-            daemon.wait_ready(timeout_s=START_HANG_GUARD_S)
-    finally:
-        code = daemon.stop()
-    log = daemon.log()
-    assert code == 2 and "Traceback" not in log, log
-    return log
+    return refused_start(model, socket_path, "--threads", "1", "--n-ctx", str(N_CTX), "--max-sessions", "1", "--spill-dir", str(spill_dir), "--spill-disk-budget", disk_budget)
 
 
 def test_a_spill_dir_has_one_owner_and_the_daemon_after_it_adopts(model_path, shards, socket_dir, tmp_path, whole_model, prompt_ids):
@@ -378,11 +359,11 @@ def test_a_spill_dir_has_one_owner_and_the_daemon_after_it_adopts(model_path, sh
             got = client.append("parked", 1, len(prompt), tokens=[5])
             assert got.restored and np.array_equal(got.rows, reference.append(len(prompt), [5]))
             assert client.append("hot", 1, len(prompt), tokens=[5]).length == len(prompt) + 1
-            _checked(client)
+            checked(client)
         assert owner.stop() == 0  # SIGTERM: a drain, both sessions parked on disk
         successor = _serve(model_path, socket_dir, "successor", "--max-sessions", "2", *disk)
         with successor.client() as client:
-            adopted = {row.session_id: (row.length, row.tier) for row in _checked(client).sessions}
+            adopted = {row.session_id: (row.length, row.tier) for row in checked(client).sessions}
             assert adopted == {"parked": (len(prompt) + 1, "disk"), "hot": (len(prompt) + 1, "disk")}
             got = client.append("parked", 1, len(prompt) + 1, tokens=[6])
             assert got.restored and np.array_equal(got.rows, reference.append(len(prompt) + 1, [6]))
@@ -407,10 +388,10 @@ def test_a_park_whose_worker_dies_mid_save_answers_worker_lost(model_path, socke
                 os.kill(worker_pid, signal.SIGKILL)
             error = joined(thread, outcome).get("error")
             assert isinstance(error, KvpoolError) and error.code == "worker_lost", outcome
-            miss = _miss(lambda: client.append("lost", 1, len(prompt), tokens=[5]))
+            miss = refused(lambda: client.append("lost", 1, len(prompt), tokens=[5]))
             assert (miss.code, miss.reason) == ("cache_miss", "worker_lost")
             wait_until(lambda: [row.state for row in observer.stats().workers] == ["free"], "the lost worker's replacement")
             assert client.append("after", 1, 0, tokens=prompt).admitted
-            _checked(client)
+            checked(client)
     finally:
         daemon.stop()

@@ -111,3 +111,28 @@ def greedy_with_logits(
 
     tokens = list(greedy_tokens(recording_append, prompt, count, prefill_chunk=prefill_chunk))
     return tokens, np.stack(chosen_from[: len(tokens)])
+
+
+class SteppedGreedy:
+    """A greedy session driven one step at a time (so several sessions, or a re-plan, can interleave): its
+    prompt in appends of `chunk` tokens, then one token per step(); the logits row of every append is kept.
+    `append(start, tokens)` is the session's (routed or in process)."""
+
+    def __init__(self, append: AppendTokens, prompt: list[int], chunk: int) -> None:
+        self._append = append
+        self.length = 0
+        self.rows: list[np.ndarray] = []
+        self.tokens: list[int] = []
+        for start in range(0, len(prompt), chunk):
+            self._next(prompt[start : start + chunk])
+
+    def step(self) -> None:
+        token = int(np.argmax(self.rows[-1]))
+        self.tokens.append(token)
+        self._next([token])
+
+    def _next(self, tokens: list[int]) -> None:
+        logits = self._append(self.length, tokens)
+        self.length += len(tokens)
+        self.rows.append(logits[-1].copy())
+

@@ -20,7 +20,7 @@ import psutil
 import pytest
 
 from kvpool.client.client import Client, KvpoolError
-from kvpool.launcher import Daemon
+from kvpool.launcher import Daemon, DaemonStartFailed
 from kvpool.wire.framing import FRAME_HEADER, receive_frame
 from kvpool.wire.protocol import MAX_REPLY_BYTES, PROTOCOL_VERSION, Hello, decode_reply, encode
 
@@ -253,3 +253,33 @@ def admission_line_full(client: Client) -> bool:
         assert refused.code == "over_budget", refused
         return "the line's limit" in str(refused)
     raise AssertionError("the probe was admitted: the only place is not held")
+
+
+# ---- what a request or a start was answered ------------------------------------------------------------
+
+
+def refused(call) -> KvpoolError:
+    """The typed error `call()` raises (it must raise one)."""
+    with pytest.raises(KvpoolError) as raised:
+        call()
+    return raised.value
+
+
+def checked(client):
+    """The daemon's stats, its books balanced."""
+    stats = client.stats()
+    assert stats.integrity == "ok", stats.integrity
+    return stats
+
+
+def refused_start(model: pathlib.Path, socket_path: pathlib.Path, *options: str) -> str:
+    """The log of a `kvpool serve` that exited before it served: exit status 2, no traceback."""
+    daemon = Daemon(model, socket_path, list(options))
+    try:
+        with pytest.raises(DaemonStartFailed):
+            daemon.wait_ready(timeout_s=START_HANG_GUARD_S)
+    finally:
+        code = daemon.stop()
+    log = daemon.log()
+    assert code == 2 and "Traceback" not in log, log
+    return log

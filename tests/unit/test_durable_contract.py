@@ -10,11 +10,11 @@ import msgspec
 import numpy as np
 import pytest
 
-from kvpool.client.client import KvpoolError
 from kvpool.state.header import open_state, seal
 from kvpool.state.sequence import parse_state, write_state
 from tests.support.fake_worker import expected_rows
-from tests.unit.test_contract import MODES, _mode, _refused, _rows_of, _tokens, _wait_until
+from tests.support.contract import MODES, mode_flags, rows_of, tokens
+from tests.support.daemons import refused, wait_until
 
 
 def _disk(spill_dir, *more: str) -> tuple[str, ...]:
@@ -24,21 +24,21 @@ def _disk(spill_dir, *more: str) -> tuple[str, ...]:
 @pytest.mark.parametrize("mode", MODES)
 def test_a_drained_daemons_sessions_are_adopted_by_its_successor_and_continue_exactly(serve, fake_model, tmp_path, mode):
     spill_dir = tmp_path / "spill"
-    daemon = serve(fake_model, *_mode(mode), *_disk(spill_dir))
+    daemon = serve(fake_model, *mode_flags(mode), *_disk(spill_dir))
     with daemon.client() as client:
         client.append("hot", 1, 0, tokens=[1, 2, 3])
         client.append("parked", 2, 0, tokens=[4, 5])
         client.park("parked", 2)
     assert daemon.drain() == 0
     assert "drain done: parked 2 sessions on disk" in daemon.log()
-    successor = serve(fake_model, *_mode(mode), *_disk(spill_dir), name="successor")
+    successor = serve(fake_model, *mode_flags(mode), *_disk(spill_dir), name="successor")
     assert "adopted 2 parked sessions" in successor.log()
     with successor.client() as client:
         assert {(row.session_id, row.epoch, row.length, row.tier) for row in client.stats().sessions} == {("hot", 1, 3, "disk"), ("parked", 2, 2, "disk")}
         restored = client.append("hot", 1, 3, tokens=[9])
-        assert restored.restored and np.array_equal(restored.rows, _rows_of(client, [1, 2, 3, 9]))
-        assert _refused(lambda: client.append("parked", 1, 0, tokens=[1])).code == "stale_epoch"  # the adopted epoch fences
-        assert np.array_equal(client.append("parked", 2, 2, tokens=[6]).rows, _rows_of(client, [4, 5, 6]))
+        assert restored.restored and np.array_equal(restored.rows, rows_of(client, [1, 2, 3, 9]))
+        assert refused(lambda: client.append("parked", 1, 0, tokens=[1])).code == "stale_epoch"  # the adopted epoch fences
+        assert np.array_equal(client.append("parked", 2, 2, tokens=[6]).rows, rows_of(client, [4, 5, 6]))
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -47,11 +47,11 @@ def test_a_copy_written_behind_never_claims_positions_a_truncate_took_back(serve
     past the copy's length with other tokens, then the daemon stops at once (what is on disk stays, as after a
     crash). The successor must not adopt the old history: nothing, or a copy of the history now."""
     spill_dir = tmp_path / "spill"
-    options = (*_mode(mode), *_disk(spill_dir, "--persist-after", "0.05"))
+    options = (*mode_flags(mode), *_disk(spill_dir, "--persist-after", "0.05"))
     daemon = serve(fake_model, *options)
     with daemon.client() as client:
         client.append("s", 1, 0, tokens=[1, 2, 3, 4, 5, 6])
-        _wait_until(lambda: client.stats().counters.get("persisted", 0) >= 1, "the copy written behind")
+        wait_until(lambda: client.stats().counters.get("persisted", 0) >= 1, "the copy written behind")
         client.park("s", 1)
         assert client.truncate("s", 1, 2) == 2
         client.append("s", 1, 2, tokens=[7, 8, 9, 10])
@@ -61,31 +61,31 @@ def test_a_copy_written_behind_never_claims_positions_a_truncate_took_back(serve
     with successor.client() as client:
         rows = {row.session_id: row.length for row in client.stats().sessions}
         if "s" not in rows:
-            assert _refused(lambda: client.append("s", 1, 7, tokens=[12])).code == "cache_miss"
+            assert refused(lambda: client.append("s", 1, 7, tokens=[12])).code == "cache_miss"
         else:
             held = rows["s"]
             history = [1, 2, 7, 8, 9, 10, 11][:held]
             reply = client.append("s", 1, held, tokens=[12])
-            assert np.array_equal(reply.rows, _rows_of(client, history + [12])), "the old history's KV came back"
+            assert np.array_equal(reply.rows, rows_of(client, history + [12])), "the old history's KV came back"
 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_an_export_imports_into_a_daemon_of_the_same_shard_and_continues_exactly(serve, fake_model, mode):
-    source, target = serve(fake_model, *_mode(mode), name="source"), serve(fake_model, *_mode(mode), name="target")
+    source, target = serve(fake_model, *mode_flags(mode), name="source"), serve(fake_model, *mode_flags(mode), name="target")
     with source.client() as a, target.client() as b:
         a.append("s", 1, 0, tokens=[1, 2, 3])
         assert b.import_state("s", 1, a.export_state("s", 1)) == 3
         assert [row.tier for row in a.stats().sessions] == ["hot"]  # an export leaves the session hot
         moved = b.append("s", 1, 3, tokens=[4])
         assert moved.restored and np.array_equal(moved.rows, a.append("s", 1, 3, tokens=[4]).rows)
-        assert _refused(lambda: b.import_state("s", 1, a.export_state("s", 1))).code == "bad_request"  # it holds state
-        assert _refused(lambda: b.import_state("t", 1, b"not a state")).code == "bad_request"
+        assert refused(lambda: b.import_state("s", 1, a.export_state("s", 1))).code == "bad_request"  # it holds state
+        assert refused(lambda: b.import_state("t", 1, b"not a state")).code == "bad_request"
 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_a_state_whose_cells_are_not_positions_0_to_n_once_each_is_never_restored(serve, fake_model, mode):
     """Issue 26 item 5 on the books: one rule for both modes, before a worker sees the bytes."""
-    daemon = serve(fake_model, *_mode(mode))
+    daemon = serve(fake_model, *mode_flags(mode))
     with daemon.client() as client:
         client.append("good", 1, 0, tokens=[1, 2, 3, 4])
         header, payload = open_state(client.export_state("good", 1), client.hello.state_identity)
@@ -95,8 +95,8 @@ def test_a_state_whose_cells_are_not_positions_0_to_n_once_each_is_never_restore
                                 "duplicated": np.array([0, 0, 2, 3], np.int32)}.items():
             forged = write_state(dataclasses.replace(state, streams=(dataclasses.replace(stream, positions=positions.astype(np.int32)),)))
             assert client.import_state(name, 1, seal(msgspec.structs.replace(header, session_id=name, payload_bytes=len(forged)), forged)) == 4
-            refused = _refused(lambda: client.append(name, 1, 4, tokens=[5]))
-            assert (refused.code, refused.reason) == ("cache_miss", "restore_failed") and "cells" in str(refused)
+            error = refused(lambda: client.append(name, 1, 4, tokens=[5]))
+            assert (error.code, error.reason) == ("cache_miss", "restore_failed") and "cells" in str(error)
         assert [row.session_id for row in client.stats().sessions] == ["good"]
 
 
@@ -127,14 +127,14 @@ def test_two_exports_of_one_session_stand_side_by_side(serve, fake_model):
 @pytest.mark.parametrize("mode", MODES)
 def test_an_immediate_stop_keeps_what_is_on_disk_and_loses_what_was_in_memory(serve, fake_model, tmp_path, mode):
     spill_dir = tmp_path / "spill"
-    daemon = serve(fake_model, *_mode(mode), *_disk(spill_dir), "--spill-budget", "1")  # a parked state goes to disk at once
+    daemon = serve(fake_model, *mode_flags(mode), *_disk(spill_dir), "--spill-budget", "1")  # a parked state goes to disk at once
     with daemon.client() as client:
         client.append("on-disk", 1, 0, tokens=[1, 2])
         client.park("on-disk", 1)
         client.append("hot", 1, 0, tokens=[3])
     daemon.stop()
-    successor = serve(fake_model, *_mode(mode), *_disk(spill_dir), name="successor")
+    successor = serve(fake_model, *mode_flags(mode), *_disk(spill_dir), name="successor")
     with successor.client() as client:
         assert [(row.session_id, row.length) for row in client.stats().sessions] == [("on-disk", 2)]
-        assert np.array_equal(client.append("on-disk", 1, 2, tokens=[4]).rows, expected_rows(client.hello.shard.shape, _tokens(1, 2, 4)))
-        assert (_refused(lambda: client.append("hot", 1, 1, tokens=[4])).code) == "cache_miss"
+        assert np.array_equal(client.append("on-disk", 1, 2, tokens=[4]).rows, expected_rows(client.hello.shard.shape, tokens(1, 2, 4)))
+        assert (refused(lambda: client.append("hot", 1, 1, tokens=[4])).code) == "cache_miss"
