@@ -4,13 +4,17 @@ thread, serving a real Unix socket that kvpool.Client talks to. Nothing loads a 
 GGUF headers written here (`fake_shard_file`), read by the daemon as a real shard's.
 
 `FakeDaemon(...)` starts it and waits until the socket answers (a hang guard, never a verdict on speed);
-`stop()` shuts it down as `kvpool status --shutdown` would; `drain()` as SIGTERM would.
+`stop()` shuts it down as `kvpool status --shutdown` would; `drain()` as SIGTERM would. `request_stop()` and
+`request_drain()` are the same without waiting (what SIGINT and SIGTERM call in a `kvpool serve` process),
+`joined()` the wait. `stopped(session_id, ...)` stops the workers serving those sessions for a block, as
+tests.support.daemons.stopped(pid) SIGSTOPs one.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import pathlib
 import threading
@@ -20,9 +24,10 @@ import gguf
 
 from kvpool.client.client import Client
 from kvpool.cli import serve
+from kvpool.daemon.notify import Notifier
 from kvpool.daemon.supervisor import Supervisor
 from kvpool.shard import header
-from tests.support.fake_worker import fake_kinds
+from tests.support.fake_worker import FakeServer, fake_kinds
 
 START_HANG_GUARD_S = 120.0  # in-process, no model: a start takes well under a second
 STOP_HANG_GUARD_S = 120.0
@@ -66,9 +71,11 @@ def fake_shard_file(directory: pathlib.Path, layer_start: int = 0, layer_stop: i
 
 class FakeDaemon:
     """The real Supervisor on fake workers, in a thread of this process, configured by `kvpool serve` flags
-    (`options`, as tests.support.daemons.DaemonProcess takes them); `kinds`: fake_kinds(...) with behaviour knobs."""
+    (`options`, as tests.support.daemons.DaemonProcess takes them); `kinds`: fake_kinds(...) with behaviour knobs;
+    `notifier`: the service manager's side channel (a `kvpool serve` process takes it from NOTIFY_SOCKET)."""
 
-    def __init__(self, model: pathlib.Path, socket_path: pathlib.Path, *options: str, kinds: tuple[type, type] | None = None) -> None:
+    def __init__(self, model: pathlib.Path, socket_path: pathlib.Path, *options: str, kinds: tuple[type, type] | None = None,
+                 notifier: Notifier | None = None) -> None:
         parser = argparse.ArgumentParser()
         serve.define_options(parser)
         defaults = ["--threads", "1", "--n-ctx", "64", "--max-sessions", "2", "--housekeeping-interval", "0.05"]
@@ -76,7 +83,7 @@ class FakeDaemon:
         self.config = serve.config_from_args(args)
         self.socket = socket_path
         self.lines: list[str] = []
-        self.supervisor = Supervisor(self.config, announce=self.lines.append, worker_kinds=kinds or fake_kinds())
+        self.supervisor = Supervisor(self.config, announce=self.lines.append, notifier=notifier, worker_kinds=kinds or fake_kinds())
         self._loop: asyncio.AbstractEventLoop | None = None
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name=f"fake-daemon-{socket_path.name}", daemon=True)
@@ -117,14 +124,43 @@ class FakeDaemon:
         if self._loop is not None and self._thread.is_alive():
             self._loop.call_soon_threadsafe(method)
 
+    def fake_server_of(self, session_id: str) -> FakeServer:
+        """The fake worker (one process's, in batched mode) that holds `session_id`'s context."""
+        service = self.supervisor.service
+        worker = service.pool.get(service.books.table.get(session_id).worker_name)
+        return getattr(worker, "fake_server", None) or worker.process.fake_server
+
+    @contextlib.contextmanager
+    def stopped(self, *session_ids: str):
+        """The workers serving `session_ids` (none named: every worker) are stopped inside the block: a
+        command sent to one stays in flight for as long as the test wants, and completes once the block ends."""
+        pool = self.supervisor.service.pool
+        servers = [self.fake_server_of(session) for session in session_ids] if session_ids else [worker.fake_server for worker in pool.processes()]
+        with contextlib.ExitStack() as stack:
+            for server in {id(server): server for server in servers}.values():
+                stack.enter_context(server.stopped())
+            yield
+
+    def request_stop(self) -> None:
+        """Ask for a stop at once (what SIGINT and Shutdown{} call), without waiting for it."""
+        self._call_soon(self.supervisor.request_stop)
+
+    def request_drain(self) -> None:
+        """Ask for a drain (what SIGTERM and Shutdown{drain: true} call), without waiting for it."""
+        self._call_soon(self.supervisor.request_drain)
+
     def stop(self) -> int:
         """Stop at once (Shutdown{}); returns the supervisor's exit code."""
-        self._call_soon(self.supervisor.request_stop)
-        return self._joined()
+        self.request_stop()
+        return self.joined()
 
     def drain(self) -> int:
         """Drain, then stop (SIGTERM); returns the supervisor's exit code."""
-        self._call_soon(self.supervisor.request_drain)
+        self.request_drain()
+        return self.joined()
+
+    def joined(self) -> int:
+        """Wait (a hang guard) until the daemon has stopped; its exit code."""
         return self._joined()
 
     def _joined(self) -> int:

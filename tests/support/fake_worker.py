@@ -13,11 +13,14 @@ as they treat llama.cpp's. Memory: a context "allocates" n_ctx x kv_bytes_per_po
 llama.cpp does, and the worker reports that as its anonymous memory, so calibration fits real charges.
 
 `fake_kinds(...)` gives the (process-mode, batched) classes for PoolSpec.kinds with behaviour knobs: a
-delay per row (so a cancel or a drain meets an append in flight), and a hook to fail a command.
+delay per row (so a cancel or a drain meets an append in flight), and a hook to fail a command. One
+worker can be stopped as SIGSTOP stops a real one (`FakeServer.stopped`, reached through
+tests.support.fake_daemon.FakeDaemon.stopped): every command it takes then waits until it runs again.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import os
@@ -148,10 +151,27 @@ class FakeServer:
         self.behaviour = behaviour
         self.batched = spec.seqs_per_worker > 0
         self.sequences = [FakeSequence() for _ in range(max(spec.seqs_per_worker, 1))]
+        self.running = threading.Event()  # cleared: stopped, as SIGSTOP stops a worker (see `stopped`)
+        self.running.set()
+        self.killed = threading.Event()  # set by FakeProcess.kill: a stopped worker is killed too
         regions = spec.segment
         self._abort = np.frombuffer(buffer, np.int32, 1, ABORT_FLAG_OFFSET)
         self._input = buffer[regions.input_offset : regions.output_offset]
         self._output = buffer[regions.output_offset : regions.total_bytes]
+
+    @contextlib.contextmanager
+    def stopped(self):
+        """Inside the block every command this worker takes waits (the one it is handling, if any, finishes
+        first): it stays in flight for as long as the test wants, and runs once the block ends."""
+        self.running.clear()
+        try:
+            yield self
+        finally:
+            self.running.set()
+
+    def wait_while_stopped(self) -> None:
+        while not self.running.wait(0.01) and not self.killed.is_set():
+            pass
 
     def memory_bytes(self) -> int:
         per_position = kv_bytes_per_position(self.shape)
@@ -257,8 +277,9 @@ class FakeProcess:
     """The process facade WorkerProcess uses (start, pid, exitcode, is_alive, join, terminate, kill), over a
     thread. kill() ends the thread at once, as SIGKILL ends a worker: its pipe reads EOF on the supervisor's end."""
 
-    def __init__(self, name: str, serve: Callable[[], None], connection: Connection) -> None:
+    def __init__(self, name: str, serve: Callable[[], None], connection: Connection, killed: threading.Event | None = None) -> None:
         self._connection = connection
+        self._killed = killed
         self._thread = threading.Thread(target=serve, name=f"fake-{name}", daemon=True)
         self.pid = os.getpid()
         self.killed = False
@@ -278,6 +299,8 @@ class FakeProcess:
 
     def kill(self) -> None:
         self.killed = True
+        if self._killed is not None:
+            self._killed.set()
         try:  # wakes the thread's blocked read with EOF; the supervisor's end reads EOF too
             socket.socket(fileno=os.dup(self._connection.fileno())).shutdown(socket.SHUT_RDWR)
         except OSError:
@@ -306,6 +329,7 @@ class FakeWorkerMixin:
                     command = decoder.decode(child_end.recv_bytes())
                     if isinstance(command, Exit):
                         return
+                    server.wait_while_stopped()
                     child_end.send_bytes(encoder.encode(server.handle(command)))
             except (EOFError, OSError):
                 return
@@ -314,7 +338,7 @@ class FakeWorkerMixin:
                 child_end.close()
                 child_cancel_end.close()
 
-        process = FakeProcess(self.name, serve, child_end)
+        process = FakeProcess(self.name, serve, child_end, server.killed)
         process.start()
         return process
 
