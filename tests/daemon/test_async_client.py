@@ -15,7 +15,7 @@ import pytest
 from kvpool import AsyncClient
 from kvpool.client.client import ConnectionLost
 from tests.conftest import EVEN_SPLIT
-from tests.support.daemons import HANG_GUARD_S, DaemonProcess, exited, wait_until
+from tests.support.daemons import poll, run_async, DaemonProcess, exited, wait_until
 
 pytestmark = pytest.mark.timeout(3600)
 N_CTX = 256
@@ -28,16 +28,8 @@ def first_shard(shard_sets):
     return shard_sets[EVEN_SPLIT][0]
 
 
-def run(coroutine):
-    return asyncio.run(asyncio.wait_for(coroutine, HANG_GUARD_S))
 
 
-async def poll(predicate, what: str):
-    """await predicate() until it returns something true; the guard only stops a hang."""
-    async with asyncio.timeout(HANG_GUARD_S):
-        while not (value := await predicate()):
-            await asyncio.sleep(0.01)
-    return value
 
 
 def _worker_of(daemon, session_id: str) -> int:
@@ -77,7 +69,7 @@ def test_a_daemon_killed_mid_request_fails_every_pending_request_and_the_next_ca
                 await client.close()
             return outcomes
 
-        outcomes = run(main())
+        outcomes = run_async(main())
         assert all(isinstance(outcome, ConnectionLost) for outcome in outcomes), outcomes
     finally:
         if daemon.process.poll() is None:

@@ -14,13 +14,13 @@ import numpy as np
 import psutil
 import pytest
 
-from kvpool.client.client import Client, KvpoolError
+from kvpool.client.client import KvpoolError
 from kvpool.daemon.books import spill
 from kvpool.daemon.books.books import Books
 from kvpool.daemon.books.sessions import Session
 from kvpool.daemon.books.spill import CorruptBlob, SpillStore
 from kvpool.state import header as state_header
-from kvpool.state.header import FORMAT_VERSION, UNBOUND, StateHeader, StateIdentity, StateRejected, open_state, read_header, seal
+from kvpool.state.header import FORMAT_VERSION, StateHeader, StateIdentity, StateRejected, open_state, read_header, seal
 from tests.support.chains import daemon_chain, greedy_with_logits
 from tests.support.daemons import STOP_HANG_GUARD_S, DaemonProcess, wait_until
 

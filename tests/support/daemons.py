@@ -4,6 +4,7 @@ kvpool command that starts daemons of its own."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import fcntl
 import os
@@ -283,3 +284,20 @@ def refused_start(model: pathlib.Path, socket_path: pathlib.Path, *options: str)
     log = daemon.log()
     assert code == 2 and "Traceback" not in log, log
     return log
+
+
+# ---- asyncio ------------------------------------------------------------------------------------------
+
+
+def run_async(coroutine):
+    """asyncio.run under the hang guard."""
+    return asyncio.run(asyncio.wait_for(coroutine, HANG_GUARD_S))
+
+
+async def poll(predicate, what: str):
+    """await predicate() until it returns something true, and return that; the guard only stops a hang."""
+    async with asyncio.timeout(HANG_GUARD_S):
+        while not (value := await predicate()):
+            await asyncio.sleep(0.01)
+    return value
+

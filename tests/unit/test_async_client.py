@@ -18,7 +18,7 @@ from kvpool.client.client import ConnectionLost, KvpoolError
 from kvpool.daemon.transport.frames import MAX_IN_FLIGHT_PER_CONNECTION
 from kvpool.wire.protocol import PROTOCOL_VERSION, Append, Cancel, Done, ErrorReply, Hello, HelloReply, ShardDescription, decode_request, encode
 from kvpool.wire.shape import ShardShape
-from tests.support.daemons import HANG_GUARD_S, RawConnection, admission_line_full, wait_until
+from tests.support.daemons import HANG_GUARD_S, poll, run_async, RawConnection, admission_line_full, wait_until
 from tests.support.fake_worker import expected_rows
 
 N_CTX = 256
@@ -40,16 +40,8 @@ def clean(serve, fake_shards):
         assert client.stats().sessions == []
 
 
-def run(coroutine):
-    return asyncio.run(asyncio.wait_for(coroutine, HANG_GUARD_S))
 
 
-async def poll(predicate, what: str):
-    """await predicate() until it returns something true; the guard only stops a hang."""
-    async with asyncio.timeout(HANG_GUARD_S):
-        while not (value := await predicate()):
-            await asyncio.sleep(0.01)
-    return value
 
 
 def _partition(prompt: list[int], chunk: int) -> list[list[int]]:
@@ -92,7 +84,7 @@ def test_concurrent_sessions_on_one_connection_get_their_own_rows_bit_for_bit(cl
             assert client._connection is connection and not connection.closed  # one connection throughout
             return results, stats
 
-    results, stats = run(main())
+    results, stats = run_async(main())
     for index, rows in enumerate(results):
         assert len(rows) == len(expected[index])
         for got, want in zip(rows, expected[index]):
@@ -127,7 +119,7 @@ def test_a_short_decode_is_answered_while_a_long_prefill_on_the_same_connection_
                 assert not long.done()
             return (await long).rows, short.rows
 
-    long_rows, short_rows = run(main())
+    long_rows, short_rows = run_async(main())
     assert np.array_equal(long_rows, expected_long) and np.array_equal(short_rows, expected_short)
 
 
@@ -154,7 +146,7 @@ def test_cancel_stops_the_append_in_flight_and_its_connection_goes_on(clean):
             fresh = (await client.append("fresh", 1, 0, tokens=long_prompt[:40])).rows
             return continued, fresh, await client.stats()
 
-    continued, fresh, stats = run(main())
+    continued, fresh, stats = run_async(main())
     assert np.array_equal(continued[-1], fresh[-1]) and stats.counters["cancels"] == 1
 
 
@@ -192,7 +184,7 @@ def test_a_reply_to_an_id_nobody_waits_for_fails_the_connection_and_the_next_cal
             for writer in connections:
                 writer.close()
 
-    results, again = run(main())
+    results, again = run_async(main())
     assert all(isinstance(result, ConnectionLost) for result in results), results
     assert again == 9 and len(connections) == 2
     path.unlink(missing_ok=True)
@@ -271,7 +263,7 @@ def test_cancel_reaches_a_prefill_behind_appends_that_fill_the_connection(one_pl
             outcomes = await asyncio.gather(*appends, return_exceptions=True)
             return cancel, still_waiting, cancelled.value, outcomes
 
-    cancel, still_waiting, cancelled, outcomes = run(main())
+    cancel, still_waiting, cancelled, outcomes = run_async(main())
     assert still_waiting == waiting, "cancel() was answered only after requests ahead of it were"
     assert cancel.detail == "cancel requested"
     assert cancelled.code == "cancelled" and cancelled.length == 10
@@ -317,6 +309,6 @@ def test_cancel_is_sent_on_a_side_connection_opened_on_first_use(sockets):
             for writer in writers:
                 writer.close()
 
-    done, connections = run(main())
+    done, connections = run_async(main())
     assert done.detail == "cancel requested" and connections == 2
     path.unlink(missing_ok=True)
