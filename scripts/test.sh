@@ -12,6 +12,8 @@ if [ "${1:-}" = "--fast" ]; then
 fi
 bash scripts/install.sh
 .venv/bin/python -m compileall -q kvpool workers tests scripts
-# The architecture contract (pyproject.toml, [tool.importlinter]): layers, no import circles.
+# No import unused or name undefined (pyproject.toml, [tool.ruff]); the architecture contract
+# ([tool.importlinter]): layers, no import circles, the product never imports a tool.
+.venv/bin/ruff check --quiet kvpool workers tests scripts
 .venv/bin/lint-imports --no-cache
 exec .venv/bin/python -m pytest -p no:cacheprovider "${tier[@]}" "$@"
