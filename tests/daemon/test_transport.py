@@ -38,7 +38,7 @@ from kvpool.wire.framing import FRAME_HEADER
 from kvpool.daemon.transport import frames as server
 from kvpool.wire.shape import ShardShape
 from tests.conftest import EVEN_SPLIT
-from tests.support.daemons import HANG_GUARD_S, DaemonProcess, stopped, wait_until
+from tests.support.daemons import HANG_GUARD_S, DaemonProcess, admission_line_full, stopped, wait_until
 from tests.support.daemons import RawConnection
 
 pytestmark = pytest.mark.timeout(3600)
