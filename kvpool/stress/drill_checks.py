@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from kvpool.host import format_bytes
 from kvpool.stress.options import FORCED_KINDS, OpKind, StressOptions
-from kvpool.stress.processes import ORPHAN_DEADLINE_S
+from kvpool.stress.processes import ORPHAN_HANG_GUARD_S
 from kvpool.stress.report import DaemonSummary, RestartRecord, Sample, SessionSummary, SlowReaderRecord, StallRecord, SupervisorKillRecord, Verdict
 
 if TYPE_CHECKING:
@@ -49,8 +49,8 @@ def operations_verdict(options: StressOptions, sessions: Sequence[SessionSummary
 
 def leftovers_verdict(pids: Sequence[int], segments: Sequence[str]) -> Verdict:
     passed = not pids and not segments
-    return Verdict("no_leftovers", passed, f"every process of the daemons (workers, replacements, a killed supervisor's) gone within {ORPHAN_DEADLINE_S:g} s of its daemon's end; no /dev/shm segment of theirs left"
-                   if passed else f"still alive: {list(pids)} (killed now); segments left: {list(segments)} (unlinked now)")
+    return Verdict("no_leftovers", passed, "every process of the daemons (workers, replacements, a killed supervisor's) gone after its daemon's end; no /dev/shm segment of theirs left"
+                   if passed else f"still alive at the hang guard ({ORPHAN_HANG_GUARD_S:g} s): {list(pids)} (killed now); segments left: {list(segments)} (unlinked now)")
 
 
 def kill_worker_verdict(drivers: Sequence[SessionDriver], sessions: Sequence[SessionSummary], daemons: Sequence[DaemonSummary], workers_expected: int | None, exact: bool) -> Verdict:
@@ -93,10 +93,11 @@ def kill_supervisor_verdict(kills: Sequence[SupervisorKillRecord], sessions: Seq
     survivors = [i for i in range(len(daemons)) if i != kill.daemon]
     books = all(daemons[i].integrity_after == "ok" for i in survivors) and all(s.integrity == "ok" for s in samples if s.daemon in survivors)
     passed = orphans_ok and segments_ok and restarted and recovered and books and exact
-    gone = f"all {len(kill.descendants)} gone in {kill.all_gone_s:g} s" if kill.all_gone_s is not None else f"still alive after {ORPHAN_DEADLINE_S:g} s: {kill.orphans_at_deadline}"
+    gone = (f"all {len(kill.descendants)} gone in {kill.all_gone_s:g} s" if kill.all_gone_s is not None
+            else f"still alive at the hang guard ({ORPHAN_HANG_GUARD_S:g} s): {kill.orphans_at_deadline}")
     return Verdict("kill_supervisor", passed,
-                   f"SIGKILL supervisor pid {kill.pid} of daemon {kill.daemon} ({kill.session_id}, op {kill.op_index}): its processes {kill.descendants} {gone} "
-                   f"(deadline {ORPHAN_DEADLINE_S:g} s); its {len(kill.segments)} /dev/shm segments " + ("all removed" if segments_ok else f"left: {kill.segments_left}")
+                   f"SIGKILL supervisor pid {kill.pid} of daemon {kill.daemon} ({kill.session_id}, op {kill.op_index}): its processes {kill.descendants} {gone}; "
+                   f"its {len(kill.segments)} /dev/shm segments " + ("all removed" if segments_ok else f"left: {kill.segments_left}")
                    + (f"; restarted on the same socket by {kill.restarted_by} in {kill.restart_s:g} s (pid {kill.new_pid})" if restarted else f"; restart failed: {kill.restart_error or 'never restarted'}")
                    + f"; {len(lost)} sessions got ConnectionLost while running, {released_again} at their final release (released again); "
                    f"{recovery}; books of daemons {survivors} balanced at every sample and after: {books}; every session exact: {exact}")
@@ -130,7 +131,8 @@ def restart_verdict(restarts: Sequence[RestartRecord], error: str, sessions: Seq
     passed = each_once and drained and not error and full == 0 and restores > 0 and exact
     steps = "; ".join(
         f"daemon {r.daemon} at op {r.at_ops}: drained in {r.drain_s:g} s (exit {r.exit_code}"
-        + (f", still alive after {ORPHAN_DEADLINE_S:g} s: {r.left_alive}" if r.left_alive else "") + f"), successor answered in {r.restart_s:g} s"
+        + (f", still alive at the hang guard ({ORPHAN_HANG_GUARD_S:g} s): {r.left_alive}" if r.left_alive else f", its processes gone {r.workers_gone_s:g} s after")
+        + f"), successor answered in {r.restart_s:g} s"
         + (f" ({r.adoption_line})" if r.adoption_line else "") + (f", start failed: {r.restart_error[:300]}" if r.restart_error else "")
         for r in restarts
     ) or "no daemon was drained"

@@ -9,7 +9,9 @@ import pathlib
 MiB = 1024**2
 UNLIMITED_BUDGET = "64GiB"  # scenarios without --budget-for: the budget is no constraint
 SPILL_PLACES = 2  # --spill: contexts per daemon (--max-sessions), fewer than the sessions
-IDLE_MARGIN_S = 1.5  # past the TTL: two housekeeping ticks (0.5 s each) and slack
+# --ttl's idle sessions: idle at least this past the TTL (one housekeeping tick, 0.5 s: the daemon cannot have
+# expired it sooner), then polled until the daemon has (kvpool.stress.probes.idle_until_expired).
+IDLE_MARGIN_S = 0.5
 # The disk tier of --restart and --persist-after: room for every session's state many times over.
 SPILL_DISK_BUDGET = "4GiB"
 # --drain-timeout of those daemons: a hang guard, far above any append in flight on a slow, busy machine,

@@ -138,9 +138,11 @@ class SupervisorKillRecord(msgspec.Struct):
     op_index: int
     descendants: list[int]  # pids of the supervisor's processes (workers, resource tracker) at the kill
     segments: list[str]  # /dev/shm segments those processes had mapped
-    all_gone_s: float | None = None  # seconds until every descendant was gone (None: not within the watch)
-    orphans_at_deadline: list[int] = msgspec.field(default_factory=list)  # still alive ORPHAN_DEADLINE_S after the kill
-    segments_left: list[str] = msgspec.field(default_factory=list)  # still in /dev/shm after the deadline
+    all_gone_s: float | None = None  # seconds from the kill until every descendant was gone (None: some outlived the hang guard)
+    # still alive at the hang guard, processes.ORPHAN_HANG_GUARD_S after the kill (then killed); the name is
+    # the report's since the limit was a 5 s deadline
+    orphans_at_deadline: list[int] = msgspec.field(default_factory=list)
+    segments_left: list[str] = msgspec.field(default_factory=list)  # still in /dev/shm once its processes were gone (then unlinked)
     restarted_by: str = ""
     restart_s: float = 0.0
     new_pid: int = 0
@@ -164,7 +166,8 @@ class RestartRecord(msgspec.Struct):
     exit_code: int | None = None  # the drained daemon's (0: a drain)
     drain_s: float = 0.0  # SIGTERM to its exit
     drain_line: str = ""  # its "drain done: ..." log line
-    left_alive: list[int] = msgspec.field(default_factory=list)  # its processes still alive after the deadline (then killed)
+    left_alive: list[int] = msgspec.field(default_factory=list)  # its processes still alive at the hang guard (then killed)
+    workers_gone_s: float = 0.0  # from its exit until the last of its processes was gone
     new_pid: int = 0
     restart_s: float = 0.0  # the successor's start until it answered on the socket
     adopted: list[SavedState] = msgspec.field(default_factory=list)  # parked states the successor had adopted (its stats once it answered)

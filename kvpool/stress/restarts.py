@@ -26,14 +26,13 @@ from kvpool.daemon.books.spill import OWN_FILE
 from kvpool.launcher import Daemon, DaemonStartFailed
 from kvpool.state.header import StateRejected, read_header
 from kvpool.stress.daemons import Chain
-from kvpool.stress.processes import ORPHAN_DEADLINE_S, existing, kill_all, mapped_segments, process_tree, unlink_all, wait_gone
+from kvpool.stress.processes import existing, kill_all, mapped_segments, process_tree, unlink_all, wait_gone
 from kvpool.stress.recording import Recorder
 from kvpool.stress.report import RestartRecord, SavedState, SupervisorKillRecord
 
 if TYPE_CHECKING:
     from kvpool.stress.tap import TappedClient
 
-ORPHAN_WATCH_S = 30.0  # watched past the deadline only to report how late a straggler was (then killed)
 DRAIN_HANG_GUARD_S = 900.0  # a drain's SIGTERM to exit: above the daemons' --drain-timeout (options.DRAIN_TIMEOUT_S)
 RESTART_POLL_S = 0.05
 
@@ -73,7 +72,8 @@ class ChainControl:
             return self._generations[stage] > 0
 
     def kill_supervisor(self, stage: int, session_id: str, op_index: int) -> SupervisorKillRecord:
-        """SIGKILL daemon `stage`'s supervisor; then watch its processes and segments (ORPHAN_DEADLINE_S)."""
+        """SIGKILL daemon `stage`'s supervisor; then wait until its processes are gone (how long it took is
+        recorded; the limit is a hang guard) and check that its segments went with them."""
         with self._lock:
             daemon = self._chain.daemons[stage]
             tree = process_tree(daemon.process.pid)
@@ -89,16 +89,13 @@ class ChainControl:
             daemon.process.wait()
         self.kills.append(record)
         self._say(f"{session_id}: SIGKILL supervisor pid {record.pid} of daemon {stage} ({len(descendants)} processes under it, {len(record.segments)} segments)")
-        remaining = wait_gone(descendants, ORPHAN_DEADLINE_S - (time.monotonic() - killed_at))
-        record.orphans_at_deadline = [p.pid for p in remaining]
-        remaining = wait_gone(remaining, ORPHAN_WATCH_S)
-        if not remaining:
-            record.all_gone_s = round(time.monotonic() - killed_at, 3)
-        kill_all(remaining)
+        gone = wait_gone(descendants, f"the processes of daemon {stage}'s killed supervisor", self._say, since=killed_at)
+        record.orphans_at_deadline = [p.pid for p in gone.left_alive]
+        if not gone.left_alive:
+            record.all_gone_s = gone.seconds
+        kill_all(gone.left_alive)
         # Whatever unlinks a dead supervisor's segments (multiprocessing's resource tracker, one of the
-        # descendants) has run by the time they are all gone; give it the same deadline otherwise.
-        while existing(record.segments) and time.monotonic() < killed_at + ORPHAN_DEADLINE_S:
-            time.sleep(0.05)
+        # descendants) has run by the time they are all gone: a segment still there now stays.
         record.segments_left = existing(record.segments)
         unlink_all(record.segments_left)
         return record
@@ -137,9 +134,10 @@ class ChainControl:
             record.exit_code = daemon.stop(sig=signal.SIGTERM, timeout_s=DRAIN_HANG_GUARD_S)
             record.drain_s = round(time.monotonic() - began, 3)
             record.drain_line = log_line(daemon.log(), "drain done")
-            remaining = wait_gone(descendants, ORPHAN_DEADLINE_S)
-            record.left_alive = [p.pid for p in remaining]
-            kill_all(remaining)
+            gone = wait_gone(descendants, f"the workers of drained daemon {stage}", self._say)
+            record.left_alive = [p.pid for p in gone.left_alive]
+            record.workers_gone_s = gone.seconds
+            kill_all(gone.left_alive)
             self._start_successor(stage, daemon, record, "drained")
         self._say(f"daemon {stage} drained in {record.drain_s:.1f} s (exit {record.exit_code}); its successor (pid {record.new_pid}) answered in {record.restart_s:.1f} s"
                   + (f"; {record.adoption_line}" if record.adoption_line else ""))
