@@ -38,7 +38,7 @@ from kvpool.wire.framing import FRAME_HEADER
 from kvpool.daemon.transport import frames as server
 from kvpool.wire.shape import ShardShape
 from tests.conftest import EVEN_SPLIT
-from tests.support.daemons import HANG_GUARD_S, DaemonProcess, admission_line_full, stopped, wait_until
+from tests.support.daemons import admission_line_full, HANG_GUARD_S, DaemonProcess, stopped, wait_until
 from tests.support.daemons import RawConnection
 
 pytestmark = pytest.mark.timeout(3600)
@@ -289,15 +289,27 @@ def test_connections_that_miss_the_handshake_or_frame_deadline_are_closed_and_id
 # ---- issue 17 item 6: the bound on request bytes buffered across all connections ---------------------
 
 
-def _push(socks: list[socket.socket], data: bytes, quiet_s: float = 3.0) -> list[int]:
-    """Send `data` on every socket, as far as each is read: stops when all is sent or when no socket has
-    taken a byte for quiet_s (a daemon that stopped reading them). Returns the bytes sent on each."""
+def _push(socks: list[socket.socket], data: bytes, whole: int, quiet_s: float = 3.0) -> list[int]:
+    """Send `data` on every socket, as far as each is read, and return the bytes sent on each: until `whole`
+    sockets have sent all of it (an event: the daemon read that much; the limit is a hang guard that says
+    where the sending stands), then until the rest took no byte for quiet_s (the daemon stopped reading
+    them: what they took by then is what the kernel's and the transport's buffers hold)."""
     view = memoryview(data)
     sent = [0] * len(socks)
     for sock in socks:
         sock.setblocking(False)
-    last_progress = time.monotonic()
-    while any(count < len(data) for count in sent) and time.monotonic() - last_progress < quiet_s:
+    started = last_progress = time.monotonic()
+    next_note = started + 15.0
+
+    def done() -> bool:
+        return sum(count == len(data) for count in sent) >= whole and time.monotonic() - last_progress >= quiet_s
+
+    while any(count < len(data) for count in sent) and not done():
+        now = time.monotonic()
+        assert now - started < HANG_GUARD_S, f"hang guard: {sum(sent) / MiB:.0f} MiB sent in {HANG_GUARD_S:.0f} s, {whole} frames never read whole: {sent}"
+        if now >= next_note:
+            next_note += 15.0
+            print(f"sending: {sum(count == len(data) for count in sent)}/{whole} frames read whole, {sum(sent) / MiB:.0f} MiB sent", flush=True)
         pending = [sock for sock, count in zip(socks, sent) if count < len(data)]
         _, writable, _ = select.select([], pending, [], 0.2)
         for sock in writable:
@@ -312,7 +324,10 @@ def _push(socks: list[socket.socket], data: bytes, quiet_s: float = 3.0) -> list
 
 def test_twelve_unfinished_large_frames_hold_no_more_than_the_byte_bound(first_shard, socket_dir):
     """--max-buffered-bytes 64MiB and 30 MiB frames: two are read (their rest never comes), ten wait
-    unread; the supervisor's RSS grows by less than the bound plus slack while a client is served."""
+    unread; the supervisor's RSS grows by less than the bound plus slack while a client is served. The
+    bound is exercised: the frames offered are far more than it and the slack, the daemon read two of
+    them whole (all but their last byte: as much of the bound as whole frames fill) and of each of the ten
+    only what buffers hold."""
     bound, frame_bytes, slack = 64 * MiB, 30 * MiB, 32 * MiB
     daemon = DaemonProcess(
         first_shard.path, socket_dir / "bytes.sock", *ONE_PLACE, "--max-request-bytes", "32MiB", "--max-buffered-bytes", "64MiB", "--frame-timeout", "600",
@@ -326,8 +341,15 @@ def test_twelve_unfinished_large_frames_hold_no_more_than_the_byte_bound(first_s
         body = b"\x00" * (frame_bytes - 1)  # one byte short: never a whole frame
         for raw in raws:
             raw.send(FRAME_HEADER.pack(frame_bytes))
-        sent = _push([raw.sock for raw in raws], body)
+        whole = bound // frame_bytes
+        sent = _push([raw.sock for raw in raws], body, whole)
         growth = supervisor.memory_info().rss - rss_before
+        print(f"sent {sum(sent) / MiB:.2f} MiB: {[round(count / MiB, 2) for count in sent]}; RSS +{growth / MiB:.1f} MiB")
+        read_whole = [count for count in sent if count == len(body)]
+        waiting = [count for count in sent if count < len(body)]
+        assert len(raws) * len(body) > 3 * (bound + slack)  # a daemon without the bound would hold it all
+        assert len(read_whole) == whole and len(waiting) == len(raws) - whole, [f"{count / MiB:.2f} MiB" for count in sent]
+        assert max(waiting) < frame_bytes // 8, [f"{count / MiB:.2f} MiB" for count in waiting]  # buffers, never read
         assert growth < bound + slack, f"the supervisor's RSS grew {growth / MiB:.0f} MiB for {sum(sent) / MiB:.0f} MiB sent"
         assert live.append("live", 1, 3, tokens=[4]).length == 4  # served meanwhile
         assert live.stats().integrity == "ok"
