@@ -181,8 +181,9 @@ class StressOptions:
 
     @property
     def may_lose_state(self) -> bool:
-        """A session's state may vanish from a daemon without a request of its own (eviction, expiry, restart)."""
-        return self.budget_for is not None or self.ttl_s is not None or self.kill_supervisor
+        """A session's state may vanish from a daemon without a request of its own (eviction, expiry, restart;
+        in batched mode a killed worker process takes every session it held, the killed session's neighbours too)."""
+        return self.budget_for is not None or self.ttl_s is not None or self.kill_supervisor or (self.kill_worker and self.mode == "batched")
 
     @property
     def decode_cap(self) -> int:
