@@ -166,7 +166,7 @@ def test_killed_supervisor_leaves_nothing_is_restarted_and_every_session_replays
     _assert_common(report)
     assert _verdict(report, "kill_supervisor").passed
     [kill] = report.supervisor_kills
-    assert kill.descendants and not kill.orphans_at_deadline and kill.all_gone_s is not None  # gone within 5 s
+    assert kill.descendants and not kill.orphans_at_deadline and kill.all_gone_s is not None  # all gone (waited for under the hang guard)
     assert kill.segments and not kill.segments_left  # its /dev/shm segments were removed
     assert kill.new_pid and kill.new_pid != kill.pid and not kill.restart_error
     assert report.daemons[kill.daemon].restarted
