@@ -135,4 +135,3 @@ class SteppedGreedy:
         logits = self._append(self.length, tokens)
         self.length += len(tokens)
         self.rows.append(logits[-1].copy())
-

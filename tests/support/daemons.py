@@ -300,4 +300,3 @@ async def poll(predicate, what: str):
         while not (value := await predicate()):
             await asyncio.sleep(0.01)
     return value
-
