@@ -16,7 +16,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -45,6 +44,7 @@ from kvpool.wire.protocol import (
     encode,
 )
 from kvpool.wire.shape import ShardShape
+from tests.support.daemons import wait_until
 from tests.support.fake_daemon import N_EMBD, fake_shard_file
 from tests.support.fake_worker import expected_rows, fake_kinds
 from workers.server.segment import LOGIT_ROWS_IN_SEGMENT, SegmentRegions
@@ -53,15 +53,6 @@ from workers.server.spec import WorkerSpec
 HANG_GUARD_S = 600.0
 SMALL = ("--threads", "1", "--n-ctx", "64", "--max-sessions", "2")
 
-
-def _wait_until(predicate, what: str, guard_s: float = HANG_GUARD_S) -> float:
-    """Poll until predicate() holds; returns the seconds it took. The guard only stops a hang."""
-    started = time.monotonic()
-    while not predicate():
-        if time.monotonic() - started > guard_s:
-            pytest.fail(f"hang guard: {what} not true after {guard_s:.0f} s")
-        time.sleep(0.02)
-    return time.monotonic() - started
 
 
 # ---- 1. a reply belongs to its request ----------------------------------------------------------------
@@ -83,7 +74,7 @@ def test_a_timed_out_request_never_hands_its_reply_to_the_next_request(serve, fa
         again = other.append("B-again", 1, 0, tokens=[1, 2, 3], n_ctx=2048)
         assert np.array_equal(b.rows, again.rows)  # B's own rows, not A's
         assert np.array_equal(b.rows, expected_rows(other.hello.shard.shape, np.asarray([1, 2, 3], np.int32)))
-        _wait_until(lambda: any(r.session_id == "A" and not r.in_flight for r in other.stats().sessions), "A idle")
+        wait_until(lambda: any(r.session_id == "A" and not r.in_flight for r in other.stats().sessions), "A idle")
         assert {r.session_id: r.length for r in other.stats().sessions}["A"] == 1000  # nothing of A was lost
     client.close()
 
