@@ -140,13 +140,27 @@ class _Reader:
         return np.frombuffer(self.take(size, what), dtype=np.uint8).reshape(shape).copy()
 
 
-def parse_state(blob: bytes) -> SequenceState:
-    """The state in `blob`; StateFormatError when it is not exactly one state of the layout above."""
-    reader = _Reader(blob)
+def _preamble(reader: _Reader) -> tuple[int, int]:
+    """The state's sequence id and stream count, after its magic is checked."""
     magic, seq_id = reader.unpack("<Ii", "the preamble")
     if magic != STATE_MAGIC:
         raise StateFormatError(f"not a sequence state: magic {magic:#010x}, expected {STATE_MAGIC:#010x}")
     (n_stream,) = reader.unpack("<I", "the stream count")
+    return seq_id, n_stream
+
+
+def _layer_header(reader: _Reader) -> tuple[int, int]:
+    """A stream's V transposition flag (0 or 1) and its layer count, after its cells."""
+    v_trans, n_layer = reader.unpack("<II", "the layer header")
+    if v_trans > 1:
+        raise StateFormatError(f"V transposition flag {v_trans}, expected 0 or 1")
+    return v_trans, n_layer
+
+
+def parse_state(blob: bytes) -> SequenceState:
+    """The state in `blob`; StateFormatError when it is not exactly one state of the layout above."""
+    reader = _Reader(blob)
+    seq_id, n_stream = _preamble(reader)
     streams = []
     for index in range(n_stream):
         if reader.remaining() < 4:
@@ -167,10 +181,7 @@ def check_cells(blob: bytes, length: int) -> int:
     cells only (layer data is skipped, not copied): the check every restore passes before a worker sees the
     bytes, in both modes, since llama.cpp restores whatever positions the cells name."""
     reader = _Reader(blob)
-    magic, seq_id = reader.unpack("<Ii", "the preamble")
-    if magic != STATE_MAGIC:
-        raise StateFormatError(f"not a sequence state: magic {magic:#010x}, expected {STATE_MAGIC:#010x}")
-    (n_stream,) = reader.unpack("<I", "the stream count")
+    seq_id, n_stream = _preamble(reader)
     positions = []
     for _ in range(n_stream):
         (n_cells,) = reader.unpack("<I", "a cell count")
@@ -195,9 +206,7 @@ def check_cells(blob: bytes, length: int) -> int:
 
 
 def _skip_layers(reader: _Reader, n_cells: int) -> None:
-    v_trans, n_layer = reader.unpack("<II", "the layer header")
-    if v_trans > 1:
-        raise StateFormatError(f"V transposition flag {v_trans}, expected 0 or 1")
+    v_trans, n_layer = _layer_header(reader)
     for kind in ["K"] * _layer_count(reader, n_layer) + ["V"] * n_layer:
         if kind == "V" and v_trans:
             _, element_bytes, width = reader.unpack("<iII", "a transposed V header")
@@ -218,9 +227,7 @@ def _read_stream(reader: _Reader) -> Stream:
     for cell in range(n_cells):
         positions[cell], n_seq = reader.unpack("<iI", "a cell")
         seq_ids.append(struct.unpack(f"<{n_seq}i", reader.take(4 * n_seq, "a cell's sequence ids")))
-    v_trans, n_layer = reader.unpack("<II", "the layer header")
-    if v_trans > 1:
-        raise StateFormatError(f"V transposition flag {v_trans}, expected 0 or 1")
+    v_trans, n_layer = _layer_header(reader)
     keys = [_read_rows(reader, n_cells, "K") for _ in range(_layer_count(reader, n_layer))]
     values = [_read_transposed(reader, n_cells) if v_trans else _read_rows(reader, n_cells, "V") for _ in range(n_layer)]
     layers = tuple(LayerKV(k, v) for k, v in zip(keys, values))
