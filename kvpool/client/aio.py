@@ -25,6 +25,7 @@ from typing import Unpack
 import msgspec
 
 from kvpool.client.messages import AppendOptions, AppendResult, Call, ConnectionLost, KvpoolError, RequestNotSent, Result, append_call, cancel_call, fork_call
+from kvpool.client.messages import admit_prefix_call, prefix_lookup_call
 from kvpool.client.messages import StateExport, hello_call, import_calls, import_chunk_bytes, is_farewell, park_call, release_call, shutdown_call, stats_call, to_send_again, truncate_call
 from kvpool.client.successor import DEFAULT_WAIT_S, Say, SuccessorWait
 from kvpool.wire.framing import FrameError, read_frame
@@ -263,6 +264,14 @@ class AsyncClient:
     async def fork(self, session_id: str, epoch: int, new_session_id: str, new_epoch: int, length: int) -> Done:
         """A new session holding the source's first `length` positions (parked until its first append)."""
         return await self._call(fork_call(session_id, epoch, new_session_id, new_epoch, length))
+
+    async def lookup_prefix(self, scope: str, digests: list[bytes]) -> int:
+        """How many leading blocks of `digests` (kvpool.wire.prefix) the daemon's prefix store holds for `scope`."""
+        return await self._call(prefix_lookup_call(scope, digests))
+
+    async def admit_prefix(self, session_id: str, epoch: int, scope: str, digests: list[bytes], *, n_ctx: int = 0) -> int:
+        """Admit (session_id, epoch) holding the stored prefix of len(digests) blocks, parked; returns its length."""
+        return await self._call(admit_prefix_call(session_id, epoch, scope, digests, n_ctx))
 
     async def export_state(self, session_id: str, epoch: int) -> bytes:
         """The session's sealed state (kvpool.state.header), gathered chunk by chunk; a hot session stays hot."""

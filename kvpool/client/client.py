@@ -29,7 +29,9 @@ from kvpool.client.messages import (
     StateExport,
     append_call,
     append_request,
+    admit_prefix_call,
     cancel_call,
+    prefix_lookup_call,
     checked_reply,
     fork_call,
     import_calls,
@@ -163,6 +165,15 @@ class Client:
     def fork(self, session_id: str, epoch: int, new_session_id: str, new_epoch: int, length: int) -> Done:
         """A new session holding the source's first `length` positions (parked until its first append)."""
         return self._call(fork_call(session_id, epoch, new_session_id, new_epoch, length))
+
+    def lookup_prefix(self, scope: str, digests: list[bytes]) -> int:
+        """How many leading blocks of `digests` (kvpool.wire.prefix) the daemon's prefix store holds for `scope`."""
+        return self._call(prefix_lookup_call(scope, digests))
+
+    def admit_prefix(self, session_id: str, epoch: int, scope: str, digests: list[bytes], *, n_ctx: int = 0) -> int:
+        """Admit (session_id, epoch) holding the stored prefix of len(digests) blocks, parked; returns its length
+        (its next append starts there). KvpoolError cache_miss prefix_evicted when the store no longer holds it."""
+        return self._call(admit_prefix_call(session_id, epoch, scope, digests, n_ctx))
 
     def export_state(self, session_id: str, epoch: int) -> bytes:
         """The session's sealed state (kvpool.state.header), gathered chunk by chunk; a hot session stays hot."""

@@ -23,6 +23,9 @@ from kvpool.wire.protocol import (
     Export,
     Exported,
     Fork,
+    PrefixHeld,
+    PrefixLookup,
+    AdmitPrefix,
     Hello,
     HelloReply,
     Import,
@@ -108,17 +111,21 @@ class AppendOptions(TypedDict, total=False):
     n_ctx: int
     admit_timeout_s: float
     sample: Sampling | None
+    block_digests: list[bytes]  # the digests of the blocks whose end this append reaches (kvpool.wire.prefix)
+    prefix_scope: str
 
 
 def append_request(
     session_id: str, epoch: int, start_pos: int, *, tokens: list[int] | np.ndarray | None = None, hidden: np.ndarray | None = None,
     output_rows: str = "last", n_ctx: int = 0, admit_timeout_s: float = 0.0, sample: Sampling | None = None, direct: bool = False,
+    block_digests: list[bytes] | None = None, prefix_scope: str = "",
 ) -> Append:
     return Append(
         session_id=session_id, epoch=epoch, start_pos=start_pos,
         tokens=None if tokens is None else [int(token) for token in tokens],
         hidden=None if hidden is None else np.ascontiguousarray(hidden, dtype="<f4").tobytes(),
         output_rows=OutputRows(output_rows), n_ctx=n_ctx, admit_timeout_s=admit_timeout_s, sample=sample, direct=direct,
+        block_digests=list(block_digests or ()), prefix_scope=prefix_scope,
     )
 
 
@@ -175,6 +182,16 @@ def park_call(session_id: str, epoch: int) -> Call[Done]:
 
 def fork_call(session_id: str, epoch: int, new_session_id: str, new_epoch: int, length: int) -> Call[Done]:
     return Call(Fork(session_id=session_id, epoch=epoch, new_session_id=new_session_id, new_epoch=new_epoch, length=length), Done)
+
+
+def prefix_lookup_call(scope: str, digests: list[bytes]) -> Call[int]:
+    """Its result: how many leading blocks of `digests` the daemon's prefix store holds for `scope`."""
+    return Call(PrefixLookup(scope=scope, digests=list(digests)), PrefixHeld, lambda held: held.blocks)
+
+
+def admit_prefix_call(session_id: str, epoch: int, scope: str, digests: list[bytes], n_ctx: int = 0) -> Call[int]:
+    """Its result: the admitted session's length (len(digests) blocks)."""
+    return Call(AdmitPrefix(session_id=session_id, epoch=epoch, scope=scope, digests=list(digests), n_ctx=n_ctx), Done, lambda done: done.length)
 
 
 def cancel_call(session_id: str, epoch: int, direct_request_id: int = 0) -> Call[Done]:

@@ -21,6 +21,9 @@ DEFAULT_MAX_BUFFERED_BYTES = 256 * 1024**2
 DEFAULT_EXPORT_CHUNK_BYTES = 1024**2  # an Exported reply's state bytes: far below any reply frame limit
 MIN_EXPORT_CHUNK_BYTES = 1024
 DEFAULT_MAX_IMPORT_BYTES = 256 * 1024**2
+DEFAULT_PREFIX_BLOCK = 32
+MAX_PREFIX_BLOCK = 4096
+DEFAULT_PREFIX_CACHE_BYTES = 256 * 1024**2
 
 
 MODES = ("process", "batched", "auto")  # auto: resolved at start-up (kvpool.daemon.mode_probe) to one of the others
@@ -124,6 +127,8 @@ class ServeConfig:
     # import may total (all imports in progress together as well); an import must also fit the spill store
     export_chunk_bytes: int = flag('--export-chunk-bytes', 'state bytes per Exported reply: an export travels in chunks of this size (default {default}, at least 1KiB)', default=DEFAULT_EXPORT_CHUNK_BYTES, parse=parse_bytes)
     max_import_bytes: int = flag('--max-import-bytes', 'the largest state an Import may carry, and the bytes all imports in progress may hold together (default {default}); an import must fit the spill store too', default=DEFAULT_MAX_IMPORT_BYTES, parse=parse_bytes)
+    prefix_block: int = flag('--prefix-block', "tokens per block of the prefix store: a shared prefix is reused in whole blocks (every daemon of a route must agree; the router checks) (default {default})", default=DEFAULT_PREFIX_BLOCK, type=int, metavar='N')
+    prefix_cache_budget_bytes: int = flag('--prefix-cache-budget', "bytes of the prefix store, a part of the warm tier: the states of prompts' leading blocks, content-addressed, from which a new session of the route starts instead of computing them (README, \"Shared prefixes\"); mirrored in --spill-dir/prefixes with --spill-dir; 0 turns it off, as --spill-budget 0 does (default {default})", default=DEFAULT_PREFIX_CACHE_BYTES, parse=bytes_or_zero)
 
     def __post_init__(self) -> None:
         problems = []
@@ -178,6 +183,10 @@ class ServeConfig:
             problems.append(f"--export-chunk-bytes must be at least {MIN_EXPORT_CHUNK_BYTES}")
         if self.max_import_bytes < 1:
             problems.append("--max-import-bytes must be at least 1")
+        if not 1 <= self.prefix_block <= MAX_PREFIX_BLOCK:
+            problems.append(f"--prefix-block must be in [1, {MAX_PREFIX_BLOCK}]")
+        if self.prefix_cache_budget_bytes < 0:
+            problems.append("--prefix-cache-budget must be >= 0")
         if self.drain_timeout_s < 0:
             problems.append("--drain-timeout must be >= 0")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
@@ -201,6 +210,16 @@ class ServeConfig:
     @property
     def spill_limit_bytes(self) -> int:
         return self.budget_bytes if self.spill_budget_bytes is None else self.spill_budget_bytes
+
+    @property
+    def prefix_limit_bytes(self) -> int:
+        """The prefix store's bytes: none while the warm tier is off (its entries are warm-tier states)."""
+        return self.prefix_cache_budget_bytes if self.spill_limit_bytes > 0 else 0
+
+    @property
+    def max_prefix_digests(self) -> int:
+        """The most block digests a lookup or a prefix admission may name: as many blocks as --n-ctx holds."""
+        return self.n_ctx // self.prefix_block
 
     @property
     def buffered_request_limit_bytes(self) -> int:

@@ -41,6 +41,13 @@ COUNTERS = (
     "drains",  # drains started (SIGTERM, Shutdown{drain: true}: kvpool.daemon.drain)
     "drain_parked",  # sessions a drain left parked (on disk with a disk tier)
     "drain_dropped",  # sessions a drain could not keep
+    "prefix_lookups",  # PrefixLookup requests answered
+    "prefix_hits",  # sessions admitted from a stored prefix (AdmitPrefix)
+    "prefix_hit_tokens",  # positions those sessions did not compute
+    "prefix_misses",  # prefix admissions refused: the store no longer held the prefix (cache_miss prefix_evicted)
+    "prefix_stored",  # prefixes stored (offers of blocks the store did not hold)
+    "prefix_evictions",  # stored prefixes pushed out for room
+    "prefix_adopted",  # stored prefixes taken over at start-up from --spill-dir/prefixes
 )
 
 
@@ -68,6 +75,9 @@ class Metrics:
 
         self.spill_bytes = Gauge("kvpool_spill_bytes", "saved session states held, by tier", ["tier"], registry=self.registry)
         self.spill_limit_bytes = Gauge("kvpool_spill_limit_bytes", "the spill store's limits, by tier", ["tier"], registry=self.registry)
+        self.prefix_bytes = Gauge("kvpool_prefix_bytes", "bytes of the prefix store's entries", registry=self.registry)
+        self.prefix_entries = Gauge("kvpool_prefix_entries", "entries of the prefix store", registry=self.registry)
+        self.prefix_blocks = Gauge("kvpool_prefix_blocks", "blocks the prefix store's entries hold", registry=self.registry)
         self._restore_seconds = Histogram(
             "kvpool_restore_seconds", "time to make a parked session hot again (room, read, restore)",
             buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0), registry=self.registry,
@@ -81,7 +91,12 @@ class Metrics:
         for tier, held, limit in (("ram", spill.ram_bytes, spill.ram_limit), ("disk", spill.disk_bytes, spill.disk_limit)):
             self.spill_bytes.labels(tier=tier).set(held)
             self.spill_limit_bytes.labels(tier=tier).set(limit)
-        self._catch_up("spill_disk_failures", spill.disk_failures)
+        self._catch_up("spill_disk_failures", spill.disk_failures + books.prefixes.disk_failures)
+        prefixes = books.prefixes
+        self.prefix_bytes.set(prefixes.bytes)
+        self.prefix_entries.set(len(prefixes))
+        self.prefix_blocks.set(prefixes.blocks)
+        self._catch_up("prefix_evictions", prefixes.evictions)
 
     def _catch_up(self, name: str, total: int) -> None:
         """A counter whose running total a part of the books keeps (the spill store's disk failures)."""

@@ -13,8 +13,10 @@ import time
 import numpy as np
 
 from kvpool.daemon.admission.admission import Admission
-from kvpool.wire.checks import append_rows, check_position, check_session_fields
+from kvpool.wire.checks import append_rows, check_position, check_prefix_names, check_session_fields
 from kvpool.daemon.books.books import Books
+from kvpool.daemon.books.prefixes import SUBDIR as PREFIX_SUBDIR
+from kvpool.daemon.books.prefixes import PrefixStore
 from kvpool.daemon.admission.calibration import Calibrator
 from kvpool.daemon.pool.channels import Channels
 from kvpool.daemon.pool.compute import ComputeSlots
@@ -27,7 +29,8 @@ from kvpool.daemon.books.integrity import require
 from kvpool.daemon.metrics import Metrics
 from kvpool.daemon.admission.parking import Parking
 from kvpool.daemon.pool.pool import WorkerPool
-from kvpool.wire.protocol import Append, AppendReply, Cancel, Done, ErrorCode, Export, Exported, Fork, Import, MissReason, Park, Release, ShardDescription, StatsReply, Truncate
+from kvpool.daemon.prefix import PrefixRequests
+from kvpool.wire.protocol import Append, AppendReply, AdmitPrefix, Cancel, Done, ErrorCode, Export, Exported, Fork, Import, MissReason, Park, PrefixHeld, PrefixLookup, Release, ShardDescription, StatsReply, Truncate
 from kvpool.daemon.books.sessions import EpochCheck, Session
 from kvpool.daemon.books.spill import CorruptBlob, SpillStore
 from kvpool.state.header import UNBOUND, StateIdentity
@@ -47,7 +50,14 @@ class KvService:
         self.shard = shard
         self.metrics = Metrics()
         spill = SpillStore(config.spill_limit_bytes, disk_dir=config.spill_dir, disk_limit_bytes=config.spill_disk_budget_bytes)
-        self.books = Books(config.budget_bytes, pool.names(), spill=spill, on_change=self.metrics.show_books, fence_ids=config.fence_ids, identity=identity)
+        prefixes = PrefixStore(
+            config.prefix_limit_bytes, config.prefix_block, identity=identity,
+            directory=config.spill_dir / PREFIX_SUBDIR if config.spill_dir is not None else None,
+        )
+        self.books = Books(
+            config.budget_bytes, pool.names(), spill=spill, on_change=self.metrics.show_books, fence_ids=config.fence_ids, identity=identity,
+            prefixes=prefixes,
+        )
         self.metrics.show_books(self.books)
         self.metrics.limit_bytes.set(config.budget_bytes)
         self.vram = VramMeter()
@@ -66,6 +76,7 @@ class KvService:
         self.admission = Admission(config, self.books, pool, self.lifecycle, self.calibrator, self.parking, self.channels, self.gate, self.metrics)
         self.warm = WarmRequests(self.books, self.gate, self.parking, pool, self.lifecycle, self.metrics)
         self.transfers = Transfers(config, self.books, self.gate, self.warm, self.metrics)
+        self.prefixes = PrefixRequests(config, self.books, self.gate, self.warm, pool, self.lifecycle, self.metrics)
         self.housekeeper = Housekeeper(config, self.books, pool, self.lifecycle, self.parking, self.channels, self.metrics)
 
     def _reseal(self, session: Session) -> None:
@@ -88,10 +99,17 @@ class KvService:
         rejected.update(left_out)
         self.metrics.count("adopted", len(adopted))
         removed = ", ".join(f"{count} {reason}" for reason, count in sorted(rejected.items()))
+        prefixes = self.books.prefixes.adopt()
+        adopted_prefixes = prefixes.pop("adopted", 0)
+        self.metrics.count("prefix_adopted", adopted_prefixes)
+        self.metrics.show_books(self.books)
+        prefixes_removed = ", ".join(f"{count} {reason}" for reason, count in sorted(prefixes.items()))
         return (
             f"adopted {len(adopted)} parked sessions from {self.config.spill_dir}"
             + (f" ({sum(session.length for session in adopted)} positions)" if adopted else "")
             + (f"; not adopted: {removed}" if rejected else "")
+            + (f"; {adopted_prefixes} stored prefixes" if self.books.prefixes.enabled else "")
+            + (f" (not adopted: {prefixes_removed})" if prefixes else "")
         )
 
     def check_integrity(self) -> None:
@@ -107,7 +125,9 @@ class KvService:
         check_session_fields(request.session_id, request.epoch, length)
         if not 0 <= request.n_ctx <= self.config.n_ctx:
             raise RequestFailed(ErrorCode.BAD_REQUEST, f"n_ctx must be in [0, {self.config.n_ctx}] (0: the default {self.config.n_ctx})", length=length)
-        return append_rows(request, self.shard.shape, max_rows=self.config.n_ctx, length=length)
+        rows = append_rows(request, self.shard.shape, max_rows=self.config.n_ctx, length=length)
+        check_prefix_names(request.prefix_scope, request.block_digests, self.config.max_prefix_digests, length=length)
+        return rows
 
     # ---- requests --------------------------------------------------------------------------------
 
@@ -121,6 +141,7 @@ class KvService:
             if request.start_pos > 0:
                 raise gate.miss(request.session_id, request.epoch, f"no state for this session at position {request.start_pos}")
             session = await self.admission.admit(request)  # returned entered: lock held, in flight
+            session.prefix_scope = request.prefix_scope
         else:
             self.metrics.count("hits")
             await gate.enter(session, revoke_by_run=True)
@@ -152,6 +173,7 @@ class KvService:
             session.appending = False
             worker.set_abort(False)  # a cancel that arrived as the append finished must not outlive it
         session.length = output.length
+        self.prefixes.record(session, request, n_rows)
         self.metrics.count("appends")
         self.metrics.count("append_rows", n_rows)
         channel = self.channels.bound(session) if binding is not None else ""
@@ -206,6 +228,7 @@ class KvService:
         try:
             async with session.lock:
                 if self.books.table.get(session.session_id) is session:
+                    await self.prefixes.before_release(session)
                     await self.lifecycle.drop(session, MissReason.RELEASED)
                     self.metrics.count("releases")
         finally:
@@ -258,6 +281,12 @@ class KvService:
     async def fork(self, request: Fork) -> Done:
         return await self.warm.fork(request)
 
+    def lookup_prefix(self, request: PrefixLookup) -> PrefixHeld:
+        return self.prefixes.lookup(request)
+
+    async def admit_prefix(self, request: AdmitPrefix) -> Done:
+        return await self.prefixes.admit(request)
+
     async def export(self, request: Export) -> Exported:
         return await self.transfers.export(request)
 
@@ -268,4 +297,5 @@ class KvService:
         """`keep_spill_files`: a drain parked the sessions to disk for the daemon that follows."""
         self.lifecycle.close()
         self.books.spill.close(keep_files=keep_spill_files)
+        self.books.prefixes.close()
         self.vram.close()

@@ -9,7 +9,7 @@ from kvpool.daemon.gpu import VramMeter
 from kvpool.daemon.books.integrity import IntegrityError
 from kvpool.daemon.metrics import Metrics
 from kvpool.daemon.pool.pool import WorkerPool
-from kvpool.wire.protocol import BudgetRow, CalibrationRow, SessionRow, ShardDescription, StatsReply, WorkerRow
+from kvpool.wire.protocol import BudgetRow, CalibrationRow, PrefixStoreRow, SessionRow, ShardDescription, StatsReply, WorkerRow
 from kvpool.daemon.pool.handle import WorkerHandle
 
 
@@ -62,6 +62,11 @@ def build_stats(
             spill_disk_limit_bytes=books.spill.disk_limit, spill_disk_bytes=books.spill.disk_bytes,
         ),
         counters=counters,
+        prefixes=PrefixStoreRow(
+            block=books.prefixes.block, limit_bytes=books.prefixes.limit, bytes=books.prefixes.bytes, entries=len(books.prefixes),
+            blocks=books.prefixes.blocks, hits=counters.get("prefix_hits", 0), hit_tokens=counters.get("prefix_hit_tokens", 0),
+            evictions=books.prefixes.evictions,
+        ) if books.prefixes.enabled else None,
         uptime_s=round(now - started, 3),
         calibration=calibration,
         mode=mode,

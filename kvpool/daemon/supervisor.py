@@ -38,11 +38,13 @@ from kvpool.shard.header import ShardInfo, read_shard_info
 from kvpool.daemon.pool.pool import WorkerPool
 from kvpool.wire.protocol import (
     PROTOCOL_VERSION,
+    AdmitPrefix,
     Append,
     Cancel,
     Done,
     ErrorCode,
     ErrorReply,
+    PrefixLookup,
     Export,
     Fork,
     Hello,
@@ -212,6 +214,7 @@ class Supervisor:
             hello = HelloReply(
                 version=PROTOCOL_VERSION, shard=shard, max_n_ctx=config.n_ctx, default_n_ctx=config.n_ctx,
                 max_request_bytes=config.max_request_bytes, state_identity=identity,
+                prefix_block=service.prefixes.block, max_prefix_digests=config.max_prefix_digests if service.prefixes.block else 0,
             )
             limits = ConnectionLimits(
                 handshake_timeout_s=config.handshake_timeout_s, frame_timeout_s=config.frame_timeout_s,
@@ -331,6 +334,10 @@ class Supervisor:
                 return await service.park(request)
             case Fork():
                 return await service.fork(request)
+            case PrefixLookup():
+                return service.lookup_prefix(request)
+            case AdmitPrefix():
+                return await service.admit_prefix(request)
             case Export():
                 return await service.export(request)
             case Import():

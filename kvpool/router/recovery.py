@@ -52,6 +52,10 @@ class RecoveryCounts:
     moves: int = 0  # sessions a re-plan moved onto the new route (export, re-slice, import: no replay)
     moved_bytes: int = 0  # the sealed state bytes those moves imported
     move_failures: int = 0  # sessions whose move failed: each replays on the new route (counted in replays)
+    # shared prefixes (kvpool.router.prefix), on a session's first append and on replays:
+    prefix_hits: int = 0  # sessions (or replays) started from a prefix every daemon of the route held
+    prefix_hit_tokens: int = 0  # the positions they did not compute
+    prefix_fallbacks: int = 0  # lookups that found a prefix whose admission then failed somewhere (computed instead)
 
 
 class Cancelled(Exception):

@@ -35,15 +35,17 @@ class Route:
     def append_at(
         self, stage: int, session_id: str, epoch: int, start_pos: int, rows: Sequence[int] | np.ndarray, *,
         output_rows: str = "last", n_ctx: int = 0, admit_timeout_s: float = 0.0, sample: Sampling | None = None,
+        block_digests: list[bytes] | None = None, prefix_scope: str = "",
     ) -> AppendResult:
         """One daemon's part of an append: token ids into the first, the previous daemon's rows elsewhere;
-        `sample` goes to the last daemon only (it picks the next token there)."""
+        `sample` goes to the last daemon only (it picks the next token there). `block_digests` (kvpool.wire.
+        prefix): of the blocks the append completes, to every daemon."""
         client = self.clients[stage]
         inputs = {"tokens": list(rows)} if stage == 0 else {"hidden": rows}
         try:
             return client.append(
                 session_id, epoch, start_pos, **inputs, output_rows=output_rows, n_ctx=n_ctx, admit_timeout_s=admit_timeout_s,
-                sample=sample if stage == len(self.clients) - 1 else None,
+                sample=sample if stage == len(self.clients) - 1 else None, block_digests=block_digests or [], prefix_scope=prefix_scope,
             )
         except KvpoolError as error:
             raise StageFailed(stage, error) from None

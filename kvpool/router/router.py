@@ -40,8 +40,11 @@ class Router:
     """A checked route of shard daemons (clients first to last; not owned: the caller closes them), the
     recovery policy, and the recovery counts of all its sessions. Sessions may run in parallel threads."""
 
-    def __init__(self, clients: Sequence[Client], *, policy: RecoveryPolicy | None = None, seed: int | None = None) -> None:
+    def __init__(self, clients: Sequence[Client], *, policy: RecoveryPolicy | None = None, seed: int | None = None, prefix_cache: bool = True) -> None:
+        """`prefix_cache`: start each new session (and each replay from 0) from the longest prefix of its
+        tokens every daemon's prefix store holds (README, "Shared prefixes")."""
         self.route = Route(clients)
+        self.prefix_cache = prefix_cache
         self.policy = policy or RecoveryPolicy()
         self._seed = seed
         self._lock = threading.Lock()
@@ -52,11 +55,13 @@ class Router:
     def clients(self) -> list[Client]:
         return self.route.clients
 
-    def session(self, session_id: str, *, epoch: int = 1, n_ctx: int = 0, admit_timeout_s: float = 0.0) -> RoutedSession:
+    def session(self, session_id: str, *, epoch: int = 1, n_ctx: int = 0, admit_timeout_s: float = 0.0, prefix_scope: str = "") -> RoutedSession:
+        """`prefix_scope`: sessions share stored prefixes only within one scope (a tenant's name, say); a lookup
+        of one scope learns nothing of another's. The default "" is one scope for every session that names none."""
         with self._lock:
             session = RoutedSession(
                 self.route, self.policy, session_id, epoch=epoch, n_ctx=n_ctx, admit_timeout_s=admit_timeout_s,
-                rng=self._rng(session_id), count=self._count,
+                rng=self._rng(session_id), count=self._count, prefix_cache=self.prefix_cache, prefix_scope=prefix_scope,
             )
             self._sessions.add(session)
         return session

@@ -39,12 +39,16 @@ from kvpool.client.client import AppendResult, ConnectionLost, KvpoolError
 from kvpool.local.generate import greedy_tokens
 from kvpool.router.in_flight import InFlightAppend
 from kvpool.router.move import Moved, MoveFailed, move_session
+from kvpool.router.prefix import PrefixChain, admit_everywhere, held_everywhere, route_block
 from kvpool.wire.protocol import ErrorCode
 from kvpool.router.recovery import Cancelled, RecoveryCounts, RecoveryFailed, epoch_floor_of, replay_counter
 from kvpool.router.recovery import RecoveryPolicy
 from kvpool.router.route import Route, StageFailed
 from kvpool.wire.sampling import Sampling
 
+# What a prompt's reuse of a prefix leaves to compute, at least: two rows keep the rest a prefill, since on a CPU
+# build a one-row append and the same row inside a longer prefill do not give the same bits (kvpool.router.history)
+MIN_COMPUTED_ROWS = 2
 Count = Callable[[str, int], None]  # adds to a count of the router that made the session (all its sessions)
 
 
@@ -55,7 +59,7 @@ class RoutedSession:
 
     def __init__(
         self, route: Route, policy: RecoveryPolicy, session_id: str, *, epoch: int, n_ctx: int, admit_timeout_s: float,
-        rng: random.Random, count: Count,
+        rng: random.Random, count: Count, prefix_cache: bool = True, prefix_scope: str = "",
     ) -> None:
         self.route = route
         self.policy = policy
@@ -72,6 +76,10 @@ class RoutedSession:
         self._count_in_router = count
         self._in_flight = InFlightAppend()
         self._lock = threading.Lock()  # one of: an append, a truncate, a release, a move
+        self.prefix_cache = prefix_cache
+        self.prefix_scope = prefix_scope
+        self._chain = PrefixChain(prefix_scope)
+        self._fresh = True  # no daemon holds anything of this session's epoch: a first append may start from a prefix
 
     @property
     def tokens(self) -> tuple[int, ...]:
@@ -154,7 +162,17 @@ class RoutedSession:
                     self._replay()
                 elif self._tail_from is not None:
                     self._replay_tail()
-                result = self._walk(start, tokens, output_rows, sampling)
+                reused = self._reuse_prefix(tokens) if start == 0 and self._fresh and output_rows == "last" else 0
+                self._fresh = False
+                try:
+                    result = self._walk(start + reused, tokens[reused:], output_rows, sampling, before=tokens[:reused])
+                except BaseException:
+                    if reused:
+                        self._needs_replay = True  # the daemons hold the prefix, the router's history does not
+                    raise
+                if reused:
+                    self._history.record(tokens[:reused])
+                    tokens = tokens[reused:]
             except (StageFailed, ConnectionLost) as failure:
                 tail = self._tail_for(failure, start)
                 if tail is not None:
@@ -183,17 +201,26 @@ class RoutedSession:
             self._history.record(tokens)
             return result
 
-    def _walk(self, start: int, tokens: list[int], output_rows: str, sampling: Sampling | None = None) -> AppendResult:
+    def _walk(
+        self, start: int, tokens: list[int], output_rows: str, sampling: Sampling | None = None, *, before: list[int] | None = None,
+    ) -> AppendResult:
+        """One append through every daemon; `before`: the tokens at [0, start) when the history does not hold them yet."""
         rows: list[int] | np.ndarray = tokens
         result: AppendResult | None = None
+        block = self._block()
+        digests = []
+        if block and (start + len(tokens)) // block > start // block:
+            digests = self._chain.completed(self._history.token_slice(0, start) if before is None else before, tokens, block)
         for stage in range(len(self.route)):
             self._in_flight.reach(stage)
-            result = self._append_at_stage(stage, start, rows, output_rows, sampling)
+            result = self._append_at_stage(stage, start, rows, output_rows, sampling, digests)
             rows = result.rows
         assert result is not None
         return result
 
-    def _append_at_stage(self, stage: int, start: int, rows: list[int] | np.ndarray, output_rows: str, sampling: Sampling | None) -> AppendResult:
+    def _append_at_stage(
+        self, stage: int, start: int, rows: list[int] | np.ndarray, output_rows: str, sampling: Sampling | None, digests: list[bytes],
+    ) -> AppendResult:
         """One daemon's part; over_budget is answered here by backing off and asking that daemon again."""
         give_up_at = time.monotonic() + self.policy.over_budget_give_up_s
         attempt = 0
@@ -201,7 +228,7 @@ class RoutedSession:
             try:
                 return self.route.append_at(
                     stage, self.session_id, self.epoch, start, rows, output_rows=output_rows, n_ctx=self.n_ctx,
-                    admit_timeout_s=self.admit_timeout_s, sample=sampling,
+                    admit_timeout_s=self.admit_timeout_s, sample=sampling, block_digests=digests, prefix_scope=self.prefix_scope,
                 )
             except StageFailed as failure:
                 if failure.code == ErrorCode.CANCELLED:
@@ -273,15 +300,64 @@ class RoutedSession:
         with contextlib.suppress(KvpoolError, ConnectionLost):
             self.route.release(self.session_id, self.epoch)  # frees room first; a dead daemon is found below
         self.epoch = max(self.epoch + 1, self._epoch_floor)
-        position = 0
-        for rows in self._history.replay_partition(self.policy.exact_replay):
+        self._fresh = True
+        position = reused = self._reuse_for_replay()
+        self._fresh = position == 0
+        partition = self._history.replay_partition_from(position, self.policy.exact_replay)
+        assert partition is not None
+        for rows in partition:
+            self._fresh = False
             self._walk(position, self._history.token_slice(position, rows), "last")
             position += rows
         self._needs_replay = False
         self._tail_from = None
         if position:
             self._count("replays")
-            self._count("replayed_tokens", position)
+            self._count("replayed_tokens", position - reused)
+
+    # ---- shared prefixes (kvpool.router.prefix) ----------------------------------------------------
+
+    def _block(self) -> int:
+        return route_block(self.route) if self.prefix_cache else 0
+
+    def _reuse_prefix(self, tokens: list[int]) -> int:
+        """A new session's first append (or its retry): the longest prefix of whole blocks every daemon holds,
+        leaving at least MIN_COMPUTED_ROWS tokens to compute, admitted on every daemon; the positions taken (0: none)."""
+        block = self._block()
+        if not block or len(tokens) < block + MIN_COMPUTED_ROWS:
+            return 0
+        digests = self._chain.digests(tokens, block)[: (len(tokens) - MIN_COMPUTED_ROWS) // block]
+        return self._admit_prefix(digests, block)
+
+    def _reuse_for_replay(self) -> int:
+        """A replay from 0: a prefix every daemon holds, up to where one of the session's appends ended when
+        replays repeat the partition (exact_replay: the appends after it are computed as they were); the
+        positions taken (0: none)."""
+        block = self._block()
+        if not block or self._history.length < block:
+            return 0
+        digests = self._chain.digests(self._history.tokens, block)
+        held = held_everywhere(self.route, self.prefix_scope, digests)
+        boundaries = {0}
+        if self.policy.exact_replay:
+            ends = np.cumsum(self._history.partition)
+            boundaries |= {int(end) for end in ends if end % block == 0 and end <= held * block}
+        else:
+            boundaries.add(held * block)
+        blocks = max(boundaries) // block
+        return self._admit_prefix(digests[:blocks], block, held=blocks)
+
+    def _admit_prefix(self, digests: list[bytes], block: int, *, held: int | None = None) -> int:
+        if held is None:
+            held = held_everywhere(self.route, self.prefix_scope, digests)
+        if not held:
+            return 0
+        if not admit_everywhere(self.route, self.session_id, self.epoch, self.prefix_scope, digests[:held], self.n_ctx):
+            self._count("prefix_fallbacks")
+            return 0
+        self._count("prefix_hits")
+        self._count("prefix_hit_tokens", held * block)
+        return held * block
 
     def _roll_back(self, start: int, stage: int) -> None:
         """The append failed at `stage`: daemons before it took its rows; take them back to `start`."""
@@ -339,6 +415,7 @@ class RoutedSession:
         self._tail_from = None
         try:
             self.route.release(self.session_id, self.epoch)
+            self._fresh = True
         except BaseException:
             self._needs_replay = True  # the next append releases again, under the next epoch
             raise
@@ -354,6 +431,7 @@ class RoutedSession:
                     old.release(self.session_id, self.epoch)
                 self._needs_replay = bool(self._history.length)
                 self._tail_from = None
+                self._fresh = True
                 return None
             new_epoch = max(self.epoch + 1, self._epoch_floor)
             try:
@@ -364,6 +442,7 @@ class RoutedSession:
                 self._count("move_failures")
                 return failure
             self.epoch = new_epoch
+            self._fresh = False
             self._count("moves")
             self._count("moved_bytes", moved.imported_bytes)
             return moved

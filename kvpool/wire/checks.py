@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from kvpool.wire.errors import RequestFailed
+from kvpool.wire.prefix import DIGEST_BYTES, MAX_SCOPE_BYTES
 from kvpool.wire.protocol import Append, ErrorCode
 from kvpool.wire.shape import ShardShape
 
@@ -26,6 +27,17 @@ def check_session_fields(session_id: str, epoch: int, length: int) -> None:
         raise _bad(f"session_id must be 1..{MAX_SESSION_ID_BYTES} bytes", length)
     if epoch < 0 or epoch >= 2**63:
         raise _bad("epoch must be in [0, 2^63)", length)
+
+
+def check_prefix_names(scope: str, digests: list[bytes], max_digests: int, *, length: int = 0) -> None:
+    """bad_request for a scope longer than MAX_SCOPE_BYTES, more than `max_digests` block digests (the blocks
+    the daemon's largest context holds) or a digest that is not DIGEST_BYTES long (kvpool.wire.prefix)."""
+    if len(scope.encode()) > MAX_SCOPE_BYTES:
+        raise _bad(f"a prefix scope is at most {MAX_SCOPE_BYTES} bytes", length)
+    if len(digests) > max_digests:
+        raise _bad(f"{len(digests)} block digests: at most {max_digests} (the blocks of this daemon's largest context)", length)
+    if any(len(digest) != DIGEST_BYTES for digest in digests):
+        raise _bad(f"a block digest is {DIGEST_BYTES} bytes", length)
 
 
 def check_input_kind(shape: ShardShape, tokens: object, hidden: object, *, length: int) -> None:

@@ -21,6 +21,7 @@ from kvpool.wire.sampling import Sampling
 from kvpool.state.header import StateIdentity
 
 PROTOCOL_VERSION = 3  # 2: request_id on every request and reply; 3: ShardDescription.shape, Park, Fork, tiers, sampling, Export, Import
+# (later additions are fields with defaults and requests an older daemon answers bad_request: PrefixLookup, AdmitPrefix)
 DEFAULT_MAX_REQUEST_BYTES = 64 * 1024 * 1024
 MAX_REPLY_BYTES = 2 * 1024 * 1024 * 1024 - 1  # a client's frame limit: larger than any valid reply
 
@@ -65,6 +66,7 @@ class MissReason(enum.StrEnum):
     RELEASED = "released"
     RESTORE_FAILED = "restore_failed"
     IDENTITY_MISMATCH = "identity_mismatch"  # the saved state is another shard's, build's or KV layout's: refused before llama.cpp
+    PREFIX_EVICTED = "prefix_evicted"  # AdmitPrefix: the prefix store no longer holds that prefix (the caller computes it)
 
 
 class OutputRows(enum.StrEnum):
@@ -97,6 +99,10 @@ class Append(RequestMessage):
     admit_timeout_s: float = 0.0
     sample: Sampling | None = None  # last shard only: pick the next token here instead of returning logits
     direct: bool = False  # bind the session to its worker's direct channel (the reply names it)
+    # shared prefixes (kvpool.wire.prefix): the digests of the blocks whose end this append reaches, block
+    # start_pos // block first; the daemon keeps them with the session's state to offer it to its prefix store
+    block_digests: list[bytes] = []
+    prefix_scope: str = ""  # the scope those digests were chained in; taken when this append admits the session
 
 
 class Truncate(RequestMessage):
@@ -162,6 +168,26 @@ class Import(RequestMessage):
     total_bytes: int
 
 
+class PrefixLookup(RequestMessage):
+    """How many leading blocks of `digests` (block 0 first, kvpool.wire.prefix) this daemon's prefix store
+    holds for `scope`: answered PrefixHeld. Learns nothing of another scope's entries."""
+
+    digests: list[bytes]
+    scope: str = ""
+
+
+class AdmitPrefix(RequestMessage):
+    """Admit the new (session_id, epoch) holding the stored prefix named by `digests` (its len(digests)
+    blocks), parked: its next append at start_pos == len(digests) * block restores it, exactly as a parked
+    session's. A prefix the store no longer holds is cache_miss prefix_evicted, and nothing is admitted."""
+
+    session_id: str
+    epoch: int
+    digests: list[bytes]
+    scope: str = ""
+    n_ctx: int = 0
+
+
 class Stats(RequestMessage):
     pass
 
@@ -173,7 +199,7 @@ class Shutdown(RequestMessage):
     drain: bool = False
 
 
-Request = Hello | Append | Truncate | Release | Cancel | Park | Fork | Export | Import | Stats | Shutdown
+Request = Hello | Append | Truncate | Release | Cancel | Park | Fork | Export | Import | PrefixLookup | AdmitPrefix | Stats | Shutdown
 
 
 # ---- replies --------------------------------------------------------------------------------------
@@ -194,6 +220,8 @@ class HelloReply(ReplyMessage):
     # what this daemon's saved states are sealed with and what an Import must carry (kvpool.state.header):
     # a router re-slicing states for this daemon seals them with it (kvpool.router.move)
     state_identity: StateIdentity | None = None
+    prefix_block: int = 0  # tokens per block of the prefix store's digests (0: no prefix store)
+    max_prefix_digests: int = 0  # the most digests a PrefixLookup or AdmitPrefix may carry
 
 
 class AppendReply(ReplyMessage):
@@ -220,6 +248,13 @@ class Done(ReplyMessage):
     session_id: str = ""
     epoch: int = 0
     detail: str = ""
+
+
+class PrefixHeld(ReplyMessage):
+    """Reply to PrefixLookup: the leading blocks of its digests the store holds (0: none), of `block` tokens."""
+
+    blocks: int
+    block: int
 
 
 class Exported(ReplyMessage):
@@ -290,6 +325,19 @@ class CalibrationRow(Message):
     extrapolated: bool = False  # measured_bytes extrapolated at the probe's last growth per cell
 
 
+class PrefixStoreRow(Message):
+    """The prefix store (kvpool.daemon.books.prefixes): what it holds and what it saved."""
+
+    block: int  # tokens per block
+    limit_bytes: int
+    bytes: int
+    entries: int
+    blocks: int  # blocks held, summed over entries (an entry serves every shorter length of its chain too)
+    hits: int  # sessions admitted from a stored prefix
+    hit_tokens: int  # positions those sessions did not compute
+    evictions: int  # entries pushed out for room
+
+
 class StatsReply(ReplyMessage):
     shard: ShardDescription
     sessions: list[SessionRow]
@@ -301,9 +349,10 @@ class StatsReply(ReplyMessage):
     calibration: list[CalibrationRow] = []  # the measurements every session's charge is fitted from
     mode: str = "process"  # how workers hold sessions: "process" (one each) or "batched" (sequences of one context)
     mode_detail: str = ""  # why this mode, and its shape (sessions per worker process)
+    prefixes: PrefixStoreRow | None = None  # None: no prefix store
 
 
-Reply = HelloReply | AppendReply | Done | Exported | ErrorReply | StatsReply
+Reply = HelloReply | AppendReply | Done | PrefixHeld | Exported | ErrorReply | StatsReply
 
 _request_encoder = msgspec.msgpack.Encoder()
 _request_decoder = msgspec.msgpack.Decoder(Request)

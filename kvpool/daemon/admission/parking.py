@@ -52,7 +52,10 @@ class Parking:
                 await self.lifecycle.drop(session, MissReason.EVICTED)
                 self.metrics.count("evictions")
                 return True
+            length = session.length
             worker, dropped = self.books.park(session, blob)
+            if self.books.prefix_wanted(session) and self.books.offer_prefix(session, blob, length) == "stored":
+                self.metrics.count("prefix_stored")
             self.metrics.count("spills")
             self.metrics.count("spill_drops", len(dropped))
             await self.lifecycle.free(worker)

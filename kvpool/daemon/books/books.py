@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from kvpool.daemon.books.budget import ByteBudget
 from kvpool.daemon.books.integrity import require
+from kvpool.daemon.books.prefixes import PrefixStore
 from kvpool.wire.protocol import MissReason
 from kvpool.daemon.books.sealing import StateSeal, monotonic_of
 from kvpool.daemon.books.sessions import Session, SessionTable
@@ -41,13 +42,14 @@ class AdmissionPlan:
 class Books:
     def __init__(
         self, budget_bytes: int, workers: Iterable[str], *, spill: SpillStore | None = None, on_change: Callable[[Books], None] | None = None,
-        fence_ids: int = 65536, identity: StateIdentity = UNBOUND,
+        fence_ids: int = 65536, identity: StateIdentity = UNBOUND, prefixes: PrefixStore | None = None,
     ) -> None:
         self._on_change = on_change or (lambda _books: None)  # after every change of a session (gauges)
         self.table = SessionTable(remembered_ids=fence_ids)
         self.budget = ByteBudget(budget_bytes)
         self.spill = spill if spill is not None else SpillStore(0)
         self.sealing = StateSeal(identity)  # every state in the store carries this daemon's identity
+        self.prefixes = prefixes if prefixes is not None else PrefixStore(0, 1, identity=identity)
         self._restoring: dict[tuple[str, int], int] = {}  # parked sessions whose blob left the store to be restored: its size
         self._free: list[str] = list(workers)
         self._bound: dict[str, Session] = {}
@@ -165,6 +167,21 @@ class Books:
         if length < session.persisted_length:
             self.spill.drop_behind(session.key)
             session.persisted_length = -1
+        del session.digests[length // self.prefixes.block :]  # a block it no longer holds whole names nothing of it
+
+    # ---- shared prefixes -------------------------------------------------------------------------
+
+    def prefix_wanted(self, session: Session) -> bool:
+        """The session names blocks (kvpool.wire.prefix) the prefix store does not hold yet."""
+        return self.prefixes.enabled and bool(session.digests) and self.prefixes.holds(session.prefix_scope, session.digests) < len(session.digests)
+
+    def offer_prefix(self, session: Session, payload: bytes, length: int) -> str:
+        """The session's state (llama.cpp's bytes of `length` positions) offered to the prefix store as the
+        blocks its digests name (kvpool.daemon.books.prefixes.PrefixStore.offer says what it returns)."""
+        digests = session.digests[: length // self.prefixes.block]
+        outcome = self.prefixes.offer(session.prefix_scope, digests, payload, length, session.n_ctx)
+        self._on_change(self)
+        return outcome
 
     def put_back_blob(self, session: Session, blob: bytes) -> list[Session]:
         """A restore that could not start: the blob goes back (newest); returns the sessions dropped for room."""
@@ -300,6 +317,7 @@ class Books:
         require(set(self._restoring) <= parked, "a blob being restored belongs to no parked session")
         self.spill.check_integrity(parked - set(self._restoring), {s.key for s in live})
         self.budget.check_integrity(session.key for session in live)
+        self.prefixes.check_integrity()
         require(all(self.budget.charge_of(s.key) == s.charged_bytes for s in live), "a charge differs from its session's")
         require({s.worker_name for s in live} == set(self._bound), "bound workers != the live sessions' workers")
         require(all(self._bound[s.worker_name] is s for s in live), "a worker is bound to another session object")

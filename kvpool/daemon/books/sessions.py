@@ -35,6 +35,9 @@ class Session:
     appending: bool = False
     channel: bool = False  # bound to its worker's direct channel (kvpool.daemon.pool.channels)
     persisted_length: int = -1  # the length of its copy written behind to disk (--persist-after); -1: none
+    # its first len(digests) blocks' digests (kvpool.wire.prefix), chained in prefix_scope: what it offers the prefix store
+    digests: list[bytes] = dataclasses.field(default_factory=list)
+    prefix_scope: str = ""
     lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
 
     @property

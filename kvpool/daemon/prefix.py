@@ -1,0 +1,140 @@
+"""Shared prefixes on one daemon (README, "Shared prefixes"): a lookup of how many leading blocks the prefix
+store holds, an admission of a new session from a stored prefix (parked, restored by its next append exactly
+as a parked session is), and what keeps the store filled without computing anything twice: the block digests
+an append carries are kept with its session, and a session's state is offered to the store once a prefill
+completes a block the store does not hold (saved in the background, the session's lock held), when it is
+parked (kvpool.daemon.admission.parking) and before it is released."""
+
+from __future__ import annotations
+
+import time
+
+from kvpool.daemon.books.books import Books
+from kvpool.daemon.books.sessions import Session
+from kvpool.daemon.books.spill import CorruptBlob
+from kvpool.daemon.config import ServeConfig
+from kvpool.daemon.gate import Gate
+from kvpool.daemon.metrics import Metrics
+from kvpool.daemon.pool.handle import WorkerFailed, WorkerLost
+from kvpool.daemon.pool.lifecycle import WorkerLifecycle
+from kvpool.daemon.pool.pool import WorkerPool
+from kvpool.daemon.warm import WarmRequests
+from kvpool.wire.checks import check_prefix_names, check_session_fields
+from kvpool.wire.errors import RequestFailed
+from kvpool.wire.protocol import AdmitPrefix, Append, Done, ErrorCode, MissReason, PrefixHeld, PrefixLookup
+
+
+class PrefixRequests:
+    def __init__(
+        self, config: ServeConfig, books: Books, gate: Gate, warm: WarmRequests, pool: WorkerPool, lifecycle: WorkerLifecycle, metrics: Metrics,
+    ) -> None:
+        self.config = config
+        self.books = books
+        self.store = books.prefixes
+        self.gate = gate
+        self.warm = warm
+        self.pool = pool
+        self.lifecycle = lifecycle
+        self.metrics = metrics
+
+    @property
+    def block(self) -> int:
+        """Tokens per block, as HelloReply.prefix_block says (0: no store)."""
+        return self.store.block if self.store.enabled else 0
+
+    def _check(self, scope: str, digests: list[bytes], length: int = 0) -> None:
+        if not self.store.enabled:
+            raise RequestFailed(ErrorCode.BAD_REQUEST, "this daemon keeps no prefix store (--prefix-cache-budget 0 or --spill-budget 0)", length=length)
+        check_prefix_names(scope, digests, self.config.max_prefix_digests, length=length)
+
+    # ---- requests --------------------------------------------------------------------------------
+
+    def lookup(self, request: PrefixLookup) -> PrefixHeld:
+        self._check(request.scope, request.digests)
+        self.metrics.count("prefix_lookups")
+        return PrefixHeld(blocks=self.store.holds(request.scope, request.digests), block=self.store.block)
+
+    async def admit(self, request: AdmitPrefix) -> Done:
+        check_session_fields(request.session_id, request.epoch, self.gate.length_of(request.session_id, request.epoch))
+        self._check(request.scope, request.digests)
+        if not request.digests:
+            raise RequestFailed(ErrorCode.BAD_REQUEST, "a prefix admission names at least one block")
+        n_ctx = request.n_ctx or self.config.n_ctx
+        length = len(request.digests) * self.store.block
+        if not 0 < n_ctx <= self.config.n_ctx or length > n_ctx:
+            raise RequestFailed(ErrorCode.BAD_REQUEST, f"a prefix of {length} positions in n_ctx {n_ctx}: n_ctx must be in [{length}, {self.config.n_ctx}] (0: the default)")
+        await self.gate.fence(request.session_id, request.epoch)
+        if self.books.table.get(request.session_id) is not None:
+            raise RequestFailed(ErrorCode.BAD_REQUEST, f"session {request.session_id!r} already holds state at epoch {request.epoch}: release it first")
+        with self.store.leased(request.scope, request.digests) as entry:
+            if entry is None:
+                self.metrics.count("prefix_misses")
+                self.metrics.count_miss(MissReason.PREFIX_EVICTED)
+                raise RequestFailed(ErrorCode.CACHE_MISS, f"the prefix store no longer holds these {len(request.digests)} blocks", reason=MissReason.PREFIX_EVICTED)
+            try:
+                payload = self.store.read(entry, len(request.digests))
+            except CorruptBlob as error:
+                self.metrics.count("prefix_misses")
+                self.metrics.count_miss(MissReason.PREFIX_EVICTED)
+                raise RequestFailed(ErrorCode.CACHE_MISS, str(error), reason=MissReason.PREFIX_EVICTED) from None
+        session = Session(
+            session_id=request.session_id, epoch=request.epoch, n_ctx=n_ctx, charged_bytes=0, worker_name="", length=length,
+            last_used=time.monotonic(), digests=list(request.digests), prefix_scope=request.scope,
+        )
+        self.warm.add_parked(session, payload, "the prefix's state", "the prefix's state")
+        self.metrics.count("prefix_hits")
+        self.metrics.count("prefix_hit_tokens", length)
+        return Done(length=length, session_id=session.session_id, epoch=session.epoch, detail="admitted from a prefix")
+
+    # ---- keeping the store filled ------------------------------------------------------------------
+
+    def record(self, session: Session, request: Append, n_rows: int) -> None:
+        """An append succeeded: the digests it carries of the blocks it completed join the session's, when
+        they continue them (one per block whose end it reached); otherwise they are ignored."""
+        if not request.block_digests or not self.store.enabled:
+            return
+        block = self.store.block
+        start = request.start_pos
+        if len(session.digests) != start // block or len(request.block_digests) != (start + n_rows) // block - start // block:
+            return
+        session.digests.extend(request.block_digests)
+        if n_rows > 1 and self.books.prefix_wanted(session):
+            self.lifecycle.spawn(self.capture(session))
+
+    async def capture(self, session: Session) -> None:
+        """Offer a hot session's state as the blocks it names (a prefill completed them): saved by its worker
+        under the session's lock, so the next append waits for the save and nothing else changes."""
+        session.in_flight += 1
+        try:
+            async with session.lock:
+                if not session.hot or self.books.table.get(session.session_id) is not session or not self.books.prefix_wanted(session):
+                    return
+                length = session.length
+                try:
+                    payload = await self.pool.get(session.worker_name).save_state()
+                except WorkerLost:
+                    self.lifecycle.lost(session)
+                    return
+                except WorkerFailed:
+                    return
+                self.offered(self.books.offer_prefix(session, payload, length))
+        finally:
+            session.in_flight -= 1
+
+    async def before_release(self, session: Session) -> None:
+        """The session (its lock held) is about to be released: its blocks the store lacks are offered first,
+        from its parked state or saved by its worker."""
+        if not self.books.prefix_wanted(session):
+            return
+        try:
+            if session.hot:
+                payload = await self.pool.get(session.worker_name).save_state()
+            else:
+                payload = self.books.read_blob(session)
+        except (WorkerFailed, WorkerLost, CorruptBlob):  # nothing offered: the release frees what is left
+            return
+        self.offered(self.books.offer_prefix(session, payload, session.length))
+
+    def offered(self, outcome: str) -> None:
+        if outcome == "stored":
+            self.metrics.count("prefix_stored")

@@ -1,0 +1,199 @@
+"""Shared prefixes (README, "Shared prefixes") on fake workers, in both modes: the protocol (lookup, admission
+from a stored prefix, its misses and bad input), what fills the store (a prefill completing blocks, a park, a
+release), one entry per prefix, scopes apart, eviction, and the router starting new sessions and replays from
+the longest prefix the whole route holds. The rows each session gets are its own history's
+(tests/support/fake_worker.expected_rows): a reused prefix must hold exactly its tokens' state. Exactness on
+llama.cpp's numbers is tests/daemon/test_prefix.py's."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvpool.router.router import Router
+from kvpool.wire.prefix import DIGEST_BYTES, chain_digests
+from tests.support.contract import MODES, mode_flags, rows_of
+from tests.support.daemons import refused, wait_until
+from tests.support.fake_worker import expected_rows
+
+BLOCK = 4
+FLAGS = ("--prefix-block", str(BLOCK))
+
+
+def prompt(seed: int, length: int) -> list[int]:
+    return [int(token) for token in np.random.default_rng(seed).integers(1, 200, length)]
+
+
+def route_rows(clients, history: list[int]) -> np.ndarray:
+    """The last row a route of fake daemons returns for a fresh session appending `history`."""
+    rows = np.asarray(history, np.int32)
+    for client in clients:
+        rows = expected_rows(client.hello.shard.shape, rows, output_rows="all")
+    return rows[-1]
+
+
+def held(client, tokens: list[int], scope: str = "") -> int:
+    return client.lookup_prefix(scope, chain_digests(tokens, BLOCK, scope))
+
+
+def stored(client, tokens: list[int], scope: str = "") -> None:
+    """Wait until the daemon's store holds every whole block of `tokens` (a prefill's capture runs after its reply)."""
+    wait_until(lambda: held(client, tokens, scope) == len(tokens) // BLOCK, what=f"{len(tokens) // BLOCK} blocks stored")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_prefill_fills_the_store_and_a_new_session_admitted_from_it_continues_its_own_history(serve, fake_model, mode):
+    with serve(fake_model, *mode_flags(mode), *FLAGS).client() as client:
+        assert client.hello.prefix_block == BLOCK and client.hello.max_prefix_digests == client.hello.max_n_ctx // BLOCK
+        system = prompt(1, 3 * BLOCK)
+        first = system + [7, 8]
+        digests = chain_digests(first, BLOCK)
+        assert client.lookup_prefix("", digests) == 0
+        client.append("a", 1, 0, tokens=first, block_digests=digests)
+        stored(client, first)
+        assert client.admit_prefix("b", 1, "", digests[:2]) == 2 * BLOCK  # a shorter length of the same entry
+        step = client.append("b", 1, 2 * BLOCK, tokens=system[2 * BLOCK :] + [9])
+        assert step.restored and np.array_equal(step.rows, rows_of(client, system + [9]))
+        stats = client.stats()
+        assert (stats.prefixes.entries, stats.prefixes.blocks, stats.prefixes.hits, stats.prefixes.hit_tokens) == (1, 3, 1, 2 * BLOCK)
+        assert (stats.counters["prefix_hits"], stats.counters["prefix_hit_tokens"]) == (1, 2 * BLOCK)
+        assert stats.integrity == "ok"
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_one_entry_per_prefix_a_longer_offer_covers_a_shorter_and_scopes_never_share(serve, fake_model, mode):
+    with serve(fake_model, *mode_flags(mode), *FLAGS).client() as client:
+        base = prompt(2, 2 * BLOCK)
+        for index in range(3):  # three sessions of the same two blocks: one entry
+            tokens = base + [index + 1]
+            client.append(f"s{index}", 1, 0, tokens=tokens, block_digests=chain_digests(tokens, BLOCK))
+        stored(client, base)
+        assert client.stats().prefixes.entries == 1
+        longer = base + prompt(3, BLOCK) + [5]
+        client.append("long", 1, 0, tokens=longer, block_digests=chain_digests(longer, BLOCK))
+        stored(client, longer)
+        prefixes = client.stats().prefixes
+        assert (prefixes.entries, prefixes.blocks) == (1, 3)  # the two-block entry gave way to the three-block one
+        assert held(client, base, scope="tenant-b") == 0  # another scope learns nothing
+        other = base + [1]
+        client.append("b0", 1, 0, tokens=other, block_digests=chain_digests(other, BLOCK, "tenant-b"), prefix_scope="tenant-b")
+        stored(client, base, scope="tenant-b")
+        assert client.stats().prefixes.entries == 2
+        missed = refused(lambda: client.admit_prefix("x", 1, "tenant-c", chain_digests(base, BLOCK, "tenant-c")))
+        assert (missed.code, missed.reason) == ("cache_miss", "prefix_evicted")
+        assert client.stats().integrity == "ok"
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_bad_prefix_requests_are_refused_alone_and_touch_nothing(serve, fake_model, mode):
+    with serve(fake_model, *mode_flags(mode), *FLAGS, "--n-ctx", "64").client() as client:
+        tokens = prompt(4, 2 * BLOCK + 1)
+        digests = chain_digests(tokens, BLOCK)
+        client.append("a", 1, 0, tokens=tokens, block_digests=digests)
+        stored(client, tokens)
+        before = client.stats()
+        too_many = [bytes(DIGEST_BYTES)] * (64 // BLOCK + 1)
+        assert refused(lambda: client.lookup_prefix("", too_many)).code == "bad_request"
+        assert refused(lambda: client.lookup_prefix("", [b"short"])).code == "bad_request"
+        assert refused(lambda: client.lookup_prefix("x" * 300, digests)).code == "bad_request"
+        assert refused(lambda: client.admit_prefix("b", 1, "", [])).code == "bad_request"
+        assert refused(lambda: client.admit_prefix("b", 1, "", digests, n_ctx=BLOCK)).code == "bad_request"  # beyond its n_ctx
+        assert refused(lambda: client.admit_prefix("b", 1, "", digests, n_ctx=128)).code == "bad_request"  # beyond --n-ctx
+        assert refused(lambda: client.admit_prefix("a", 1, "", digests)).code == "bad_request"  # holds state already
+        assert refused(lambda: client.admit_prefix("a", 0, "", digests)).code == "stale_epoch"
+        bad_append = refused(lambda: client.append("a", 1, len(tokens), tokens=[1], block_digests=[b"x"]))
+        assert (bad_append.code, bad_append.length) == ("bad_request", len(tokens))
+        after = client.stats()
+        assert [(row.session_id, row.length) for row in after.sessions] == [(row.session_id, row.length) for row in before.sessions]
+        assert (after.prefixes.entries, after.prefixes.hits) == (before.prefixes.entries, 0) and after.integrity == "ok"
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_entries_are_evicted_least_recently_used_and_an_admission_of_an_evicted_prefix_misses(serve, fake_model, mode):
+    with serve(fake_model, *mode_flags(mode), *FLAGS, "--prefix-cache-budget", "6KiB").client() as client:
+        prompts = [prompt(10 + index, 2 * BLOCK + 1) for index in range(8)]
+        for index, tokens in enumerate(prompts):
+            client.append(f"p{index}", 1, 0, tokens=tokens, block_digests=chain_digests(tokens, BLOCK))
+            stored(client, tokens)
+            client.release(f"p{index}", 1)
+        prefixes = client.stats().prefixes
+        assert prefixes.evictions > 0 and prefixes.bytes <= prefixes.limit_bytes
+        assert held(client, prompts[0]) == 0 and held(client, prompts[-1]) == 2
+        missed = refused(lambda: client.admit_prefix("late", 1, "", chain_digests(prompts[0], BLOCK)))
+        assert (missed.code, missed.reason) == ("cache_miss", "prefix_evicted")
+        assert client.stats().counters["misses_prefix_evicted"] == 1 and client.stats().integrity == "ok"
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_park_and_a_release_offer_blocks_completed_one_row_at_a_time(serve, fake_model, mode):
+    with serve(fake_model, *mode_flags(mode), *FLAGS, "--no-direct").client() as client:
+        tokens = prompt(5, BLOCK - 1)
+        client.append("a", 1, 0, tokens=tokens)
+        for position in range(BLOCK - 1, 2 * BLOCK + 1):  # decode steps complete blocks 0 and 1 (no capture: one row each)
+            tokens.append(position % 50 + 1)
+            client.append("a", 1, position, tokens=tokens[-1:], block_digests=chain_digests(tokens, BLOCK)[position // BLOCK : (position + 1) // BLOCK])
+        assert held(client, tokens) == 0
+        client.park("a", 1)
+        assert held(client, tokens) == 2
+        other = prompt(6, 2 * BLOCK)
+        client.append("b", 1, 0, tokens=other[:1])
+        for position in range(1, len(other)):
+            client.append("b", 1, position, tokens=other[position : position + 1], block_digests=chain_digests(other, BLOCK)[position // BLOCK : (position + 1) // BLOCK])
+        assert held(client, other) == 0
+        client.release("b", 1)
+        assert held(client, other) == 2
+        assert client.stats().integrity == "ok"
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_truncate_forgets_the_blocks_the_session_no_longer_holds_whole(serve, fake_model, mode):
+    with serve(fake_model, *mode_flags(mode), *FLAGS, "--no-direct").client() as client:
+        tokens = prompt(7, 3 * BLOCK)
+        client.append("a", 1, 0, tokens=tokens[:1])
+        client.append("a", 1, 1, tokens=tokens[1:2 * BLOCK + 1], block_digests=chain_digests(tokens, BLOCK)[:2])
+        stored(client, tokens[: 2 * BLOCK])
+        client.truncate("a", 1, BLOCK + 1)
+        changed = tokens[: BLOCK + 1] + [3] * (2 * BLOCK - 1)
+        client.append("a", 1, BLOCK + 1, tokens=changed[BLOCK + 1 :], block_digests=chain_digests(changed, BLOCK)[1:])
+        stored(client, changed)
+        assert client.admit_prefix("b", 1, "", chain_digests(changed, BLOCK)) == 3 * BLOCK
+        step = client.append("b", 1, 3 * BLOCK, tokens=[1])
+        assert np.array_equal(step.rows, rows_of(client, changed + [1]))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_router_starts_new_sessions_from_the_longest_prefix_the_whole_route_holds(serve, fake_shards, mode):
+    daemons = [serve(path, *mode_flags(mode), *FLAGS, name=f"chain{index}") for index, path in enumerate(fake_shards)]
+    clients = [daemon.client() for daemon in daemons]
+    try:
+        router = Router(clients)
+        system = prompt(8, 3 * BLOCK + 2)
+        first = router.session("first")
+        assert np.array_equal(first.append(system + [1, 2])[-1], route_rows(clients, system + [1, 2]))
+        assert router.counts.prefix_hits == 0
+        for client in clients:
+            stored(client, system[: 3 * BLOCK])
+        second = router.session("second")
+        assert np.array_equal(second.append(system + [3])[-1], route_rows(clients, system + [3]))
+        assert (router.counts.prefix_hits, router.counts.prefix_hit_tokens) == (1, 3 * BLOCK)
+        assert second.partition == (3 * BLOCK, 3)
+        assert [client.stats().counters["prefix_hit_tokens"] for client in clients] == [3 * BLOCK] * 3
+        step = second.append([4])
+        assert np.array_equal(step[-1], route_rows(clients, system + [3, 4]))
+        clients[1].release("second", second.epoch)  # the middle daemon loses it: the next append replays
+        step = second.append([5])
+        assert np.array_equal(step[-1], route_rows(clients, system + [3, 4, 5]))
+        assert (router.counts.replays, router.counts.prefix_hits) == (1, 2)  # the replay started from the prefix too
+        assert router.counts.replayed_tokens == 4  # the appends after the prefix: 3 tokens, then 1
+        first.release()
+        second.release()
+        off = Router(clients, prefix_cache=False).session("off")
+        assert np.array_equal(off.append(system + [3])[-1], route_rows(clients, system + [3]))
+        assert off.partition == (len(system) + 1,)
+        off.release()
+        scoped = router.session("scoped", prefix_scope="tenant")
+        scoped.append(system + [3])
+        assert router.counts.prefix_hits == 2  # another scope: computed in full
+    finally:
+        for client in clients:
+            client.close()
