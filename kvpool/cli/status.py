@@ -12,7 +12,7 @@ import msgspec
 from kvpool.client.client import Client, ConnectionLost, KvpoolError
 from kvpool.host import format_bytes
 from kvpool.launcher import wait_answering
-from kvpool.wire.protocol import BudgetRow, StatsReply
+from kvpool.wire.protocol import BudgetRow, PrefixStoreRow, StatsReply
 
 WAIT_PROGRESS_EVERY_S = 5.0
 NOT_READY_EXIT = 1  # --wait-ready's timeout passed (2: any other failure)
@@ -59,6 +59,7 @@ def render(stats: StatsReply) -> str:
         f"measured USS {format_bytes(budget.measured_uss_bytes)}"
         + (f"   VRAM {format_bytes(budget.measured_vram_bytes)}" if budget.measured_vram_bytes is not None else "   VRAM n/a (no GPU)"),
         _spill_line(budget),
+        _prefix_line(stats.prefixes),
         "",
         f"{'SESSION':<24} {'EPOCH':>5} {'LENGTH':>6} {'N_CTX':>6} {'BYTES':>10} {'IDLE_S':>7} {'PID':>7} {'TIER':<4}  STATE",
     ]
@@ -85,6 +86,16 @@ def render(stats: StatsReply) -> str:
     counters = "  ".join(f"{name}={value}" for name, value in sorted(stats.counters.items()) if value)
     lines += ["", f"counters  {counters or '(none yet)'}"]
     return "\n".join(line.rstrip() for line in lines)
+
+
+def _prefix_line(prefixes: PrefixStoreRow | None) -> str:
+    if prefixes is None:
+        return "prefix  off (--prefix-cache-budget 0, or the warm tier off)"
+    return (
+        f"prefix  {prefixes.entries} entries, {prefixes.blocks} blocks of {prefixes.block} tokens, "
+        f"{format_bytes(prefixes.bytes)} / {format_bytes(prefixes.limit_bytes)}   "
+        f"hits {prefixes.hits} ({prefixes.hit_tokens} positions not computed)   evictions {prefixes.evictions}"
+    )
 
 
 def _spill_line(budget: BudgetRow) -> str:

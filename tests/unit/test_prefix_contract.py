@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from prometheus_client import generate_latest
+
+from kvpool.cli.status import render
 
 from kvpool.router.router import Router
 from kvpool.wire.prefix import DIGEST_BYTES, chain_digests
@@ -43,7 +46,8 @@ def stored(client, tokens: list[int], scope: str = "") -> None:
 
 @pytest.mark.parametrize("mode", MODES)
 def test_a_prefill_fills_the_store_and_a_new_session_admitted_from_it_continues_its_own_history(serve, fake_model, mode):
-    with serve(fake_model, *mode_flags(mode), *FLAGS).client() as client:
+    daemon = serve(fake_model, *mode_flags(mode), *FLAGS)
+    with daemon.client() as client:
         assert client.hello.prefix_block == BLOCK and client.hello.max_prefix_digests == client.hello.max_n_ctx // BLOCK
         system = prompt(1, 3 * BLOCK)
         first = system + [7, 8]
@@ -58,6 +62,9 @@ def test_a_prefill_fills_the_store_and_a_new_session_admitted_from_it_continues_
         assert (stats.prefixes.entries, stats.prefixes.blocks, stats.prefixes.hits, stats.prefixes.hit_tokens) == (1, 3, 1, 2 * BLOCK)
         assert (stats.counters["prefix_hits"], stats.counters["prefix_hit_tokens"]) == (1, 2 * BLOCK)
         assert stats.integrity == "ok"
+        assert "prefix  1 entries, 3 blocks of 4 tokens" in render(stats) and f"hits 1 ({2 * BLOCK} positions not computed)" in render(stats)
+        scraped = generate_latest(daemon.supervisor.service.metrics.registry).decode()
+        assert "kvpool_prefix_hits_total 1.0" in scraped and "kvpool_prefix_entries 1.0" in scraped
 
 
 @pytest.mark.parametrize("mode", MODES)
