@@ -35,6 +35,8 @@ COUNTERS = (
     "import_chunks",  # Import chunks taken
     "direct_cancels_forwarded",
     "calibrations",  # charge measurements: at start-up only (an admission never measures)
+    "calibrations_cached",  # start-ups that took the probe's readings kept by an earlier run (--calibration-cache)
+    "calibration_cache_failures",  # readings that could not be kept (the daemon runs on without)
     "adopted",  # parked sessions taken over at start-up from the --spill-dir files of an earlier run
     "persisted",  # copies of hot sessions written behind to the disk tier (--persist-after)
     "persist_failures",  # copies not written (no room beside the parked states, a failed write or save)

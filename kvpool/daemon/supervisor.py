@@ -24,6 +24,7 @@ import pathlib
 import signal
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Callable
 
@@ -32,7 +33,11 @@ from kvpool.daemon.config import ServeConfig
 from kvpool.host import format_bytes
 from kvpool.wire.errors import RequestFailed
 from kvpool.daemon.books.sealing import shard_identity
+from kvpool.state.header import StateIdentity
 from kvpool.daemon.books.spill import wait_for_disk_dir
+from kvpool.daemon.admission.calibration import PROBE_PARAMETERS
+from kvpool.daemon.admission.probe_cache import FORMAT as PROBE_CACHE_FORMAT
+from kvpool.daemon.admission.probe_cache import ProbeCache, ProbeKey, machine_name
 from kvpool.shard.digests import verified_block_digests
 from kvpool.shard.header import ShardInfo, read_shard_info
 from kvpool.daemon.pool.pool import WorkerPool
@@ -194,12 +199,15 @@ class Supervisor:
                 self._announce(service.adopt_saved_states())
             self.drain = Drain(service, config.drain_timeout_s, self._announce)  # before the socket: every request is seen
             service.admission.refuse_new = self.drain.refuse_new
-            fit = await service.calibrator.calibrate(config.n_ctx)
+            fit = await service.calibrator.calibrate(config.n_ctx, self._probe_cache(identity))
             if self._stop.is_set():
                 return
             self.notifier.status(f"charges probed ({fit.probe.filled[-1][0]} cells); opening {config.socket}")
+            cached_at = service.calibrator.cached_at
             self._announce(
-                f"charges fitted from a start-up probe of {fit.probe.filled[-1][0]} cells: "
+                f"charges fitted from a start-up probe of {fit.probe.filled[-1][0]} cells"
+                + (f" (kept in {config.calibration_cache_dir}, measured {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(cached_at))})" if cached_at is not None else "")
+                + ": "
                 + ", ".join(
                     f"n_ctx {n_ctx}: {format_bytes(fit.charge(n_ctx))} ({'extrapolated' if fit.probe.extrapolated(n_ctx) else 'measured'} "
                     f"{format_bytes(fit.cost(n_ctx))}, theoretical KV {format_bytes(fit.theoretical_kv_bytes(n_ctx))})"
@@ -253,6 +261,17 @@ class Supervisor:
             if self.service is not None:
                 self.service.close(keep_spill_files=True)  # every stop: what is on disk stays for the next daemon
             self._announce("stopped")
+
+    def _probe_cache(self, identity: StateIdentity) -> ProbeCache | None:
+        config = self.config
+        directory = config.calibration_cache_dir
+        if directory is None:
+            return None
+        key = ProbeKey(
+            format=PROBE_CACHE_FORMAT, identity=identity, mode=config.mode, n_ctx=config.n_ctx, worker_threads=config.worker_threads,
+            n_gpu_layers=config.n_gpu_layers, machine=machine_name(), kvpool_probe=PROBE_PARAMETERS,
+        )
+        return ProbeCache(directory, key)
 
     @staticmethod
     async def _stopped(task: asyncio.Task | None) -> None:

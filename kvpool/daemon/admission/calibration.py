@@ -39,10 +39,12 @@ from kvpool.daemon.metrics import Metrics
 from kvpool.daemon.pool.pool import WorkerPool
 from kvpool.wire.protocol import CalibrationRow, ShardDescription
 from kvpool.daemon.pool.lifecycle import WorkerLifecycle
+from kvpool.daemon.admission.probe_cache import ProbeCache
 
 CALIBRATION_ROWS = 512
 PROBE_CELLS = 2048  # four 512-row batches: the last growth is the per-cell slope (at 1536 it still overstates flash attention's)
 STEP_SAMPLES = 3
+PROBE_PARAMETERS = f"rows {CALIBRATION_ROWS}, cells {PROBE_CELLS}, steps {STEP_SAMPLES}"  # a ProbeCache key's: another probe, another key
 LLAMA_CTX_PAD = 256  # llama.cpp (0.3.36) rounds n_ctx up to this, and the cells its attention reads
 MARGIN_BYTES = 1 << 20
 MARGIN_DIVISOR = 16  # + 1/16 of each cost: differences between workers and readings measured < 2%
@@ -163,6 +165,7 @@ class Calibrator:
         self.kv_bytes_per_position = kv_bytes_per_position
         self.fit: ChargeFit | SharedContextCharge | None = None
         self.step_s: float | None = None  # one decode step of this shard, timed after the probe's first batch
+        self.cached_at: float | None = None  # the readings were kept from a probe at this wall-clock time (kvpool.daemon.admission.probe_cache)
 
     def theoretical_kv_bytes(self, n_ctx: int) -> int:
         return n_ctx * self.kv_bytes_per_position
@@ -186,17 +189,20 @@ class Calibrator:
             for n in fit.sizes()
         ]
 
-    async def calibrate(self, largest_n_ctx: int) -> ChargeFit | SharedContextCharge:
+    async def calibrate(self, largest_n_ctx: int, cache: ProbeCache | None = None) -> ChargeFit | SharedContextCharge:
         """Probe a context of largest_n_ctx on one free worker (batched mode: one sequence of its shared
-        context), then free it."""
-        worker = self.books.take(self.pool.usable)
-        if worker is None:
-            raise RuntimeError("no usable worker to calibrate on")
-        try:
-            probe = await self._probe(worker, largest_n_ctx)
-            await self.pool.get(worker).close_context()
-        finally:
-            await self.lifecycle.free(worker)
+        context), then free it; with `cache`, take the readings kept there for this key instead (`cached_at`
+        says when they were measured) or keep the new ones there."""
+        cached = cache.load() if cache is not None else None
+        if cached is not None and cached.n_ctx == largest_n_ctx:
+            probe = Probe(cached.n_ctx, cached.filled)
+            self.step_s = cached.step_s
+            self.cached_at = cached.measured_at
+            self.metrics.count("calibrations_cached")
+        else:
+            probe = await self._measured(largest_n_ctx)
+            if cache is not None and not cache.store(probe.n_ctx, probe.filled, self.step_s):
+                self.metrics.count("calibration_cache_failures")
         if self.shared_context is not None:
             context_bytes, n_seqs = self.shared_context
             self.fit = SharedContextCharge(self.kv_bytes_per_position, context_bytes, probe, n_seqs)
@@ -204,6 +210,16 @@ class Calibrator:
             self.fit = ChargeFit(self.kv_bytes_per_position, probe)
         return self.fit
 
+    async def _measured(self, n_ctx: int) -> Probe:
+        worker = self.books.take(self.pool.usable)
+        if worker is None:
+            raise RuntimeError("no usable worker to calibrate on")
+        try:
+            probe = await self._probe(worker, n_ctx)
+            await self.pool.get(worker).close_context()
+        finally:
+            await self.lifecycle.free(worker)
+        return probe
     async def _probe(self, name: str, n_ctx: int) -> Probe:
         worker = self.pool.get(name)
         before = await self.lifecycle.in_thread(worker.measure_anonymous)

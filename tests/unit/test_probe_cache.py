@@ -1,0 +1,54 @@
+"""The start-up probe's readings kept between runs (kvpool.daemon.admission.probe_cache), on fake workers: a
+daemon started again with the same key takes its charges from them without probing, one with another key (or
+with the cache off) probes, and a damaged file is measured again and replaced."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.support.contract import MODES, mode_flags
+
+
+def started(serve, model, *flags: str):
+    daemon = serve(model, *flags)
+    with daemon.client() as client:
+        stats = client.stats()
+    daemon.stop()
+    return stats, daemon.log()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_second_start_takes_the_kept_readings_and_charges_the_same(serve, fake_model, tmp_path, mode):
+    cache = tmp_path / "calibration"
+    first, _ = started(serve, fake_model, *mode_flags(mode), "--calibration-cache", str(cache))
+    assert (first.counters["calibrations"], first.counters["calibrations_cached"]) == (1, 0)
+    assert len(list(cache.glob("probe-*.json"))) == 1
+    second, log = started(serve, fake_model, *mode_flags(mode), "--calibration-cache", str(cache))
+    assert (second.counters["calibrations"], second.counters["calibrations_cached"]) == (0, 1)
+    assert f"kept in {cache}" in log
+    assert second.calibration == first.calibration and second.calibration
+    other, _ = started(serve, fake_model, *mode_flags(mode), "--calibration-cache", str(cache), "--n-ctx", "48")
+    assert (other.counters["calibrations"], other.counters["calibrations_cached"]) == (1, 0)  # another key
+    assert len(list(cache.glob("probe-*.json"))) == 2
+
+
+def test_off_never_keeps_and_a_damaged_file_is_measured_again(serve, fake_model, tmp_path):
+    cache = tmp_path / "calibration"
+    started(serve, fake_model, "--calibration-cache", str(cache))
+    (kept,) = cache.glob("probe-*.json")
+    kept.write_text("{not json")
+    again, _ = started(serve, fake_model, "--calibration-cache", str(cache))
+    assert (again.counters["calibrations"], again.counters["calibrations_cached"]) == (1, 0)
+    third, _ = started(serve, fake_model, "--calibration-cache", str(cache))
+    assert third.counters["calibrations_cached"] == 1  # replaced by the new readings
+    off, _ = started(serve, fake_model, "--calibration-cache", "off", "--spill-dir", str(tmp_path / "spill"), "--spill-disk-budget", "1MiB")
+    assert off.counters["calibrations"] == 1 and not (tmp_path / "spill" / "calibration").exists()
+
+
+def test_beside_the_spill_dir_by_default(serve, fake_model, tmp_path):
+    spill = ("--spill-dir", str(tmp_path / "spill"), "--spill-disk-budget", "1MiB")
+    started(serve, fake_model, *spill)
+    restarted, _ = started(serve, fake_model, *spill)
+    assert restarted.counters["calibrations_cached"] == 1 and len(list((tmp_path / "spill" / "calibration").glob("probe-*.json"))) == 1
+    plain, _ = started(serve, fake_model)
+    assert plain.counters["calibrations"] == 1
