@@ -25,10 +25,10 @@ import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from kvpool.shard.bundled import bundled_model_path  # noqa: E402
-from kvpool.shard.header import file_sha256  # noqa: E402
-from kvpool.shard.cache import shards_in_parts  # noqa: E402
 from kvpool.local.tokenizer import Tokenizer  # noqa: E402
+from kvpool.shard.bundled import bundled_model_path  # noqa: E402
+from kvpool.shard.cache import shards_in_parts  # noqa: E402
+from kvpool.shard.header import file_sha256  # noqa: E402
 from workers.runtime.model import ShardModel  # noqa: E402
 
 DECODE_TARGET = 1.05

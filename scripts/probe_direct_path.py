@@ -25,15 +25,15 @@ import time
 
 import numpy as np
 
-from kvpool.shard.bundled import bundled_model_path
 from kvpool.client.client import AppendResult, Client, append_request
 from kvpool.launcher import Daemon
-from kvpool.wire.protocol import decode_reply, encode
-from kvpool.wire.framing import FRAME_HEADER, receive_exactly
+from kvpool.shard.bundled import bundled_model_path
 from kvpool.shard.cache import shards_in_parts
+from kvpool.wire.framing import FRAME_HEADER, receive_exactly
+from kvpool.wire.protocol import decode_reply, encode
+from workers.runtime.model import ShardModel
 from workers.server.commands import BindChannel, Exit, OpenContext, TruncateContext
 from workers.server.segment import CONTROL_BYTES
-from workers.runtime.model import ShardModel
 
 N_CTX = 1024
 HISTORY = 64
@@ -50,8 +50,8 @@ def median_us(values: list[int | float], scale: float = 1e-3) -> float:
 def stamped_worker(connection, spec, cancel_connection, stamps_path: str) -> None:
     """workers.server.main.worker_main with stamps around the direct path's stages; they are written to
     stamps_path when the worker exits."""
-    import workers.server.compute_locks as compute_locks
     import workers.runtime.context as context_module
+    import workers.server.compute_locks as compute_locks
     import workers.server.direct as direct
     import workers.server.main as process
 

@@ -13,8 +13,8 @@ import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from kvpool.shard.bundled import bundled_model_path  # noqa: E402
 from kvpool.local.tokenizer import Tokenizer  # noqa: E402
+from kvpool.shard.bundled import bundled_model_path  # noqa: E402
 from workers.runtime.model import ShardModel  # noqa: E402
 
 

@@ -9,11 +9,11 @@ import psutil
 import pytest
 
 from kvpool.local.chain import LocalChain
+from kvpool.local.tokenizer import Tokenizer
 from kvpool.shard.bundled import bundled_model_path
 from kvpool.shard.cache import cached_shards
 from kvpool.shard.header import ShardInfo
 from kvpool.shard.ranges import parse_splits
-from kvpool.local.tokenizer import Tokenizer
 from tests.support.daemons import private_socket_dir
 from workers.runtime.model import ShardModel
 

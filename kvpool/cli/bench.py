@@ -7,8 +7,8 @@ import sys
 
 import kvpool.bench
 from kvpool.bench import cli as bench
-from kvpool.shard.bundled import BundledModelMissing
 from kvpool.launcher import DaemonStartFailed
+from kvpool.shard.bundled import BundledModelMissing
 from kvpool.shard.errors import ShardError
 
 

@@ -10,14 +10,14 @@ import sys
 import tempfile
 import time
 
-from kvpool.shard.bundled import BundledModelMissing, bundled_model_path
 from kvpool.cli.status import render
 from kvpool.client.client import KvpoolError
 from kvpool.launcher import DaemonStartFailed, start_daemons
-from kvpool.router.router import RecoveryFailed, Router
-from kvpool.shard.errors import ShardError
-from kvpool.shard.cache import shards_in_parts
 from kvpool.local.tokenizer import Tokenizer
+from kvpool.router.router import RecoveryFailed, Router
+from kvpool.shard.bundled import BundledModelMissing, bundled_model_path
+from kvpool.shard.cache import shards_in_parts
+from kvpool.shard.errors import ShardError
 
 DEFAULT_PROMPT = "Write a short story about a lighthouse keeper."
 

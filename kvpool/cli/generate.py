@@ -7,14 +7,14 @@ import pathlib
 import sys
 import time
 
-from kvpool.shard.bundled import BundledModelMissing, bundled_model_path
 from kvpool.local.chain import LocalChain
 from kvpool.local.generate import greedy_tokens
+from kvpool.local.tokenizer import Tokenizer
+from kvpool.shard.bundled import BundledModelMissing, bundled_model_path
+from kvpool.shard.cache import shards_in_directory, shards_in_parts
+from kvpool.shard.errors import ShardError
 from kvpool.shard.header import ShardInfo
 from kvpool.shard.route import check_route
-from kvpool.shard.errors import ShardError
-from kvpool.shard.cache import shards_in_directory, shards_in_parts
-from kvpool.local.tokenizer import Tokenizer
 
 DEFAULT_PROMPT = "What is the capital of France?"
 

@@ -7,20 +7,19 @@ import asyncio
 import logging
 import pathlib
 
-from kvpool.shard.bundled import BundledModelMissing, bundled_model_path
 from kvpool.cli.config_file import file_keys, with_file
 from kvpool.daemon.config import ServeConfig, flags
-from kvpool.daemon.logs import LOG_FORMATS, configure as configure_logs
-from kvpool.daemon.notify import Notifier
-from kvpool.host import notify_socket_address, work_dir
 from kvpool.daemon.lifeline import watch_lifeline
-from kvpool.daemon.pool.shm_room import SharedMemoryTooSmall
-from kvpool.daemon.transport.listener import SocketSetupError
-from kvpool.shard.errors import ShardError
-from kvpool.daemon.supervisor import Supervisor
+from kvpool.daemon.logs import LOG_FORMATS
+from kvpool.daemon.logs import configure as configure_logs
+from kvpool.daemon.notify import Notifier
 from kvpool.daemon.pool.handle import WorkerStartFailed
-
-
+from kvpool.daemon.pool.shm_room import SharedMemoryTooSmall
+from kvpool.daemon.supervisor import Supervisor
+from kvpool.daemon.transport.listener import SocketSetupError
+from kvpool.host import notify_socket_address, work_dir
+from kvpool.shard.bundled import BundledModelMissing, bundled_model_path
+from kvpool.shard.errors import ShardError
 
 log = logging.getLogger("kvpool.serve")
 

@@ -7,9 +7,9 @@ import pathlib
 import sys
 
 from kvpool.shard.bundled import BundledModelMissing, bundled_model_path
+from kvpool.shard.errors import ShardError
 from kvpool.shard.header import ShardInfo, file_sha256, read_shard_info
 from kvpool.shard.ranges import even_splits, parse_layers, parse_splits
-from kvpool.shard.errors import ShardError
 from kvpool.shard.writer import write_shard, write_shards
 
 DESCRIPTION = """\

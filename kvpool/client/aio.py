@@ -24,9 +24,31 @@ from typing import Unpack
 
 import msgspec
 
-from kvpool.client.messages import AppendOptions, AppendResult, Call, ConnectionLost, KvpoolError, RequestNotSent, Result, append_call, cancel_call, fork_call
-from kvpool.client.messages import admit_prefix_call, prefix_lookup_call
-from kvpool.client.messages import StateExport, hello_call, import_calls, import_chunk_bytes, is_farewell, park_call, release_call, shutdown_call, stats_call, to_send_again, truncate_call
+from kvpool.client.messages import (
+    AppendOptions,
+    AppendResult,
+    Call,
+    ConnectionLost,
+    KvpoolError,
+    RequestNotSent,
+    Result,
+    StateExport,
+    admit_prefix_call,
+    append_call,
+    cancel_call,
+    fork_call,
+    hello_call,
+    import_calls,
+    import_chunk_bytes,
+    is_farewell,
+    park_call,
+    prefix_lookup_call,
+    release_call,
+    shutdown_call,
+    stats_call,
+    to_send_again,
+    truncate_call,
+)
 from kvpool.client.successor import DEFAULT_WAIT_S, Say, SuccessorWait
 from kvpool.wire.framing import FrameError, read_frame
 from kvpool.wire.protocol import MAX_REPLY_BYTES, Done, ErrorReply, HelloReply, Reply, RequestMessage, ShardDescription, StatsReply, decode_reply, encode

@@ -17,7 +17,6 @@ from typing import Unpack
 
 from kvpool.client.channels import DirectChannels
 from kvpool.client.connection import ClientConnection
-from kvpool.client.successor import DEFAULT_WAIT_S, Say, SuccessorWait
 from kvpool.client.messages import (
     AppendOptions,
     AppendResult,
@@ -27,22 +26,23 @@ from kvpool.client.messages import (
     RequestNotSent,
     Result,
     StateExport,
+    admit_prefix_call,
     append_call,
     append_request,
-    admit_prefix_call,
     cancel_call,
-    prefix_lookup_call,
     checked_reply,
     fork_call,
     import_calls,
     import_chunk_bytes,
     park_call,
+    prefix_lookup_call,
     release_call,
     shutdown_call,
     stats_call,
     to_send_again,
     truncate_call,
 )
+from kvpool.client.successor import DEFAULT_WAIT_S, Say, SuccessorWait
 from kvpool.wire.protocol import Done, ErrorReply, HelloReply, Reply, RequestMessage, StatsReply
 
 __all__ = ["AppendOptions", "AppendResult", "Client", "ConnectionLost", "KvpoolError", "append_request", "checked_reply"]

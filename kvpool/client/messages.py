@@ -12,8 +12,10 @@ from typing import Any, Generic, TypedDict, TypeVar, Unpack
 
 import numpy as np
 
+from kvpool.wire.errors import never_carried_out
 from kvpool.wire.protocol import (
     PROTOCOL_VERSION,
+    AdmitPrefix,
     Append,
     AppendReply,
     Cancel,
@@ -23,15 +25,14 @@ from kvpool.wire.protocol import (
     Export,
     Exported,
     Fork,
-    PrefixHeld,
-    PrefixLookup,
-    AdmitPrefix,
     Hello,
     HelloReply,
     Import,
     MissReason,
     OutputRows,
     Park,
+    PrefixHeld,
+    PrefixLookup,
     Release,
     Reply,
     RequestMessage,
@@ -40,7 +41,6 @@ from kvpool.wire.protocol import (
     StatsReply,
     Truncate,
 )
-from kvpool.wire.errors import never_carried_out
 from kvpool.wire.sampling import Sampling
 
 Result = TypeVar("Result")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable
+
 DEFAULT_WAIT_S = 300.0
 BACKOFF_BASE_S = 0.05
 BACKOFF_MAX_S = 2.0

@@ -13,9 +13,9 @@ import types
 from collections.abc import Callable
 from typing import Any
 
+from kvpool.daemon.books.spill import SpillDirRefused, check_disk_dir
 from kvpool.host import available_cores, format_bytes, parse_bytes
 from kvpool.wire.protocol import DEFAULT_MAX_REQUEST_BYTES
-from kvpool.daemon.books.spill import SpillDirRefused, check_disk_dir
 
 DEFAULT_MAX_BUFFERED_BYTES = 256 * 1024**2
 DEFAULT_EXPORT_CHUNK_BYTES = 1024**2  # an Exported reply's state bytes: far below any reply frame limit

@@ -14,12 +14,12 @@ import time
 from collections.abc import AsyncIterator
 
 from kvpool.daemon.books.books import Books
-from kvpool.daemon.pool.channels import Channels
-from kvpool.wire.errors import RequestFailed
-from kvpool.daemon.metrics import Metrics
-from kvpool.wire.protocol import ErrorCode, MissReason
 from kvpool.daemon.books.sessions import EpochCheck, Session
+from kvpool.daemon.metrics import Metrics
+from kvpool.daemon.pool.channels import Channels
 from kvpool.daemon.pool.lifecycle import WorkerLifecycle
+from kvpool.wire.errors import RequestFailed
+from kvpool.wire.protocol import ErrorCode, MissReason
 
 ENDED_WHILE_WAITING = "the session ended while this request waited"
 

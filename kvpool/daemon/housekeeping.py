@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import time
 
+from kvpool.daemon.admission.parking import Parking
 from kvpool.daemon.books.books import Books
-from kvpool.daemon.pool.channels import Channels
 from kvpool.daemon.config import ServeConfig
 from kvpool.daemon.metrics import Metrics
-from kvpool.daemon.admission.parking import Parking
+from kvpool.daemon.pool.channels import Channels
+from kvpool.daemon.pool.lifecycle import WorkerLifecycle
 from kvpool.daemon.pool.pool import WorkerPool
 from kvpool.wire.protocol import MissReason
-from kvpool.daemon.pool.lifecycle import WorkerLifecycle
 
 
 class Housekeeper:

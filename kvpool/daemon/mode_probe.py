@@ -61,8 +61,8 @@ def _process_share(connection, shard_path: str, n_ctx: int, sessions: int, barri
 
 
 def _batched_run(connection, shard_path: str, n_ctx: int, sessions: int, threads: int) -> None:
-    from workers.runtime.batched import BatchedShardContext
     from workers.runtime.batch_plan import SeqAppend
+    from workers.runtime.batched import BatchedShardContext
     from workers.runtime.model import ShardModel
 
     rng = np.random.default_rng(0)

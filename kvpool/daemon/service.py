@@ -13,33 +13,53 @@ import time
 import numpy as np
 
 from kvpool.daemon.admission.admission import Admission
-from kvpool.wire.checks import append_rows, check_position, check_prefix_names, check_session_fields
+from kvpool.daemon.admission.calibration import Calibrator
+from kvpool.daemon.admission.parking import Parking
 from kvpool.daemon.books.books import Books
+from kvpool.daemon.books.integrity import require
 from kvpool.daemon.books.prefixes import SUBDIR as PREFIX_SUBDIR
 from kvpool.daemon.books.prefixes import PrefixStore
-from kvpool.daemon.admission.calibration import Calibrator
-from kvpool.daemon.pool.channels import Channels
-from kvpool.daemon.pool.compute import ComputeSlots
+from kvpool.daemon.books.sessions import EpochCheck, Session
+from kvpool.daemon.books.spill import CorruptBlob, SpillStore
 from kvpool.daemon.config import ServeConfig
-from kvpool.wire.errors import RequestFailed
 from kvpool.daemon.gate import Gate
 from kvpool.daemon.gpu import VramMeter
 from kvpool.daemon.housekeeping import Housekeeper
-from kvpool.daemon.books.integrity import require
 from kvpool.daemon.metrics import Metrics
-from kvpool.daemon.admission.parking import Parking
+from kvpool.daemon.pool.channels import Channels
+from kvpool.daemon.pool.compute import ComputeSlots
+from kvpool.daemon.pool.handle import WorkerFailed
+from kvpool.daemon.pool.lifecycle import WorkerLifecycle
 from kvpool.daemon.pool.pool import WorkerPool
 from kvpool.daemon.prefix import PrefixRequests
-from kvpool.wire.protocol import Append, AppendReply, AdmitPrefix, Cancel, Done, ErrorCode, Export, Exported, Fork, Import, MissReason, Park, PrefixHeld, PrefixLookup, Release, ShardDescription, StatsReply, Truncate
-from kvpool.daemon.books.sessions import EpochCheck, Session
-from kvpool.daemon.books.spill import CorruptBlob, SpillStore
-from kvpool.state.header import UNBOUND, StateIdentity
 from kvpool.daemon.status import build_stats, integrity_of
-from kvpool.daemon.pool.handle import WorkerFailed
 from kvpool.daemon.transfer import Transfers
 from kvpool.daemon.warm import WarmRequests
-from kvpool.daemon.pool.lifecycle import WorkerLifecycle
+from kvpool.state.header import UNBOUND, StateIdentity
+from kvpool.wire.checks import append_rows, check_position, check_prefix_names, check_session_fields
+from kvpool.wire.errors import RequestFailed
+from kvpool.wire.protocol import (
+    AdmitPrefix,
+    Append,
+    AppendReply,
+    Cancel,
+    Done,
+    ErrorCode,
+    Export,
+    Exported,
+    Fork,
+    Import,
+    MissReason,
+    Park,
+    PrefixHeld,
+    PrefixLookup,
+    Release,
+    ShardDescription,
+    StatsReply,
+    Truncate,
+)
 from workers.server.commands import OPEN_FAILED
+
 
 class KvService:
     def __init__(

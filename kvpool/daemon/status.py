@@ -5,12 +5,12 @@ from __future__ import annotations
 import time
 
 from kvpool.daemon.books.books import Books
-from kvpool.daemon.gpu import VramMeter
 from kvpool.daemon.books.integrity import IntegrityError
+from kvpool.daemon.gpu import VramMeter
 from kvpool.daemon.metrics import Metrics
+from kvpool.daemon.pool.handle import WorkerHandle
 from kvpool.daemon.pool.pool import WorkerPool
 from kvpool.wire.protocol import BudgetRow, CalibrationRow, PrefixStoreRow, SessionRow, ShardDescription, StatsReply, WorkerRow
-from kvpool.daemon.pool.handle import WorkerHandle
 
 
 def integrity_of(check) -> str:

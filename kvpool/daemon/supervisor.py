@@ -17,8 +17,8 @@ another one owns is refused before any worker starts; one started while the owne
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import contextlib
+import dataclasses
 import logging
 import pathlib
 import signal
@@ -28,19 +28,27 @@ import time
 import traceback
 from collections.abc import Callable
 
-from kvpool.daemon.config import ServeConfig
-
-from kvpool.host import format_bytes
-from kvpool.wire.errors import RequestFailed
-from kvpool.daemon.books.sealing import shard_identity
-from kvpool.state.header import StateIdentity
-from kvpool.daemon.books.spill import wait_for_disk_dir
 from kvpool.daemon.admission.calibration import PROBE_PARAMETERS
 from kvpool.daemon.admission.probe_cache import FORMAT as PROBE_CACHE_FORMAT
 from kvpool.daemon.admission.probe_cache import ProbeCache, ProbeKey, machine_name
+from kvpool.daemon.books.sealing import shard_identity
+from kvpool.daemon.books.spill import wait_for_disk_dir
+from kvpool.daemon.config import ServeConfig
+from kvpool.daemon.drain import Drain, DrainOutcome
+from kvpool.daemon.mode_probe import probe_modes
+from kvpool.daemon.notify import Notifier
+from kvpool.daemon.pool.handle import PoolSpec
+from kvpool.daemon.pool.pool import WorkerPool
+from kvpool.daemon.pool.shm_room import check_room_for
+from kvpool.daemon.pool.spec import shared_settings
+from kvpool.daemon.service import KvService
+from kvpool.daemon.transport.frames import ConnectionLimits, SocketTransport
+from kvpool.daemon.transport.listener import prepare_socket_path
+from kvpool.host import format_bytes
 from kvpool.shard.digests import verified_block_digests
 from kvpool.shard.header import ShardInfo, read_shard_info
-from kvpool.daemon.pool.pool import WorkerPool
+from kvpool.state.header import StateIdentity
+from kvpool.wire.errors import RequestFailed
 from kvpool.wire.protocol import (
     PROTOCOL_VERSION,
     AdmitPrefix,
@@ -49,7 +57,6 @@ from kvpool.wire.protocol import (
     Done,
     ErrorCode,
     ErrorReply,
-    PrefixLookup,
     Export,
     Fork,
     Hello,
@@ -57,6 +64,7 @@ from kvpool.wire.protocol import (
     Import,
     Message,
     Park,
+    PrefixLookup,
     Release,
     Request,
     ShardDescription,
@@ -64,16 +72,7 @@ from kvpool.wire.protocol import (
     Stats,
     Truncate,
 )
-from kvpool.daemon.drain import Drain, DrainOutcome
-from kvpool.daemon.mode_probe import probe_modes
-from kvpool.daemon.notify import Notifier
-from kvpool.daemon.pool.shm_room import check_room_for
 from workers.server.segment import SegmentRegions
-from kvpool.daemon.transport.frames import ConnectionLimits, SocketTransport
-from kvpool.daemon.transport.listener import prepare_socket_path
-from kvpool.daemon.service import KvService
-from kvpool.daemon.pool.handle import PoolSpec
-from kvpool.daemon.pool.spec import shared_settings
 
 MEMORY_CHECK_EVERY = 4
 MODE_PROBE_N_CTX = 64  # per probe session: its sessions hold a few rows  # housekeeping ticks between measured-memory checks

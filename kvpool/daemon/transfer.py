@@ -23,8 +23,8 @@ from __future__ import annotations
 import time
 
 from kvpool.daemon.books.books import Books
-from kvpool.daemon.books.sessions import Session
 from kvpool.daemon.books.in_transit import ExportCache, ExportsFull, ImportBuffers, KeptExport, TransferRefused
+from kvpool.daemon.books.sessions import Session
 from kvpool.daemon.config import ServeConfig
 from kvpool.daemon.gate import Gate
 from kvpool.daemon.metrics import Metrics

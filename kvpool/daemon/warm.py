@@ -5,17 +5,17 @@ from __future__ import annotations
 
 import time
 
-from kvpool.wire.checks import check_session_fields
-from kvpool.daemon.books.books import Books
-from kvpool.wire.errors import RequestFailed
-from kvpool.daemon.gate import Gate
-from kvpool.daemon.metrics import Metrics
 from kvpool.daemon.admission.parking import Parking
-from kvpool.daemon.pool.pool import WorkerPool
-from kvpool.wire.protocol import Done, ErrorCode, Fork, MissReason, Park
+from kvpool.daemon.books.books import Books
 from kvpool.daemon.books.sessions import Session
 from kvpool.daemon.books.spill import CorruptBlob
+from kvpool.daemon.gate import Gate
+from kvpool.daemon.metrics import Metrics
 from kvpool.daemon.pool.lifecycle import WorkerLifecycle
+from kvpool.daemon.pool.pool import WorkerPool
+from kvpool.wire.checks import check_session_fields
+from kvpool.wire.errors import RequestFailed
+from kvpool.wire.protocol import Done, ErrorCode, Fork, MissReason, Park
 
 
 class WarmRequests:

@@ -7,8 +7,8 @@ import dataclasses
 import random
 
 from kvpool.client.client import ConnectionLost
-from kvpool.wire.protocol import ErrorCode
 from kvpool.router.route import StageFailed
+from kvpool.wire.protocol import ErrorCode
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

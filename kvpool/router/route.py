@@ -11,6 +11,7 @@ from kvpool.client.client import AppendResult, Client, ConnectionLost, KvpoolErr
 from kvpool.shard.route import check_route
 from kvpool.wire.sampling import Sampling
 
+
 class StageFailed(KvpoolError):
     """A daemon of the route answered an error; `stage` is its place in the route (0: the first shard)."""
 

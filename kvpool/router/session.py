@@ -34,16 +34,15 @@ from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
-from kvpool.router.history import AppendHistory
 from kvpool.client.client import AppendResult, ConnectionLost, KvpoolError
 from kvpool.local.generate import greedy_tokens
+from kvpool.router.history import AppendHistory
 from kvpool.router.in_flight import InFlightAppend
 from kvpool.router.move import Moved, MoveFailed, move_session
 from kvpool.router.prefix import PrefixChain, admit_everywhere, held_everywhere, route_block
-from kvpool.wire.protocol import ErrorCode
-from kvpool.router.recovery import Cancelled, RecoveryCounts, RecoveryFailed, epoch_floor_of, replay_counter
-from kvpool.router.recovery import RecoveryPolicy
+from kvpool.router.recovery import Cancelled, RecoveryCounts, RecoveryFailed, RecoveryPolicy, epoch_floor_of, replay_counter
 from kvpool.router.route import Route, StageFailed
+from kvpool.wire.protocol import ErrorCode
 from kvpool.wire.sampling import Sampling
 
 # What a prompt's reuse of a prefix leaves to compute, at least: two rows keep the rest a prefill, since on a CPU

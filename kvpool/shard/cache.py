@@ -6,9 +6,9 @@ import pathlib
 from collections.abc import Callable, Sequence
 
 from kvpool.host import work_dir
+from kvpool.shard.contents import lookahead_layers
 from kvpool.shard.header import ShardInfo, file_sha256, read_shard_info
 from kvpool.shard.ranges import LayerRange, even_splits
-from kvpool.shard.contents import lookahead_layers
 from kvpool.shard.writer import shard_file_name, write_shards
 
 

@@ -29,6 +29,7 @@ from typing import Any
 import gguf
 import numpy as np
 
+from kvpool.shard.errors import ShardError
 from kvpool.shard.header import (
     BLOCK_TENSOR,
     KEY_FORMAT,
@@ -43,7 +44,6 @@ from kvpool.shard.header import (
     ShardInfo,
 )
 from kvpool.shard.ranges import LayerRange
-from kvpool.shard.errors import ShardError
 from kvpool.wire.shape import ShardShape
 
 VOCAB_FREE_SIZE = 32

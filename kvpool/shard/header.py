@@ -23,8 +23,8 @@ from typing import Any
 
 import gguf
 
-from kvpool.shard.ranges import LayerRange
 from kvpool.shard.errors import ShardError
+from kvpool.shard.ranges import LayerRange
 from kvpool.wire.shape import ShardShape
 
 SHARD_FORMAT = 1

@@ -14,11 +14,11 @@ from collections.abc import Callable, Iterable, Sequence
 
 import gguf
 
-from kvpool.shard.header import ShardInfo, check_model_file, file_sha256, read_whole_model_info
-from kvpool.shard.ranges import LayerRange, validate_range
 from kvpool.shard.contents import shard_info, write_shard_file
 from kvpool.shard.digests import block_digests
 from kvpool.shard.errors import ShardError
+from kvpool.shard.header import ShardInfo, check_model_file, file_sha256, read_whole_model_info
+from kvpool.shard.ranges import LayerRange, validate_range
 
 Progress = Callable[[str], None]
 

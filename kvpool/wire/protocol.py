@@ -15,10 +15,10 @@ import enum
 
 import msgspec
 
-from kvpool.wire.framing import framed
-from kvpool.wire.shape import ShardShape
-from kvpool.wire.sampling import Sampling
 from kvpool.state.header import StateIdentity
+from kvpool.wire.framing import framed
+from kvpool.wire.sampling import Sampling
+from kvpool.wire.shape import ShardShape
 
 PROTOCOL_VERSION = 3  # 2: request_id on every request and reply; 3: ShardDescription.shape, Park, Fork, tiers, sampling, Export, Import
 # (later additions are fields with defaults and requests an older daemon answers bad_request: PrefixLookup, AdmitPrefix)

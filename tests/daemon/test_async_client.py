@@ -15,7 +15,7 @@ import pytest
 from kvpool import AsyncClient
 from kvpool.client.client import ConnectionLost
 from tests.conftest import EVEN_SPLIT
-from tests.support.daemons import poll, run_async, DaemonProcess, exited, wait_until
+from tests.support.daemons import DaemonProcess, exited, poll, run_async, wait_until
 
 pytestmark = pytest.mark.timeout(3600)
 N_CTX = 256

@@ -15,18 +15,17 @@ import threading
 import numpy as np
 import pytest
 
-from kvpool.daemon.pool.batched import BatchedWorker
 from kvpool.client.client import KvpoolError
+from kvpool.daemon.pool.batched import BatchedWorker
 from kvpool.daemon.pool.compute import ComputeSlots
-from kvpool.router.router import Router
-from workers.server.segment import SegmentRegions
 from kvpool.daemon.pool.handle import PoolSpec, WorkerFailed, WorkerLost
-from workers.server.spec import WorkerSpec
-from workers.runtime.model import ShardModel
-from tests.support.chains import daemon_chain, greedy_with_logits, release_all
-from tests.support.daemons import DaemonProcess
-from tests.support.daemons import in_thread, joined, result, stopped, wait_until
+from kvpool.router.router import Router
 from tests.conftest import PROCESS_MODE_TOLERANCE
+from tests.support.chains import daemon_chain, greedy_with_logits, release_all
+from tests.support.daemons import DaemonProcess, in_thread, joined, result, stopped, wait_until
+from workers.runtime.model import ShardModel
+from workers.server.segment import SegmentRegions
+from workers.server.spec import WorkerSpec
 
 N_CTX = 256
 GREEDY = 8

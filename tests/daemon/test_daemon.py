@@ -15,14 +15,18 @@ import psutil
 import pytest
 
 from kvpool.client.client import KvpoolError
+from kvpool.daemon.admission.admission import MAX_ADMIT_WAIT_S
 from kvpool.router.route import Route
 from kvpool.router.router import Router
-from kvpool.wire.protocol import PROTOCOL_VERSION, Append, AppendReply, Done, Hello, Release, Stats, encode
 from kvpool.wire.framing import FRAME_HEADER
-from kvpool.daemon.admission.admission import MAX_ADMIT_WAIT_S
-from tests.support.daemons import STOP_HANG_GUARD_S, DaemonProcess, raw_connection, read_reply, sent_and_read
+from kvpool.wire.protocol import PROTOCOL_VERSION, Append, AppendReply, Done, Hello, Release, Stats, encode
 from tests.support.chains import daemon_chain, greedy_with_logits, release_all
-from tests.support.daemons import in_thread as _in_thread, joined as _joined, result as _result, stopped as _stopped, wait_until as _wait_until
+from tests.support.daemons import STOP_HANG_GUARD_S, DaemonProcess, raw_connection, read_reply, sent_and_read
+from tests.support.daemons import in_thread as _in_thread
+from tests.support.daemons import joined as _joined
+from tests.support.daemons import result as _result
+from tests.support.daemons import stopped as _stopped
+from tests.support.daemons import wait_until as _wait_until
 
 N_CTX = 512
 GREEDY = 16

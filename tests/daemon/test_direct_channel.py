@@ -23,15 +23,14 @@ import pytest
 
 from kvpool.client.client import KvpoolError, append_request
 from kvpool.client.connection import ClientConnection
-from kvpool.host import FRAME_DEADLINE_ENV, direct_frame_deadline_s
 from kvpool.daemon.pool.spec import PoolSpec, shared_settings
-from kvpool.wire.protocol import Append, AppendReply, decode_reply, encode
+from kvpool.host import FRAME_DEADLINE_ENV, direct_frame_deadline_s
 from kvpool.wire.framing import FRAME_HEADER, receive_exactly
-from workers.server.segment import SegmentRegions
+from kvpool.wire.protocol import Append, AppendReply, decode_reply, encode
 from tests.support.daemons import HANG_GUARD_S, DaemonProcess, in_thread, joined, refused, stopped, wait_until
-from workers.server.segment import CONTROL_BYTES
 from workers.server.compute_locks import ComputeLocks
 from workers.server.direct import MAX_FRAME_BYTES, DirectChannel
+from workers.server.segment import CONTROL_BYTES, SegmentRegions
 from workers.server.spec import FRAME_DEADLINE_S
 
 N_CTX = 256

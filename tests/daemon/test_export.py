@@ -15,13 +15,14 @@ import pytest
 from kvpool.client.aio import AsyncClient
 from kvpool.client.client import KvpoolError
 from kvpool.client.messages import IMPORT_FRAME_ROOM, Call, import_calls, import_chunk_bytes
-from kvpool.daemon.config import MIN_EXPORT_CHUNK_BYTES, ServeConfig
 from kvpool.daemon.books.in_transit import ExportCache, ExportsFull, ImportBuffers, TransferRefused
+from kvpool.daemon.config import MIN_EXPORT_CHUNK_BYTES, ServeConfig
 from kvpool.state.header import open_state, read_header, seal
 from kvpool.state.sequence import parse_state, write_state
 from kvpool.wire.protocol import Done, Export, Exported, Import
 from tests.support.daemons import HANG_GUARD_S, DaemonProcess
-from tests.support.daemons import checked as _checked, refused as _refused
+from tests.support.daemons import checked as _checked
+from tests.support.daemons import refused as _refused
 
 pytestmark = pytest.mark.timeout(3600)
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvpool.daemon.admission.admission import MAX_ADMIT_WAIT_S
 from kvpool.client.client import KvpoolError
+from kvpool.daemon.admission.admission import MAX_ADMIT_WAIT_S
 from tests.support.daemons import DaemonProcess, in_thread, joined, result, stopped, wait_until
 
 pytestmark = pytest.mark.timeout(3600)

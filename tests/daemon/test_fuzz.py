@@ -21,6 +21,7 @@ from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 from kvpool.client.client import Client
+from kvpool.wire.framing import FRAME_HEADER
 from kvpool.wire.protocol import (
     DEFAULT_MAX_REQUEST_BYTES,
     PROTOCOL_VERSION,
@@ -31,13 +32,12 @@ from kvpool.wire.protocol import (
     ErrorReply,
     Hello,
     Release,
-    StatsReply,
     Stats,
+    StatsReply,
     Truncate,
     decode_request,
     encode,
 )
-from kvpool.wire.framing import FRAME_HEADER
 from tests.conftest import EVEN_SPLIT
 from tests.support.chains import daemon_chain
 from tests.support.daemons import RawConnection, private_socket_dir

@@ -17,9 +17,9 @@ import sys
 
 import pytest
 
-from tests.support.notify import NotifyListener
 from kvpool.launcher import Daemon
 from tests.support.daemons import HANG_GUARD_S, START_HANG_GUARD_S, DaemonProcess, wait_until
+from tests.support.notify import NotifyListener
 
 SMALL = ("--threads", "1", "--n-ctx", "64", "--max-sessions", "2")
 KVPOOL = [sys.executable, "-m", "kvpool"]

@@ -22,12 +22,12 @@ import numpy as np
 import psutil
 import pytest
 
-from kvpool.shard.bundled import bundled_model_path
 from kvpool.client.client import Client, KvpoolError
 from kvpool.launcher import Daemon, start_daemons
-from workers.server.segment import LOGIT_ROWS_IN_SEGMENT
+from kvpool.shard.bundled import bundled_model_path
 from tests.support.daemons import DaemonProcess
 from workers.runtime.model import ShardModel
+from workers.server.segment import LOGIT_ROWS_IN_SEGMENT
 
 HANG_GUARD_S = float(os.environ.get("KVPOOL_TEST_HANG_GUARD_S", "600"))
 pytestmark = pytest.mark.timeout(3600)

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 from kvpool.client.client import Client
-from kvpool.wire.protocol import ShardDescription
-from kvpool.shard.route import check_route
 from kvpool.router.router import Cancelled, RecoveryPolicy, Router
 from kvpool.shard.errors import ShardError
+from kvpool.shard.route import check_route
+from kvpool.wire.protocol import ShardDescription
 from tests.support.chains import daemon_chain, greedy_with_logits, release_all
 from tests.support.daemons import DaemonProcess, exited, in_thread, joined, result, stopped, wait_until
 

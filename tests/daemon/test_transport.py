@@ -21,6 +21,8 @@ import pytest
 
 from kvpool.client.client import Client, KvpoolError
 from kvpool.daemon.config import ServeConfig
+from kvpool.daemon.transport import frames as server
+from kvpool.wire.framing import FRAME_HEADER
 from kvpool.wire.protocol import (
     PROTOCOL_VERSION,
     Append,
@@ -34,12 +36,9 @@ from kvpool.wire.protocol import (
     StatsReply,
     encode,
 )
-from kvpool.wire.framing import FRAME_HEADER
-from kvpool.daemon.transport import frames as server
 from kvpool.wire.shape import ShardShape
 from tests.conftest import EVEN_SPLIT
-from tests.support.daemons import admission_line_full, HANG_GUARD_S, DaemonProcess, stopped, wait_until
-from tests.support.daemons import RawConnection
+from tests.support.daemons import HANG_GUARD_S, DaemonProcess, RawConnection, admission_line_full, stopped, wait_until
 
 pytestmark = pytest.mark.timeout(3600)
 ONE_PLACE = ("--threads", "1", "--n-ctx", "256", "--max-sessions", "1")

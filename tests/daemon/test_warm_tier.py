@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from kvpool.client.client import KvpoolError
-from tests.support.daemons import DaemonProcess, checked, in_thread, joined, refused, refused_start, stopped, wait_until
 from kvpool.daemon.books import spill
 from kvpool.daemon.books.spill import MAGIC
+from tests.support.daemons import DaemonProcess, checked, in_thread, joined, refused, refused_start, stopped, wait_until
 from tests.support.disks import OLD_MAGIC, failing_writes, own_files
 from workers.runtime.model import ShardModel
 

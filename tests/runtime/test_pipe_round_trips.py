@@ -19,8 +19,8 @@ from kvpool.daemon.service import KvService
 from kvpool.daemon.supervisor import build_pool
 from kvpool.shard.header import read_shard_info
 from kvpool.wire.errors import RequestFailed
-from kvpool.wire.protocol import Append, AppendReply, ShardDescription, Truncate, decode_reply, encode
 from kvpool.wire.framing import FRAME_HEADER, receive_exactly
+from kvpool.wire.protocol import Append, AppendReply, ShardDescription, Truncate, decode_reply, encode
 
 pytestmark = pytest.mark.timeout(1800)
 

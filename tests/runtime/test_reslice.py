@@ -20,7 +20,16 @@ from kvpool.shard.ranges import parse_splits
 from kvpool.shard.writer import write_shards
 from kvpool.state.reslice import ResliceError, ShardState, reslice, reslice_bytes
 from kvpool.state.sequence import (
-    STATE_MAGIC, CellRows, LayerKV, SequenceState, StateFormatError, Stream, TransposedRows, cut_state, parse_state, write_state,
+    STATE_MAGIC,
+    CellRows,
+    LayerKV,
+    SequenceState,
+    StateFormatError,
+    Stream,
+    TransposedRows,
+    cut_state,
+    parse_state,
+    write_state,
 )
 from tests.conftest import EVEN_SPLIT, TOTAL_LAYERS
 

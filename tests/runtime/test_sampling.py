@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 from kvpool.client.client import KvpoolError
+from kvpool.wire.sampling import Sampling
 from tests.support.chains import daemon_chain
 from tests.support.daemons import DaemonProcess
-from kvpool.wire.sampling import Sampling
 from workers.runtime.sampling import sample
 
 pytestmark = pytest.mark.timeout(1800)

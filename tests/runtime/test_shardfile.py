@@ -16,10 +16,11 @@ import numpy as np
 import pytest
 
 from kvpool.cli import shard as cli_shard
-
 from kvpool.shard import contents as shard_contents
 from kvpool.shard.bundled import bundled_model_path
+from kvpool.shard.cache import cached_shards
 from kvpool.shard.digests import block_digests
+from kvpool.shard.errors import ShardError
 from kvpool.shard.header import (
     KEY_FORMAT,
     KEY_LAYER_SHA256,
@@ -33,10 +34,8 @@ from kvpool.shard.header import (
     read_shard_info,
 )
 from kvpool.shard.ranges import LayerRange
-from kvpool.shard.errors import ShardError
-from kvpool.wire.shape import ShardShape
 from kvpool.shard.writer import write_shard, write_shards
-from kvpool.shard.cache import cached_shards
+from kvpool.wire.shape import ShardShape
 from workers.runtime.model import ShardModel
 
 TOTAL_LAYERS = 30

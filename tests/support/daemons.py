@@ -25,7 +25,6 @@ from kvpool.launcher import Daemon, DaemonStartFailed
 from kvpool.wire.framing import FRAME_HEADER, receive_frame
 from kvpool.wire.protocol import MAX_REPLY_BYTES, PROTOCOL_VERSION, Hello, decode_reply, encode
 
-
 # Hang guards only, far above what the slowest, busiest machine needs (a daemon starts in a few seconds
 # and stops in under one on 2 quiet cores): a slow start or stop must never fail a test by itself.
 START_HANG_GUARD_S = 900.0

@@ -22,8 +22,8 @@ import time
 
 import gguf
 
-from kvpool.client.client import Client
 from kvpool.cli import serve
+from kvpool.client.client import Client
 from kvpool.daemon.notify import Notifier
 from kvpool.daemon.supervisor import Supervisor
 from kvpool.shard import header

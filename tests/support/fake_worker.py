@@ -52,8 +52,8 @@ from workers.server.commands import (
     Closed,
     Exit,
     Failed,
-    Opened,
     OpenContext,
+    Opened,
     Ready,
     Restored,
     RestoreState,
@@ -62,8 +62,8 @@ from workers.server.commands import (
     RunBatch,
     Saved,
     SaveState,
-    Truncated,
     TruncateContext,
+    Truncated,
 )
 from workers.server.segment import ABORT_FLAG_OFFSET
 from workers.server.spec import WorkerSpec

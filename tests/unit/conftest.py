@@ -11,7 +11,6 @@ import pytest
 from tests.support.fake_daemon import TOTAL_LAYERS, FakeDaemon, fake_shard_file
 
 
-
 @pytest.fixture(autouse=True)
 def _tracker(resource_tracker_running):
     """Fake workers' segments are created in this process: multiprocessing's resource tracker starts once."""

@@ -12,13 +12,13 @@ import msgspec
 import pytest
 
 from kvpool.daemon.admission.queue import AdmissionQueue
-from kvpool.daemon.books.books import Books
-from kvpool.wire.errors import RequestFailed
-from kvpool.daemon.metrics import Metrics
-from kvpool.wire.protocol import ErrorCode, ErrorReply, MissReason, decode_reply, encode
 from kvpool.daemon.admission.residency import MIN_RESIDENCY_FLOOR_S, RESIDENCY_ROUTE_STEPS, Residency, derived_min_residency_s
-from kvpool.wire.shape import ShardShape
+from kvpool.daemon.books.books import Books
+from kvpool.daemon.metrics import Metrics
 from kvpool.daemon.pool.lifecycle import WorkerLifecycle
+from kvpool.wire.errors import RequestFailed
+from kvpool.wire.protocol import ErrorCode, ErrorReply, MissReason, decode_reply, encode
+from kvpool.wire.shape import ShardShape
 
 CHARGE = 100
 HANG_GUARD_S = 30

@@ -18,7 +18,7 @@ from kvpool.client.client import ConnectionLost, KvpoolError
 from kvpool.daemon.transport.frames import MAX_IN_FLIGHT_PER_CONNECTION
 from kvpool.wire.protocol import PROTOCOL_VERSION, Append, Cancel, Done, ErrorReply, Hello, HelloReply, ShardDescription, decode_request, encode
 from kvpool.wire.shape import ShardShape
-from tests.support.daemons import HANG_GUARD_S, poll, run_async, RawConnection, admission_line_full, wait_until
+from tests.support.daemons import HANG_GUARD_S, RawConnection, admission_line_full, poll, run_async, wait_until
 from tests.support.fake_worker import expected_rows
 
 N_CTX = 256

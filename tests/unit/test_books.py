@@ -14,8 +14,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from kvpool.daemon.books.books import Books
 from kvpool.daemon.books.budget import ByteBudget, OverBudget
 from kvpool.daemon.books.integrity import IntegrityError
-from kvpool.wire.protocol import MissReason
 from kvpool.daemon.books.sessions import EpochCheck, Session, SessionTable
+from kvpool.wire.protocol import MissReason
 
 # ---- ByteBudget -----------------------------------------------------------------------------------
 

@@ -12,9 +12,9 @@ import pytest
 
 from kvpool.state.header import open_state, seal
 from kvpool.state.sequence import parse_state, write_state
-from tests.support.fake_worker import expected_rows
 from tests.support.contract import MODES, mode_flags, rows_of, tokens
 from tests.support.daemons import refused, wait_until
+from tests.support.fake_worker import expected_rows
 
 
 def _disk(spill_dir, *more: str) -> tuple[str, ...]:

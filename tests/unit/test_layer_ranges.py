@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvpool.shard.ranges import LayerRange, even_splits, parse_layers, parse_splits, validate_range
 from kvpool.shard.errors import ShardError
+from kvpool.shard.ranges import LayerRange, even_splits, parse_layers, parse_splits, validate_range
 
 SPLITS = [LayerRange(0, 10), LayerRange(10, 20), LayerRange(20, 30)]
 

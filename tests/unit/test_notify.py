@@ -26,10 +26,10 @@ from kvpool.cli import serve
 from kvpool.cli.config_file import ConfigFileError, file_keys, with_file
 from kvpool.daemon import logs
 from kvpool.daemon.notify import Notifier, socket_address
-from tests.support.notify import NotifyListener
 from kvpool.launcher import wait_answering
 from tests.support.daemons import HANG_GUARD_S, wait_until
 from tests.support.fake_daemon import FakeDaemon
+from tests.support.notify import NotifyListener
 
 KVPOOL = [sys.executable, "-m", "kvpool"]
 

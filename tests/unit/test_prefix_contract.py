@@ -12,7 +12,6 @@ import pytest
 from prometheus_client import generate_latest
 
 from kvpool.cli.status import render
-
 from kvpool.router.router import Router
 from kvpool.wire.prefix import DIGEST_BYTES, chain_digests
 from tests.support.contract import MODES, mode_flags, rows_of

@@ -26,10 +26,10 @@ from collections.abc import Iterable
 import llama_cpp
 import numpy as np
 
-from workers.runtime.batch_plan import SeqAppend, plan_ubatches
 from workers.runtime.batch_checks import check_seq, named_seqs, validated_appends
-from workers.runtime.params import LoadedShard
+from workers.runtime.batch_plan import SeqAppend, plan_ubatches
 from workers.runtime.errors import BadInput, Cancelled, DecodeFailed, PositionMismatch, ShardRuntimeError
+from workers.runtime.params import LoadedShard
 from workers.runtime.ubatch import UbatchDecoder
 
 MAX_SEQUENCES = 256  # LLAMA_MAX_SEQ in llama.cpp

@@ -14,8 +14,8 @@ import llama_cpp
 import numpy as np
 
 from kvpool.wire.checks import check_input_kind, check_output_rows, check_position, shard_rows
-from workers.runtime.params import LoadedShard
 from workers.runtime.errors import BadInput, Cancelled, DecodeFailed, PositionMismatch, RestoreFailed, wire_checks
+from workers.runtime.params import LoadedShard
 from workers.runtime.sequence_io import restore_sequence, save_sequence
 
 OutputRows = Literal["last", "all"]

@@ -15,9 +15,9 @@ import pathlib
 import llama_cpp
 
 from workers.runtime.context import ShardContext
-from workers.runtime.params import Closable, LlamaContext
-from workers.runtime.shard import read_attention_shape, read_shape, read_lookahead_layers
 from workers.runtime.native import NativeLibrary, load_native
+from workers.runtime.params import Closable, LlamaContext
+from workers.runtime.shard import read_attention_shape, read_lookahead_layers, read_shape
 
 
 class ShardModel:

@@ -18,6 +18,9 @@ import numpy as np
 from kvpool.wire.checks import check_position, input_rows
 from workers.runtime.batch_plan import SeqAppend
 from workers.runtime.batched import BatchedShardContext
+from workers.runtime.errors import ShardRuntimeError, wire_checks
+from workers.runtime.model import ShardModel
+from workers.runtime.sampling import answer
 from workers.server.commands import (
     AnyCommand,
     Appended,
@@ -27,21 +30,18 @@ from workers.server.commands import (
     CloseContext,
     Closed,
     Failed,
-    Opened,
     OpenContext,
+    Opened,
     Restored,
     RestoreState,
     RevokeChannel,
     RunBatch,
     Saved,
     SaveState,
-    Truncated,
     TruncateContext,
+    Truncated,
 )
 from workers.server.segment import ABORT_FLAG_OFFSET
-from workers.runtime.errors import ShardRuntimeError, wire_checks
-from workers.runtime.model import ShardModel
-from workers.runtime.sampling import answer
 
 if TYPE_CHECKING:
     from workers.server.spec import WorkerSpec

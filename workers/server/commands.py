@@ -7,9 +7,8 @@ from __future__ import annotations
 
 import msgspec
 
-from kvpool.wire.shape import ShardShape
 from kvpool.wire.sampling import Sampling
-
+from kvpool.wire.shape import ShardShape
 
 OPEN_FAILED = "open_failed"  # Failed.code: the context asked for could not be created
 

@@ -23,16 +23,15 @@ import msgspec
 
 from kvpool.wire.checks import append_rows, check_position
 from kvpool.wire.errors import RequestFailed
-from kvpool.wire.framing import FrameTooLarge, FrameTruncated, frame_size
+from kvpool.wire.framing import FRAME_HEADER, FrameTooLarge, FrameTruncated, frame_size
 from kvpool.wire.peers import same_user
 from kvpool.wire.protocol import Append, AppendReply, ErrorCode, ErrorReply, Message, encode
-from kvpool.wire.framing import FRAME_HEADER
-from workers.server.segment import ABORT_FLAG_OFFSET
-from workers.server.direct_cancels import DirectCancels
-from workers.server.direct_words import DirectWords
-from workers.server.spec import FRAME_DEADLINE_S
 from workers.runtime.errors import ShardRuntimeError
 from workers.runtime.sampling import answer
+from workers.server.direct_cancels import DirectCancels
+from workers.server.direct_words import DirectWords
+from workers.server.segment import ABORT_FLAG_OFFSET
+from workers.server.spec import FRAME_DEADLINE_S
 
 if TYPE_CHECKING:
     from workers.server.single import WorkerServer

@@ -19,13 +19,12 @@ from multiprocessing.connection import Connection
 
 import msgspec
 
-from workers.server.commands import AnyCommand, Exit, Failed, Ready
+from workers.runtime.model import ShardModel
 from workers.server.batched_server import BatchedWorkerServer
+from workers.server.commands import AnyCommand, Exit, Failed, Ready
 from workers.server.direct import DirectChannel
 from workers.server.single import WorkerServer
 from workers.server.spec import WorkerSpec
-from workers.runtime.model import ShardModel
-
 
 PARENT_CHECK_INTERVAL_S = 0.2
 # glibc's mmap threshold, fixed at its default (128 KiB). Left dynamic, glibc raises it to the size of each

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
-import ctypes
 import contextlib
+import ctypes
 import ctypes.util
 from multiprocessing import shared_memory
 
 import numpy as np
 
 from kvpool.wire.checks import input_rows
+from workers.runtime.context import ShardContext
+from workers.runtime.errors import ShardRuntimeError, wire_checks
+from workers.runtime.model import ShardModel
+from workers.runtime.sampling import answer
 from workers.server.commands import (
     AnyCommand,
     Appended,
@@ -18,24 +22,20 @@ from workers.server.commands import (
     CloseContext,
     Closed,
     Failed,
-    Opened,
     OpenContext,
+    Opened,
     Restored,
     RestoreState,
     RevokeChannel,
     RunAppend,
     Saved,
     SaveState,
-    Truncated,
     TruncateContext,
+    Truncated,
 )
-from workers.server.segment import ABORT_FLAG_OFFSET
 from workers.server.compute_locks import ComputeLocks
+from workers.server.segment import ABORT_FLAG_OFFSET
 from workers.server.spec import WorkerSpec
-from workers.runtime.errors import ShardRuntimeError, wire_checks
-from workers.runtime.context import ShardContext
-from workers.runtime.model import ShardModel
-from workers.runtime.sampling import answer
 
 
 class WorkerServer:

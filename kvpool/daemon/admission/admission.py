@@ -12,22 +12,22 @@ import functools
 import time
 from collections.abc import Callable
 
-from kvpool.daemon.admission.queue import AdmissionQueue
-from kvpool.daemon.books.books import AdmissionPlan, Books
 from kvpool.daemon.admission.calibration import Calibrator
-from kvpool.daemon.pool.channels import Channels
-from kvpool.daemon.config import ServeConfig
-from kvpool.wire.errors import RequestFailed
-from kvpool.daemon.gate import Gate
-from kvpool.daemon.metrics import Metrics
 from kvpool.daemon.admission.parking import Parking
-from kvpool.daemon.pool.pool import WorkerPool
-from kvpool.wire.protocol import Append, ErrorCode, MissReason
+from kvpool.daemon.admission.queue import AdmissionQueue
 from kvpool.daemon.admission.residency import Residency, derived_min_residency_s
+from kvpool.daemon.books.books import AdmissionPlan, Books
 from kvpool.daemon.books.sessions import Session
 from kvpool.daemon.books.spill import CorruptBlob
+from kvpool.daemon.config import ServeConfig
+from kvpool.daemon.gate import Gate
+from kvpool.daemon.metrics import Metrics
+from kvpool.daemon.pool.channels import Channels
 from kvpool.daemon.pool.handle import WorkerFailed
 from kvpool.daemon.pool.lifecycle import WorkerLifecycle
+from kvpool.daemon.pool.pool import WorkerPool
+from kvpool.wire.errors import RequestFailed
+from kvpool.wire.protocol import Append, ErrorCode, MissReason
 
 MAX_ADMIT_WAIT_S = 60.0
 PARK_RETRY_S = 0.01

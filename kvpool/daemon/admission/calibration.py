@@ -34,12 +34,12 @@ import time
 
 import numpy as np
 
+from kvpool.daemon.admission.probe_cache import ProbeCache
 from kvpool.daemon.books.books import Books
 from kvpool.daemon.metrics import Metrics
+from kvpool.daemon.pool.lifecycle import WorkerLifecycle
 from kvpool.daemon.pool.pool import WorkerPool
 from kvpool.wire.protocol import CalibrationRow, ShardDescription
-from kvpool.daemon.pool.lifecycle import WorkerLifecycle
-from kvpool.daemon.admission.probe_cache import ProbeCache
 
 CALIBRATION_ROWS = 512
 PROBE_CELLS = 2048  # four 512-row batches: the last growth is the per-cell slope (at 1536 it still overstates flash attention's)

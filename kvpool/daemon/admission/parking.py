@@ -5,14 +5,14 @@ past --park-after, and for the Park request."""
 from __future__ import annotations
 
 from kvpool.daemon.books.books import Books
-from kvpool.daemon.pool.channels import Channels
-from kvpool.wire.errors import RequestFailed
-from kvpool.daemon.metrics import Metrics
-from kvpool.daemon.pool.pool import WorkerPool
-from kvpool.wire.protocol import ErrorCode, MissReason
 from kvpool.daemon.books.sessions import Session
+from kvpool.daemon.metrics import Metrics
+from kvpool.daemon.pool.channels import Channels
 from kvpool.daemon.pool.handle import WorkerFailed, WorkerLost
 from kvpool.daemon.pool.lifecycle import WorkerLifecycle
+from kvpool.daemon.pool.pool import WorkerPool
+from kvpool.wire.errors import RequestFailed
+from kvpool.wire.protocol import ErrorCode, MissReason
 
 
 class Parking:

@@ -26,12 +26,12 @@ import itertools
 import time
 from collections.abc import AsyncIterator, Callable
 
-from kvpool.daemon.books.books import AdmissionPlan, Books, Usable
-from kvpool.wire.errors import RequestFailed
-from kvpool.daemon.metrics import Metrics
-from kvpool.wire.protocol import ErrorCode
 from kvpool.daemon.admission.residency import Residency
+from kvpool.daemon.books.books import AdmissionPlan, Books, Usable
+from kvpool.daemon.metrics import Metrics
 from kvpool.daemon.pool.lifecycle import WorkerLifecycle
+from kvpool.wire.errors import RequestFailed
+from kvpool.wire.protocol import ErrorCode
 
 MAX_RETRY_AFTER_S = 30.0
 RECHECK_S = 1.0  # a waiting admission looks again at least this often, whatever woke it or not

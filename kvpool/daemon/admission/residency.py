@@ -19,8 +19,8 @@ import dataclasses
 import math
 from collections.abc import Iterable
 
-from kvpool.wire.shape import ShardShape
 from kvpool.daemon.books.sessions import Session
+from kvpool.wire.shape import ShardShape
 
 RESIDENCY_ROUTE_STEPS = 8  # whole route steps a session is protected for after its last append
 MIN_RESIDENCY_FLOOR_S = 0.25

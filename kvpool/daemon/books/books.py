@@ -20,12 +20,12 @@ from dataclasses import dataclass
 from kvpool.daemon.books.budget import ByteBudget
 from kvpool.daemon.books.integrity import require
 from kvpool.daemon.books.prefixes import PrefixStore
-from kvpool.wire.protocol import MissReason
 from kvpool.daemon.books.sealing import StateSeal, monotonic_of
 from kvpool.daemon.books.sessions import Session, SessionTable
 from kvpool.daemon.books.spill import CorruptBlob, FoundFile, SpillStore
 from kvpool.state.header import UNBOUND, StateIdentity
 from kvpool.state.sequence import StateFormatError, check_cells
+from kvpool.wire.protocol import MissReason
 
 Usable = Callable[[str], bool]
 

@@ -27,6 +27,7 @@ import numpy as np
 
 from kvpool.daemon.pool.compute import ComputeSlots
 from kvpool.daemon.pool.handle import PoolSpec, WorkerFailed, WorkerHandle, WorkerLost, WorkerOutput
+from kvpool.wire.sampling import Sampling
 from workers.server.commands import (
     Appended,
     BatchDone,
@@ -35,17 +36,16 @@ from workers.server.commands import (
     CloseContext,
     Closed,
     Failed,
-    Opened,
     OpenContext,
+    Opened,
     Restored,
     RestoreState,
     RunBatch,
     Saved,
     SaveState,
-    Truncated,
     TruncateContext,
+    Truncated,
 )
-from kvpool.wire.sampling import Sampling
 
 MIN_GATHER_S = 0.002  # how long a batch may wait for the last batch's other sessions to queue again
 MAX_GATHER_S = 0.05

@@ -11,9 +11,9 @@ from __future__ import annotations
 import time
 
 from kvpool.daemon.books.books import Books
-from kvpool.daemon.pool.pool import WorkerPool
 from kvpool.daemon.books.sessions import Session
 from kvpool.daemon.pool.lifecycle import WorkerLifecycle
+from kvpool.daemon.pool.pool import WorkerPool
 from workers.server.commands import Binding
 
 REFUSED = "the worker refused its direct channel"

@@ -13,9 +13,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvpool.daemon.pool.spec import PoolSpec
 from kvpool.daemon.pool.errors import WorkerFailed, WorkerLost, WorkerStartFailed
 from kvpool.daemon.pool.process import WorkerProcess
+from kvpool.daemon.pool.spec import PoolSpec
+from kvpool.wire.sampling import Sampling
 from workers.server.commands import (
     AnyCommand,
     Appended,
@@ -25,18 +26,17 @@ from workers.server.commands import (
     CloseContext,
     Closed,
     Failed,
-    Opened,
     OpenContext,
+    Opened,
     Restored,
     RestoreState,
     RevokeChannel,
     RunAppend,
     Saved,
     SaveState,
-    Truncated,
     TruncateContext,
+    Truncated,
 )
-from kvpool.wire.sampling import Sampling
 
 __all__ = ["PoolSpec", "WorkerFailed", "WorkerHandle", "WorkerLost", "WorkerOutput", "WorkerStartFailed"]
 

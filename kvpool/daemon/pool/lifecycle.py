@@ -11,12 +11,12 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from kvpool.daemon.books.books import Books
-from kvpool.daemon.metrics import Metrics
-from kvpool.daemon.pool.pool import WorkerPool
-from kvpool.wire.protocol import ErrorCode, MissReason
 from kvpool.daemon.books.sessions import Session
+from kvpool.daemon.metrics import Metrics
 from kvpool.daemon.pool.handle import WorkerFailed, WorkerLost
+from kvpool.daemon.pool.pool import WorkerPool
 from kvpool.wire.errors import RequestFailed
+from kvpool.wire.protocol import ErrorCode, MissReason
 
 LOST = "the worker serving this session was lost"
 Refusal = Callable[[WorkerFailed], RequestFailed]

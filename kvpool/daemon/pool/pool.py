@@ -14,9 +14,9 @@ import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
+from kvpool.daemon.books.integrity import require
 from kvpool.daemon.pool.batched import BatchedWorker, SequenceSlot
 from kvpool.daemon.pool.compute import ComputeSlots
-from kvpool.daemon.books.integrity import require
 from kvpool.daemon.pool.handle import PoolSpec, WorkerHandle
 from workers.server.commands import Ready
 

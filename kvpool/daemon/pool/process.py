@@ -19,9 +19,9 @@ from multiprocessing.connection import Connection
 import msgspec
 import psutil
 
-from kvpool.daemon.pool.spec import PoolSpec
 from kvpool.daemon.pool.errors import WorkerLost, WorkerStartFailed
 from kvpool.daemon.pool.segment import WorkerSegment
+from kvpool.daemon.pool.spec import PoolSpec
 from workers.server.commands import AnyCommand, AnyWorkerReply, CancelDirect, Exit, Failed, Ready
 from workers.server.main import anonymous_bytes, worker_main
 from workers.server.spec import WorkerSpec

@@ -27,7 +27,6 @@ from kvpool.daemon.transport.listener import Listener, prepare_socket_path
 from kvpool.wire.framing import FRAME_HEADER, FrameTooLarge, frame_size
 from kvpool.wire.peers import same_user
 from kvpool.wire.protocol import (
-    ReplyMessage,
     PROTOCOL_VERSION,
     Cancel,
     ErrorCode,
@@ -35,6 +34,7 @@ from kvpool.wire.protocol import (
     Hello,
     HelloReply,
     Message,
+    ReplyMessage,
     Request,
     Stats,
     decode_request,
