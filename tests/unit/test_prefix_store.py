@@ -1,0 +1,479 @@
+"""The prefix store alone (kvpool.daemon.books.prefixes; no model, no daemon) and the digest chain that keys
+it (kvpool.wire.prefix): what it holds, each outcome of an offer, one entry per prefix, LRU within its
+limit, leases, reads cut to the blocks asked, scopes apart, and its directory (private files, adoption by
+identity and block size, removals by reason, failed writes). States are llama.cpp sequence states in
+layout, built as tests/support/fake_worker.py builds them: the K and V rows of position p are the chain
+digest of the tokens up to p, so a state's bytes are a function of its tokens and a cut one can be
+compared byte for byte with the state of the shorter prompt. The store's integrity check runs after every
+step."""
+
+from __future__ import annotations
+
+import collections
+import os
+import pathlib
+import stat
+
+import msgspec
+import numpy as np
+import pytest
+
+from kvpool.daemon.books import prefixes
+from kvpool.daemon.books.integrity import IntegrityError
+from kvpool.daemon.books.prefixes import FILE_SUFFIX, PrefixStore
+from kvpool.daemon.books.spill import CorruptBlob
+from kvpool.state.header import FORMAT_VERSION, StateHeader, StateIdentity, seal
+from kvpool.state.sequence import check_cells
+from kvpool.wire.prefix import DIGEST_BYTES, chain_digests
+from tests.support.disks import failing_writes, room_again
+from tests.support.fake_worker import KV_ROW_BYTES, FakeSequence, chain
+
+BLOCK = 4
+N_CTX = 64
+IDENTITY = StateIdentity("ab" * 32, 0, 4, 0, "cd" * 32, "llama-cpp-python 0.3.36", 1, 1, False, 2 * KV_ROW_BYTES)
+OTHER_SHARD = msgspec.structs.replace(IDENTITY, layer_stop=5)
+
+
+def prompt(seed: int, length: int) -> list[int]:
+    return [int(token) for token in np.random.default_rng(seed).integers(1, 30000, length)]
+
+
+def state_of(tokens: list[int]) -> bytes:
+    """llama.cpp's bytes of a one-sequence state holding `tokens` (tests/support/fake_worker.FakeSequence)."""
+    sequence = FakeSequence()
+    sequence.open(N_CTX)
+    digest = b""
+    for token in tokens:
+        digest = chain(digest, np.asarray([token], np.int32))
+        sequence.digests.append(digest)
+    return sequence.state(0)
+
+
+def digests_of(tokens: list[int], scope: str = "", block: int = BLOCK) -> list[bytes]:
+    return chain_digests(tokens, block, scope)
+
+
+def checked(store: PrefixStore) -> PrefixStore:
+    store.check_integrity()
+    return store
+
+
+def offer(store: PrefixStore, tokens: list[int], scope: str = "", blocks: int | None = None) -> str:
+    """`tokens`' state offered as its first `blocks` whole blocks (all of them by default)."""
+    digests = chain_digests(tokens, store.block, scope)[:blocks]
+    outcome = store.offer(scope, digests, state_of(tokens), len(tokens), N_CTX)
+    checked(store)
+    return outcome
+
+
+def entry_bytes(blocks: int) -> int:
+    """What an entry of `blocks` blocks costs (a sealed state's size depends on its length alone here)."""
+    store = PrefixStore(1 << 20, BLOCK, identity=IDENTITY)
+    assert offer(store, prompt(999, blocks * BLOCK)) == "stored"
+    return store.bytes
+
+
+def held_blocks(store: PrefixStore, tokens: list[int], scope: str = "") -> int:
+    return store.holds(scope, chain_digests(tokens, store.block, scope))
+
+
+def files(directory: pathlib.Path) -> list[str]:
+    return sorted(path.name for path in directory.iterdir())
+
+
+def entry_of(store: PrefixStore, tokens: list[int], scope: str = ""):
+    with store.leased(scope, chain_digests(tokens, store.block, scope)) as entry:
+        assert entry is not None
+        return entry
+
+
+# ---- the digest chain ----------------------------------------------------------------------------
+
+
+def test_a_chain_continued_from_its_parents_equals_the_chain_computed_whole():
+    tokens = prompt(1, 5 * BLOCK + 3)
+    whole = chain_digests(tokens, BLOCK, "tenant")
+    assert len(whole) == 5 and len(set(whole)) == 5 and {len(digest) for digest in whole} == {DIGEST_BYTES}  # the partial block names nothing
+    for start in range(6):
+        assert chain_digests(tokens, BLOCK, "tenant", start=start, parents=whole[:start]) == whole[start:]
+    assert chain_digests(tokens[: 3 * BLOCK], BLOCK, "tenant") == whole[:3]  # a prompt's blocks name its prefixes
+    with pytest.raises(ValueError):
+        chain_digests(tokens, BLOCK, "tenant", start=2, parents=whole[:1])
+    with pytest.raises(ValueError):
+        chain_digests(tokens, 0)
+
+
+def test_a_scope_or_a_block_size_changes_every_digest():
+    tokens = prompt(2, 8 * BLOCK)
+    base = chain_digests(tokens, BLOCK, "")
+    for other in (chain_digests(tokens, BLOCK, "a"), chain_digests(tokens, BLOCK, " "), chain_digests(tokens, 2 * BLOCK, ""), chain_digests(tokens, BLOCK // 2, "")):
+        assert not set(other) & set(base)
+    assert not set(chain_digests(tokens, BLOCK, "ab")) & set(chain_digests(tokens, BLOCK, "a"))
+
+
+def test_one_changed_token_changes_its_blocks_digest_and_every_later_one():
+    tokens = prompt(3, 6 * BLOCK)
+    changed = list(tokens)
+    changed[2 * BLOCK + 1] += 1  # in block 2
+    before, after = chain_digests(tokens, BLOCK), chain_digests(changed, BLOCK)
+    assert before[:2] == after[:2]
+    assert all(old != new for old, new in zip(before[2:], after[2:])) and not set(before[2:]) & set(after)
+
+
+# ---- holding and offering ------------------------------------------------------------------------
+
+
+def test_holds_counts_the_leading_blocks_some_entry_holds():
+    store = checked(PrefixStore(1 << 20, BLOCK, identity=IDENTITY))
+    tokens = prompt(4, 3 * BLOCK + 2)
+    assert held_blocks(store, tokens) == 0
+    assert offer(store, tokens) == "stored"
+    assert (len(store), store.blocks, store.bytes) == (1, 3, entry_bytes(3))
+    assert held_blocks(store, tokens) == 3
+    assert held_blocks(store, tokens + prompt(5, 2 * BLOCK)) == 3  # a longer prompt: its first three blocks
+    assert held_blocks(store, tokens[: 2 * BLOCK]) == 2
+    diverging = tokens[:BLOCK] + [tokens[BLOCK] + 1] + tokens[BLOCK + 1 :]
+    assert held_blocks(store, diverging) == 1
+    assert held_blocks(store, prompt(6, 3 * BLOCK)) == 0
+    assert store.holds("", []) == 0
+
+
+def test_offers_that_store_nothing_say_why():
+    tokens = prompt(7, 2 * BLOCK + 1)
+    digests = digests_of(tokens)
+    off = checked(PrefixStore(0, BLOCK, identity=IDENTITY))
+    assert not off.enabled and offer(off, tokens) == "off" and len(off) == 0
+
+    store = checked(PrefixStore(1 << 20, BLOCK, identity=IDENTITY))
+    assert store.offer("", [], state_of(tokens), len(tokens), N_CTX) == "empty"
+    assert store.offer("", digests, b"\x00" * 64, len(tokens), N_CTX) == "unreadable"
+    assert store.offer("", digests, state_of(tokens[:5]), 2 * BLOCK, N_CTX) == "unreadable"  # fewer positions than two blocks
+    assert (len(store), store.bytes, store.evictions) == (0, 0, 0)
+    checked(store)
+
+    small = checked(PrefixStore(entry_bytes(2) - 1, BLOCK, identity=IDENTITY))
+    assert offer(small, tokens) == "too large"
+    assert offer(small, tokens, blocks=1) == "stored"  # one block fits
+    assert (len(small), small.blocks, small.bytes) == (1, 1, entry_bytes(1))
+
+
+def test_a_longer_offer_covers_a_shorter_entry_and_a_shorter_one_is_held():
+    store = checked(PrefixStore(1 << 20, BLOCK, identity=IDENTITY))
+    tokens = prompt(8, 4 * BLOCK)
+    assert offer(store, tokens, blocks=2) == "stored"
+    assert offer(store, tokens, blocks=2) == "held"
+    assert offer(store, tokens) == "stored"
+    assert (len(store), store.blocks, store.bytes) == (1, 4, entry_bytes(4))  # the two-block entry gave way
+    assert offer(store, tokens, blocks=3) == "held" and offer(store, tokens) == "held"
+    assert (len(store), store.blocks) == (1, 4) and held_blocks(store, tokens) == 4
+    entry = entry_of(store, tokens[: 2 * BLOCK])
+    assert entry.blocks == 4 and store.read(entry, 2) == state_of(tokens[: 2 * BLOCK])
+
+
+def test_branches_of_one_chain_keep_the_blocks_they_share_when_one_leaves():
+    shared = prompt(9, 2 * BLOCK)
+    first, second, third = (shared + prompt(seed, BLOCK) for seed in (10, 11, 12))
+    store = checked(PrefixStore(2 * entry_bytes(3), BLOCK, identity=IDENTITY))
+    assert offer(store, first) == "stored" and offer(store, second) == "stored"
+    assert len(store) == 2 and held_blocks(store, shared + prompt(13, BLOCK)) == 2
+    assert offer(store, first) == "held"  # touched: `second` is the least recently used
+    assert offer(store, prompt(14, 3 * BLOCK)) == "stored"
+    assert store.evictions == 1 and held_blocks(store, second) == 2  # `second`'s own block went, the shared ones are first's
+    assert held_blocks(store, first) == 3 and held_blocks(store, shared + prompt(15, BLOCK)) == 2
+    with store.leased("", digests_of(shared)) as entry:
+        assert entry is not None and store.read(entry, 2) == state_of(shared)
+    checked(store)
+
+
+def test_entries_are_evicted_least_recently_used_within_the_limit():
+    size = entry_bytes(2)
+    store = checked(PrefixStore(3 * size, BLOCK, identity=IDENTITY))
+    a, b, c, d, e = (prompt(20 + index, 2 * BLOCK) for index in range(5))
+    for tokens in (a, b, c):
+        assert offer(store, tokens) == "stored"
+    assert offer(store, a) == "held"  # a touched by an offer
+    with store.leased("", digests_of(b)) as entry:  # b touched by a read
+        assert entry is not None
+    assert offer(store, d) == "stored"
+    assert [held_blocks(store, tokens) for tokens in (a, b, c, d)] == [2, 2, 0, 2] and store.evictions == 1
+    assert offer(store, e) == "stored"
+    assert [held_blocks(store, tokens) for tokens in (a, b, d, e)] == [0, 2, 2, 2] and store.evictions == 2
+    assert (len(store), store.bytes) == (3, 3 * size)
+
+
+def test_no_room_when_every_entry_it_would_push_out_is_being_read():
+    size = entry_bytes(2)
+    store = checked(PrefixStore(2 * size, BLOCK, identity=IDENTITY))
+    a, b, c = (prompt(30 + index, 2 * BLOCK) for index in range(3))
+    assert offer(store, a) == "stored" and offer(store, b) == "stored"
+    with store.leased("", digests_of(a)) as leased_a, store.leased("", digests_of(b)) as leased_b:
+        assert leased_a is not None and leased_b is not None
+        assert offer(store, c) == "no room"
+        assert (len(store), store.bytes, store.evictions, held_blocks(store, c)) == (2, 2 * size, 0, 0)  # nothing pushed out
+    with store.leased("", digests_of(b)) as leased_b:
+        assert offer(store, a) == "held"  # b is the least recently used, but it is read: a goes
+        assert offer(store, c) == "stored"
+        assert [held_blocks(store, tokens) for tokens in (a, b, c)] == [0, 2, 2] and store.evictions == 1
+    checked(store)
+
+
+def test_an_entry_covered_while_it_is_read_goes_once_released():
+    store = checked(PrefixStore(1 << 20, BLOCK, identity=IDENTITY))
+    tokens = prompt(40, 3 * BLOCK)
+    assert offer(store, tokens, blocks=2) == "stored"
+    with store.leased("", digests_of(tokens)[:2]) as shorter:
+        assert shorter is not None
+        assert offer(store, tokens) == "stored"
+        assert shorter.gone and len(store) == 2 and store.bytes == entry_bytes(2) + entry_bytes(3)  # still charged: read
+        assert store.read(shorter, 2) == state_of(tokens[: 2 * BLOCK])  # its reader still gets its bytes
+        assert held_blocks(store, tokens) == 3
+        with store.leased("", digests_of(tokens)[:2]) as now:
+            assert now is not None and now is not shorter and now.blocks == 3
+        checked(store)
+    assert (len(store), store.blocks, store.bytes) == (1, 3, entry_bytes(3)) and shorter.sealed is None
+    checked(store)
+
+
+def test_a_covering_offer_counts_the_entry_it_covers_as_room():
+    one, two, three = entry_bytes(1), entry_bytes(2), entry_bytes(3)
+    store = checked(PrefixStore(one + three, BLOCK, identity=IDENTITY))
+    other, tokens = prompt(41, BLOCK), prompt(42, 3 * BLOCK)
+    assert offer(store, other) == "stored" and offer(store, tokens, blocks=2) == "stored"
+    assert store.bytes == one + two
+    assert offer(store, tokens) == "stored"  # the two-block entry gives way: `other` need not go
+    assert store.evictions == 0 and held_blocks(store, other) == 1 and held_blocks(store, tokens) == 3
+    assert (len(store), store.bytes) == (2, one + three)
+
+
+def test_a_read_is_cut_to_the_blocks_asked():
+    store = checked(PrefixStore(1 << 20, BLOCK, identity=IDENTITY))
+    tokens = prompt(43, 4 * BLOCK + 3)
+    assert offer(store, tokens) == "stored"  # a state of 19 positions cut to 16
+    with store.leased("", digests_of(tokens)) as entry:
+        assert entry is not None
+        for blocks in range(1, 5):
+            payload = store.read(entry, blocks)
+            assert check_cells(payload, 0) == blocks * BLOCK
+            assert payload == state_of(tokens[: blocks * BLOCK])
+    checked(store)
+
+
+def test_a_damaged_stored_state_raises_corrupt_blob_and_its_entry_is_gone(tmp_path):
+    directory = tmp_path / "prefixes"
+    store = checked(PrefixStore(1 << 20, BLOCK, identity=IDENTITY, directory=directory))
+    damaged, foreign = prompt(44, 2 * BLOCK), prompt(45, 2 * BLOCK)
+    assert offer(store, damaged) == "stored" and offer(store, foreign) == "stored"
+    assert len(files(directory)) == 2
+    with store.leased("", digests_of(damaged)) as entry:
+        flipped = bytearray(entry.sealed)
+        flipped[len(flipped) // 2] ^= 0x40
+        entry.sealed = bytes(flipped)
+        with pytest.raises(CorruptBlob) as raised:
+            store.read(entry, 2)
+        assert not raised.value.mismatch and held_blocks(store, damaged) == 0
+        checked(store)
+    assert len(store) == 1 and store.bytes == entry_bytes(2) and len(files(directory)) == 1
+    with store.leased("", digests_of(foreign)) as entry:  # sealed by another shard's daemon
+        header = StateHeader(FORMAT_VERSION, OTHER_SHARD, "prefix:x", 0, 2 * BLOCK, N_CTX, 0.0, 0.0, len(state_of(foreign)))
+        entry.sealed = seal(header, state_of(foreign))
+        with pytest.raises(CorruptBlob) as raised:
+            store.read(entry, 1)
+        assert raised.value.mismatch
+    assert (len(store), store.bytes, files(directory)) == (0, 0, [])
+    with store.leased("", digests_of(foreign)) as entry:
+        assert entry is None
+    checked(store)
+
+
+def test_scopes_never_share_an_entry():
+    store = checked(PrefixStore(1 << 20, BLOCK, identity=IDENTITY))
+    tokens = prompt(46, 2 * BLOCK)
+    assert offer(store, tokens, scope="a") == "stored"
+    assert held_blocks(store, tokens, scope="a") == 2
+    assert held_blocks(store, tokens, scope="b") == 0
+    assert store.holds("b", digests_of(tokens, "a")) == 0  # scope a's digests asked in scope b
+    with store.leased("b", digests_of(tokens, "a")) as entry:
+        assert entry is None
+    assert offer(store, tokens, scope="b") == "stored"
+    assert len(store) == 2 and held_blocks(store, tokens, scope="") == 0
+
+
+def test_the_integrity_check_sees_books_that_do_not_balance():
+    store = checked(PrefixStore(1 << 20, BLOCK, identity=IDENTITY))
+    assert offer(store, prompt(47, BLOCK)) == "stored"
+    store.bytes += 1
+    with pytest.raises(IntegrityError):
+        store.check_integrity()
+    store.bytes -= 1
+    store._index.clear()
+    with pytest.raises(IntegrityError):
+        store.check_integrity()
+
+
+# ---- its directory -------------------------------------------------------------------------------
+
+
+def test_every_entry_is_a_private_file_and_an_evicted_or_covered_entrys_file_goes(tmp_path):
+    directory = tmp_path / "prefixes"
+    size = entry_bytes(2)
+    store = checked(PrefixStore(2 * size, BLOCK, identity=IDENTITY, directory=directory))
+    assert stat.S_IMODE(directory.stat().st_mode) == 0o700
+    a, b, c = (prompt(50 + index, 2 * BLOCK) for index in range(3))
+    assert offer(store, a) == "stored" and offer(store, b) == "stored"
+    names = files(directory)
+    assert len(names) == 2 and all(prefixes.OWN_FILE.fullmatch(name) and name.endswith(FILE_SUFFIX) for name in names)
+    assert {stat.S_IMODE((directory / name).stat().st_mode) for name in names} == {0o600}
+    path_a = entry_of(store, a).path
+    assert offer(store, b) == "held" and offer(store, c) == "stored"  # a is evicted
+    assert not path_a.exists() and len(files(directory)) == 2
+    covered = entry_of(store, c).path
+    assert offer(store, c + prompt(53, 1), blocks=2) == "held"
+    store.close()
+    store = checked(PrefixStore(3 * size, BLOCK, identity=IDENTITY, directory=directory))
+    assert store.adopt() == collections.Counter(adopted=2)
+    assert offer(store, c + prompt(54, BLOCK)) == "stored"  # covers c
+    assert not covered.exists() and len(files(directory)) == 2 and len(store) == 2
+
+
+def test_close_keeps_the_files_and_a_store_of_the_same_identity_adopts_them(tmp_path):
+    directory = tmp_path / "prefixes"
+    store = checked(PrefixStore(1 << 20, BLOCK, identity=IDENTITY, directory=directory))
+    a, b = prompt(60, 2 * BLOCK), prompt(61, 3 * BLOCK + 1)
+    assert offer(store, a) == "stored" and offer(store, b, scope="t") == "stored"
+    written = files(directory)
+    store.close()
+    checked(store)
+    assert (len(store), store.bytes, files(directory)) == (0, 0, written)
+
+    again = checked(PrefixStore(1 << 20, BLOCK, identity=IDENTITY, directory=directory))
+    assert again.adopt() == collections.Counter(adopted=2)
+    checked(again)
+    assert (held_blocks(again, a), held_blocks(again, b, scope="t"), held_blocks(again, b)) == (2, 3, 0)
+    assert (len(again), again.blocks, again.bytes) == (2, 5, entry_bytes(2) + entry_bytes(3))
+    assert again.read(entry_of(again, b, scope="t"), 3) == state_of(b[: 3 * BLOCK])
+    numbers = {entry.number for entry in again._entries.values()}
+    c = prompt(62, BLOCK)
+    assert offer(again, c) == "stored"
+    assert entry_of(again, c).number > max(numbers) and len(files(directory)) == 3  # no adopted file overwritten
+    assert set(written) < set(files(directory))
+
+
+def test_files_of_another_identity_or_block_size_and_damaged_ones_are_removed_by_reason(tmp_path):
+    directory = tmp_path / "prefixes"
+    ours, foreign, other_block = prompt(70, 2 * BLOCK), prompt(71, 2 * BLOCK), prompt(72, 2 * BLOCK)
+    for identity, block, tokens in ((IDENTITY, BLOCK, ours), (OTHER_SHARD, BLOCK, foreign), (IDENTITY, 2 * BLOCK, other_block)):
+        writer = checked(PrefixStore(1 << 20, block, identity=identity, directory=directory))
+        assert offer(writer, tokens) == "stored"
+        writer.close()
+    own = "prefix-00000001" + FILE_SUFFIX  # the first writer's: ours
+    data = (directory / own).read_bytes()
+    meta_end = len(prefixes.FILE_MAGIC) + 4 + int.from_bytes(data[len(prefixes.FILE_MAGIC) : len(prefixes.FILE_MAGIC) + 4], "little")
+    damaged = {
+        "prefix-00000010": data[:-8],  # the sealed state truncated
+        "prefix-00000011": data[: meta_end - 2],  # the meta truncated
+        "prefix-00000012": data[:meta_end] + bytes([data[meta_end] ^ 1]) + data[meta_end + 1 :],  # a bad meta CRC
+        "prefix-00000013": data[: meta_end - 1] + bytes([data[meta_end - 1] ^ 1]) + data[meta_end:],  # a meta that fails its CRC
+        "prefix-00000014": data[:-20] + bytes([data[-20] ^ 1]) + data[-19:],  # the sealed state fails its CRC
+        "prefix-00000015": b"KVPSTAT1" + data[8:],  # not a prefix file
+        "prefix-00000016": data,  # the same entry twice
+    }
+    for name, content in damaged.items():
+        (directory / (name + FILE_SUFFIX)).write_bytes(content)
+    (directory / "notes.txt").write_bytes(b"not the store's")
+    store = checked(PrefixStore(1 << 20, BLOCK, identity=IDENTITY, directory=directory))
+    counts = store.adopt()
+    checked(store)
+    assert counts == collections.Counter({
+        "adopted": 1, "another shard, build or KV layout": 1, "another --prefix-block": 1, "corrupt": 4, "truncated": 1,
+        "not a prefix file": 1, "held twice": 1,
+    })
+    assert sum(counts.values()) == 10
+    assert len(store) == 1 and held_blocks(store, ours) == 2 and store.read(entry_of(store, ours), 2) == state_of(ours)
+    assert files(directory) == sorted([own, "notes.txt"])  # of two equal files the first by name is adopted; a file not named as the store's stays
+
+
+def test_adoption_keeps_the_newest_entries_the_limit_holds_and_they_stay_older_than_new_offers(tmp_path):
+    directory = tmp_path / "prefixes"
+    size = entry_bytes(2)
+    a, b, c, d = (prompt(80 + index, 2 * BLOCK) for index in range(4))
+    writer = checked(PrefixStore(1 << 20, BLOCK, identity=IDENTITY, directory=directory))
+    for tokens in (a, b, c):
+        assert offer(writer, tokens) == "stored"
+    writer.close()
+    store = checked(PrefixStore(2 * size, BLOCK, identity=IDENTITY, directory=directory))
+    assert store.adopt() == collections.Counter({"adopted": 2, "no room": 1})
+    checked(store)
+    assert [held_blocks(store, tokens) for tokens in (a, b, c)] == [0, 2, 2] and len(files(directory)) == 2
+    assert store.bytes == 2 * size <= store.limit
+    assert offer(store, d) == "stored"  # b, the older adopted entry, goes first
+    assert [held_blocks(store, tokens) for tokens in (b, c, d)] == [0, 2, 2] and len(files(directory)) == 2
+
+
+def test_adoption_keeps_one_entry_per_prefix(tmp_path):
+    directory = tmp_path / "prefixes"
+    tokens = prompt(90, 3 * BLOCK)
+    for blocks in (3, 2):  # the longer one older: the shorter one, adopted first, gives way to it
+        writer = checked(PrefixStore(1 << 20, BLOCK, identity=IDENTITY, directory=directory))
+        assert offer(writer, tokens, blocks=blocks) == "stored"
+        writer.close()
+    store = checked(PrefixStore(1 << 20, BLOCK, identity=IDENTITY, directory=directory))
+    assert store.adopt() == collections.Counter({"adopted": 1, "held twice": 1})
+    checked(store)
+    assert (len(store), store.blocks, held_blocks(store, tokens), len(files(directory))) == (1, 3, 3, 1)
+
+
+def test_a_write_an_earlier_run_left_unfinished_is_removed_and_takes_no_number(tmp_path):
+    directory = tmp_path / "prefixes"
+    directory.mkdir(mode=0o700)
+    (directory / ("prefix-00000001" + FILE_SUFFIX + ".partial")).write_bytes(b"half a file")
+    store = checked(PrefixStore(1 << 20, BLOCK, identity=IDENTITY, directory=directory))
+    assert store.adopt() == collections.Counter({"unfinished write": 1})
+    assert offer(store, prompt(91, BLOCK)) == "stored"
+    assert store.disk_failures == 0 and files(directory) == ["prefix-00000001" + FILE_SUFFIX]
+
+
+def test_a_failed_write_is_counted_and_changes_nothing(tmp_path, monkeypatch):
+    directory = tmp_path / "prefixes"
+    size = entry_bytes(2)
+    store = checked(PrefixStore(2 * size, BLOCK, identity=IDENTITY, directory=directory))
+    a, b, c = (prompt(100 + index, 2 * BLOCK) for index in range(3))
+    assert offer(store, a) == "stored" and offer(store, b) == "stored"
+
+    def refuse(path: pathlib.Path, data: bytes) -> None:
+        raise OSError(28, "No space left on device", str(path))
+
+    monkeypatch.setattr(prefixes, "_write_file", refuse)
+    assert offer(store, c) not in ("stored", "held")
+    assert store.disk_failures == 1 and store.evictions == 0  # nothing was pushed out for it
+    assert [held_blocks(store, tokens) for tokens in (a, b, c)] == [2, 2, 0] and len(files(directory)) == 2
+    monkeypatch.undo()
+    assert offer(store, c) == "stored"
+    assert [held_blocks(store, tokens) for tokens in (a, b, c)] == [0, 2, 2] and len(files(directory)) == 2
+    assert store.disk_failures == 1 and store.evictions == 1
+
+
+def test_a_write_to_a_full_file_system_stores_nothing_and_leaves_no_file(tmp_path):
+    directory = tmp_path / "prefixes"
+    with failing_writes(directory) as break_writes:
+        store = checked(PrefixStore(1 << 20, BLOCK, identity=IDENTITY, directory=directory))
+        kept, refused = prompt(110, 2 * BLOCK), prompt(111, 2 * BLOCK)
+        assert offer(store, kept) == "stored"
+        break_writes()
+        before = files(directory)
+        assert offer(store, refused) not in ("stored", "held")
+        assert store.disk_failures == 1 and (len(store), held_blocks(store, refused), held_blocks(store, kept)) == (1, 0, 2)
+        assert files(directory) == before  # no .partial left
+        room_again(directory)
+        assert offer(store, refused) == "stored" and len(store) == 2 and store.disk_failures == 1
+        store.close()
+        assert len([name for name in files(directory) if name.endswith(FILE_SUFFIX)]) == 2
+
+
+def test_a_store_without_a_limit_creates_no_directory_and_adopts_nothing(tmp_path):
+    directory = tmp_path / "prefixes"
+    store = checked(PrefixStore(0, BLOCK, identity=IDENTITY, directory=directory))
+    assert not directory.exists() and store.adopt() == collections.Counter()
+    os.mkdir(directory, 0o700)
+    (directory / ("prefix-00000001" + FILE_SUFFIX)).write_bytes(b"kept for a store that has a limit")
+    assert PrefixStore(0, BLOCK, identity=IDENTITY, directory=directory).adopt() == collections.Counter()
+    assert files(directory) == ["prefix-00000001" + FILE_SUFFIX]
