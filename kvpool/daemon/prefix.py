@@ -2,8 +2,8 @@
 store holds, an admission of a new session from a stored prefix (parked, restored by its next append exactly
 as a parked session is), and what keeps the store filled without computing anything twice: the block digests
 an append carries are kept with its session, and a session's state is offered to the store once a prefill
-completes a block the store does not hold (saved in the background, the session's lock held), when it is
-parked (kvpool.daemon.admission.parking) and before it is released."""
+completes a block the store does not hold (saved by its worker before the append's reply), when it is parked
+(kvpool.daemon.admission.parking) and before it is released."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from kvpool.daemon.books.spill import CorruptBlob
 from kvpool.daemon.config import ServeConfig
 from kvpool.daemon.gate import Gate
 from kvpool.daemon.metrics import Metrics
-from kvpool.daemon.pool.handle import WorkerFailed, WorkerLost
+from kvpool.daemon.pool.handle import WorkerFailed, WorkerHandle, WorkerLost
 from kvpool.daemon.pool.lifecycle import WorkerLifecycle
 from kvpool.daemon.pool.pool import WorkerPool
 from kvpool.daemon.warm import WarmRequests
@@ -88,38 +88,40 @@ class PrefixRequests:
 
     # ---- keeping the store filled ------------------------------------------------------------------
 
-    def record(self, session: Session, request: Append, n_rows: int) -> None:
-        """An append succeeded: the digests it carries of the blocks it completed join the session's, when
-        they continue them (one per block whose end it reached); otherwise they are ignored."""
-        if not request.block_digests or not self.store.enabled:
-            return
+    def _continuing(self, session: Session, request: Append, n_rows: int) -> bool:
+        """The append's digests continue the session's: one per block whose end it reaches, from the first
+        block the session does not name yet."""
         block = self.store.block
         start = request.start_pos
-        if len(session.digests) != start // block or len(request.block_digests) != (start + n_rows) // block - start // block:
-            return
-        session.digests.extend(request.block_digests)
-        if n_rows > 1 and self.books.prefix_wanted(session):
-            self.lifecycle.spawn(self.capture(session))
+        return (
+            bool(request.block_digests) and self.store.enabled and len(session.digests) == start // block
+            and len(request.block_digests) == (start + n_rows) // block - start // block
+        )
 
-    async def capture(self, session: Session) -> None:
-        """Offer a hot session's state as the blocks it names (a prefill completed them): saved by its worker
-        under the session's lock, so the next append waits for the save and nothing else changes."""
-        session.in_flight += 1
+    def capture_wanted(self, session: Session, request: Append, n_rows: int) -> bool:
+        """A prefill (more than one row) completes blocks the store lacks: its state is offered as it ends."""
+        if n_rows < 2 or not self._continuing(session, request, n_rows):
+            return False
+        chain = session.digests + request.block_digests
+        return self.store.holds(session.prefix_scope, chain) < len(chain)
+
+    def record(self, session: Session, request: Append, n_rows: int) -> None:
+        """An append succeeded: the digests it carries of the blocks it completed join the session's when
+        they continue them; otherwise they are ignored."""
+        if self._continuing(session, request, n_rows):
+            session.digests.extend(request.block_digests)
+
+    async def capture(self, session: Session, worker: WorkerHandle) -> None:
+        """Offer the state a prefill just left (the caller's worker call, the session's lock held): saved by
+        its worker before the append's reply, and before its direct channel is bound (every supervisor
+        command to a worker revokes the channel, so the binding follows the save). A save that fails offers
+        nothing; the append stands."""
+        length = session.length
         try:
-            async with session.lock:
-                if not session.hot or self.books.table.get(session.session_id) is not session or not self.books.prefix_wanted(session):
-                    return
-                length = session.length
-                try:
-                    payload = await self.pool.get(session.worker_name).save_state()
-                except WorkerLost:
-                    self.lifecycle.lost(session)
-                    return
-                except WorkerFailed:
-                    return
-                self.offered(self.books.offer_prefix(session, payload, length))
-        finally:
-            session.in_flight -= 1
+            payload = await worker.save_state()
+        except WorkerFailed:
+            return
+        self.offered(self.books.offer_prefix(session, payload, length))
 
     async def before_release(self, session: Session) -> None:
         """The session (its lock held) is about to be released: its blocks the store lacks are offered first,

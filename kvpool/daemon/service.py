@@ -178,22 +178,30 @@ class KvService:
         check_position(request.start_pos, session.length, n_rows, session.n_ctx)
         worker = self.pool.get(session.worker_name)
         binding = self.channels.binding(session) if request.direct else None
+        capture = self.prefixes.capture_wanted(session, request, n_rows)
         worker.set_abort(False)
         session.appending = True
         try:
             async with self.lifecycle.worker_call(session, refused=functools.partial(self._append_refused, session)), self.pool.append_slot():
                 self.channels.handed_to_run(session)
                 output = await worker.append(
-                    request.start_pos, rows, str(request.output_rows), request.sample, bind=binding,
+                    request.start_pos, rows, str(request.output_rows), request.sample, bind=None if capture else binding,
                     # checked after the wait for a compute slot or a batch; a refusal then leaves no binding behind:
                     # the fence that made it stale revoked the channel, a session that ended freed its context
                     still_wanted=lambda: self.gate.check_live(session),
                 )
+                session.length = output.length
+                self.prefixes.record(session, request, n_rows)
+                if capture:
+                    await self.prefixes.capture(session, worker)
+                    if binding is not None:
+                        try:
+                            await worker.bind_channel(binding)
+                        except WorkerFailed:
+                            binding = None  # the reply names no channel: the client asks the daemon
         finally:
             session.appending = False
             worker.set_abort(False)  # a cancel that arrived as the append finished must not outlive it
-        session.length = output.length
-        self.prefixes.record(session, request, n_rows)
         self.metrics.count("appends")
         self.metrics.count("append_rows", n_rows)
         channel = self.channels.bound(session) if binding is not None else ""

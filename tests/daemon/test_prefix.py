@@ -105,6 +105,30 @@ def test_four_sessions_of_one_system_prompt_store_it_once_and_each_continues_exa
         release_all(route)
 
 
+def test_a_prefill_that_stores_a_prefix_keeps_its_direct_channel_for_the_decode_steps(route, tokenizer):
+    """The prefill's state is saved before its reply binds the session's direct channel (every supervisor
+    command to a worker revokes it): the decode steps after it skip the supervisor, as without a store."""
+    text = tokenizer.encode("A different system prompt, one this module stored nowhere before: be brief and kind. " * 3)
+    clients = [daemon.client() for daemon in route]
+    try:
+        before = [client.stats().counters for client in clients]
+        session = Router(clients).session("direct")
+        session.append(text + [13, 14])
+        stored_everywhere(clients, text[: (len(text) // BLOCK) * BLOCK])
+        for token in (15, 16, 17):
+            session.append([token])
+        for client, earlier in zip(clients, before):
+            stats = client.stats()
+            direct = stats.counters["direct_appends"] - earlier.get("direct_appends", 0)
+            through = stats.counters["appends"] - earlier["appends"]
+            assert (direct, through) == ((3, 1) if stats.mode == "process" else (0, 4)), stats.mode
+            assert stats.counters["prefix_stored"] - earlier.get("prefix_stored", 0) == 1
+    finally:
+        for client in clients:
+            client.close()
+        release_all(route)
+
+
 def test_stored_prefixes_outlive_a_restart_with_a_spill_dir(shards, socket_dir, tmp_path, whole_model, tokenizer):
     system, question, other = prompts(tokenizer)
     spill = [tmp_path / f"spill{index}" for index in range(len(shards))]

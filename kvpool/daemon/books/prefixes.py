@@ -106,7 +106,7 @@ class PrefixStore:
         """The leading blocks of `digests` some entry of `scope` holds (0: none). A chain is prefix-closed:
         block i's digest covers every block before it, so the longest digest found decides."""
         for blocks in range(len(digests), 0, -1):
-            if (scope, digests[blocks - 1]) in self._index:
+            if self._holder(scope, digests[:blocks]) is not None:  # the leading chain itself, as an admission asks
                 return blocks
         return 0
 

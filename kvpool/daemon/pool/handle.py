@@ -20,6 +20,7 @@ from kvpool.wire.sampling import Sampling
 from workers.server.commands import (
     AnyCommand,
     Appended,
+    BindChannel,
     Binding,
     CancelDirect,
     ChannelState,
@@ -118,6 +119,10 @@ class WorkerHandle(WorkerProcess):
     async def restore_state(self, n_ctx: int, blob: bytes, length: int) -> int:
         """A fresh context loaded with `blob`, cut to `length`; WorkerFailed code restore_failed if refused."""
         return (await self._expect(RestoreState(n_ctx=n_ctx, blob=blob, length=length), Restored)).length
+
+    async def bind_channel(self, bind: Binding) -> int:
+        """Serve `bind`'s session from the direct channel again (after a command that revoked it); returns the length."""
+        return (await self._expect(BindChannel(session_id=bind.session_id, epoch=bind.epoch), ChannelState)).length
 
     async def revoke_channel(self) -> int:
         """No more direct appends (one in flight completes first); returns the context's length."""
