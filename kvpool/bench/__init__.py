@@ -36,6 +36,17 @@ and noisy: compare the ratios, not the absolute times; every figure is a median)
                                    history appended on the new route from 0 + that append, at 128, 512, 2048
                                    tokens (quick: 128, 512), with the bytes moved and whether the next
                                    logits are bit-identical (`--only move` runs this section alone)
+ 12 shared prefixes                through 3 shard daemons of their own (--n-ctx 2048, --prefix-block 32): a new
+                                   session's time to first token, its prompt a 1,024-token system prompt an
+                                   earlier session stored + a 32-token message of its own, Router(clients) /
+                                   Router(clients, prefix_cache=False) (1,056 rows prefilled) / llama.cpp in
+                                   one process, the whole model, 1 thread, one context kept across requests as
+                                   its server keeps a slot's (llama_state_seq_set_data of the system prompt's
+                                   saved state, then the 32 rows; also with a context created per request),
+                                   where the time goes (lookup, admission, restore, the rows, per daemon), and
+                                   the memory of 4 sessions sharing the prefix, --mode process / batched (budget
+                                   reserved, workers' USS, the prefix store's bytes); 7 rounds (quick 3,
+                                   --prefix-rounds); `--only prefix` runs this section alone
 
 Threads: every single-session figure uses 1 llama thread per computing context (kvpool's default
 --threads-per-worker). Four sessions: llama.cpp batched uses 2 threads; the whole-model daemon runs
@@ -53,5 +64,5 @@ The JSON's "ratios" names the headline ratios, each with its target (null: none)
 # admission (sections 5, 6), table (rows and cell formats), targets (sections 1-6's targets),
 # one_session_report, parallel_report, admission_report (those sections' summaries and rows), warm
 # (section 7: measurement, summary, chart panels), overload (section 8), startup (section 9), durable (section 10),
-# move (section 11), report (`summarize`: every section in order), chart (the PNG), cli (run_bench, run_only, the
-# command line).
+# move (section 11), prefix and prefix_report (section 12), report (`summarize`: every section in order), chart
+# (the PNG), cli (run_bench, run_only, the command line).

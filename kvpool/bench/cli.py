@@ -27,6 +27,7 @@ from kvpool.bench.options import BenchOptions, bench_say
 from kvpool.bench.overload import measure_overload
 from kvpool.bench.startup import measure_startup
 from kvpool.bench.parallel import measure_parallel
+from kvpool.bench.prefix import measure_prefix
 from kvpool.bench.report import summarize
 from kvpool.bench.rig import PROMPTS, Rig, long_history
 from kvpool.bench.table import render_table
@@ -119,6 +120,7 @@ def run_bench(options: BenchOptions) -> tuple[dict, str]:
         results["startup"] = measure_startup(rig)
         results["durable"] = _run_own_section("durable", rig.shards, rig.tokenizer, rig.socket_dir, options)
         results["move"] = _run_own_section("move", rig.shards, rig.tokenizer, rig.socket_dir, options)
+        results["prefix"] = _run_own_section("prefix", rig.shards, rig.tokenizer, rig.socket_dir, options)
     finally:
         rig.close()
     results = _jsonable(results)
@@ -169,10 +171,15 @@ def _move(shards: list[ShardInfo], tokenizer: Tokenizer, socket_dir: pathlib.Pat
     return measure_move(shards, new_shards, long_history(tokenizer, prompt, max(options.move_lengths) + 1), socket_dir, options, bench_say)
 
 
+def _prefix(shards: list[ShardInfo], tokenizer: Tokenizer, socket_dir: pathlib.Path, options: BenchOptions) -> dict:
+    return measure_prefix(shards, tokenizer, socket_dir, options, bench_say)
+
+
 OWN_DAEMON_SECTIONS = {  # --only name: (section, what it measures, how)
     "overload": ("8", "overload, 8 sessions on 2 places per daemon", _overload),
     "durable": ("10", "durable sessions: drain and adoption of parked sessions, the first append after a restart vs a re-prefill", _durable),
     "move": ("11", "a re-plan of the 3-shard route onto other split points: Router.replan vs a replay", _move),
+    "prefix": ("12", "shared prefixes: a new session's time to first token from a stored system prompt vs without, vs llama.cpp's reuse; memory", _prefix),
 }
 
 
@@ -228,6 +235,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--durable-sessions", type=int, help="section 10: parked sessions drained and adopted (default 8, quick 4)")
     parser.add_argument("--durable-rounds", type=int, help="section 10: rounds of its three daemon lifetimes (default 2, quick 1)")
     parser.add_argument("--move-rounds", type=int, help="section 11: interleaved rounds of move against replay per length (default 2, quick 1)")
+    parser.add_argument("--prefix-rounds", type=int, help="section 12: interleaved rounds of its time-to-first-token variants (default 7, quick 3)")
     alone = parser.add_mutually_exclusive_group()
     alone.add_argument("--only", type=_only, metavar="NAME[,NAME]", help=f"run only these sections, each on daemons of its own: {', '.join(f'{name} ({section})' for name, (section, _what, _how) in OWN_DAEMON_SECTIONS.items())}; writes <out>/bench-<names>.json")
     alone.add_argument("--overload-only", action="store_true", help="run only section 8 (overload) on its own daemons (as --only overload)")
@@ -245,7 +253,7 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
                              ("parallel_steps", args.parallel_steps), ("repeats", args.repeats),
                              ("warm_repeats", args.warm_repeats), ("overload_rounds", args.overload_rounds), ("overload_steps", args.overload_steps),
                              ("durable_sessions", args.durable_sessions), ("durable_rounds", args.durable_rounds),
-                             ("move_rounds", args.move_rounds))
+                             ("move_rounds", args.move_rounds), ("prefix_rounds", args.prefix_rounds))
         if value is not None
     }
     json_path = args.json.resolve() if args.json is not None else None

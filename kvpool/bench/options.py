@@ -17,6 +17,7 @@ ROUTE_N_CTX = 1024  # context of the decode and prefill sessions
 WARM_N_CTX = 2048 + 64  # section 7's daemons: a 2048-token session and its decodes fit
 DURABLE_N_CTX = 2048 + 64  # section 10's daemon: a 2048-token session and its next token fit
 MOVE_N_CTX = 2048 + 64  # section 11's daemons: the same
+PREFIX_N_CTX = 2048  # section 12's daemons and llama.cpp reference: a 1,056-token prompt in a chat-sized context
 EPOCH = 1
 
 
@@ -56,12 +57,13 @@ class BenchOptions:
     durable_rounds: int = 2  # section 10: rounds of its three daemon lifetimes
     move_lengths: tuple[int, ...] = (128, 512, 2048)  # section 11: histories moved by a re-plan and replayed
     move_rounds: int = 2  # section 11: interleaved rounds per length (each variant once per round)
+    prefix_rounds: int = 7  # section 12: interleaved rounds of its time-to-first-token variants (a new session each)
     chart: bool = True
     json_path: pathlib.Path | None = None  # --json: a copy of the results JSON
 
     def __post_init__(self) -> None:
         if min(self.rounds, self.decode_steps, self.history, self.prefill_rows, self.parallel_rounds, self.parallel_steps, self.repeats,
-               self.warm_repeats, *self.warm_lengths, self.overload_rounds, self.overload_steps, self.durable_sessions, self.durable_rounds, self.move_rounds) < 1:
+               self.warm_repeats, *self.warm_lengths, self.overload_rounds, self.overload_steps, self.durable_sessions, self.durable_rounds, self.move_rounds, self.prefix_rounds) < 1:
             raise ValueError("rounds, steps, history, prefill rows, repeats, warm lengths and durable sessions must be at least 1")
         if self.prefill_rows > ROUTE_N_CTX or self.history + self.decode_steps + 8 > ROUTE_N_CTX:
             raise ValueError(f"prefill rows and history + decode steps must fit in n_ctx {ROUTE_N_CTX}")
@@ -76,7 +78,7 @@ class BenchOptions:
     def quick_run(cls, out_dir: pathlib.Path, model: pathlib.Path) -> BenchOptions:
         return cls(out_dir=out_dir, model=model, quick=True, rounds=2, decode_steps=8, history=16,
                    parallel_rounds=1, parallel_steps=8, repeats=2, warm_lengths=(128, 512), warm_repeats=2, overload_rounds=1, overload_steps=8,
-                   durable_sessions=4, durable_rounds=1, move_lengths=(128, 512), move_rounds=1)
+                   durable_sessions=4, durable_rounds=1, move_lengths=(128, 512), move_rounds=1, prefix_rounds=3)
 
     @property
     def max_n_ctx(self) -> int:

@@ -3,6 +3,7 @@ serving several sequences."""
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Sequence
 
 import llama_cpp
@@ -63,6 +64,25 @@ class PlainContext:
             return None
         logits = llama_cpp.llama_get_logits_ith(self.ctx, -1)
         return np.ctypeslib.as_array(logits, shape=(1, self.shape.n_vocab))
+
+    def save_state(self) -> ctypes.Array:
+        """The sequence's state (llama_state_seq_get_data) in native memory, where a llama.cpp app (its server's
+        prompt cache) keeps a prompt it reuses."""
+        size = llama_cpp.llama_state_seq_get_size(self.ctx, 0)
+        state = (ctypes.c_uint8 * size)()
+        if llama_cpp.llama_state_seq_get_data(self.ctx, state, size, 0) != size:
+            raise RuntimeError("llama_state_seq_get_data wrote a short state")
+        return state
+
+    def restore_state(self, state: ctypes.Array, length: int) -> None:
+        """Empty the sequence and load a saved state into it (llama_state_seq_set_data), in this context:
+        what llama.cpp's server does when a slot takes a cached prompt. Raises unless it holds `length` positions."""
+        llama_cpp.llama_memory_seq_rm(self.memory, 0, 0, -1)
+        if llama_cpp.llama_state_seq_set_data(self.ctx, state, len(state), 0) == 0:
+            raise RuntimeError("llama_state_seq_set_data refused the state")
+        held = llama_cpp.llama_memory_seq_pos_max(self.memory, 0) + 1
+        if held != length:
+            raise RuntimeError(f"the restored sequence holds {held} positions, {length} expected")
 
     def close(self) -> None:
         if self.ctx is not None:

@@ -1,7 +1,7 @@
 """The report of one run: `summarize` joins every section's medians, headline ratios and table rows, in
 section order. Each section's report lives beside its measurement (kvpool.bench.one_session_report,
-parallel_report, admission_report; warm, overload, startup, durable and move summarize their own); the chart is
-kvpool.bench.chart."""
+parallel_report, admission_report, prefix_report; warm, overload, startup, durable and move summarize their
+own); the chart is kvpool.bench.chart."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from kvpool.bench.move import summarize_move
 from kvpool.bench.one_session_report import summarize_mid_shard, summarize_prefill, summarize_route
 from kvpool.bench.overload import summarize_overload
 from kvpool.bench.parallel_report import summarize_parallel
+from kvpool.bench.prefix_report import summarize_prefix
 from kvpool.bench.table import Row
 from kvpool.bench.startup import summarize_startup
 from kvpool.bench.warm import summarize_warm
@@ -18,7 +19,7 @@ from kvpool.bench.warm import summarize_warm
 SECTIONS = (summarize_mid_shard, summarize_route, summarize_parallel, summarize_prefill, summarize_admission, summarize_memory)
 # sections with their own daemons, summarized from their own part of the results when it is there (`--only`)
 OWN_SECTIONS = {"warm": summarize_warm, "overload": summarize_overload, "startup": summarize_startup, "durable": summarize_durable,
-                "move": summarize_move}
+                "move": summarize_move, "prefix": summarize_prefix}
 
 
 def summarize(results: dict) -> tuple[dict, dict, list[Row]]:

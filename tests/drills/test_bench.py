@@ -1,5 +1,6 @@
 """`kvpool bench --quick` end to end: every section in the table, JSON and PNG written, numbers sane; the
-sections on daemons of their own (durable sessions) run alone in their smallest form; the options' limits.
+sections on daemons of their own (durable sessions, move, shared prefixes) run alone in their smallest or
+quick form; the options' limits.
 
 Behaviour tests: they run real daemons and llama.cpp on the bundled model, but assert no speed.
 """
@@ -26,7 +27,7 @@ from kvpool.shard.ranges import LayerRange
 from tests.support.daemons import run_to_completion
 
 REPOSITORY = pathlib.Path(__file__).resolve().parents[2]
-SECTIONS = ("1", "2", "3", "4", "5", "6", "7", "8", "9", "10", "11")
+SECTIONS = ("1", "2", "3", "4", "5", "6", "7", "8", "9", "10", "11", "12")
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
@@ -71,7 +72,8 @@ def test_quick_bench_prints_every_section_and_writes_json_and_png(tmp_path: path
                      "drain: SIGTERM to exit 0, 4 parked sessions", "adoption: `kvpool serve` on the same socket and spill dir",
                      "512-token session, first append after a restart", "2048-token session, first append after a restart",
                      "128-token session, re-plan 0:10,10:20,20:30 -> 0:14,14:30: Router.replan",
-                     "512-token session, re-plan 0:10,10:20,20:30 -> 0:14,14:30: Router.replan"):
+                     "512-token session, re-plan 0:10,10:20,20:30 -> 0:14,14:30: Router.replan",
+                     "new session, 1,024-token system prompt + 32-token message, 3 shard daemons, time to first token"):
         assert any(expected in line for line in table), expected
     assert "greedy tokens identical in all five paths | yes" in completed.stdout
     assert "bit-identical to the re-prefilled session's | yes" in completed.stdout  # every timed decode restored, none missed
@@ -116,6 +118,8 @@ def test_quick_bench_prints_every_section_and_writes_json_and_png(tmp_path: path
     assert all(summary[f"s10_reprefill_vs_restored_{length}"] > 0 for length in (512, 2048))
     assert summary["s11_moved_every_session"] and all(summary[f"s11_moved_bytes_{length}"] > 0 for length in (128, 512))
     assert "| 11 | every re-plan moved its session (RecoveryCounts: 1 move, its bytes, 0 replays), books ok on all 5 daemons | yes |" in completed.stdout
+    assert summary["s12_reused_every_round"] and summary["s12_books_ok"] and summary["s12_cached_vs_uncached"] > 0
+    assert {"prefix_cached_vs_uncached_ttft", "prefix_vs_llama_cpp_ttft"} <= set(results["ratios"])
 
     chart = out / "bench-quick.png"
     assert chart.read_bytes()[:8] == PNG_SIGNATURE
@@ -203,6 +207,64 @@ def test_move_section_refuses_too_few_tokens_before_starting_a_daemon(shards, tm
     assert not list((tmp_path / "sockets").iterdir())
 
 
+# ---- section 12 alone, quick form (`kvpool bench --only prefix --quick`) ---------------------------------
+
+
+@pytest.mark.timeout(BENCH_HANG_GUARD_S + 300)
+def test_only_prefix_quick_times_a_new_session_with_and_without_the_stored_prefix_and_llama_cpp_and_the_memory_of_both_modes(tmp_path):
+    out = tmp_path / "bench"
+    completed = run_to_completion(
+        [sys.executable, "-m", "kvpool", "bench", "--only", "prefix", "--quick", "--out", str(out)], cwd=REPOSITORY, timeout_s=BENCH_HANG_GUARD_S,
+    )
+    assert completed.returncode == 0, completed.stderr[-4000:]
+    table = [line for line in completed.stdout.splitlines() if line.startswith("|")]
+    assert {line.split("|")[1].strip() for line in table[2:]} == {"12"}
+    results = json.loads((out / "bench-prefix.json").read_text())
+    assert results["table"].strip() == "\n".join(table).strip()
+    prefix = results["prefix"]
+    assert (prefix["system_tokens"], prefix["message_tokens"], prefix["block"], prefix["rounds"]) == (1024, 32, 32, 3)
+    for name in ("cached", "uncached", "llama.cpp", "llama.cpp fresh context", "components"):
+        assert len(prefix["runs"][name]) == 3, name
+    for name in ("cached", "uncached", "llama.cpp", "llama.cpp fresh context"):
+        assert all(one["s"] > 0 for one in prefix["runs"][name]), name
+    assert all(one["reused_tokens"] == 1024 and one["hits"] == 1 and one["first_append_rows"] == 1024 for one in prefix["runs"]["cached"])
+    assert all(one["reused_tokens"] == 0 and one["hits"] == 0 for one in prefix["runs"]["uncached"])
+    for one in prefix["runs"]["components"]:
+        assert one["held_blocks"] == [32] * 3 and one["restored"] == [True] * 3
+        assert all(seconds > 0 for key in ("lookup_s", "admit_s", "first_append_s", "hot_append_s") for seconds in one[key])
+    assert all(one["restore_s"] > 0 and one["rows_s"] > 0 for one in prefix["runs"]["llama.cpp"])
+    assert all(one["create_s"] > 0 for one in prefix["runs"]["llama.cpp fresh context"])
+    first = prefix["first_tokens"]
+    assert first["cached"] == first["uncached"] == first["llama.cpp"] == first["llama.cpp fresh context"]  # the same first token every way
+    assert prefix["prefix_state_bytes"] > 0.9 * 1024 * sum(prefix["kv_bytes_per_position"])  # the whole model's KV of 1,024 positions, about
+    assert prefix["integrity"] == ["ok"] * 3 and prefix["sessions_left"] == 0
+
+    for mode in ("process", "batched"):
+        memory = prefix["memory"][mode]
+        assert memory["reused_tokens"] == 4 * 1024 and memory["hits"] == 4 and not any(memory["sessions_left"])
+        assert all(session["tier"] == "hot" and session["length"] == 1056 for reading in memory["held"] for session in reading["sessions"])
+        assert [len(reading["sessions"]) for reading in memory["held"]] == [4] * 3
+        assert all(reading["prefix_entries"] == 1 and reading["prefix_bytes"] > 0 for reading in memory["after_seed"])
+        assert all(held["prefix_bytes"] > seed["prefix_bytes"] for held, seed in zip(memory["held"], memory["after_seed"]))
+        assert all(held["reserved_bytes"] > 0 and held["workers_uss_bytes"] > 0 for held in memory["held"])
+
+    summary, ratios = results["summary"], results["ratios"]
+    assert summary["s12_reused_every_round"] and summary["s12_first_token_identical"] and summary["s12_books_ok"]
+    for key, value in summary.items():
+        if key.startswith("s12_") and not isinstance(value, bool):
+            assert math.isfinite(value), key
+            if key.endswith("_s") and "less_steps" not in key:
+                assert value > 0, key
+    assert ratios["prefix_cached_vs_uncached_ttft"]["target"] == 10 and ratios["prefix_vs_llama_cpp_ttft"]["target"] == 0.9
+    assert all(ratios[key]["value"] > 0 for key in ("prefix_cached_vs_uncached_ttft", "prefix_vs_llama_cpp_ttft", "prefix_memory_process_vs_batched"))
+    for expected in ("| 12 | new session, 1,024-token system prompt + 32-token message, 3 shard daemons, time to first token",
+                     "| 12 | the same vs llama.cpp in one process reusing the prefix as its server does",
+                     "| 12 | where the cached time goes", "--mode process vs --mode batched: budget reserved",
+                     "| 12 | every cached session started from 1,024 stored tokens on all 3 daemons"):
+        assert any(expected in line for line in table), expected
+    assert results["environment"]["cpu_model"]
+
+
 # ---- options and their limits ------------------------------------------------------------------------------
 
 
@@ -215,7 +277,7 @@ def test_durable_and_move_lengths_fit_the_sections_n_ctx_at_the_edge(tmp_path, m
     for lengths in ((MOVE_N_CTX,), (0,), ()):
         with pytest.raises(ValueError, match="move lengths"):
             _options(tmp_path, model_path, move_lengths=lengths)
-    for field in ("durable_sessions", "durable_rounds", "move_rounds"):
+    for field in ("durable_sessions", "durable_rounds", "move_rounds", "prefix_rounds"):
         assert getattr(_options(tmp_path, model_path, **{field: 1}), field) == 1
         with pytest.raises(ValueError, match="at least 1"):
             _options(tmp_path, model_path, **{field: 0})
@@ -227,15 +289,18 @@ def _parsed(*argv: str):
     return parser.parse_args(argv)
 
 
-def test_only_takes_known_sections_and_the_durable_and_move_flags_override_quick(tmp_path):
+def test_only_takes_known_sections_and_the_durable_move_and_prefix_flags_override_quick(tmp_path):
     args = _parsed("--only", "durable,overload,durable,move", "--quick", "--durable-sessions", "3", "--move-rounds", "2", "--out", str(tmp_path))
     assert args.only == ["durable", "overload", "move"]
     options = options_from_args(args)
     assert (options.durable_sessions, options.durable_rounds, options.durable_lengths) == (3, 1, (512, 2048))
     assert (options.move_rounds, options.move_lengths) == (2, (128, 512))
     assert _parsed("--only", "durable,").only == ["durable"]
+    assert options.prefix_rounds == 3  # quick
+    prefix = options_from_args(_parsed("--only", "prefix", "--quick", "--prefix-rounds", "5", "--out", str(tmp_path)))
+    assert prefix.prefix_rounds == 5 and options_from_args(_parsed("--out", str(tmp_path))).prefix_rounds == 7
     for bad in ("warm", ",", ""):
-        with pytest.raises(argparse.ArgumentError, match="--only takes a comma-separated list of overload, durable, move"):
+        with pytest.raises(argparse.ArgumentError, match="--only takes a comma-separated list of overload, durable, move, prefix"):
             _parsed("--only", bad)
     with pytest.raises(argparse.ArgumentError, match="not allowed with argument"):
         _parsed("--only", "durable", "--overload-only")
