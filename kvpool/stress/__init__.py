@@ -14,7 +14,10 @@ SIGSTOPped worker (the daemon's request timeout), and a connection that never re
 (backpressure). Two drills check the durability contract on daemons with a disk tier: a rolling restart
 (--restart: each daemon drained by SIGTERM in turn and a successor started on its socket and spill dir; no
 session replays from 0, appends are answered restored: true) and a crash with --persist-after (a SIGKILLed
-supervisor; the restarted daemon adopts the copies written behind and the router replays only the tail). After every run each daemon must hold no session of ours, have its reserved bytes back
+supervisor; the restarted daemon adopts the copies written behind and the router replays only the tail). Shared
+prefixes (--shared-prefix, kvpool.stress.prefixes): prompts beginning with a few system prompts, through daemons
+with a prefix store; fresh sessions start from the longest prefix every daemon stores, each exact, the hits counted
+(a run with none fails). After every run each daemon must hold no session of ours, have its reserved bytes back
 where they were, balanced books, its workers' measured memory back within a stated tolerance, and no
 process or shared-memory segment of the daemons may outlive them.
 

@@ -15,7 +15,9 @@ from kvpool.stress import drill_checks
 from kvpool.stress.daemons import Chain
 from kvpool.stress.driver import SessionDriver
 from kvpool.stress.options import IDLE_MARGIN_S, SPILL_PLACES, StressOptions
-from kvpool.stress.report import DaemonSummary, RestartRecord, Sample, SessionSummary, SlowReaderRecord, StallRecord, SupervisorKillRecord, Verdict, WorkerMemory
+from kvpool.stress.report import (
+    DaemonSummary, PrefixStoreEnd, RestartRecord, Sample, SessionSummary, SlowReaderRecord, StallRecord, SupervisorKillRecord, Verdict, WorkerMemory,
+)
 
 SETTLE_TIMEOUT_S = 30.0
 NOT_COUNTS = ("peak_concurrent_compute_threads", "min_residency_ms", "admission_wait_max_ms")  # values, not counts: shown as they end
@@ -96,10 +98,15 @@ def daemon_summaries(chain: Chain, before: Sequence[Snapshot], after: Sequence[S
                 counters={key: value - since.get(key, 0) for key, value in sorted(a.stats.counters.items()) if key not in NOT_COUNTS}
                 | {key: a.stats.counters.get(key, 0) for key in NOT_COUNTS},
                 workers=_worker_memory(b, a, tolerance), replaced_pids=sorted(set(b.uss_by_pid) - after_pids),
-                restarted=index in restarted,
+                restarted=index in restarted, prefix_store=_prefix_store(a.stats),
             )
         )
     return summaries
+
+
+def _prefix_store(stats: StatsReply) -> PrefixStoreEnd | None:
+    row = stats.prefixes
+    return None if row is None else PrefixStoreEnd(row.block, row.limit_bytes, row.bytes, row.entries, row.blocks)
 
 
 @dataclasses.dataclass(slots=True)
@@ -176,7 +183,11 @@ def build_verdicts(options: StressOptions, chain: Chain, drivers: Sequence[Sessi
         passed = misses == 0 and all(restores) and exact
         add("warm_tier", passed, f"{options.sessions} sessions on {SPILL_PLACES} places per daemon: "
             f"spills per daemon {spills}, restores {restores}, {misses} cache misses that lost a session's state (planned epoch probes aside), all exact")
-    if options.budget_for is not None or options.spill:  # more sessions than places
+    if options.shared_prefix:
+        verdict, prefix_warnings = drill_checks.shared_prefix_verdict(sessions, daemons, exact)
+        verdicts.append(verdict)
+        warnings += prefix_warnings
+    if options.budget_for is not None or options.spill or options.shared_prefix:  # more sessions than places
         verdicts.append(drill_checks.progress_verdict(options, sessions, daemons, exact))
     if options.ttl_s is not None:
         results = [result for driver in drivers for result in driver.idle_results]

@@ -8,10 +8,10 @@ import sys
 
 from kvpool.shard.bundled import BundledModelMissing
 from kvpool.client.client import ConnectionLost
-from kvpool.host import parse_bytes
+from kvpool.host import format_bytes, parse_bytes
 from kvpool.launcher import DaemonStartFailed
 from kvpool.shard.errors import ShardError
-from kvpool.stress.options import StressOptions
+from kvpool.stress.options import SHARED_PREFIX_BLOCK, SHARED_PREFIX_CACHE_BYTES, SHARED_PREFIX_SESSIONS, StressOptions
 from kvpool.stress.report import render
 from kvpool.stress.runner import Say, say_on_stderr, run_stress
 
@@ -28,13 +28,14 @@ DESCRIPTION = (
     "Scenario flags add faults (each bounded by operations, not time; --restart and --persist-after give the daemons a disk tier and check "
     "the durability contract: a drain loses no session, a crash costs only the tail); after each run every daemon must have "
     "released everything, balanced its books and returned its workers' memory within --uss-tolerance, and no process or "
-    "shared-memory segment of the daemons may outlive them. What timing did not let a run exercise is listed as a "
-    "warning, not a failure. Progress goes to stderr, the table to stdout."
+    "shared-memory segment of the daemons may outlive them. --shared-prefix runs sessions whose prompts share prefixes through "
+    "daemons with a prefix store: new sessions start from a stored prefix, every one exact, the hits reported. What timing "
+    "did not let a run exercise is listed as a warning, not a failure. Progress goes to stderr, the table to stdout."
 )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--sessions", type=int, help="concurrent sessions (default 4; 8 with --spill)")
+    parser.add_argument("--sessions", type=int, help="concurrent sessions (default 4; 8 with --spill, 6 with --shared-prefix)")
     parser.add_argument("--ops", type=int, default=40, help="operations per session before the closing decodes (default 40)")
     parser.add_argument("--seed", type=int, default=0, help="seed of every session's operations (default 0)")
     parser.add_argument("--budget-for", type=int, metavar="K", help="scenario: a budget for K sessions on each daemon (K + 0.5 times one session's measured charge), --sessions active: LRU evictions, cache_miss, replay; reserved bytes never above the limit")
@@ -50,6 +51,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--slow-reader", action="store_true", help="scenario: one connection sends appends to the last daemon (all-row logits, 3 MiB replies) and never reads a reply; the daemon's memory must stay bounded (backpressure) while the other sessions continue exactly")
     parser.add_argument("--replan", action="store_true", help="scenario: a second chain of daemons is started on the same model cut into --replan-parts shards at other split points; every session's route is re-planned onto it at a third of its operations and back at two thirds (kvpool.router.Router.replan: each daemon's state exported, re-sliced for the new split, imported under epoch + 1). Every re-plan of a session holding tokens must move it (no replay), every session stay exact, and the second chain hold nothing at the end")
     parser.add_argument("--replan-parts", type=int, metavar="P", help="--replan's second chain: P shards (default --parts + 1; 1: the whole model in one daemon)")
+    parser.add_argument("--shared-prefix", action="store_true", help="scenario: shared prefixes; --sessions (default 6) whose prompts begin with one of a few system prompts of random lengths (whole, or cut at a random length inside a block) or with none, on daemons holding 2 contexts each (evictions park sessions in the warm tier) with a prefix store on (--prefix-block, --prefix-cache-budget: small, so it evicts entries), under the usual cancels, truncates, releases and epoch bumps. The router starts each fresh session from the longest prefix every daemon stores (a session sharing a block with an earlier one starts after that one's first append); each session's first append is its whole prompt and every other prefill chunk has two rows or more (a one-row append gives other bits here), and the run alone computes each prompt in one chunk. Fails unless some session started from a stored prefix, every daemon admitted what the router reused and every session is exact; the router's prefix_hits, prefix_hit_tokens and prefix_fallbacks and every daemon's prefix counters and store are reported")
+    parser.add_argument("--prefix-block", type=int, metavar="N", help=f"--shared-prefix: the daemons' --prefix-block, tokens per block (default {SHARED_PREFIX_BLOCK})")
+    parser.add_argument("--prefix-cache-budget", metavar="BYTES", help=f"--shared-prefix: the daemons' --prefix-cache-budget (default {format_bytes(SHARED_PREFIX_CACHE_BYTES)}: a few prompts' entries, so entries are evicted)")
     parser.add_argument("--sockets", help="comma-separated daemon sockets, first shard to last: attach instead of starting daemons")
     parser.add_argument("--model", type=pathlib.Path, help="source GGUF to cut into shards (default: the bundled model)")
     parser.add_argument("--parts", type=int, default=3, help="shards, one daemon each (default 3)")
@@ -64,9 +68,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def options_from(args: argparse.Namespace) -> StressOptions:
+    if not args.shared_prefix and (args.prefix_block is not None or args.prefix_cache_budget is not None):
+        raise ValueError("--prefix-block and --prefix-cache-budget configure the daemons of --shared-prefix: pass --shared-prefix")
     sockets = tuple(pathlib.Path(part) for part in args.sockets.split(",") if part) if args.sockets else ()
     return StressOptions(
-        sessions=args.sessions if args.sessions is not None else (8 if args.spill else 4), spill=args.spill, ops=args.ops, seed=args.seed, budget_for=args.budget_for,
+        sessions=args.sessions if args.sessions is not None else (8 if args.spill else SHARED_PREFIX_SESSIONS if args.shared_prefix else 4), spill=args.spill, ops=args.ops, seed=args.seed, budget_for=args.budget_for,
         min_residency_s=args.min_residency, ttl_s=args.ttl,
         kill_worker=args.kill_worker, kill_supervisor=args.kill_supervisor, stall_worker=args.stall_worker, slow_reader=args.slow_reader,
         restart=args.restart, persist_after_s=args.persist_after,
@@ -74,6 +80,8 @@ def options_from(args: argparse.Namespace) -> StressOptions:
         reference=args.reference, final_tokens=args.final_tokens, sample_interval_s=args.sample_interval,
         uss_tolerance_bytes=parse_bytes(args.uss_tolerance), json_path=args.json, progress=not args.quiet, mode=args.mode,
         replan=args.replan, replan_parts=args.replan_parts,
+        shared_prefix=args.shared_prefix, prefix_block=args.prefix_block if args.prefix_block is not None else SHARED_PREFIX_BLOCK,
+        prefix_cache_bytes=parse_bytes(args.prefix_cache_budget) if args.prefix_cache_budget is not None else SHARED_PREFIX_CACHE_BYTES,
     )
 
 

@@ -43,8 +43,10 @@ def serve_options(options: StressOptions, *, max_sessions: int, budget: str, ttl
     ]
     if options.mode == "batched":
         flags += ["--mode", "batched", "--seqs-per-worker", str(max_sessions)]  # one worker process holds every session
-    if not (options.spill or options.replan or options.durable):  # --replan imports into the warm tier; --restart parks there
+    if not options.warm_tier:  # --replan imports into the warm tier; --restart parks there; --shared-prefix's store is part of it
         flags += ["--spill-budget", "0"]  # every other scenario exercises eviction as it was: a cache miss
+    if options.shared_prefix:
+        flags += ["--prefix-block", str(options.prefix_block), "--prefix-cache-budget", str(options.prefix_cache_bytes)]
     if request_timeout_s is not None:
         flags += ["--request-timeout", f"{request_timeout_s:g}"]
     if options.min_residency_s is not None:
@@ -95,7 +97,7 @@ def open_chain(options: StressOptions, socket_dir: pathlib.Path, prompt: Sequenc
     else:
         budgets = [UNLIMITED_BUDGET] * len(shard_paths)
         max_sessions = options.sessions + 1  # a spare warm worker: a replaced or recycling worker evicts nobody
-    if options.spill:
+    if options.spill or options.shared_prefix:
         max_sessions = SPILL_PLACES
     if options.slow_reader:
         max_sessions += 1  # the slow reader's own session

@@ -223,3 +223,35 @@ def replan_verdict(drivers: Sequence[SessionDriver], second_chain: Sequence[Daem
     if left:
         detail += f"; the second chain holds sessions of the run at the end or its books do not balance: {left}"
     return Verdict("replan", passed, detail), warnings
+
+
+def shared_prefix_verdict(sessions: Sequence[SessionSummary], daemons: Sequence[DaemonSummary], exact: bool) -> tuple[Verdict, list[str]]:
+    """--shared-prefix: some session started from a stored prefix (a run with no hit at all fails), every daemon
+    admitted at least what the router reused (each router hit is an admission on every daemon of the route),
+    and every session is exact. Which hits timing allowed (another session's prefix on a first start, an
+    eviction from the prefix store, a park) is reported; one it did not is a warning."""
+    hits = sum(s.prefix_hits for s in sessions)
+    tokens = sum(s.prefix_hit_tokens for s in sessions)
+    fallbacks = sum(s.prefix_fallbacks for s in sessions)
+    counters = {name: [d.counters.get(name, 0) for d in daemons] for name in ("prefix_hits", "prefix_hit_tokens", "prefix_misses", "prefix_stored", "prefix_evictions", "spills")}
+    admitted = all(h >= hits and t >= tokens for h, t in zip(counters["prefix_hits"], counters["prefix_hit_tokens"]))
+    first = [s for s in sessions if s.prefix_starts and s.prefix_starts[0] > 0]  # nothing of its own was stored yet
+    starts = sum(len(s.prefix_starts) for s in sessions)
+    warnings = []
+    if not any(counters["prefix_evictions"]):
+        warnings.append("shared prefixes: no daemon's prefix store evicted an entry (its --prefix-cache-budget held every prefix offered)")
+    if not first:
+        warnings.append("shared prefixes: no session's first start reused a prefix another session stored (every hit was of a session's own earlier start)")
+    if not any(counters["spills"]):
+        warnings.append("shared prefixes: no session was parked (evicted into the warm tier) during the run")
+    passed = hits > 0 and admitted and exact
+    detail = (
+        f"router: {hits} starts from a stored prefix ({tokens} positions not computed) in {starts} fresh starts, {fallbacks} fallbacks; "
+        f"{len(first)} first starts reused another session's prefix; per daemon prefix_hits {counters['prefix_hits']}, prefix_hit_tokens {counters['prefix_hit_tokens']}, "
+        f"prefix_misses {counters['prefix_misses']}, prefix_stored {counters['prefix_stored']}, prefix_evictions {counters['prefix_evictions']}, parked {counters['spills']}; "
+        + ("every daemon admitted what the router reused" if admitted else "a daemon admitted fewer prefixes than the router reused")
+        + ("; all exact" if exact else "; NOT exact (see exact)")
+    )
+    if not hits:
+        detail = "no session started from a stored prefix: " + detail
+    return Verdict("shared_prefix", passed, detail), warnings

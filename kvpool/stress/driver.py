@@ -27,6 +27,7 @@ from kvpool.stress.errors import ContractViolation
 from kvpool.stress.faults import FaultInjector
 from kvpool.stress.options import OpKind, StressOptions
 from kvpool.stress.plans import SessionSetup
+from kvpool.stress.prefixes import prefill_rows
 from kvpool.stress.recording import Recorder
 from kvpool.stress.restarts import ChainControl
 from kvpool.stress.schedule import OpSchedule, target_name
@@ -35,6 +36,7 @@ from kvpool.stress.tapped_session import TappedSession
 PREFILL_CHUNKS = (1, 2, 3, 5, 8, 13, 16, 24)
 JITTER_MAX_S = 0.003
 MAX_CLOSING_STEPS = 200
+FOLLOW_HANG_GUARD_S = 600.0  # --shared-prefix: the longest a session waits for the first append of the one it follows
 
 
 class SessionDriver(TappedSession):
@@ -58,11 +60,14 @@ class SessionDriver(TappedSession):
         self.violations: list[str] = []
         self.failed_op = ""
         self.idle_results: list[str] = []
+        self.follows: SessionDriver | None = None  # --shared-prefix: starts after that session's first append
 
     # ---- the loop ------------------------------------------------------------------------------------
 
     def run(self) -> None:
         try:
+            if self.follows is not None:  # a hang guard only: it starts anyway, and its first start may then miss
+                self.follows.first_start.wait(FOLLOW_HANG_GUARD_S)
             for self.op_index in range(self.options.ops):
                 if self._replan_due():
                     self._replan()
@@ -79,6 +84,7 @@ class SessionDriver(TappedSession):
         except Exception:  # noqa: BLE001 - reported as a failure of this session, the run goes on
             self._violated(traceback.format_exc())
         finally:
+            self.first_start.set()  # a session following this one never waits for a start that will not come
             self.final_length = self.length
             with contextlib.suppress(Exception):
                 self._release_all()
@@ -105,7 +111,7 @@ class SessionDriver(TappedSession):
             self._op_label = "closing"
             if self.length < len(self.tokens):
                 with self.recorder.timed(OpKind.PREFILL):
-                    self._survive(lambda: self.append(self.tokens[self.length :], greedy=False))
+                    self._survive(lambda: self.append(self.tokens[self.length : self._closing_end()], greedy=False))
             elif self.logits is None:
                 self._survive(self.start_over)
             elif self._replan_due():
@@ -124,8 +130,7 @@ class SessionDriver(TappedSession):
     def _perform(self, kind: OpKind) -> None:
         match kind:
             case OpKind.PREFILL:
-                chunk = min(len(self.tokens) - self.length, self.rng.choice(PREFILL_CHUNKS))
-                self.append(self.tokens[self.length : self.length + chunk], greedy=False)
+                self.append(self.tokens[self.length : self.length + self._prefill_rows()], greedy=False)
             case OpKind.DECODE:
                 self._decode()
             case OpKind.TRUNCATE:
@@ -143,6 +148,16 @@ class SessionDriver(TappedSession):
                 probes.idle_until_expired(self)
 
     # ---- operations ---------------------------------------------------------------------------------------
+
+    def _prefill_rows(self) -> int:
+        pending = len(self.tokens) - self.length
+        if self.options.shared_prefix:  # the prompt first, then chunks of two rows or more (kvpool.stress.prefixes)
+            return prefill_rows(self.length, pending, len(self.setup.prompt), self.rng)
+        return min(pending, self.rng.choice(PREFILL_CHUNKS))
+
+    def _closing_end(self) -> int:
+        """Where the closing prefill ends: every pending token, or with --shared-prefix a fresh session's prompt first."""
+        return len(self.setup.prompt) if self.options.shared_prefix and self.length == 0 else len(self.tokens)
 
     def _replan_due(self) -> bool:
         """A planned re-plan is due and the session holds tokens to move (else it waits for a later operation)."""

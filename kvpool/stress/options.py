@@ -8,7 +8,7 @@ import pathlib
 
 MiB = 1024**2
 UNLIMITED_BUDGET = "64GiB"  # scenarios without --budget-for: the budget is no constraint
-SPILL_PLACES = 2  # --spill: contexts per daemon (--max-sessions), fewer than the sessions
+SPILL_PLACES = 2  # --spill, --shared-prefix: contexts per daemon (--max-sessions), fewer than the sessions
 # --ttl's idle sessions: idle at least this past the TTL (one housekeeping tick, 0.5 s: the daemon cannot have
 # expired it sooner), then polled until the daemon has (kvpool.stress.probes.idle_until_expired).
 IDLE_MARGIN_S = 0.5
@@ -17,6 +17,12 @@ SPILL_DISK_BUDGET = "4GiB"
 # --drain-timeout of those daemons: a hang guard, far above any append in flight on a slow, busy machine,
 # so a drain never cancels one (a cancelled append is the cancel drills' business).
 DRAIN_TIMEOUT_S = 600.0
+# --shared-prefix: blocks small enough that short prompts share some (the daemons' own default is 32), a prefix
+# store of a few prompts' entries per daemon (an entry of a 3-way split's shard costs ~7.5 KiB per position of
+# the bundled model: 2 MiB holds ~270 positions, a few prompts), so it evicts while sessions keep offering theirs
+SHARED_PREFIX_BLOCK = 16
+SHARED_PREFIX_CACHE_BYTES = 2 * MiB
+SHARED_PREFIX_SESSIONS = 6
 
 
 class OpKind(enum.StrEnum):
@@ -64,6 +70,10 @@ class StressOptions:
     spill: bool = False  # the warm tier on, SPILL_PLACES contexts per daemon: evictions park and restore
     replan: bool = False  # every session re-planned onto a second chain cut elsewhere, then back (kvpool.stress.replans)
     replan_parts: int | None = None  # the second chain's shards (None: parts + 1)
+    # prompts sharing prefixes (kvpool.stress.prefixes) through daemons with a prefix store and SPILL_PLACES contexts
+    shared_prefix: bool = False
+    prefix_block: int = SHARED_PREFIX_BLOCK  # the daemons' --prefix-block (with shared_prefix)
+    prefix_cache_bytes: int = SHARED_PREFIX_CACHE_BYTES  # the daemons' --prefix-cache-budget (with shared_prefix)
     mode: str = "process"  # the daemons' --mode; batched: one worker process per daemon holds every session
     # --request-timeout of the daemon whose worker is stalled. It bounds every worker call of that daemon,
     # the start-up probe (one 512-row batch at n_ctx 512: ~1.1 s for 512 rows on one 10-layer shard on
@@ -132,6 +142,13 @@ class StressOptions:
             problems.append("--replan-parts must be at least 1 (1: the whole model in one daemon) and differ from --parts")
         if self.durable and self.replan:
             problems.append("--restart and --persist-after are not drills of --replan: run them one at a time")
+        if self.shared_prefix and (self.sockets or self.spill or self.replan or self.durable or self.slow_reader or self.may_lose_state or self.faults):
+            problems.append("--shared-prefix starts its own daemons with the warm tier on and checks every reuse against a reference that computes each "
+                            "prompt in one chunk: not with --sockets, --spill, --replan, --restart, --persist-after, --slow-reader, --budget-for, --ttl or a fault drill")
+        if not 1 <= self.prefix_block <= self.n_ctx // 4:
+            problems.append("--prefix-block must be in [1, n_ctx / 4]")
+        if self.prefix_cache_bytes < 1:
+            problems.append("--prefix-cache-budget must be positive")
         if problems:
             raise ValueError("; ".join(problems))
 
@@ -167,6 +184,8 @@ class StressOptions:
             parts.append("spill")
         if self.replan:
             parts.append(f"replan-{self.parts}-{self.second_parts}")
+        if self.shared_prefix:
+            parts.append("shared-prefix")
         return "+".join(parts) or "default"
 
     @property
@@ -184,6 +203,11 @@ class StressOptions:
         """A session's state may vanish from a daemon without a request of its own (eviction, expiry, restart;
         in batched mode a killed worker process takes every session it held, the killed session's neighbours too)."""
         return self.budget_for is not None or self.ttl_s is not None or self.kill_supervisor or (self.kill_worker and self.mode == "batched")
+
+    @property
+    def warm_tier(self) -> bool:
+        """The daemons under test keep the warm tier (and with it their prefix stores)."""
+        return self.spill or self.replan or self.durable or self.shared_prefix
 
     @property
     def decode_cap(self) -> int:

@@ -37,6 +37,9 @@ class SessionSetup:
     prompt: tuple[int, ...]
     filler: tuple[int, ...]
     plan: SessionPlan
+    prompt_kind: str = ""  # --shared-prefix: which system prompt it begins with (kvpool.stress.prefixes)
+    shared_tokens: int = 0  # --shared-prefix: the longest prefix its prompt shares with another session's
+    follows: int | None = None  # --shared-prefix: the session whose first append it waits for before its first operation
 
 
 def cancel_targets(options: StressOptions, n_stages: int) -> list[list[int]]:

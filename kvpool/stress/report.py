@@ -69,6 +69,13 @@ class SessionSummary(msgspec.Struct):
     tail_replayed_tokens: int = 0
     position_mismatches: int = 0  # a daemon held fewer of the session's tokens than the router sent it
     restores: int = 0  # appends answered restored: true (the session was parked, or adopted by a successor)
+    # --shared-prefix (kvpool.stress.prefixes): what its prompt begins with, and what the router reused for it
+    prompt_kind: str = ""
+    shared_tokens: int = 0  # the longest prefix its prompt shares with another session's
+    prefix_hits: int = 0  # starts (and replays) from a prefix every daemon held (kvpool.router.recovery.RecoveryCounts)
+    prefix_hit_tokens: int = 0
+    prefix_fallbacks: int = 0  # a prefix found on every daemon but not admitted on one: computed instead
+    prefix_starts: list[int] = msgspec.field(default_factory=list)  # positions each fresh start took from a stored prefix (0: none), first start first
 
 
 class WorkerMemory(msgspec.Struct):
@@ -78,6 +85,16 @@ class WorkerMemory(msgspec.Struct):
     delta_bytes: int
     compared_to: str  # "pre-run" or "own baseline" (a worker started during the run)
     within_tolerance: bool
+
+
+class PrefixStoreEnd(msgspec.Struct):
+    """A daemon's prefix store at the end of the run (kvpool.wire.protocol.PrefixStoreRow)."""
+
+    block: int
+    limit_bytes: int
+    bytes: int
+    entries: int
+    blocks: int
 
 
 class DaemonSummary(msgspec.Struct):
@@ -94,6 +111,7 @@ class DaemonSummary(msgspec.Struct):
     workers: list[WorkerMemory]
     replaced_pids: list[int]
     restarted: bool = False  # restarted during the run (--kill-supervisor, --restart): counters are since the restart
+    prefix_store: PrefixStoreEnd | None = None  # None: it keeps none
 
 
 class KillRecord(msgspec.Struct):
@@ -269,6 +287,8 @@ def render(report: StressReport) -> str:
         )
     if any(d.restarted for d in report.daemons):
         lines.append("* restarted during the run (--kill-supervisor, --restart): its counters are since the restart")
+    if report.options.get("shared_prefix"):
+        lines += _prefix_lines(report)
     if report.replans:
         lines += ["", f"{'RE-PLAN':<22} {'ONTO':<26} {'LEN':>4} {'OUTCOME':<12} {'BYTES':>10} {'ms':>8}"]
         for r in report.replans:
@@ -300,4 +320,24 @@ def _recovery_lines(report: StressReport) -> list[str]:
             copy = f"{k.session_id}'s copy at length {k.victim_copy.length}" if k.victim_copy is not None else "no copy of the killed session"
             lines.append(f"kill of daemon {k.daemon}: {copy} (idle wait {k.copy_wait_s:.2f} s); restarted in {k.restart_s:.2f} s; adopted "
                          + (", ".join(f"{a.session_id[-8:]}@{a.length}" for a in k.adopted) or "nothing") + f"; {k.adoption_line or 'no adoption line'}")
+    return lines
+
+
+def _prefix_lines(report: StressReport) -> list[str]:
+    """--shared-prefix: each session's prompt and what the router reused for it, then each daemon's prefix counters and store."""
+    options = report.options
+    lines = ["", f"SHARED PREFIXES (--prefix-block {options['prefix_block']}, --prefix-cache-budget {format_bytes(int(options['prefix_cache_bytes']))} per daemon)",
+             f"{'SESSION':<22} {'PROMPT':>6} {'SHARES':>6} {'HITS':>4} {'TOKENS':>6} {'FALLBK':>6}  {'KIND':<24} REUSED AT EACH FRESH START"]
+    for s in report.sessions:
+        starts = " ".join(str(tokens) for tokens in s.prefix_starts) or "-"
+        lines.append(f"{s.session_id[-22:]:<22} {s.prompt_tokens:>6} {s.shared_tokens:>6} {s.prefix_hits:>4} {s.prefix_hit_tokens:>6} {s.prefix_fallbacks:>6}  {s.prompt_kind:<24} {starts}")
+    lines.append(f"{'router total':<22} {'':>6} {'':>6} {sum(s.prefix_hits for s in report.sessions):>4} {sum(s.prefix_hit_tokens for s in report.sessions):>6} "
+                 f"{sum(s.prefix_fallbacks for s in report.sessions):>6}")
+    lines += ["", f"{'DAEMON':<7} {'HITS':>5} {'TOKENS':>6} {'MISSES':>6} {'STORED':>6} {'EVICT':>5} {'LOOKUPS':>7} {'PARKED':>6} {'RESTORED':>8}  STORE AT THE END"]
+    for index, d in enumerate(report.daemons):
+        c = d.counters
+        store = d.prefix_store
+        held = (f"{store.entries} entries, {store.blocks} blocks, {format_bytes(store.bytes)} of {format_bytes(store.limit_bytes)}" if store is not None else "no prefix store")
+        lines.append(f"{index:<7} {c.get('prefix_hits', 0):>5} {c.get('prefix_hit_tokens', 0):>6} {c.get('prefix_misses', 0):>6} {c.get('prefix_stored', 0):>6} "
+                     f"{c.get('prefix_evictions', 0):>5} {c.get('prefix_lookups', 0):>7} {c.get('spills', 0):>6} {c.get('restores', 0):>8}  {held}")
     return lines

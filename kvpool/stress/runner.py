@@ -28,6 +28,7 @@ from kvpool.stress.faults import resume_stalled
 from kvpool.stress.log import DaemonReference, LocalReference, ReplayOutcome, replay_alone
 from kvpool.stress.options import UNLIMITED_BUDGET, StressOptions
 from kvpool.stress.plans import SessionSetup, build_plans
+from kvpool.stress.prefixes import SharedPrompt, shared_prompts
 from kvpool.stress.processes import Footprint
 from kvpool.stress.recording import Recorder, Sampler
 from kvpool.stress.replans import SessionReplans, open_replan_chain
@@ -62,11 +63,13 @@ def say_on_stderr(message: str) -> None:
     print(f"kvpool stress: {message}", file=sys.stderr, flush=True)
 
 
-def _prompts(tokenizer: Tokenizer, count: int) -> list[tuple[int, ...]]:
+def _prompts(tokenizer: Tokenizer, options: StressOptions) -> list[SharedPrompt]:
+    if options.shared_prefix:
+        return shared_prompts(tokenizer, options.sessions, options.seed, options.prefix_block)
     prompts = []
-    for index in range(count):
+    for index in range(options.sessions):
         text = PROMPTS[index % len(PROMPTS)] + (f" (variant {index // len(PROMPTS)})" if index >= len(PROMPTS) else "")
-        prompts.append(tuple(tokenizer.encode(tokenizer.chat_prompt(text))))
+        prompts.append(SharedPrompt(tuple(tokenizer.encode(tokenizer.chat_prompt(text))), "", 0))
     return prompts
 
 
@@ -106,6 +109,9 @@ def _run_sessions(
             drivers.append(SessionDriver(setup, clients, options, recorder, control))
             if second is not None:
                 drivers[-1].replans = SessionReplans(second, setup.session_id, options.ops)
+        for driver in drivers:
+            if driver.setup.follows is not None:
+                driver.follows = drivers[driver.setup.follows]
         threads = [threading.Thread(target=driver.run, name=driver.session_id, daemon=True) for driver in drivers]
         stop = threading.Event()
         progress = threading.Thread(
@@ -177,6 +183,8 @@ def _session_summary(driver: SessionDriver, replay: ReplayOutcome, started: floa
         admissions=len(driver.admission_waits), max_admission_wait_s=round(max(driver.admission_waits, default=0.0), 3),
         full_replays=driver.full_replays, full_replayed_tokens=counts.replayed_tokens, tail_replays=counts.tail_replays,
         tail_replayed_tokens=counts.tail_replayed_tokens, position_mismatches=counts.position_mismatches, restores=driver.restores,
+        prompt_kind=driver.setup.prompt_kind, shared_tokens=driver.setup.shared_tokens, prefix_hits=counts.prefix_hits,
+        prefix_hit_tokens=counts.prefix_hit_tokens, prefix_fallbacks=counts.prefix_fallbacks, prefix_starts=list(driver.prefix_starts),
     )
 
 
@@ -193,10 +201,10 @@ def run_stress(options: StressOptions, *, say: Say = say_on_stderr) -> StressRep
             source = options.model or bundled_model_path()
             shard_paths = [shard.path for shard in shards_in_parts(source, options.parts, progress=say)]
         with Tokenizer(shard_paths[0]) as tokenizer:
-            prompts = _prompts(tokenizer, options.sessions)
+            prompts = _prompts(tokenizer, options)
             filler = tuple(tokenizer.encode(FILLER_TEXT, add_special=False)[:FILLER_ROWS])
         plans = build_plans(options, len(shard_paths))
-        chain = open_chain(options, socket_dir, prompts[0], say, shard_paths, plans)
+        chain = open_chain(options, socket_dir, prompts[0].tokens, say, shard_paths, plans)
         footprint = Footprint()
         drills = DrillFacts()
         second: Chain | None = None
@@ -205,7 +213,13 @@ def run_stress(options: StressOptions, *, say: Say = say_on_stderr) -> StressRep
                 second = open_replan_chain(source, options.second_parts, socket_dir, chain.serve_options[0], chain.workers_expected, say)
                 footprint.add(second.daemons)
                 before_second = take_snapshot(second.sockets)
-            setups = [SessionSetup(i, f"{run_prefix}{i}", prompts[i], filler, plans[i]) for i in range(options.sessions)]
+            setups = [
+                SessionSetup(i, f"{run_prefix}{i}", prompts[i].tokens, filler, plans[i], prompts[i].kind, prompts[i].shared_tokens, prompts[i].follows)
+                for i in range(options.sessions)
+            ]
+            if options.shared_prefix:
+                say(f"prompts sharing prefixes (--prefix-block {options.prefix_block}): "
+                    + ", ".join(f"{len(p.tokens)} tokens ({p.kind}, shares {p.shared_tokens})" for p in prompts))
             control = ChainControl(chain, say) if options.kill_supervisor or options.restart else None
             footprint.add(chain.daemons)
             before = take_snapshot(chain.sockets)

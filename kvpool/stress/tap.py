@@ -97,6 +97,14 @@ class TappedClient:
     def import_state(self, session_id: str, epoch: int, state: bytes) -> int:
         return self._answered(lambda client: client.import_state(session_id, epoch, state))
 
+    def lookup_prefix(self, scope: str, digests: list[bytes]) -> int:
+        """The router's prefix lookup (kvpool.router.prefix), passed through."""
+        return self._call(lambda client: client.lookup_prefix(scope, digests))
+
+    def admit_prefix(self, session_id: str, epoch: int, scope: str, digests: list[bytes], *, n_ctx: int = 0) -> int:
+        """The router's admission from a stored prefix, answered like every request (a cache_miss prefix_evicted counted)."""
+        return self._answered(lambda client: client.admit_prefix(session_id, epoch, scope, digests, n_ctx=n_ctx))
+
     def stats(self) -> StatsReply:
         return self._call(lambda client: client.stats())
 

@@ -14,6 +14,7 @@ wait for the daemon that follows and send again what the old one took nothing of
 
 from __future__ import annotations
 
+import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Protocol
@@ -59,7 +60,9 @@ class TappedSession:
         self.recorder = recorder
         self.control = control
         self.clients = [TappedClient(stage, client, self) for stage, client in enumerate(clients)]
-        self.router = Router(self.clients, policy=POLICY, seed=options.seed)
+        # Prefix reuse only where the scenario keeps every reuse checkable (kvpool.stress.prefixes): elsewhere a session
+        # restarted with more than its prompt could take a prefix stored from other chunks than the run alone computes.
+        self.router = Router(self.clients, policy=POLICY, seed=options.seed, prefix_cache=options.shared_prefix)
         self.session = self.router.session(setup.session_id, n_ctx=options.n_ctx, admit_timeout_s=ADMIT_TIMEOUT_S)
         self.logits: np.ndarray | None = None
         self.log: list[LogEntry] = []
@@ -76,6 +79,8 @@ class TappedSession:
         self.admission_waits: list[float] = []  # seconds each admission took, queue and back-off included
         self.replans: SessionReplans | None = None  # --replan: the second chain's clients and the re-plans done
         self.first_clients = self.clients
+        self.prefix_starts: list[int] = []  # the positions each fresh start of the session took from a stored prefix (0: none)
+        self.first_start = threading.Event()  # its first append is done (or it ended without one)
 
     @property
     def epoch(self) -> int:
@@ -107,9 +112,13 @@ class TappedSession:
         did first is logged here; the append itself is the caller's to log (took_effect)."""
         counts = self.session.counts
         before, partition, replays, lost = self.session.tokens, self.session.partition, counts.replays, counts.connections_lost
+        fresh, reused = not before, counts.prefix_hit_tokens
         try:
             rows = self.session.append(list(tokens))
         finally:
+            if fresh and self.session.length:  # a prefix is logged as part of the append: the run alone computes it in that chunk
+                self.prefix_starts.append(counts.prefix_hit_tokens - reused)
+                self.first_start.set()
             if counts.replays != replays:
                 self.log += replayed(before, partition)
                 self.resets += 1

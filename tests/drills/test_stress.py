@@ -32,7 +32,8 @@ from kvpool.stress.options import LATE_CANCEL, FaultKind, OpKind, StressOptions
 from kvpool.stress.plans import build_plans, cancel_targets
 from kvpool.stress.report import SessionSummary, StressReport
 from kvpool.stress.runner import run_stress
-from kvpool.stress.drill_checks import kill_supervisor_verdict, restart_verdict
+from kvpool.stress.drill_checks import kill_supervisor_verdict, restart_verdict, shared_prefix_verdict
+from kvpool.stress.prefixes import prefill_rows, shared_prompts
 from kvpool.stress.report import DaemonSummary, RestartRecord, SavedState, SupervisorKillRecord
 from kvpool.wire.protocol import ErrorCode, ErrorReply
 from tests.conftest import EVEN_SPLIT
@@ -473,6 +474,13 @@ def test_options_are_validated():
     edge = StressOptions(kill_supervisor=True, persist_after_s=0)  # 0: a copy as soon as a session is idle
     assert edge.durable and edge.scenario == "kill-supervisor+persist-after-0"
     assert StressOptions(restart=True).durable and not StressOptions(restart=True).may_lose_state  # a drain loses nothing
+    for bad in (dict(shared_prefix=True, spill=True), dict(shared_prefix=True, budget_for=2), dict(shared_prefix=True, kill_worker=True),
+                dict(shared_prefix=True, sockets=(pathlib.Path("/tmp/x.sock"),)), dict(shared_prefix=True, prefix_block=0),
+                dict(shared_prefix=True, prefix_block=200), dict(shared_prefix=True, prefix_cache_bytes=0)):
+        with pytest.raises(ValueError):
+            StressOptions(**bad)
+    assert StressOptions(shared_prefix=True, mode="batched").scenario == "batched+shared-prefix"
+    assert StressOptions(shared_prefix=True).warm_tier and not StressOptions().warm_tier
 
 
 def test_script_and_subcommand_help_and_bad_options():
@@ -482,6 +490,7 @@ def test_script_and_subcommand_help_and_bad_options():
     assert all(flag in script.stdout for flag in ("--kill-supervisor", "--stall-worker", "--stall-timeout", "--slow-reader", "--restart", "--persist-after"))
     command = subprocess.run([sys.executable, "-m", "kvpool", "stress", "--help"], capture_output=True, text=True, timeout=60)
     assert command.returncode == 0 and "--sockets" in command.stdout
+    assert all(flag in command.stdout for flag in ("--shared-prefix", "--prefix-block", "--prefix-cache-budget"))
     bad = subprocess.run([sys.executable, "-m", "kvpool", "stress", "--sessions", "0"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--sessions must be at least 1" in bad.stderr
     bad = subprocess.run([sys.executable, "-m", "kvpool", "stress", "--persist-after", "-1"], capture_output=True, text=True, timeout=60)
@@ -515,3 +524,66 @@ def test_replan_moves_every_session_onto_another_split_and_back_exactly(tmp_path
         StressOptions(replan=True, kill_worker=True)
     with pytest.raises(ValueError):
         StressOptions(replan=True, replan_parts=3)
+
+
+# ---- --shared-prefix ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(HANG_GUARD_S)
+@pytest.mark.parametrize("mode", ["process", "batched"])
+def test_shared_prefix_sessions_start_from_stored_prefixes_and_each_is_exact(tmp_path, mode):
+    """Issue 28 item 8: prompts sharing system prompts (whole, cut inside a block, none) through daemons with a
+    prefix store of 16-token blocks that evicts, on two places each, under cancels, truncates, releases and epoch
+    bumps: fresh sessions start from stored prefixes (the router and every daemon count the hits), and every
+    session equals its appends alone, each prompt computed there in one chunk."""
+    report = _run(tmp_path, shared_prefix=True, mode=mode, ops=DRILL_OPS, seed=2)
+    _assert_common(report)
+    assert report.scenario == ("shared-prefix" if mode == "process" else "batched+shared-prefix")
+    assert _verdict(report, "shared_prefix").passed and _verdict(report, "progress").passed
+    hits, tokens = sum(s.prefix_hits for s in report.sessions), sum(s.prefix_hit_tokens for s in report.sessions)
+    assert hits > 0 and tokens > 0 and sum(s.recoveries for s in report.sessions) == 0  # no replay: every hit a fresh start
+    block = report.options["prefix_block"]
+    for session in report.sessions:
+        assert sum(session.prefix_starts) == session.prefix_hit_tokens and len(session.prefix_starts) >= 3  # the first, a release, an epoch bump
+        assert all(reused % block == 0 and reused <= session.prompt_tokens - 2 for reused in session.prefix_starts)
+    for daemon in report.daemons:
+        assert daemon.counters["prefix_hits"] >= hits and daemon.counters["prefix_hit_tokens"] >= tokens
+        assert daemon.counters["prefix_stored"] > 0 and daemon.prefix_store is not None and daemon.prefix_store.bytes <= daemon.prefix_store.limit_bytes
+    assert {code for code in report.errors_by_code if code.startswith("cache_miss/")} <= {"cache_miss/new_epoch", "cache_miss/prefix_evicted"}  # nothing lost
+
+
+def test_shared_prefix_prompts_share_system_prompts_and_prefill_chunks_keep_reuse_checkable(tokenizer):
+    for sessions, seed in ((4, 0), (6, 1), (8, 2)):
+        prompts = shared_prompts(tokenizer, sessions, seed, 16)
+        kinds = [prompt.kind for prompt in prompts]
+        assert "none" in kinds and any("cut at" in kind for kind in kinds)
+        for kind in {kind.split(" cut")[0] for kind in kinds if kind != "none"}:  # every system prompt given to two sessions or more
+            assert sum(k.split(" cut")[0] == kind for k in kinds) >= 2
+        for prompt in prompts:
+            if "cut at" in prompt.kind:
+                assert int(prompt.kind.rsplit(" ", 1)[1]) % 16  # diverges inside a block
+            assert prompt.follows is None or prompt.shared_tokens >= 16
+        for a in prompts:
+            for b in prompts:
+                assert a is b or a.tokens[: len(b.tokens)] != b.tokens  # no prompt is a prefix of another
+    rng = random.Random(0)
+    assert prefill_rows(0, 90, 40, rng) == 40  # a fresh session's first append: its whole prompt
+    for pending in range(1, 60):
+        rows = prefill_rows(7, pending, 40, rng)
+        assert 1 <= rows <= pending and pending - rows != 1 and (rows > 1 or pending == 1)
+
+
+def test_shared_prefix_verdict_fails_without_a_hit_or_when_a_daemon_admitted_less():
+    daemons = [msgspec.structs.replace(_daemon(), counters={"prefix_hits": 2, "prefix_hit_tokens": 48, "prefix_stored": 3, "prefix_evictions": 1, "spills": 2}) for _ in range(3)]
+    hit = _summary("a", prefix_hits=2, prefix_hit_tokens=48, prefix_starts=[16, 32])
+    verdict, warnings = shared_prefix_verdict([hit], daemons, True)
+    assert verdict.passed and warnings == []
+    verdict, _ = shared_prefix_verdict([_summary("a", prefix_starts=[0, 0])], daemons, True)
+    assert not verdict.passed and "no session started from a stored prefix" in verdict.detail
+    short = [*daemons[:2], msgspec.structs.replace(_daemon(), counters={"prefix_hits": 1, "prefix_hit_tokens": 16})]
+    verdict, _ = shared_prefix_verdict([hit], short, True)
+    assert not verdict.passed and "a daemon admitted fewer" in verdict.detail
+    verdict, warnings = shared_prefix_verdict([_summary("a", prefix_hits=1, prefix_hit_tokens=16, prefix_starts=[0, 16])], [_daemon()] * 3, True)
+    assert not verdict.passed  # the daemons count no admission
+    assert any("evicted" in w for w in warnings) and any("first start" in w for w in warnings) and any("parked" in w for w in warnings)
+    assert not shared_prefix_verdict([hit], daemons, False)[0].passed  # not exact
