@@ -164,7 +164,7 @@ class RoutedSession:
                 reused = self._reuse_prefix(tokens) if start == 0 and self._fresh and output_rows == "last" else 0
                 self._fresh = False
                 try:
-                    result = self._walk(start + reused, tokens[reused:], output_rows, sampling, before=tokens[:reused])
+                    result = self._walk(start + reused, tokens[reused:], output_rows, sampling, before=tokens[:reused] if reused else None)
                 except BaseException:
                     if reused:
                         self._needs_replay = True  # the daemons hold the prefix, the router's history does not

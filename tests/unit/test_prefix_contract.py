@@ -203,3 +203,34 @@ def test_the_router_starts_new_sessions_from_the_longest_prefix_the_whole_route_
     finally:
         for client in clients:
             client.close()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_every_append_of_a_routed_session_names_its_own_blocks_from_position_zero(serve, fake_shards, mode):
+    """The digests an append carries chain from the session's first token, whatever its position: a state is
+    never filed under another prompt's digests (here a truncated session's later tokens), and blocks completed
+    one decode step at a time reach the store where those appends reach the daemon (batched mode, --no-direct)."""
+    daemons = [serve(path, *mode_flags(mode), *FLAGS, "--no-direct", name=f"own{index}") for index, path in enumerate(fake_shards)]
+    clients = [daemon.client() for daemon in daemons]
+    try:
+        router = Router(clients)
+        x = prompt(20, 30)
+        writer = router.session("x")
+        writer.append(x)
+        writer.truncate(5)
+        writer.append(x[5:29])  # positions [5, 29): blocks 1..6 end inside it
+        y = x[5:21] + x[:4]  # begins with the writer's later tokens: no stored state holds them at positions [0, 16)
+        assert [client.lookup_prefix("", chain_digests(y, BLOCK)) for client in clients] == [0, 0, 0]
+        reader = router.session("y")
+        assert np.array_equal(reader.append(y)[-1], route_rows(clients, y)) and router.counts.prefix_hits == 0
+        decoder = router.session("decoder")
+        tokens = prompt(21, 2 * BLOCK + 1)
+        decoder.append(tokens)
+        for step in range(2 * BLOCK):  # blocks 2..4 completed one row at a time
+            tokens.append(step + 1)
+            decoder.append(tokens[-1:])
+        decoder.release()
+        assert [held(client, tokens) for client in clients] == [len(tokens) // BLOCK] * 3
+    finally:
+        for client in clients:
+            client.close()
