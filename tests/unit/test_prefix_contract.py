@@ -189,8 +189,10 @@ def test_the_router_starts_new_sessions_from_the_longest_prefix_the_whole_route_
         clients[1].release("second", second.epoch)  # the middle daemon loses it: the next append replays
         step = second.append([5])
         assert np.array_equal(step[-1], route_rows(clients, system + [3, 4, 5]))
-        assert (router.counts.replays, router.counts.prefix_hits) == (1, 2)  # the replay started from the prefix too
-        assert router.counts.replayed_tokens == 4  # the appends after the prefix: 3 tokens, then 1
+        # the replay's release offered each daemon's state of the session (its 4 blocks) before the new epoch: it
+        # starts from all of them and sends nothing again
+        assert (router.counts.replays, router.counts.prefix_hits, router.counts.prefix_hit_tokens) == (1, 2, 3 * BLOCK + 4 * BLOCK)
+        assert router.counts.replayed_tokens == 0
         first.release()
         second.release()
         off = Router(clients, prefix_cache=False).session("off")
