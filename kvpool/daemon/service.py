@@ -128,7 +128,7 @@ class KvService:
             f"adopted {len(adopted)} parked sessions from {self.config.spill_dir}"
             + (f" ({sum(session.length for session in adopted)} positions)" if adopted else "")
             + (f"; not adopted: {removed}" if rejected else "")
-            + (f"; {adopted_prefixes} stored prefixes" if self.books.prefixes.enabled else "")
+            + (f"; {adopted_prefixes} stored prefixes" if adopted_prefixes or prefixes else "")
             + (f" (not adopted: {prefixes_removed})" if prefixes else "")
         )
 

@@ -50,7 +50,7 @@ class PrefixChain:
 def route_block(route: Route) -> int:
     """Tokens per block of the route's prefix stores: every daemon's, when they all keep one of one size;
     0 (no reuse) otherwise."""
-    blocks = {getattr(client.hello, "prefix_block", 0) for client in route.clients}
+    blocks = {getattr(getattr(client, "hello", None), "prefix_block", 0) for client in route.clients}  # a client without a Hello: none
     return blocks.pop() if len(blocks) == 1 else 0
 
 
