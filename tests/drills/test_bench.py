@@ -118,8 +118,8 @@ def test_quick_bench_prints_every_section_and_writes_json_and_png(tmp_path: path
     assert all(summary[f"s10_reprefill_vs_restored_{length}"] > 0 for length in (512, 2048))
     assert summary["s11_moved_every_session"] and all(summary[f"s11_moved_bytes_{length}"] > 0 for length in (128, 512))
     assert "| 11 | every re-plan moved its session (RecoveryCounts: 1 move, its bytes, 0 replays), books ok on all 5 daemons | yes |" in completed.stdout
-    assert summary["s12_reused_every_round"] and summary["s12_books_ok"] and summary["s12_cached_vs_uncached"] > 0
-    assert {"prefix_cached_vs_uncached_ttft", "prefix_vs_llama_cpp_ttft"} <= set(results["ratios"])
+    assert summary["s12_cached_vs_uncached"] > 0
+    _check_prefix_section(results, table)
 
     chart = out / "bench-quick.png"
     assert chart.read_bytes()[:8] == PNG_SIGNATURE
@@ -207,20 +207,12 @@ def test_move_section_refuses_too_few_tokens_before_starting_a_daemon(shards, tm
     assert not list((tmp_path / "sockets").iterdir())
 
 
-# ---- section 12 alone, quick form (`kvpool bench --only prefix --quick`) ---------------------------------
+# ---- section 12 (shared prefixes), checked on the quick bench's run --------------------------------------
 
 
-@pytest.mark.timeout(BENCH_HANG_GUARD_S + 300)
-def test_only_prefix_quick_times_a_new_session_with_and_without_the_stored_prefix_and_llama_cpp_and_the_memory_of_both_modes(tmp_path):
-    out = tmp_path / "bench"
-    completed = run_to_completion(
-        [sys.executable, "-m", "kvpool", "bench", "--only", "prefix", "--quick", "--out", str(out)], cwd=REPOSITORY, timeout_s=BENCH_HANG_GUARD_S,
-    )
-    assert completed.returncode == 0, completed.stderr[-4000:]
-    table = [line for line in completed.stdout.splitlines() if line.startswith("|")]
-    assert {line.split("|")[1].strip() for line in table[2:]} == {"12"}
-    results = json.loads((out / "bench-prefix.json").read_text())
-    assert results["table"].strip() == "\n".join(table).strip()
+def _check_prefix_section(results: dict, table: list[str]) -> None:
+    """What section 12 must show in a quick run: every variant timed three times, every cached session started
+    from the stored 1,024 tokens on all three daemons, the memory readings of both modes, its ratios and rows."""
     prefix = results["prefix"]
     assert (prefix["system_tokens"], prefix["message_tokens"], prefix["block"], prefix["rounds"]) == (1024, 32, 32, 3)
     for name in ("cached", "uncached", "llama.cpp", "llama.cpp fresh context", "components"):
