@@ -55,11 +55,18 @@ Threads: every single-session figure uses 1 llama thread per computing context (
 router caps the chain at 2 appends in flight (at most 2 llama threads); an uncapped chain row is shown too.
 Flash attention is off everywhere. Greedy decoding continues past end-of-generation tokens (timing only).
 
-The JSON's "ratios" names the headline ratios, each with its target (null: none) and whether it was met.
+The JSON's "ratios" names the headline ratios, each with its target (null: none), whether it was met and its
+verdict. The bench checks its own runs (kvpool.bench.checks): each section's load (JSON "load": load
+averages at its start and end, other processes' CPU seconds as cores' worth and as a share of wall x cores);
+a section during which other processes used more than 0.10 cores keeps its figures but its ratios get the
+verdict "contended: not a ratio", and the run's end names it; a llama.cpp batched reference slower for four
+sequences than for one alone in the same context is a "broken reference: not a ratio"; every timed figure's
+rounds, min, median and max are in the JSON's "spread" (quick: 3 rounds each but section 10's one; verdicts on medians).
 """
 
 # The package's docstring is `kvpool bench --help`'s description (here and in kvpool/cli/bench.py).
-# Modules, in import order: options (BenchOptions, shared constants), reference (llama.cpp contexts),
+# Modules, in import order: options (BenchOptions, shared constants), checks (load, contention, broken
+# references, rounds), reference (llama.cpp contexts),
 # rig (daemons, models, timing helpers), one_session (sections 1, 2, 4), parallel (section 3),
 # admission (sections 5, 6), table (rows and cell formats), targets (sections 1-6's targets),
 # one_session_report, parallel_report, admission_report (those sections' summaries and rows), warm

@@ -20,6 +20,7 @@ import psutil
 
 from kvpool.bench.admission import measure_admission, measure_memory
 from kvpool.bench.chart import write_chart
+from kvpool.bench.checks import LoadMeter, contended_lines, round_spreads
 from kvpool.bench.durable import measure_durable, tokens_needed
 from kvpool.bench.move import measure_move, moved_split
 from kvpool.bench.one_session import measure_mid_shard, measure_route
@@ -103,24 +104,34 @@ def run_bench(options: BenchOptions) -> tuple[dict, str]:
             "daemons": {"start_s": rig.daemon_start_s, "options": rig.daemon_options},
             "shards": {shard.path.name: file_sha256(shard.path) for shard in rig.shards},
         }
+        meter = LoadMeter()
         bench_say("section 1 and 4: the middle shard, one session")
-        results["mid_shard"] = measure_mid_shard(rig)
+        with meter.section("mid_shard"):
+            results["mid_shard"] = measure_mid_shard(rig)
         bench_say("section 2: one session through the whole route")
-        results["route"] = measure_route(rig, [rig.client(f"chain{index}") for index in range(len(rig.shards))], rig.client("whole"))
+        with meter.section("route"):
+            results["route"] = measure_route(rig, [rig.client(f"chain{index}") for index in range(len(rig.shards))], rig.client("whole"))
         bench_say("section 3: four sessions at once")
-        results["parallel"] = measure_parallel(rig)
+        with meter.section("parallel"):
+            results["parallel"] = measure_parallel(rig)
         bench_say("section 5: admission and reclaim")
-        results["admission"] = measure_admission(rig)
+        with meter.section("admission"):
+            results["admission"] = measure_admission(rig)
         bench_say("section 6: memory")
-        results["memory"] = measure_memory(rig)
+        with meter.section("memory"):
+            results["memory"] = measure_memory(rig)
         bench_say("section 7: warm tier, restore vs re-prefill and sessions per GiB")
-        results["warm"] = measure_warm(rig)
-        results["overload"] = _run_own_section("overload", rig.shards, rig.tokenizer, rig.socket_dir, options)
+        with meter.section("warm"):
+            results["warm"] = measure_warm(rig)
+        with meter.section("overload"):
+            results["overload"] = _run_own_section("overload", rig.shards, rig.tokenizer, rig.socket_dir, options)
         bench_say("section 9: start-up at several --n-ctx beside a bare context")
-        results["startup"] = measure_startup(rig)
-        results["durable"] = _run_own_section("durable", rig.shards, rig.tokenizer, rig.socket_dir, options)
-        results["move"] = _run_own_section("move", rig.shards, rig.tokenizer, rig.socket_dir, options)
-        results["prefix"] = _run_own_section("prefix", rig.shards, rig.tokenizer, rig.socket_dir, options)
+        with meter.section("startup"):
+            results["startup"] = measure_startup(rig)
+        for name in ("durable", "move", "prefix"):
+            with meter.section(name):
+                results[name] = _run_own_section(name, rig.shards, rig.tokenizer, rig.socket_dir, options)
+        results["load"] = meter.loads
     finally:
         rig.close()
     results = _jsonable(results)
@@ -136,6 +147,8 @@ def run_bench(options: BenchOptions) -> tuple[dict, str]:
     results["summary"] = summary
     results["ratios"] = ratios
     results["table"] = table
+    results["spread"] = _spreads(results)
+    _say_checks(results)
     options.out_dir.mkdir(parents=True, exist_ok=True)
     stem = "bench-quick" if options.quick else "bench"
     json_path = options.out_dir / f"{stem}.json"
@@ -150,6 +163,27 @@ def run_bench(options: BenchOptions) -> tuple[dict, str]:
         write_chart(results, summary, chart_path)
         bench_say(f"wrote {chart_path}")
     return results, table
+
+
+# the parts of the results that are the bench's own records, not a section's measurements
+NOT_SECTIONS = frozenset({"environment", "options", "daemons", "shards", "load", "spread", "summary", "ratios", "table"})
+
+
+def _spreads(results: dict) -> dict:
+    """Each section's timed figures: rounds, min, median, max (kvpool.bench.checks.round_spreads)."""
+    return {key: round_spreads(value) for key, value in results.items() if key not in NOT_SECTIONS and isinstance(value, dict)}
+
+
+def _say_checks(results: dict) -> None:
+    """At a run's end: one line per contended section, and what has fewer rounds than a measurement needs."""
+    for line in contended_lines(results.get("load", {})):
+        bench_say(line)
+    if results["summary"].get("s3_reference_broken"):
+        bench_say("section 3's llama.cpp batched reference was broken (slower for 4 sequences than for 1 alone): its ratios are not verdicts")
+    few = [f"{section}/{path} ({spread['rounds']})" for section, paths in results["spread"].items()
+           for path, spread in paths.items() if not spread["enough"]]
+    if few:
+        bench_say(f"{len(few)} figures have fewer than 3 rounds: {', '.join(few[:12])}{' ...' if len(few) > 12 else ''}")
 
 
 # ---- sections on daemons of their own: in the whole run, or alone with --only -------------------------
@@ -195,16 +229,22 @@ def run_only(options: BenchOptions, names: list[str]) -> tuple[dict, str]:
     shards = shards_in_parts(options.model, 3, progress=bench_say)
     socket_dir = pathlib.Path(tempfile.mkdtemp(prefix="kvpool-bench-"))
     try:
+        meter = LoadMeter()
+        measured = {}
         with Tokenizer(shards[0].path) as tokenizer:
-            measured = {name: _run_own_section(name, shards, tokenizer, socket_dir, options) for name in names}
+            for name in names:
+                with meter.section(name):
+                    measured[name] = _run_own_section(name, shards, tokenizer, socket_dir, options)
     finally:
         shutil.rmtree(socket_dir, ignore_errors=True)
     env["load_average_at_end"] = os.getloadavg()
-    summary, ratios, rows = summarize(measured)
+    summary, ratios, rows = summarize({**measured, "load": meter.loads})
     table = render_table(rows)
     results = _jsonable({"environment": env, "options": dataclasses.asdict(options),
                          "shards": {shard.path.name: file_sha256(shard.path) for shard in shards},
-                         **measured, "summary": summary, "ratios": ratios, "table": table})
+                         **measured, "load": meter.loads, "summary": summary, "ratios": ratios, "table": table})
+    results["spread"] = _spreads(results)
+    _say_checks(results)
     options.out_dir.mkdir(parents=True, exist_ok=True)
     json_path = options.out_dir / f"bench-{'-'.join(names)}.json"
     json_path.write_text(json.dumps(results, indent=1, allow_nan=False) + "\n")
@@ -224,17 +264,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="a short run (about a minute): few rounds and steps")
     parser.add_argument("--model", type=pathlib.Path, help="source GGUF (default: the bundled model)")
     parser.add_argument("--out", type=pathlib.Path, help="output folder (default: <work dir>/bench)")
-    parser.add_argument("--rounds", type=int, help="interleaved rounds of the one-session sections (default 7, quick 2)")
-    parser.add_argument("--decode-steps", type=int, help="timed decode steps per round (default 96, quick 8)")
-    parser.add_argument("--parallel-rounds", type=int, help="interleaved rounds of the four-session section (default 7, quick 1)")
-    parser.add_argument("--parallel-steps", type=int, help="decode steps per session per round (default 64, quick 8)")
-    parser.add_argument("--repeats", type=int, help="admissions/releases/evictions per size (default 11, quick 2)")
-    parser.add_argument("--warm-repeats", type=int, help="rounds of restore against re-prefill per session length (default 3, quick 2)")
-    parser.add_argument("--overload-rounds", type=int, help="interleaved rounds of the overload section (default 3, quick 1)")
-    parser.add_argument("--overload-steps", type=int, help="decode steps per session in the overload section (default 32, quick 8)")
+    parser.add_argument("--rounds", type=int, help="interleaved rounds of the one-session sections (default 7, quick 3)")
+    parser.add_argument("--decode-steps", type=int, help="timed decode steps per round (default 96, quick 6)")
+    parser.add_argument("--parallel-rounds", type=int, help="interleaved rounds of the four-session section (default 7, quick 3)")
+    parser.add_argument("--parallel-steps", type=int, help="decode steps per session per round (default 64, quick 4)")
+    parser.add_argument("--repeats", type=int, help="admissions/releases/evictions per size (default 11, quick 3)")
+    parser.add_argument("--warm-repeats", type=int, help="rounds of restore against re-prefill per session length (default 3, quick 3)")
+    parser.add_argument("--overload-rounds", type=int, help="interleaved rounds of the overload section (default 3, quick 3)")
+    parser.add_argument("--overload-steps", type=int, help="decode steps per session in the overload section (default 32, quick 3)")
     parser.add_argument("--durable-sessions", type=int, help="section 10: parked sessions drained and adopted (default 8, quick 4)")
     parser.add_argument("--durable-rounds", type=int, help="section 10: rounds of its three daemon lifetimes (default 2, quick 1)")
-    parser.add_argument("--move-rounds", type=int, help="section 11: interleaved rounds of move against replay per length (default 2, quick 1)")
+    parser.add_argument("--move-rounds", type=int, help="section 11: interleaved rounds of move against replay per length (default 2, quick 3)")
     parser.add_argument("--prefix-rounds", type=int, help="section 12: interleaved rounds of its time-to-first-token variants (default 7, quick 3)")
     alone = parser.add_mutually_exclusive_group()
     alone.add_argument("--only", type=_only, metavar="NAME[,NAME]", help=f"run only these sections, each on daemons of its own: {', '.join(f'{name} ({section})' for name, (section, _what, _how) in OWN_DAEMON_SECTIONS.items())}; writes <out>/bench-<names>.json")

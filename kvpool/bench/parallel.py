@@ -74,9 +74,11 @@ def _parallel_kvpool(
     return len(appenders) * steps / (max(finished) - started)
 
 
-def _parallel_batched(model: ShardModel, unified: bool, prompts: list[list[int]], steps: int) -> float:
+def _parallel_batched(model: ShardModel, unified: bool, prompts: list[list[int]], alone: list[float], steps: int) -> float:
     """A context of its own per run (created and freed untimed), so no other llama context is alive in
-    this process while it decodes."""
+    this process while it decodes. After the batched steps, the first sequence decodes `steps` more tokens
+    alone in the same context: its tokens/s go into `alone` (the reference's self-check,
+    kvpool.bench.checks.broken_reference)."""
     batched = BatchedContext(model, len(prompts), ROUTE_N_CTX, n_threads=PARALLEL_THREADS, unified=unified)
     try:
         tokens = batched.prefill(prompts)
@@ -85,7 +87,14 @@ def _parallel_batched(model: ShardModel, unified: bool, prompts: list[list[int]]
         for _ in range(steps):
             tokens = batched.step(tokens, positions)
             positions = [position + 1 for position in positions]
-        return len(prompts) * steps / (time.perf_counter() - started)
+        rate = len(prompts) * steps / (time.perf_counter() - started)
+        token, position = tokens[0], positions[0]
+        started = time.perf_counter()
+        for _ in range(steps):
+            token = batched.step_alone(0, token, position)
+            position += 1
+        alone.append(steps / (time.perf_counter() - started))
+        return rate
     finally:
         batched.close()
 
@@ -211,6 +220,7 @@ def measure_parallel(rig: Rig) -> dict:
     round_counter = [0]
     whole = rig.daemons["whole"]
     whole_cpu: list[dict[str, float]] = []  # CPU seconds per decoded token, by process role, per round
+    alone: dict[str, list[float]] = {name: [] for name in batched}  # one sequence alone in each batched context, tok/s per round
 
     def whole_appenders(tag: str) -> list:
         return [_whole_appender(whole_clients[index], f"bench-par-{tag}-{index}") for index in range(SESSIONS)]
@@ -240,7 +250,7 @@ def measure_parallel(rig: Rig) -> dict:
         return rate
 
     runners: dict[str, Callable[[int], float]] = {
-        **{name: functools.partial(_parallel_batched, rig.whole_model, unified, prompts) for name, unified in batched.items()},
+        **{name: functools.partial(_parallel_batched, rig.whole_model, unified, prompts, alone[name]) for name, unified in batched.items()},
         CEILING: lambda steps: ceiling.run(prompts, steps),
         "kvpool whole model, 1 daemon": lambda steps: kvpool_variant(whole_appenders, [[c] for c in whole_clients], steps, whole_cpu),
         "kvpool 3-shard chain, capped at 2 in flight": lambda steps: kvpool_variant(lambda tag: chain_appenders(tag, cap), chain_clients, steps),
@@ -252,6 +262,8 @@ def measure_parallel(rig: Rig) -> dict:
     try:
         for name, runner in runners.items():  # warm-up (and the whole daemon's calibration of n_ctx 1024)
             runner(4)
+        for rates_alone in alone.values():
+            rates_alone.clear()  # the warm-up's
         for round_index, order in run_interleaved(options.parallel_rounds, list(runners)):
             for name in order:
                 rates[name].append(runners[name](options.parallel_steps))
@@ -261,4 +273,4 @@ def measure_parallel(rig: Rig) -> dict:
     bench_say("four sessions: what --mode auto picks for the whole model (kvpool.daemon.mode_probe)")
     choice = probe_modes(str(rig.options.model), sessions=SESSIONS, threads=PARALLEL_THREADS, n_ctx=64)
     auto = {"mode": choice.mode, "probe_process_tok_s": choice.process_tok_s, "probe_batched_tok_s": choice.batched_tok_s}
-    return {"tokens_per_s": rates, "whole_daemon_cpu_s_per_token": whole_cpu[1:], "auto": auto}  # [0] is the warm-up
+    return {"tokens_per_s": rates, "alone_tokens_per_s": alone, "whole_daemon_cpu_s_per_token": whole_cpu[1:], "auto": auto}  # [0] is the warm-up

@@ -1,8 +1,13 @@
 """The report of section 3, four sessions at once (measured by kvpool.bench.parallel): aggregate decode
-rates against llama.cpp batched and the no-IPC ceiling, and where the cores' time per token goes."""
+rates against llama.cpp batched and the no-IPC ceiling, and where the cores' time per token goes. A batched
+reference slower in aggregate than one sequence alone (kvpool.bench.checks.broken_reference) is reported as
+broken, and no ratio against it gets a verdict."""
 
 from __future__ import annotations
 
+import dataclasses
+
+from kvpool.bench.checks import BROKEN, broken_reference, withhold
 from kvpool.bench.options import PARALLEL_THREADS, median_of
 from kvpool.bench.parallel import BATCHED_CHAIN, BATCHED_WHOLE, CEILING
 from kvpool.bench.table import Row, headline, ms, share, verdict
@@ -11,6 +16,19 @@ from kvpool.bench.targets import HOT_PATH_TARGETS, PARALLEL_TARGET
 
 def _slug(name: str) -> str:
     return "".join(c if c.isalnum() else "_" for c in name.lower()).strip("_").replace("__", "_")
+
+
+def alone_rates(results: dict) -> dict[str, float]:
+    """Median tok/s of one sequence alone for each llama.cpp batched variant: in the same context (section 3's
+    "alone_tokens_per_s"), else the same model's one-sequence decode in section 2 (1 thread; a run from before
+    the self-check), else none."""
+    parallel = results["parallel"]
+    batched_names = [name for name in parallel["tokens_per_s"] if name.startswith("llama.cpp")]
+    alone = {name: median_of(values) for name, values in parallel.get("alone_tokens_per_s", {}).items() if values}
+    if not alone and "route" in results:
+        whole_s = median_of(results["route"]["decode_s"]["llama.cpp whole"])
+        alone = {name: 1 / whole_s for name in batched_names}
+    return alone
 
 
 def summarize_parallel(results: dict) -> tuple[dict, dict, list[Row]]:
@@ -28,9 +46,15 @@ def summarize_parallel(results: dict) -> tuple[dict, dict, list[Row]]:
     summary["s3_best_batched_tok_s"] = best
     for name, rate in parallel.items():
         summary[f"s3_{_slug(name)}_tok_s"] = rate
+    alone = alone_rates(results)
+    broken = {name: broken_reference(parallel[name], alone[name]) for name in batched_names if name in alone}
+    summary["s3_reference_broken"] = broken.get(best_name, False)
     for name in batched_names:
-        rows.append(Row("3", f"four sessions, aggregate decode: {name}, {PARALLEL_THREADS} threads", "", f"{parallel[name]:.0f} tok/s{spread[name]}",
-                        "reference" if name == best_name else f"{parallel[name] / best:.3f}x of the best"))
+        check = "" if name not in alone else (f"; BROKEN: slower than 1 sequence alone ({alone[name]:.0f} tok/s)" if broken[name]
+                                              else f"; 1 sequence alone {alone[name]:.0f} tok/s")
+        rows.append(Row("3", f"four sessions, aggregate decode: {name}, {PARALLEL_THREADS} threads", "", f"{parallel[name]:.0f} tok/s{spread[name]}{check}",
+                        "reference" if name == best_name else f"{parallel[name] / best:.3f}x of the best",
+                        BROKEN if broken.get(name) else ""))
     summary["s3_ceiling_vs_batched"] = ceiling / best
     rows.append(Row("3", f"four sessions, ceiling of kvpool's schedule ({CEILING}, in-process llama.cpp) vs the best batched",
                     f"{ceiling:.0f} tok/s{spread[CEILING]}", f"{best:.0f} tok/s", f"{ceiling / best:.3f}x tok/s"))
@@ -84,4 +108,16 @@ def summarize_parallel(results: dict) -> tuple[dict, dict, list[Row]]:
     rows.append(Row("3", f"four sessions: kvpool whole model vs the same schedule without IPC ({CEILING})",
                     f"{parallel['kvpool whole model, 1 daemon']:.0f} tok/s", f"{ceiling:.0f} tok/s", f"{parallel['kvpool whole model, 1 daemon'] / ceiling:.3f}x tok/s",
                     verdict(parallel["kvpool whole model, 1 daemon"] / ceiling, HOT_PATH_TARGETS["four_sessions_vs_ceiling"])))
+    if summary["s3_reference_broken"]:
+        return summary, *withhold_broken(ratios, rows, best_name, best, alone[best_name])
     return summary, ratios, rows
+
+
+def withhold_broken(ratios: dict[str, dict], rows: list[Row], best_name: str, best: float, alone: float) -> tuple[dict[str, dict], list[Row]]:
+    """Section 3's ratios and rows when its best batched reference is broken: every ratio against it keeps its
+    value with the verdict BROKEN, and every row comparing with it says why in its target cell."""
+    why = f"{BROKEN} ({best_name}: {best:.0f} tok/s for 4 < {alone:.0f} tok/s for 1 alone)"
+    ratios = {name: withhold(ratio, BROKEN) if name.endswith("_vs_batched") else ratio for name, ratio in ratios.items()}
+    rows = [dataclasses.replace(row, target=why) if "best llama.cpp batched" in row.what or "vs the best batched" in row.what else row
+            for row in rows]
+    return ratios, rows

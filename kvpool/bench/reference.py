@@ -150,6 +150,14 @@ class BatchedContext:
         self._decode(len(tokens))
         return [self._greedy(seq) for seq in range(len(tokens))]
 
+    def step_alone(self, seq: int, token: int, position: int) -> int:
+        """One decode step of sequence `seq` alone: one llama_decode of 1 row in the same context (the
+        reference's own one-row cost, which its n_seq-row step must not exceed n_seq times); the next token."""
+        self.tokens[0], self.pos[0], self.outputs[0] = token, position, 1
+        self.batch.seq_id[0][0] = seq
+        self._decode(1)
+        return self._greedy(0)
+
     def close(self) -> None:
         if self.ctx is not None:
             llama_cpp.llama_batch_free(self.batch)

@@ -38,7 +38,7 @@ def _start_once(rig: Rig, n_ctx: int) -> dict:
 
 def measure_startup(rig: Rig) -> dict:
     sizes = STARTUP_N_CTX
-    repeats = 1 if rig.options.quick else 3
+    repeats = 3  # a median between a min and a max, quick or not (kvpool.bench.checks.MIN_ROUNDS)
     results: dict = {"n_ctx": list(sizes), "ready_s": {}, "bare_context_s": {}, "probed_cells": {}, "charged_bytes": {}}
     for n_ctx in sizes:
         bare = [time_call(lambda: rig.mid_model.new_context(n_ctx).close()) for _ in range(3)]

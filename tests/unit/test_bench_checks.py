@@ -1,0 +1,135 @@
+"""The bench's checks of its own runs (kvpool.bench.checks): the contention rule at and around its threshold,
+the broken-reference rule, and that a contended section's or a broken reference's ratios get the withheld
+verdict where the report and its JSON are built. Fabricated figures only: no model, no daemon."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvpool.bench.checks import (BROKEN, CONTENDED, CONTENDED_CORES, MIN_ROUNDS, LoadSample, broken_reference, contended_lines,
+                                 is_contended, round_spreads, section_load)
+from kvpool.bench.parallel import BATCHED_CHAIN, BATCHED_WHOLE, CEILING
+from kvpool.bench.parallel_report import summarize_parallel
+from kvpool.bench.report import summarize, withhold_contended
+from kvpool.bench.table import Row, headline, verdict
+
+BATCHED_UNIFIED = "llama.cpp batched, unified KV"
+BATCHED_STREAMS = "llama.cpp batched, KV stream per sequence"
+WALL_S = 10.0
+CORES = 2
+
+
+def _load(other_cpu_s: float) -> dict:
+    """A section of WALL_S seconds on CORES cores during which other processes used `other_cpu_s`."""
+    start = LoadSample(at_s=100.0, load_average=(0.5, 0.4, 0.3), busy_cpu_s=1000.0, tree_cpu_s=200.0)
+    ours = 15.0
+    end = LoadSample(at_s=100.0 + WALL_S, load_average=(1.5, 0.6, 0.4), busy_cpu_s=1000.0 + ours + other_cpu_s, tree_cpu_s=200.0 + ours)
+    return section_load(start, end, CORES)
+
+
+def test_section_load_counts_only_other_processes_cpu() -> None:
+    load = _load(other_cpu_s=3.0)
+    assert load["other_processes_cpu_s"] == pytest.approx(3.0)
+    assert load["other_cores"] == pytest.approx(0.3)
+    assert load["other_share_of_cores"] == pytest.approx(3.0 / (WALL_S * CORES))
+    assert load["load_average_at_start"] == [0.5, 0.4, 0.3] and load["load_average_at_end"] == [1.5, 0.6, 0.4]
+    assert load["wall_s"] == pytest.approx(WALL_S) and load["cores"] == CORES
+
+
+def test_contention_rule_at_and_around_its_threshold() -> None:
+    at = CONTENDED_CORES * WALL_S
+    assert not is_contended(_load(0.0))
+    assert not is_contended(_load(at * 0.99))
+    assert not is_contended({"other_cores": CONTENDED_CORES})  # exactly at the threshold: not contended
+    assert is_contended(_load(at * 1.01))
+    assert is_contended(_load(WALL_S))  # one core taken the whole section
+    assert _load(at * 1.01)["contended"] and not _load(at * 0.99)["contended"]
+
+
+def test_own_tree_cpu_beyond_the_machine_total_never_counts_negative() -> None:
+    start = LoadSample(0.0, (0.0, 0.0, 0.0), busy_cpu_s=100.0, tree_cpu_s=10.0)
+    end = LoadSample(5.0, (0.0, 0.0, 0.0), busy_cpu_s=104.0, tree_cpu_s=15.0)  # counters sampled a moment apart
+    assert section_load(start, end, 2)["other_processes_cpu_s"] == 0.0
+
+
+def test_contended_lines_one_per_contended_section() -> None:
+    lines = contended_lines({"parallel": _load(5.0), "route": _load(0.1), "warm": _load(2.0)})
+    assert len(lines) == 2
+    assert "'parallel'" in lines[0] and "0.50 cores" in lines[0] and "'warm'" in lines[1]
+
+
+def test_broken_reference_rule() -> None:
+    assert broken_reference(batched_tok_s=6.3, alone_tok_s=18.0)  # issue 29's run: 4 rows cost 11x one row
+    assert broken_reference(batched_tok_s=17.9, alone_tok_s=18.0)
+    assert not broken_reference(batched_tok_s=18.0, alone_tok_s=18.0)  # 4 rows cost exactly 4 one-row steps
+    assert not broken_reference(batched_tok_s=40.0, alone_tok_s=16.5)
+
+
+def test_a_contended_sections_ratios_and_rows_are_withheld() -> None:
+    ratios = {"daemon_vs_inprocess": headline(0.9, 0.97), "no_target": headline(1.3)}
+    rows = [Row("1", "a ratio", "1 ms", "1 ms", "0.900x", verdict(0.9, 0.97)), Row("1", "a figure", "3 ms", "", "")]
+    kept_ratios, kept_rows = withhold_contended(_load(0.5), ratios, rows)  # 0.05 cores: not contended
+    assert kept_ratios == ratios and kept_rows == rows
+    withheld, table = withhold_contended(_load(5.0), ratios, rows)
+    assert all(entry["verdict"] == CONTENDED and entry["met"] is None for entry in withheld.values())
+    assert withheld["daemon_vs_inprocess"]["value"] == 0.9 and withheld["daemon_vs_inprocess"]["target"] == 0.97  # figures kept
+    assert table[0].target.startswith(CONTENDED) and "0.50 cores" in table[0].target
+    assert table[1] == rows[1]  # a row with no ratio says nothing
+
+
+def _parallel_results(batched: float, alone: float) -> dict:
+    rates = {BATCHED_UNIFIED: [batched] * MIN_ROUNDS, BATCHED_STREAMS: [batched / 2] * MIN_ROUNDS, CEILING: [30.0] * MIN_ROUNDS,
+             "kvpool whole model, 1 daemon": [28.0] * MIN_ROUNDS, "kvpool 3-shard chain, capped at 2 in flight": [20.0] * MIN_ROUNDS,
+             "kvpool 3-shard chain, uncapped": [22.0] * MIN_ROUNDS, BATCHED_WHOLE: [36.0] * MIN_ROUNDS, BATCHED_CHAIN: [25.0] * MIN_ROUNDS}
+    cpu = [{"workers": 0.05, "supervisor": 0.002, "router": 0.003}] * MIN_ROUNDS
+    return {"parallel": {"tokens_per_s": rates, "alone_tokens_per_s": {BATCHED_UNIFIED: [alone] * MIN_ROUNDS, BATCHED_STREAMS: [alone] * MIN_ROUNDS},
+                         "whole_daemon_cpu_s_per_token": cpu, "auto": {"mode": "batched", "probe_process_tok_s": 25.0, "probe_batched_tok_s": 35.0}}}
+
+
+def test_a_broken_reference_gets_no_ratio_verdict() -> None:
+    summary, ratios, rows = summarize_parallel(_parallel_results(batched=6.3, alone=18.0))
+    assert summary["s3_reference_broken"]
+    assert ratios["four_sessions_vs_batched"]["verdict"] == BROKEN and ratios["four_sessions_vs_batched"]["met"] is None
+    assert ratios["four_sessions_vs_batched"]["value"] == pytest.approx(36.0 / 6.3)  # the measured figure is kept
+    assert all(entry["verdict"] == BROKEN for name, entry in ratios.items() if name.endswith("_vs_batched"))
+    assert "verdict" not in ratios["four_sessions_vs_ceiling"]  # not against the batched reference
+    headline_row = next(row for row in rows if row.what.startswith("four sessions: kvpool's best mode here"))
+    assert headline_row.target.startswith(BROKEN) and "met" not in headline_row.target and "MISSED" not in headline_row.target
+    reference_row = next(row for row in rows if BATCHED_UNIFIED in row.what and "aggregate decode" in row.what)
+    assert "BROKEN" in reference_row.reference and reference_row.target == BROKEN
+
+
+def test_a_sound_reference_is_a_ratio() -> None:
+    summary, ratios, rows = summarize_parallel(_parallel_results(batched=40.0, alone=16.5))
+    assert not summary["s3_reference_broken"]
+    assert ratios["four_sessions_vs_batched"]["met"] is False and "verdict" not in ratios["four_sessions_vs_batched"]  # 36 / 40 < 1.0
+    headline_row = next(row for row in rows if row.what.startswith("four sessions: kvpool's best mode here"))
+    assert headline_row.target == verdict(36.0 / 40.0, 1.0)
+
+
+def test_without_the_same_contexts_figure_the_same_models_one_sequence_decode_is_the_check() -> None:
+    results = _parallel_results(batched=6.3, alone=18.0)
+    del results["parallel"]["alone_tokens_per_s"]
+    results["route"] = {"decode_s": {"llama.cpp whole": [1 / 18.0] * MIN_ROUNDS}}
+    assert summarize_parallel(results)[0]["s3_reference_broken"]
+
+
+def test_round_spreads_min_median_max_and_enough() -> None:
+    spreads = round_spreads({"decode_s": {"daemon": [3.0, 1.0, 2.0], "runtime": [1.0, 2.0]},
+                             "rounds": [{"drain_s": 1.0}, {"drain_s": 3.0}, {"drain_s": 2.0}], "flag": [True, False]})
+    assert spreads["decode_s/daemon"] == {"rounds": 3, "min": 1.0, "median": 2.0, "max": 3.0, "enough": True}
+    assert spreads["decode_s/runtime"]["enough"] is False
+    assert spreads["rounds/drain_s"]["median"] == 2.0 and spreads["rounds/drain_s"]["rounds"] == 3
+    assert "flag" not in spreads
+
+
+def test_summarize_withholds_only_the_contended_sections_ratios() -> None:
+    startup = {"n_ctx": [512, 2048, 8192], "ready_s": {"512": [4.0] * 3, "2048": [4.5] * 3, "8192": [5.0] * 3},
+               "bare_context_s": {n: [0.01] * 3 for n in ("512", "2048", "8192")}, "probed_cells": {"512": 512, "2048": 2048, "8192": 2048},
+               "charged_bytes": {"512": 1, "2048": 2, "8192": 3}}
+    _summary, ratios, rows = summarize({"startup": startup, "load": {"startup": _load(0.5)}})
+    assert ratios["s9_start_growth"]["verdict"] == "met" and ratios["s9_start_growth"]["met"] is True
+    _summary, ratios, rows = summarize({"startup": startup, "load": {"startup": _load(5.0)}})
+    assert ratios["s9_start_growth"]["verdict"] == CONTENDED and ratios["s9_start_growth"]["met"] is None
+    assert ratios["s9_start_growth"]["value"] == pytest.approx(5.0 / 4.5)
+    assert all(row.target.startswith(CONTENDED) for row in rows if row.ratio)
