@@ -91,18 +91,39 @@ def cut_state(state: SequenceState, length: int) -> SequenceState:
     """The state holding only positions [0, length), as llama.cpp's seq_rm(seq, length, -1) leaves it: every
     cell at a later position dropped with its K rows and V elements, the others in their order. A daemon
     truncates a parked session by its header's length alone (kvpool.state.header), so its bytes may hold more."""
-    return SequenceState(state.seq_id, tuple(_cut_stream(stream, length) for stream in state.streams))
+    return slice_state(state, 0, length)
 
 
-def _cut_stream(stream: Stream, length: int) -> Stream:
-    keep = stream.positions < length
-    if keep.all():
+def slice_state(state: SequenceState, start: int, stop: int) -> SequenceState:
+    """The state holding only the cells of positions [start, stop), in their order, with their K rows and V
+    elements (cut_state is the slice from 0)."""
+    return SequenceState(state.seq_id, tuple(_kept(stream, (stream.positions >= start) & (stream.positions < stop)) for stream in state.streams))
+
+
+def _kept(stream: Stream, keep: np.ndarray, *, as_run: bool = True) -> Stream:
+    """The stream's cells where `keep` is true. Kept cells that are one run of the stream's cells (positions
+    in cache order: the usual case) are taken as a slice, one copy of contiguous bytes per layer; others by
+    the mask (`as_run=False` forces the mask: both give the same bytes)."""
+    count = int(np.count_nonzero(keep))
+    if count == len(keep):
         return stream
-    if not keep.any():
+    if not count:
         return Stream(np.zeros(0, np.int32), (), False, ())
+    first = int(np.argmax(keep))
+    if as_run and keep[first : first + count].all():
+        run = slice(first, first + count)
+        layers = tuple(LayerKV(_run_rows(layer.k, run, len(keep)), _run_rows(layer.v, run, len(keep))) for layer in stream.layers)
+        return Stream(stream.positions[run].copy(), stream.seq_ids[run], stream.v_transposed, layers)
     layers = tuple(LayerKV(_cut_rows(layer.k, keep), _cut_rows(layer.v, keep)) for layer in stream.layers)
     seq_ids = tuple(ids for ids, kept in zip(stream.seq_ids, keep) if kept)
     return Stream(stream.positions[keep], seq_ids, stream.v_transposed, layers)
+
+
+def _run_rows(rows: CellRows | TransposedRows, run: slice, n_cells: int) -> CellRows | TransposedRows:
+    if isinstance(rows, CellRows):
+        return dataclasses.replace(rows, data=np.ascontiguousarray(rows.data[run]))
+    columns = slice(run.start * rows.element_bytes, run.stop * rows.element_bytes)
+    return dataclasses.replace(rows, data=np.ascontiguousarray(rows.data[:, columns]))
 
 
 def _cut_rows(rows: CellRows | TransposedRows, keep: np.ndarray) -> CellRows | TransposedRows:
@@ -110,6 +131,61 @@ def _cut_rows(rows: CellRows | TransposedRows, keep: np.ndarray) -> CellRows | T
         return dataclasses.replace(rows, data=np.ascontiguousarray(rows.data[keep]))
     elements = rows.data.reshape(rows.width, len(keep), rows.element_bytes)[:, keep, :]
     return dataclasses.replace(rows, data=np.ascontiguousarray(elements.reshape(rows.width, -1)))
+
+
+def as_sequence(state: SequenceState, seq_id: int, stream: int) -> SequenceState:
+    """A one-sequence state's cells as sequence `seq_id`'s, in stream `stream` (the state's other streams
+    empty): its preamble's and every cell's sequence id rewritten. llama.cpp reads such a state into whichever
+    sequence it is asked to, each stream with cells into that sequence's stream, and discards the ids the
+    cells name; a context whose sequences keep streams of their own (kv_unified off) saves a sequence's cells
+    in its own stream. So states saved by two sequences join (join_states) once one is the other's. A
+    StateFormatError when more than one stream holds cells or `stream` is not one of the state's."""
+    held = [one for one in state.streams if one.n_cells]
+    if len(held) > 1 or not 0 <= stream < len(state.streams):
+        raise StateFormatError(f"a state of {len(held)} streams with cells made stream {stream} of {len(state.streams)}")
+    streams = [Stream(np.zeros(0, np.int32), (), False, ())] * len(state.streams)
+    if held:
+        streams[stream] = dataclasses.replace(held[0], seq_ids=((seq_id,),) * held[0].n_cells)
+    return SequenceState(seq_id, tuple(streams))
+
+
+def join_states(states: list[SequenceState]) -> SequenceState:
+    """The states of one sequence (each holding its own positions, earlier ones first) as one: stream by
+    stream their cells in that order, layer by layer their K rows and V rows (or transposed V columns) side by
+    side. The slices of a state joined in order are that state, byte for byte (write_state). Streams and layers
+    that disagree (count, V layout, ggml type, row size, V width) are a StateFormatError."""
+    if not states:
+        raise StateFormatError("no state to join")
+    seq_id, n_streams = states[0].seq_id, len(states[0].streams)
+    if any(state.seq_id != seq_id or len(state.streams) != n_streams for state in states):
+        raise StateFormatError("the states to join are of other sequences or stream counts")
+    return SequenceState(seq_id, tuple(_join_streams([state.streams[index] for state in states]) for index in range(n_streams)))
+
+
+def _join_streams(streams: list[Stream]) -> Stream:
+    held = [stream for stream in streams if stream.n_cells]
+    if len(held) < 2:
+        return held[0] if held else streams[0]
+    first = held[0]
+    if any(stream.v_transposed != first.v_transposed or len(stream.layers) != len(first.layers) for stream in held):
+        raise StateFormatError("the streams to join disagree on their V layout or layer count")
+    layers = tuple(
+        LayerKV(_join_rows([stream.layers[index].k for stream in held]), _join_rows([stream.layers[index].v for stream in held]))
+        for index in range(len(first.layers))
+    )
+    positions = np.concatenate([stream.positions for stream in held]).astype(np.int32, copy=False)
+    return Stream(positions, tuple(ids for stream in held for ids in stream.seq_ids), first.v_transposed, layers)
+
+
+def _join_rows(parts: list) -> CellRows | TransposedRows:
+    first = parts[0]
+    if isinstance(first, CellRows):
+        if any(not isinstance(part, CellRows) or (part.ggml_type, part.row_bytes) != (first.ggml_type, first.row_bytes) for part in parts):
+            raise StateFormatError("the layers to join disagree on their ggml type or row size")
+        return dataclasses.replace(first, data=np.concatenate([part.data for part in parts], axis=0))
+    if any(not isinstance(part, TransposedRows) or (part.ggml_type, part.element_bytes, part.width) != (first.ggml_type, first.element_bytes, first.width) for part in parts):
+        raise StateFormatError("the transposed V to join disagrees on its ggml type, element size or width")
+    return dataclasses.replace(first, data=np.concatenate([part.data for part in parts], axis=1))
 
 
 # ---- reading ------------------------------------------------------------------------------------------------
@@ -180,6 +256,27 @@ def check_cells(blob: bytes, length: int) -> int:
     (a shifted, negative, duplicated or missing position, a cell of several sequences, framing). Reads the
     cells only (layer data is skipped, not copied): the check every restore passes before a worker sees the
     bytes, in both modes, since llama.cpp restores whatever positions the cells name."""
+    held = _held_positions(blob)
+    if not np.array_equal(held, np.arange(len(held), dtype=held.dtype)):
+        wrong = held[held != np.arange(len(held), dtype=held.dtype)][0]
+        raise StateFormatError(f"the cells do not hold positions [0, {len(held)}) once each (position {int(wrong)} is out of place)")
+    if len(held) < length:
+        raise StateFormatError(f"the state holds {len(held)} positions, {length} expected")
+    return len(held)
+
+
+def check_cell_range(blob: bytes, start: int, stop: int) -> None:
+    """The cells of a one-sequence state hold exactly positions [start, stop), each once, each of the state's
+    own sequence alone (a part of a sequence's state: kvpool.daemon.books.prefixes' delta entries);
+    StateFormatError otherwise. Reads the cells only, as check_cells does."""
+    held = _held_positions(blob)
+    if not np.array_equal(held, np.arange(start, stop, dtype=held.dtype)):
+        found = f"{len(held)} cells, positions {int(held[0])} to {int(held[-1])}" if len(held) else "no cells"
+        raise StateFormatError(f"the cells do not hold positions [{start}, {stop}) once each ({found})")
+
+
+def _held_positions(blob: bytes) -> np.ndarray:
+    """Every cell's position, sorted, once the framing and each cell's sequence are checked."""
     reader = _Reader(blob)
     seq_id, n_stream = _preamble(reader)
     positions = []
@@ -196,13 +293,7 @@ def check_cells(blob: bytes, length: int) -> int:
         _skip_layers(reader, n_cells)
     if reader.remaining():
         raise StateFormatError(f"{reader.remaining()} bytes after the last stream")
-    held = np.sort(np.concatenate(positions)) if positions else np.zeros(0, np.int32)
-    if not np.array_equal(held, np.arange(len(held), dtype=held.dtype)):
-        wrong = held[held != np.arange(len(held), dtype=held.dtype)][0]
-        raise StateFormatError(f"the cells do not hold positions [0, {len(held)}) once each (position {int(wrong)} is out of place)")
-    if len(held) < length:
-        raise StateFormatError(f"the state holds {len(held)} positions, {length} expected")
-    return len(held)
+    return np.sort(np.concatenate(positions)) if positions else np.zeros(0, np.int32)
 
 
 def _skip_layers(reader: _Reader, n_cells: int) -> None:

@@ -1,7 +1,9 @@
 """The prefix store alone (kvpool.daemon.books.prefixes; no model, no daemon) and the digest chain that keys
-it (kvpool.wire.prefix): what it holds, each outcome of an offer, one entry per prefix, LRU within its
-limit, leases, reads cut to the blocks asked, scopes apart, and its directory (private files, adoption by
-identity and block size, removals by reason, failed writes). States are llama.cpp sequence states in
+it (kvpool.wire.prefix): what it holds, each outcome of an offer, one entry per prefix, delta entries (a
+shared prefix held once, a child read through its parents at every length, the depth cap), LRU within its
+limit (a parent outlives its children), leases, reads cut to the blocks asked, damage taking an entry's
+descendants, scopes apart, and its directory (private files, adoption by identity and block size, children
+linked to adopted parents, removals by reason, failed writes). States are llama.cpp sequence states in
 layout, built as tests/support/fake_worker.py builds them: the K and V rows of position p are the chain
 digest of the tokens up to p, so a state's bytes are a function of its tokens and a cut one can be
 compared byte for byte with the state of the shorter prompt. The store's integrity check runs after every
@@ -38,7 +40,7 @@ def prompt(seed: int, length: int) -> list[int]:
     return [int(token) for token in np.random.default_rng(seed).integers(1, 30000, length)]
 
 
-def state_of(tokens: list[int]) -> bytes:
+def state_of(tokens: list[int], seq_id: int = 0) -> bytes:
     """llama.cpp's bytes of a one-sequence state holding `tokens` (tests/support/fake_worker.FakeSequence)."""
     sequence = FakeSequence()
     sequence.open(N_CTX)
@@ -46,7 +48,7 @@ def state_of(tokens: list[int]) -> bytes:
     for token in tokens:
         digest = chain(digest, np.asarray([token], np.int32))
         sequence.digests.append(digest)
-    return sequence.state(0)
+    return sequence.state(seq_id)
 
 
 def digests_of(tokens: list[int], scope: str = "", block: int = BLOCK) -> list[bytes]:
@@ -157,17 +159,22 @@ def test_offers_that_store_nothing_say_why():
     assert (len(small), small.blocks, small.bytes) == (1, 1, entry_bytes(1))
 
 
-def test_a_longer_offer_covers_a_shorter_entry_and_a_shorter_one_is_held():
+def test_a_longer_offer_becomes_the_shorter_entrys_child_and_a_shorter_one_is_held():
     store = checked(PrefixStore(1 << 20, BLOCK, identity=IDENTITY))
     tokens = prompt(8, 4 * BLOCK)
     assert offer(store, tokens, blocks=2) == "stored"
     assert offer(store, tokens, blocks=2) == "held"
     assert offer(store, tokens) == "stored"
-    assert (len(store), store.blocks, store.bytes) == (1, 4, entry_bytes(4))  # the two-block entry gave way
+    # the two-block entry stays: the longer one holds its own two blocks only, and the two count as one prefix
+    assert (len(store), store.entries, store.blocks, store.bytes) == (1, 2, 4, 2 * entry_bytes(2))
     assert offer(store, tokens, blocks=3) == "held" and offer(store, tokens) == "held"
-    assert (len(store), store.blocks) == (1, 4) and held_blocks(store, tokens) == 4
+    assert (store.entries, store.blocks) == (2, 4) and held_blocks(store, tokens) == 4
+    child = entry_of(store, tokens)
+    assert (child.blocks, child.parent_blocks, child.parent.blocks) == (4, 2, 2)
+    for blocks in range(1, 5):
+        assert store.read(child, blocks) == state_of(tokens[: blocks * BLOCK])
     entry = entry_of(store, tokens[: 2 * BLOCK])
-    assert entry.blocks == 4 and store.read(entry, 2) == state_of(tokens[: 2 * BLOCK])
+    assert entry is child.parent and store.read(entry, 2) == state_of(tokens[: 2 * BLOCK])
 
 
 def test_branches_of_one_chain_keep_the_blocks_they_share_when_one_leaves():
@@ -217,32 +224,32 @@ def test_no_room_when_every_entry_it_would_push_out_is_being_read():
     checked(store)
 
 
-def test_an_entry_covered_while_it_is_read_goes_once_released():
+def test_an_entry_extended_while_it_is_read_stays_and_its_child_reads_through_it():
     store = checked(PrefixStore(1 << 20, BLOCK, identity=IDENTITY))
     tokens = prompt(40, 3 * BLOCK)
     assert offer(store, tokens, blocks=2) == "stored"
     with store.leased("", digests_of(tokens)[:2]) as shorter:
         assert shorter is not None
         assert offer(store, tokens) == "stored"
-        assert shorter.gone and len(store) == 2 and store.bytes == entry_bytes(2) + entry_bytes(3)  # still charged: read
-        assert store.read(shorter, 2) == state_of(tokens[: 2 * BLOCK])  # its reader still gets its bytes
-        assert held_blocks(store, tokens) == 3
-        with store.leased("", digests_of(tokens)[:2]) as now:
-            assert now is not None and now is not shorter and now.blocks == 3
+        assert not shorter.gone and store.entries == 2 and store.bytes == entry_bytes(2) + entry_bytes(1)
+        assert store.read(shorter, 2) == state_of(tokens[: 2 * BLOCK])
+        with store.leased("", digests_of(tokens)) as longer:
+            assert longer is not None and longer.parent is shorter and shorter.readers == 2
+            assert store.read(longer, 3) == state_of(tokens)
         checked(store)
-    assert (len(store), store.blocks, store.bytes) == (1, 3, entry_bytes(3)) and shorter.sealed is None
+    assert shorter.readers == 0 and (store.entries, store.blocks) == (2, 3)
     checked(store)
 
 
-def test_a_covering_offer_counts_the_entry_it_covers_as_room():
+def test_a_child_needs_room_for_its_own_blocks_only():
     one, two, three = entry_bytes(1), entry_bytes(2), entry_bytes(3)
-    store = checked(PrefixStore(one + three, BLOCK, identity=IDENTITY))
+    store = checked(PrefixStore(one + two + one, BLOCK, identity=IDENTITY))
     other, tokens = prompt(41, BLOCK), prompt(42, 3 * BLOCK)
     assert offer(store, other) == "stored" and offer(store, tokens, blocks=2) == "stored"
-    assert store.bytes == one + two
-    assert offer(store, tokens) == "stored"  # the two-block entry gives way: `other` need not go
+    assert store.bytes == one + two and one + three > store.limit - two  # a whole three-block entry would push `other` out
+    assert offer(store, tokens) == "stored"  # a child of one block beside its parent: nothing pushed out
     assert store.evictions == 0 and held_blocks(store, other) == 1 and held_blocks(store, tokens) == 3
-    assert (len(store), store.bytes) == (2, one + three)
+    assert (store.entries, store.bytes) == (3, one + two + one)
 
 
 def test_a_read_is_cut_to_the_blocks_asked():
@@ -296,6 +303,9 @@ def test_scopes_never_share_an_entry():
         assert entry is None
     assert offer(store, tokens, scope="b") == "stored"
     assert len(store) == 2 and held_blocks(store, tokens, scope="") == 0
+    longer = tokens + prompt(47, BLOCK)
+    assert offer(store, longer, scope="b") == "stored" and entry_of(store, longer, scope="b").parent.scope == "b"
+    assert held_blocks(store, longer, scope="a") == 2 and held_blocks(store, longer, scope="b") == 3
 
 
 def test_the_integrity_check_sees_books_that_do_not_balance():
@@ -326,13 +336,17 @@ def test_every_entry_is_a_private_file_and_an_evicted_or_covered_entrys_file_goe
     path_a = entry_of(store, a).path
     assert offer(store, b) == "held" and offer(store, c) == "stored"  # a is evicted
     assert not path_a.exists() and len(files(directory)) == 2
-    covered = entry_of(store, c).path
+    parent = entry_of(store, c).path
     assert offer(store, c + prompt(53, 1), blocks=2) == "held"
     store.close()
     store = checked(PrefixStore(3 * size, BLOCK, identity=IDENTITY, directory=directory))
     assert store.adopt() == collections.Counter(adopted=2)
-    assert offer(store, c + prompt(54, BLOCK)) == "stored"  # covers c
-    assert not covered.exists() and len(files(directory)) == 2 and len(store) == 2
+    assert offer(store, c + prompt(54, BLOCK)) == "stored"  # c's child: c's file stays, the child's is its own
+    assert parent.exists() and len(files(directory)) == 3 and store.entries == 3
+    child = entry_of(store, c + prompt(54, BLOCK))
+    assert child.parent.path == parent and child.path != parent
+    assert offer(store, a) == "stored"  # the limit of three two-block entries: b (the oldest, childless) goes
+    assert store.evictions == 1 and held_blocks(store, b) == 0 and held_blocks(store, c) == 2 and len(files(directory)) == 3
 
 
 def test_close_keeps_the_files_and_a_store_of_the_same_identity_adopts_them(tmp_path):
@@ -410,16 +424,20 @@ def test_adoption_keeps_the_newest_entries_the_limit_holds_and_they_stay_older_t
 
 
 def test_adoption_keeps_one_entry_per_prefix(tmp_path):
-    directory = tmp_path / "prefixes"
     tokens = prompt(90, 3 * BLOCK)
-    for blocks in (3, 2):  # the longer one older: the shorter one, adopted first, gives way to it
-        writer = checked(PrefixStore(1 << 20, BLOCK, identity=IDENTITY, directory=directory))
-        assert offer(writer, tokens, blocks=blocks) == "stored"
-        writer.close()
-    store = checked(PrefixStore(1 << 20, BLOCK, identity=IDENTITY, directory=directory))
-    assert store.adopt() == collections.Counter({"adopted": 1, "held twice": 1})
-    checked(store)
-    assert (len(store), store.blocks, held_blocks(store, tokens), len(files(directory))) == (1, 3, 3, 1)
+    for order, expected, entries in (((2, 3, 3), {"adopted": 1, "held twice": 2}, 1), ((3, 2), {"adopted": 2}, 2)):
+        directory = tmp_path / "-".join(map(str, order))
+        for blocks in order:  # each store's one entry is whole; the last written is the newest
+            writer = checked(PrefixStore(1 << 20, BLOCK, identity=IDENTITY, directory=directory))
+            assert offer(writer, tokens, blocks=blocks) == "stored"
+            writer.close()
+        store = checked(PrefixStore(1 << 20, BLOCK, identity=IDENTITY, directory=directory))
+        # whole entries are adopted newest first: one the adopted hold is held twice; an older longer one is
+        # adopted beside a newer shorter one, whole (adoption never rewrites a file as a delta)
+        assert store.adopt() == collections.Counter(expected)
+        checked(store)
+        assert (len(store), store.entries, held_blocks(store, tokens), len(files(directory))) == (1, entries, 3, entries)
+        assert store.read(entry_of(store, tokens), 3) == state_of(tokens)
 
 
 def test_a_write_an_earlier_run_left_unfinished_is_removed_and_takes_no_number(tmp_path):
@@ -477,3 +495,173 @@ def test_a_store_without_a_limit_creates_no_directory_and_adopts_nothing(tmp_pat
     (directory / ("prefix-00000001" + FILE_SUFFIX)).write_bytes(b"kept for a store that has a limit")
     assert PrefixStore(0, BLOCK, identity=IDENTITY, directory=directory).adopt() == collections.Counter()
     assert files(directory) == ["prefix-00000001" + FILE_SUFFIX]
+
+
+# ---- delta entries: a shared prefix held once ----------------------------------------------------
+
+
+def test_a_system_prompt_four_prompts_share_is_held_once():
+    system = prompt(120, 3 * BLOCK)
+    messages = [prompt(121 + index, BLOCK + 2) for index in range(4)]  # each its own block, and a partial one
+    store = checked(PrefixStore(1 << 20, BLOCK, identity=IDENTITY))
+    assert offer(store, system) == "stored"
+    for message in messages:
+        assert offer(store, system + message) == "stored"
+    # one whole entry of the system prompt's 3 blocks and 4 deltas of one block each (a child's sealed state of
+    # b blocks costs what a whole one of b blocks does here: its size depends on its cell count alone)
+    assert store.bytes == entry_bytes(3) + 4 * entry_bytes(1) < 4 * entry_bytes(4)
+    assert (len(store), store.entries, store.blocks) == (4, 5, 3 + 4)
+    parent = entry_of(store, system)
+    assert sorted(child.parent_blocks for child in parent.children.values()) == [3] * 4
+    for message in messages:
+        child = entry_of(store, system + message)
+        assert child.parent is parent and held_blocks(store, system + message) == 4
+        assert [store.read(child, blocks) for blocks in range(1, 5)] == [state_of((system + message)[: blocks * BLOCK]) for blocks in range(1, 5)]
+
+
+def test_every_length_of_a_child_and_a_grandchild_reads_as_the_whole_state():
+    tokens = prompt(130, 6 * BLOCK + 1)
+    branch = tokens[: 2 * BLOCK] + prompt(131, 3 * BLOCK)
+    store = checked(PrefixStore(1 << 20, BLOCK, identity=IDENTITY))
+    assert offer(store, tokens, blocks=1) == "stored"
+    assert offer(store, tokens, blocks=3) == "stored" and offer(store, tokens) == "stored"  # a child, then its child
+    assert offer(store, branch) == "stored"  # branches off the child at block 2: the child's child too
+    grandchild, other = entry_of(store, tokens), entry_of(store, branch)
+    assert (grandchild.depth, grandchild.parent_blocks, grandchild.parent.parent_blocks) == (2, 3, 1)
+    assert (other.parent is grandchild.parent, other.parent_blocks, other.own_blocks) == (True, 2, 3)
+    assert store.blocks == 6 + 3 and store.bytes == entry_bytes(1) + entry_bytes(2) + entry_bytes(3) + entry_bytes(3)
+    for entry, held in ((grandchild, tokens), (other, branch)):
+        for blocks in range(1, entry.blocks + 1):
+            payload = store.read(entry, blocks)
+            assert check_cells(payload, 0) == blocks * BLOCK and payload == state_of(held[: blocks * BLOCK])
+    checked(store)
+
+
+def test_a_child_saved_by_another_sequence_reads_as_its_parents_sequence():
+    """Batched mode: each session's state names its own sequence; a read joins them as the parent's."""
+    system, tokens = prompt(135, 2 * BLOCK), prompt(135, 2 * BLOCK) + prompt(136, 2 * BLOCK)
+    store = checked(PrefixStore(1 << 20, BLOCK, identity=IDENTITY))
+    assert store.offer("", digests_of(system), state_of(system, seq_id=2), len(system), N_CTX) == "stored"
+    assert store.offer("", digests_of(tokens), state_of(tokens, seq_id=5), len(tokens), N_CTX) == "stored"
+    child = entry_of(store, tokens)
+    assert child.parent_blocks == 2
+    assert [store.read(child, blocks) for blocks in (1, 2, 3, 4)] == [state_of(tokens[: blocks * BLOCK], seq_id=2) for blocks in (1, 2, 3, 4)]
+    checked(store)
+
+
+def test_a_chain_deeper_than_the_cap_is_stored_whole():
+    tokens = prompt(140, (prefixes.MAX_DEPTH + 3) * BLOCK)
+    store = checked(PrefixStore(1 << 20, BLOCK, identity=IDENTITY))
+    depths = []
+    for blocks in range(1, prefixes.MAX_DEPTH + 4):
+        assert offer(store, tokens, blocks=blocks) == "stored"
+        depths.append(entry_of(store, tokens[: blocks * BLOCK]).depth)
+    assert depths == list(range(prefixes.MAX_DEPTH + 1)) + [0, 1]  # the tenth offer would be 9 parents deep: whole
+    assert store.bytes == (prefixes.MAX_DEPTH + 2) * entry_bytes(1) + entry_bytes(prefixes.MAX_DEPTH + 2)
+    deepest = entry_of(store, tokens[: (prefixes.MAX_DEPTH + 1) * BLOCK])
+    assert [store.read(deepest, blocks) for blocks in range(1, deepest.blocks + 1)] == [state_of(tokens[: blocks * BLOCK]) for blocks in range(1, deepest.blocks + 1)]
+    last = entry_of(store, tokens)
+    assert store.read(last, last.blocks) == state_of(tokens)
+
+
+def test_a_parent_is_not_evicted_while_it_has_a_child_and_evicting_its_children_frees_it():
+    one, two = entry_bytes(1), entry_bytes(2)
+    store = checked(PrefixStore(two + 2 * one, BLOCK, identity=IDENTITY))
+    parent, first, second = prompt(150, 2 * BLOCK), prompt(151, BLOCK), prompt(152, BLOCK)
+    assert offer(store, parent) == "stored" and offer(store, parent + first) == "stored"  # the parent, then its child
+    assert offer(store, prompt(153, BLOCK)) == "stored"  # fills the limit: the parent is the least recently used
+    assert offer(store, second) == "stored"  # room for one block: the child goes, not its older parent
+    assert store.evictions == 1 and held_blocks(store, parent + first) == 2 and held_blocks(store, parent) == 2
+    assert offer(store, parent + first) == "stored" and store.evictions == 2  # the child again: the block of 153 goes
+    with store.leased("", digests_of(parent + first)) as child:  # a lease pins the child and its parent
+        assert child is not None and child.parent.readers == 1
+        assert offer(store, prompt(154, 2 * BLOCK)) == "no room"  # `second` alone is free: one block of room
+        assert store.evictions == 2 and store.entries == 3
+    assert offer(store, second) == "held"  # the least recently used first: the parent, its child, `second`
+    assert offer(store, prompt(155, 2 * BLOCK)) == "stored"  # the child goes, and then its parent may: room for two blocks
+    assert store.evictions == 4 and held_blocks(store, parent) == 0 and held_blocks(store, second) == 1
+    assert (store.entries, store.bytes) == (2, two + one)
+
+
+def test_a_damaged_parent_takes_its_children_and_a_damaged_child_only_its_own(tmp_path):
+    directory = tmp_path / "prefixes"
+    store = checked(PrefixStore(1 << 20, BLOCK, identity=IDENTITY, directory=directory))
+    system, other = prompt(160, 2 * BLOCK), prompt(161, 2 * BLOCK)
+    children = [system + prompt(162 + index, BLOCK) for index in range(3)]
+    for tokens in [system, other, *children, children[0] + prompt(165, BLOCK)]:
+        assert offer(store, tokens) == "stored"
+    assert store.entries == 6 and len(files(directory)) == 6
+
+    def damage(entry) -> None:
+        flipped = bytearray(entry.sealed)
+        flipped[len(flipped) // 2] ^= 0x40
+        entry.sealed = bytes(flipped)
+
+    damage(entry_of(store, children[2]))  # a child alone: its parent and its siblings stay
+    with pytest.raises(CorruptBlob):
+        store.read(entry_of(store, children[2]), 3)
+    assert store.entries == 5 and held_blocks(store, children[2]) == 2 and len(files(directory)) == 5
+    checked(store)
+    with store.leased("", digests_of(children[1])) as reader:  # one child read while its parent is found damaged
+        damage(entry_of(store, system))
+        with pytest.raises(CorruptBlob) as raised:
+            store.read(entry_of(store, children[0] + prompt(165, BLOCK)), 4)
+        assert not raised.value.mismatch
+        assert reader.gone and reader.parent.gone and [held_blocks(store, tokens) for tokens in (system, *children)] == [0, 0, 0, 0]
+        assert store.entries == 3 and len(files(directory)) == 3  # the read child and its parent wait for the reader
+        checked(store)
+    assert (store.entries, held_blocks(store, other), len(files(directory))) == (1, 2, 1)
+    assert store.bytes == entry_bytes(2)
+    checked(store)
+
+
+def test_adoption_links_children_to_their_parents_and_removes_a_child_without_one(tmp_path):
+    directory = tmp_path / "prefixes"
+    system = prompt(170, 2 * BLOCK)
+    first, second = system + prompt(171, BLOCK), system + prompt(172, 2 * BLOCK)
+    writer = checked(PrefixStore(1 << 20, BLOCK, identity=IDENTITY, directory=directory))
+    for tokens in (system, first, second, first + prompt(173, BLOCK)):
+        assert offer(writer, tokens) == "stored"
+    grandchild_path = entry_of(writer, first + prompt(173, BLOCK)).path
+    writer.close()
+    store = checked(PrefixStore(1 << 20, BLOCK, identity=IDENTITY, directory=directory))
+    assert store.adopt() == collections.Counter(adopted=4)
+    checked(store)
+    grandchild = entry_of(store, first + prompt(173, BLOCK))
+    assert grandchild.path == grandchild_path and grandchild.parent is entry_of(store, first) and grandchild.parent.parent is entry_of(store, system)
+    assert store.bytes == entry_bytes(2) + entry_bytes(1) + entry_bytes(2) + entry_bytes(1)
+    for tokens in (first + prompt(173, BLOCK), second):
+        entry = entry_of(store, tokens)
+        assert [store.read(entry, blocks) for blocks in range(1, entry.blocks + 1)] == [state_of(tokens[: blocks * BLOCK]) for blocks in range(1, entry.blocks + 1)]
+    parent_path = entry_of(store, system).path
+    store.close()
+
+    parent_path.unlink()  # the parent's file lost: its children (and theirs) have no parent to read through
+    again = checked(PrefixStore(1 << 20, BLOCK, identity=IDENTITY, directory=directory))
+    assert again.adopt() == collections.Counter({"no parent": 3})
+    checked(again)
+    assert (again.entries, again.bytes, files(directory)) == (0, 0, [])
+
+
+def test_a_child_file_whose_cells_are_not_its_range_is_removed(tmp_path):
+    directory = tmp_path / "prefixes"
+    system = prompt(180, 2 * BLOCK)
+    writer = checked(PrefixStore(1 << 20, BLOCK, identity=IDENTITY, directory=directory))
+    assert offer(writer, system) == "stored" and offer(writer, system + prompt(181, BLOCK)) == "stored"
+    path = entry_of(writer, system + prompt(181, BLOCK)).path
+    writer.close()
+    data = path.read_bytes()
+    size = int.from_bytes(data[len(prefixes.FILE_MAGIC) : len(prefixes.FILE_MAGIC) + 4], "little")
+    start = len(prefixes.FILE_MAGIC) + 4
+    meta = msgspec.msgpack.decode(data[start : start + size], type=prefixes.PrefixMeta)
+    for parent_blocks in (1, 0):  # a delta of [8, 12) named as one of [4, 12), then as a whole entry
+        forged = msgspec.msgpack.encode(msgspec.structs.replace(meta, parent_blocks=parent_blocks))
+        crc = prefixes.google_crc32c.value(forged).to_bytes(4, "little")
+        path.write_bytes(data[:len(prefixes.FILE_MAGIC)] + len(forged).to_bytes(4, "little") + forged + crc + data[start + size + 4 :])
+        store = checked(PrefixStore(1 << 20, BLOCK, identity=IDENTITY, directory=directory))
+        assert store.adopt() == collections.Counter({"adopted": 1, "cells out of place": 1})
+        assert store.entries == 1 and not path.exists()
+        store.close()
+        path.write_bytes(data)
+    store = checked(PrefixStore(1 << 20, BLOCK, identity=IDENTITY, directory=directory))
+    assert store.adopt() == collections.Counter(adopted=2)
