@@ -12,7 +12,7 @@ if [ "${1:-}" = "--fast" ]; then
 fi
 bash scripts/install.sh
 .venv/bin/python -m compileall -q kvpool workers tests scripts
-# No import unused or name undefined (pyproject.toml, [tool.ruff]); the architecture contract
+# No import unused or name undefined, imports in isort's order (pyproject.toml, [tool.ruff]); the architecture contract
 # ([tool.importlinter]): layers, no import circles, the product never imports a tool.
 .venv/bin/ruff check --quiet kvpool workers tests scripts
 .venv/bin/lint-imports --no-cache

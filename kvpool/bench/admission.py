@@ -11,10 +11,9 @@ import numpy as np
 
 from kvpool.bench.options import EPOCH, SESSIONS, SINGLE_THREADS, bench_say
 from kvpool.bench.reference import PlainContext
-from kvpool.bench.rig import Rig, time_call, daemon_uss
+from kvpool.bench.rig import Rig, daemon_uss, time_call
 from kvpool.client.client import Client
 from workers.runtime.model import ShardModel
-
 
 # ---- sections 5 and 6: admission, reclaim, memory (whole-model daemon) --------------------------------
 

@@ -26,18 +26,18 @@ from kvpool.bench.move import measure_move, moved_split
 from kvpool.bench.one_session import measure_mid_shard, measure_route
 from kvpool.bench.options import BenchOptions, bench_say
 from kvpool.bench.overload import measure_overload
-from kvpool.bench.startup import measure_startup
 from kvpool.bench.parallel import measure_parallel
 from kvpool.bench.prefix import measure_prefix
 from kvpool.bench.report import summarize
 from kvpool.bench.rig import PROMPTS, Rig, long_history
+from kvpool.bench.startup import measure_startup
 from kvpool.bench.table import render_table
 from kvpool.bench.warm import measure_warm
-from kvpool.shard.bundled import bundled_model_path
 from kvpool.host import work_dir
-from kvpool.shard.header import ShardInfo, file_sha256
-from kvpool.shard.cache import cached_shards, shards_in_parts
 from kvpool.local.tokenizer import Tokenizer
+from kvpool.shard.bundled import bundled_model_path
+from kvpool.shard.cache import cached_shards, shards_in_parts
+from kvpool.shard.header import ShardInfo, file_sha256
 
 
 def _cpu_model() -> str:

@@ -10,7 +10,7 @@ import numpy as np
 
 from kvpool.bench.options import EPOCH, ROUTE_N_CTX, SINGLE_THREADS, bench_say
 from kvpool.bench.reference import PlainContext
-from kvpool.bench.rig import Rig, Variant, run_interleaved, time_call, payload_seconds, round_trips
+from kvpool.bench.rig import Rig, Variant, payload_seconds, round_trips, run_interleaved, time_call
 from kvpool.client.client import Client
 from kvpool.router.router import Router
 from kvpool.wire.sampling import Sampling

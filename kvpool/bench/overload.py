@@ -23,8 +23,8 @@ from kvpool.bench.rig import run_interleaved
 from kvpool.bench.table import Row, headline
 from kvpool.client.client import Client
 from kvpool.launcher import Daemon
-from kvpool.router.router import RecoveryPolicy, Router
 from kvpool.local.tokenizer import Tokenizer
+from kvpool.router.router import RecoveryPolicy, Router
 
 OVERLOAD_SESSIONS = 8
 PLACES = 2

@@ -19,10 +19,10 @@ from kvpool.bench.options import EPOCH, PARALLEL_THREADS, ROUTE_N_CTX, SESSIONS,
 from kvpool.bench.reference import BatchedContext, PlainContext
 from kvpool.bench.rig import Rig, run_interleaved
 from kvpool.client.client import Client
-from kvpool.launcher import Daemon
 from kvpool.daemon.mode_probe import probe_modes
-from workers.runtime.model import ShardModel
+from kvpool.launcher import Daemon
 from kvpool.wire.sampling import Sampling
+from workers.runtime.model import ShardModel
 
 BATCHED_WHOLE = "kvpool whole model, 1 daemon, --mode batched"
 BATCHED_CHAIN = "kvpool 3-shard chain, --mode batched, capped at 2 in flight"

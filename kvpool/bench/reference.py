@@ -11,7 +11,6 @@ import numpy as np
 
 from workers.runtime.model import ShardModel
 
-
 # ---- llama.cpp in-process, no kvpool code: the references -------------------------------------------
 
 

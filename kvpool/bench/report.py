@@ -9,15 +9,15 @@ from __future__ import annotations
 import dataclasses
 
 from kvpool.bench.admission_report import summarize_admission, summarize_memory
-from kvpool.bench.checks import BROKEN, CONTENDED, is_contended, withhold, with_verdict
+from kvpool.bench.checks import BROKEN, CONTENDED, is_contended, with_verdict, withhold
 from kvpool.bench.durable import summarize_durable
 from kvpool.bench.move import summarize_move
 from kvpool.bench.one_session_report import summarize_mid_shard, summarize_prefill, summarize_route
 from kvpool.bench.overload import summarize_overload
 from kvpool.bench.parallel_report import summarize_parallel
 from kvpool.bench.prefix_report import summarize_prefix
-from kvpool.bench.table import Row
 from kvpool.bench.startup import summarize_startup
+from kvpool.bench.table import Row
 from kvpool.bench.warm import summarize_warm
 
 SECTIONS = (summarize_mid_shard, summarize_route, summarize_parallel, summarize_prefill, summarize_admission, summarize_memory)

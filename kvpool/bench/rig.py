@@ -14,14 +14,14 @@ from collections.abc import Callable, Iterator, Sequence
 import numpy as np
 import psutil
 
-from kvpool.bench.options import EPOCH, PARALLEL_THREADS, ROUTE_N_CTX, SESSIONS, SINGLE_THREADS, BenchOptions, median_of, bench_say
-from kvpool.local.chain import LocalChain
+from kvpool.bench.options import EPOCH, PARALLEL_THREADS, ROUTE_N_CTX, SESSIONS, SINGLE_THREADS, BenchOptions, bench_say, median_of
 from kvpool.client.client import Client
 from kvpool.launcher import Daemon
-from kvpool.wire.protocol import Append, AppendReply, decode_reply, decode_request, encode
+from kvpool.local.chain import LocalChain
+from kvpool.local.tokenizer import Tokenizer
 from kvpool.shard.cache import shards_in_parts
 from kvpool.shard.header import ShardInfo
-from kvpool.local.tokenizer import Tokenizer
+from kvpool.wire.protocol import Append, AppendReply, decode_reply, decode_request, encode
 from workers.runtime.model import ShardModel
 
 PROMPTS = (

@@ -19,8 +19,8 @@ from kvpool.bench.options import EPOCH, WARM_N_CTX, as_mib, bench_say, median_of
 from kvpool.bench.rig import Rig, long_history, run_interleaved, start_daemons, time_call
 from kvpool.bench.table import Row, headline, ms, verdict
 from kvpool.client.client import Client
-from kvpool.wire.protocol import StatsReply
 from kvpool.router.route import Route
+from kvpool.wire.protocol import StatsReply
 
 WARM_SESSIONS = 2  # workers per daemon: the parked session's restore and a fresh session never wait for one
 PARKED_TOKENS = 256

@@ -10,14 +10,23 @@ from collections.abc import Sequence
 
 from kvpool.client.client import Client
 from kvpool.host import format_bytes
-from kvpool.wire.protocol import StatsReply
 from kvpool.stress import drill_checks
 from kvpool.stress.daemons import Chain
 from kvpool.stress.driver import SessionDriver
 from kvpool.stress.options import IDLE_MARGIN_S, SPILL_PLACES, StressOptions
 from kvpool.stress.report import (
-    DaemonSummary, PrefixStoreEnd, RestartRecord, Sample, SessionSummary, SlowReaderRecord, StallRecord, SupervisorKillRecord, Verdict, WorkerMemory,
+    DaemonSummary,
+    PrefixStoreEnd,
+    RestartRecord,
+    Sample,
+    SessionSummary,
+    SlowReaderRecord,
+    StallRecord,
+    SupervisorKillRecord,
+    Verdict,
+    WorkerMemory,
 )
+from kvpool.wire.protocol import StatsReply
 
 SETTLE_TIMEOUT_S = 30.0
 NOT_COUNTS = ("peak_concurrent_compute_threads", "min_residency_ms", "admission_wait_max_ms")  # values, not counts: shown as they end

@@ -6,15 +6,14 @@ import argparse
 import pathlib
 import sys
 
-from kvpool.shard.bundled import BundledModelMissing
 from kvpool.client.client import ConnectionLost
 from kvpool.host import format_bytes, parse_bytes
 from kvpool.launcher import DaemonStartFailed
+from kvpool.shard.bundled import BundledModelMissing
 from kvpool.shard.errors import ShardError
 from kvpool.stress.options import SHARED_PREFIX_BLOCK, SHARED_PREFIX_CACHE_BYTES, SHARED_PREFIX_SESSIONS, StressOptions
 from kvpool.stress.report import render
-from kvpool.stress.runner import Say, say_on_stderr, run_stress
-
+from kvpool.stress.runner import Say, run_stress, say_on_stderr
 
 # ---- command line ---------------------------------------------------------------------------------------
 

@@ -24,13 +24,13 @@ from collections.abc import Callable
 import psutil
 
 from kvpool.client.client import KvpoolError
-from kvpool.wire.protocol import SessionRow
+from kvpool.stress.errors import ContractViolation
 from kvpool.stress.options import FaultKind
 from kvpool.stress.processes import stopped
-from kvpool.stress.errors import ContractViolation
 from kvpool.stress.report import KillRecord, SavedState, StallRecord, SupervisorKillRecord
 from kvpool.stress.restarts import copies_in
 from kvpool.stress.state import SessionState
+from kvpool.wire.protocol import SessionRow
 
 STALL_GRACE_S = 30.0
 DEAD_WAIT_S = 10.0

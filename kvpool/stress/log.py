@@ -11,10 +11,9 @@ from typing import Protocol
 
 import numpy as np
 
-from kvpool.local.chain import LocalChain
 from kvpool.client.client import Client
+from kvpool.local.chain import LocalChain
 from kvpool.router.route import Route
-
 
 # ---- what a session did: the log that is replayed alone ---------------------------------------------------
 

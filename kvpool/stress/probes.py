@@ -9,10 +9,10 @@ import time
 import numpy as np
 
 from kvpool.client.client import KvpoolError
-from kvpool.wire.protocol import ErrorCode, MissReason
 from kvpool.stress.errors import ContractViolation
 from kvpool.stress.options import IDLE_MARGIN_S
 from kvpool.stress.state import SessionState
+from kvpool.wire.protocol import ErrorCode, MissReason
 
 EXPIRY_HANG_GUARD_S = 300.0  # past the TTL, waiting for the daemon to expire the session: far above its housekeeping tick
 EXPIRY_PROGRESS_EVERY_S = 15.0

@@ -14,7 +14,6 @@ import numpy as np
 from kvpool.client.client import Client, ConnectionLost, KvpoolError
 from kvpool.stress.report import Latency, Sample
 
-
 # ---- shared recording --------------------------------------------------------------------------------------
 
 

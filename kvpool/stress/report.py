@@ -6,7 +6,6 @@ import msgspec
 
 from kvpool.host import format_bytes
 
-
 # ---- the report (also the --json document) --------------------------------------------------------------
 
 

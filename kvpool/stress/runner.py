@@ -16,12 +16,13 @@ from collections.abc import Callable, Sequence
 import msgspec
 import numpy as np
 
-from kvpool.shard.bundled import bundled_model_path
 from kvpool.client.client import Client
 from kvpool.host import format_bytes
 from kvpool.launcher import start_daemons
+from kvpool.local.tokenizer import Tokenizer
+from kvpool.shard.bundled import bundled_model_path
 from kvpool.shard.cache import shards_in_parts
-from kvpool.stress.checks import DrillFacts, daemon_summaries, settle_daemons, take_snapshot, build_verdicts
+from kvpool.stress.checks import DrillFacts, build_verdicts, daemon_summaries, settle_daemons, take_snapshot
 from kvpool.stress.daemons import Chain, open_chain, serve_options, stop_all
 from kvpool.stress.driver import SessionDriver
 from kvpool.stress.faults import resume_stalled
@@ -35,7 +36,6 @@ from kvpool.stress.replans import SessionReplans, open_replan_chain
 from kvpool.stress.report import SessionSummary, StressReport
 from kvpool.stress.restarts import ChainControl, RollingRestart
 from kvpool.stress.slow_reader import SlowReader
-from kvpool.local.tokenizer import Tokenizer
 
 FILLER_ROWS = 192  # rows of the long prefill that gets cancelled
 PROGRESS_EVERY_S = 2.0

@@ -25,11 +25,11 @@ import numpy as np
 import psutil
 
 from kvpool.client.client import Client, ConnectionLost, KvpoolError
+from kvpool.stress.options import MiB
+from kvpool.stress.report import SlowReaderRecord
 from kvpool.wire.framing import receive_frame
 from kvpool.wire.peers import peer_credentials
 from kvpool.wire.protocol import MAX_REPLY_BYTES, PROTOCOL_VERSION, Append, Hello, HelloReply, OutputRows, decode_reply, encode
-from kvpool.stress.options import MiB
-from kvpool.stress.report import SlowReaderRecord
 
 ROWS_PER_APPEND = 16
 ROUNDS = 3

@@ -10,8 +10,8 @@ import time
 from typing import Protocol
 
 from kvpool.client.client import AppendResult, Client, ConnectionLost, KvpoolError
-from kvpool.wire.protocol import Done, ErrorCode, StatsReply
 from kvpool.stress.errors import ContractViolation
+from kvpool.wire.protocol import Done, ErrorCode, StatsReply
 
 
 class Reconnected(ConnectionLost):

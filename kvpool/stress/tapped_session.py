@@ -22,7 +22,6 @@ from typing import Protocol
 import numpy as np
 
 from kvpool.client.client import Client, ConnectionLost, KvpoolError
-from kvpool.wire.protocol import ErrorCode, MissReason
 from kvpool.router.router import RecoveryPolicy, Router
 from kvpool.stress.errors import ContractViolation
 from kvpool.stress.log import LogEntry, LoggedAppend, LoggedReset, LoggedTruncate, replayed, row_digest
@@ -34,6 +33,7 @@ from kvpool.stress.report import ReplanRecord
 from kvpool.stress.restarts import ChainControl
 from kvpool.stress.state import StageHook
 from kvpool.stress.tap import Reconnected, TappedClient
+from kvpool.wire.protocol import ErrorCode, MissReason
 
 MAX_CONNECTION_RECOVERIES = 5
 ADMIT_TIMEOUT_S = 60.0  # a session admitted on a full daemon waits in its line, first come first served

@@ -16,7 +16,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvpool.daemon.admission.calibration import (
-    CALIBRATION_ROWS, LLAMA_CTX_PAD, MARGIN_BYTES, PROBE_CELLS, ROUND_BYTES, ChargeFit, Probe, SharedContextCharge,
+    CALIBRATION_ROWS,
+    LLAMA_CTX_PAD,
+    MARGIN_BYTES,
+    PROBE_CELLS,
+    ROUND_BYTES,
+    ChargeFit,
+    Probe,
+    SharedContextCharge,
 )
 from tests.support.daemons import DaemonProcess
 from workers.server.main import MMAP_THRESHOLD_BYTES, anonymous_bytes

@@ -26,15 +26,13 @@ from kvpool.router.recovery import RecoveryPolicy
 from kvpool.router.route import StageFailed
 from kvpool.router.session import RoutedSession
 from kvpool.shard.cache import shards_in_parts
-from kvpool.stress.drill_checks import operations_verdict
+from kvpool.stress.drill_checks import kill_supervisor_verdict, operations_verdict, restart_verdict, shared_prefix_verdict
 from kvpool.stress.log import LocalReference, LoggedAppend, LoggedReset, LoggedTruncate, replay_alone, row_digest
 from kvpool.stress.options import LATE_CANCEL, FaultKind, OpKind, StressOptions
 from kvpool.stress.plans import build_plans, cancel_targets
-from kvpool.stress.report import SessionSummary, StressReport
-from kvpool.stress.runner import run_stress
-from kvpool.stress.drill_checks import kill_supervisor_verdict, restart_verdict, shared_prefix_verdict
 from kvpool.stress.prefixes import prefill_rows, shared_prompts
-from kvpool.stress.report import DaemonSummary, RestartRecord, SavedState, SupervisorKillRecord
+from kvpool.stress.report import DaemonSummary, RestartRecord, SavedState, SessionSummary, StressReport, SupervisorKillRecord
+from kvpool.stress.runner import run_stress
 from kvpool.wire.protocol import ErrorCode, ErrorReply
 from tests.conftest import EVEN_SPLIT
 

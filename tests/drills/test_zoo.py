@@ -21,8 +21,8 @@ from kvpool.local.tokenizer import Tokenizer
 from kvpool.router.router import Router
 from kvpool.shard.errors import ShardError
 from kvpool.shard.ranges import parse_splits
-from kvpool.tools.synthetic import SPM_BOS_ID, ZOO, ZOO_TYPES, ZooSpec, zoo_model
 from kvpool.shard.writer import write_shards
+from kvpool.tools.synthetic import SPM_BOS_ID, ZOO, ZOO_TYPES, ZooSpec, zoo_model
 from tests.support.chains import daemon_chain, greedy_with_logits
 from workers.runtime.model import ShardModel
 from workers.runtime.shard import AttentionShape, row_bytes

@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvpool.bench.checks import (BROKEN, CONTENDED, CONTENDED_CORES, MIN_ROUNDS, LoadSample, broken_reference, contended_lines,
-                                 is_contended, round_spreads, section_load)
+from kvpool.bench.checks import BROKEN, CONTENDED, CONTENDED_CORES, MIN_ROUNDS, LoadSample, broken_reference, contended_lines, is_contended, round_spreads, section_load
 from kvpool.bench.parallel import BATCHED_CHAIN, BATCHED_WHOLE, CEILING
 from kvpool.bench.parallel_report import summarize_parallel
 from kvpool.bench.report import summarize, withhold_contended

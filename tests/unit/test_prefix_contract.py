@@ -79,7 +79,7 @@ def test_one_entry_per_prefix_a_longer_offer_covers_a_shorter_and_scopes_never_s
         client.append("long", 1, 0, tokens=longer, block_digests=chain_digests(longer, BLOCK))
         stored(client, longer)
         prefixes = client.stats().prefixes
-        assert (prefixes.entries, prefixes.blocks) == (1, 3)  # the two-block entry gave way to the three-block one
+        assert (prefixes.entries, prefixes.blocks) == (1, 3)  # one prefix held: the third block stored as the two-block entry's child
         assert held(client, base, scope="tenant-b") == 0  # another scope learns nothing
         other = base + [1]
         client.append("b0", 1, 0, tokens=other, block_digests=chain_digests(other, BLOCK, "tenant-b"), prefix_scope="tenant-b")

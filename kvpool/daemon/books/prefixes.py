@@ -121,8 +121,6 @@ class PrefixStore:
         self.bytes = 0
         self.evictions = 0  # entries pushed out for room
         self.disk_failures = 0
-        if directory is not None and self.enabled:
-            directory.mkdir(mode=0o700, exist_ok=True)
 
     @property
     def enabled(self) -> bool:
@@ -367,6 +365,7 @@ class PrefixStore:
             path = self.directory / f"prefix-{entry.number:08d}{FILE_SUFFIX}"
         data = b"".join((FILE_MAGIC, _U32.pack(len(meta)), meta, _U32.pack(google_crc32c.value(meta)), entry.sealed))
         try:
+            self.directory.mkdir(mode=0o700, exist_ok=True)  # at the first entry: a spill dir without prefixes holds no folder for them
             _write_file(path, data)
         except OSError:
             self.disk_failures += 1
@@ -380,7 +379,7 @@ class PrefixStore:
         kept while the limit has room; every other file of the store's is removed. Returns the count of the
         adopted ("adopted") and of the others by reason."""
         counts: collections.Counter = collections.Counter()
-        if self.directory is None or not self.enabled:
+        if self.directory is None or not self.enabled or not self.directory.is_dir():
             return counts
         require(not self._entries, "the prefix store adopts its directory's files before it stores anything")  # its own files are there too
         found = []
