@@ -15,8 +15,9 @@ and where the cached time goes: one more new session, driven through the clients
 lookup, its prefix admission, its first append, which restores and computes, and the same append again hot).
 Each round is a new session of every variant, its message tokens its own (distinct in every round; the
 variants of one round share theirs, so their first tokens are compared); the variants alternate their order
-round by round. A cached session's prefill completes blocks its daemons do not hold, so each stores them in
-the background after its reply: the round waits for that (timed, `capture_s`) before the next variant runs.
+round by round. A cached session's prefill completes blocks its daemons do not hold, so each saves its state for
+the store before its reply: the round waits until every daemon answers for them (timed, `capture_s`) before the
+next variant runs.
 
 Memory: SESSIONS sessions started from the stored prefix and held at once, on 3 daemons of each mode (process:
 one worker per session; batched: the sessions as sequences of one worker's context): what the daemons measure
@@ -80,8 +81,8 @@ def message(tokenizer: Tokenizer, label: str) -> list[int]:
 
 
 def wait_stored(clients: Sequence[Client], tokens: Sequence[int]) -> float:
-    """Seconds until every daemon's prefix store holds every whole block of `tokens` (a prefill's store runs
-    in the background after its reply)."""
+    """Seconds until every daemon's prefix store holds every whole block of `tokens` (a prefill's state is
+    stored before its reply: this sees it at once unless the store refused it)."""
     digests = chain_digests(tokens, clients[0].hello.prefix_block)
     started = time.perf_counter()
     while not all(client.lookup_prefix("", digests) == len(digests) for client in clients):

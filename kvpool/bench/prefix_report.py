@@ -63,10 +63,11 @@ def _timing(prefix: dict) -> tuple[dict, dict, list[Row]]:
         Row("12", f"where the cached time goes (a session of its own, step by step through the clients; summed over the 3 daemons, per "
                   f"daemon after it): lookup {ms(total['lookup_s'])}, admission from the prefix {ms(total['admit_s'])} "
                   f"({_per_daemon([one['admit_s'] for one in parts])}), first append {ms(total['first_append_s'])} = restore "
-                  f"{ms(restore)} ({_per_daemon(restore_rounds)}; the first append minus the same append hot) + {rest} rows hot "
-                  f"{ms(total['hot_append_s'])} ({_per_daemon([one['hot_append_s'] for one in parts])}); then, after the reply, each daemon "
-                  f"stores the prompt's new block in the background ({ms(capture)} until all 3 hold it); the cached median less these steps: "
-                  f"{ms(rest_of_cached)} (the router, and each daemon's background store beside the later daemons' compute)",
+                  f"{ms(restore)} ({_per_daemon(restore_rounds)}; the first append minus the same append hot: the restore, and the save "
+                  f"of the prompt's new block for the store, which each daemon makes before its reply) + {rest} rows hot "
+                  f"{ms(total['hot_append_s'])} ({_per_daemon([one['hot_append_s'] for one in parts])}); after the replies all 3 "
+                  f"held the new block within {ms(capture)}; the cached median less these steps: {ms(rest_of_cached)} (the router's walk "
+                  f"and lookups of the timed sessions, beside the steps the component session timed apart)",
             ms(total["lookup_s"] + total["admit_s"] + total["first_append_s"]),
             f"restore {ms(llama_restore)} + {rest} rows {ms(llama_rows)}", f"{rest} rows: {llama_rows / total['hot_append_s']:.2f}x llama.cpp's speed"),
     ]
@@ -135,7 +136,7 @@ def _memory(prefix: dict) -> tuple[dict, dict, list[Row]]:
         Row("12", f"{what}: the daemons' process trees' USS (supervisors with their prefix stores, workers)", held_and_growth(process, "tree"),
             held_and_growth(batched, "tree"), f"{process['tree'] / batched['tree']:.2f}x"),
         Row("12", f"the prefix stores, 3 daemons summed: after the seed session / with the {sessions} sessions held (each stored its own "
-                  f"{positions:,}-token prompt; the {prefix['system_tokens']:,}-token prefix's theoretical KV {as_mib(prefix_theory):.1f} MiB)",
+                  f"{positions:,}-token prompt: its block beyond the shared prefix, as a child of the seed's entry; entries: prefixes held; the {prefix['system_tokens']:,}-token prefix's theoretical KV {as_mib(prefix_theory):.1f} MiB)",
             f"{as_mib(process['store_seed']):.1f} MiB ({process['entries_seed']} entries) / {as_mib(process['store_held']):.1f} MiB ({process['entries_held']})",
             f"{as_mib(batched['store_seed']):.1f} MiB ({batched['entries_seed']} entries) / {as_mib(batched['store_held']):.1f} MiB ({batched['entries_held']})", ""),
         Row("12", f"time to first token of those {sessions} sessions (each new, from the stored prefix; median)", ms(process["ttft"]), ms(batched["ttft"]),
