@@ -274,7 +274,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--overload-steps", type=int, help="decode steps per session in the overload section (default 32, quick 3)")
     parser.add_argument("--durable-sessions", type=int, help="section 10: parked sessions drained and adopted (default 8, quick 4)")
     parser.add_argument("--durable-rounds", type=int, help="section 10: rounds of its three daemon lifetimes (default 2, quick 1)")
-    parser.add_argument("--move-rounds", type=int, help="section 11: interleaved rounds of move against replay per length (default 2, quick 3)")
+    parser.add_argument("--move-rounds", type=int, help="section 11: interleaved rounds of move against replay per length (default 3, quick 3)")
     parser.add_argument("--prefix-rounds", type=int, help="section 12: interleaved rounds of its time-to-first-token variants (default 7, quick 3)")
     alone = parser.add_mutually_exclusive_group()
     alone.add_argument("--only", type=_only, metavar="NAME[,NAME]", help=f"run only these sections, each on daemons of its own: {', '.join(f'{name} ({section})' for name, (section, _what, _how) in OWN_DAEMON_SECTIONS.items())}; writes <out>/bench-<names>.json")

@@ -56,7 +56,7 @@ class BenchOptions:
     durable_lengths: tuple[int, ...] = (512, 2048)  # section 10: histories restored after a restart and re-prefilled
     durable_rounds: int = 2  # section 10: rounds of its three daemon lifetimes
     move_lengths: tuple[int, ...] = (128, 512, 2048)  # section 11: histories moved by a re-plan and replayed
-    move_rounds: int = 2  # section 11: interleaved rounds per length (each variant once per round)
+    move_rounds: int = 3  # section 11: interleaved rounds per length (each variant once per round)
     prefix_rounds: int = 7  # section 12: interleaved rounds of its time-to-first-token variants (a new session each)
     chart: bool = True
     json_path: pathlib.Path | None = None  # --json: a copy of the results JSON
