@@ -16,7 +16,6 @@ from kvpool.daemon.config import ServeConfig
 from kvpool.daemon.gate import Gate
 from kvpool.daemon.metrics import Metrics
 from kvpool.daemon.pool.handle import WorkerFailed, WorkerHandle, WorkerLost
-from kvpool.daemon.pool.lifecycle import WorkerLifecycle
 from kvpool.daemon.pool.pool import WorkerPool
 from kvpool.daemon.warm import WarmRequests
 from kvpool.wire.checks import check_prefix_names, check_session_fields
@@ -26,7 +25,7 @@ from kvpool.wire.protocol import AdmitPrefix, Append, Done, ErrorCode, MissReaso
 
 class PrefixRequests:
     def __init__(
-        self, config: ServeConfig, books: Books, gate: Gate, warm: WarmRequests, pool: WorkerPool, lifecycle: WorkerLifecycle, metrics: Metrics,
+        self, config: ServeConfig, books: Books, gate: Gate, warm: WarmRequests, pool: WorkerPool, metrics: Metrics,
     ) -> None:
         self.config = config
         self.books = books
@@ -34,7 +33,6 @@ class PrefixRequests:
         self.gate = gate
         self.warm = warm
         self.pool = pool
-        self.lifecycle = lifecycle
         self.metrics = metrics
 
     @property

@@ -96,7 +96,7 @@ class KvService:
         self.admission = Admission(config, self.books, pool, self.lifecycle, self.calibrator, self.parking, self.channels, self.gate, self.metrics)
         self.warm = WarmRequests(self.books, self.gate, self.parking, pool, self.lifecycle, self.metrics)
         self.transfers = Transfers(config, self.books, self.gate, self.warm, self.metrics)
-        self.prefixes = PrefixRequests(config, self.books, self.gate, self.warm, pool, self.lifecycle, self.metrics)
+        self.prefixes = PrefixRequests(config, self.books, self.gate, self.warm, pool, self.metrics)
         self.housekeeper = Housekeeper(config, self.books, pool, self.lifecycle, self.parking, self.channels, self.metrics)
 
     def _reseal(self, session: Session) -> None:

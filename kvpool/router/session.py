@@ -299,9 +299,8 @@ class RoutedSession:
         with contextlib.suppress(KvpoolError, ConnectionLost):
             self.route.release(self.session_id, self.epoch)  # frees room first; a dead daemon is found below
         self.epoch = max(self.epoch + 1, self._epoch_floor)
-        self._fresh = True
         position = reused = self._reuse_for_replay()
-        self._fresh = position == 0
+        self._fresh = position == 0  # the new epoch holds nothing yet unless a prefix was admitted
         partition = self._history.replay_partition_from(position, self.policy.exact_replay)
         assert partition is not None
         for rows in partition:
