@@ -192,7 +192,8 @@ def test_every_row_of_logits_larger_than_the_segment_arrives_exact(socket_dir, p
 
 
 def test_a_stalled_worker_is_killed_at_the_request_timeout_and_the_others_continue(shards, socket_dir):
-    daemon = DaemonProcess(shards[0].path, socket_dir / "stall.sock", *SMALL, "--request-timeout", "20")
+    # 5 s, as below: far above any call of this daemon (its probe and its appends fill at most 64 cells)
+    daemon = DaemonProcess(shards[0].path, socket_dir / "stall.sock", *SMALL, "--request-timeout", "5")
     try:
         with daemon.client(direct=False) as client:
             client.append("stalled", 1, 0, tokens=[1, 2, 3])
