@@ -49,8 +49,12 @@ def serve_options(options: StressOptions, *, max_sessions: int, budget: str, ttl
         flags += ["--prefix-block", str(options.prefix_block), "--prefix-cache-budget", str(options.prefix_cache_bytes)]
     if request_timeout_s is not None:
         flags += ["--request-timeout", f"{request_timeout_s:g}"]
-    if options.min_residency_s is not None:
-        flags += ["--min-residency", f"{options.min_residency_s:g}"]
+    # --spill checks that every daemon parks and restores: plain LRU unless --min-residency says otherwise, since with
+    # residency the admission queue may hold sessions back on the first shard until a downstream daemon never holds
+    # more sessions than places (seen once: spills per daemon [4, 1, 0], restores [2, 0, 0])
+    residency_s = 0.0 if options.min_residency_s is None and options.spill else options.min_residency_s
+    if residency_s is not None:
+        flags += ["--min-residency", f"{residency_s:g}"]
     return flags
 
 
