@@ -1,6 +1,6 @@
-"""The host kvpool runs on: the one place environment variables are read (the work directory, the direct
-channel's frame deadline, the service manager's notification socket), the cores it may use, and byte sizes
-as people write them."""
+"""The host kvpool runs on: the one place environment variables are read (the work directory, the user's cache
+directory, the direct channel's frame deadline, the service manager's notification socket), the cores it may
+use, and byte sizes as people write them."""
 
 from __future__ import annotations
 
@@ -11,11 +11,19 @@ WORK_DIR_ENV = "KVPOOL_WORK_DIR"
 DEFAULT_WORK_DIR = ".kvpool"
 FRAME_DEADLINE_ENV = "KVPOOL_DIRECT_FRAME_DEADLINE_S"
 NOTIFY_SOCKET_ENV = "NOTIFY_SOCKET"  # set by a service manager (systemd Type=notify): see kvpool.daemon.notify
+CACHE_HOME_ENV = "XDG_CACHE_HOME"  # the XDG base directory for a user's caches (default ~/.cache)
 
 
 def work_dir() -> pathlib.Path:
     """Where generated shards, sockets and benchmark output go (git-ignored in the repository)."""
     return pathlib.Path(os.environ.get(WORK_DIR_ENV) or DEFAULT_WORK_DIR).resolve()
+
+
+def user_cache_dir() -> pathlib.Path:
+    """kvpool's folder in the user's cache directory ($XDG_CACHE_HOME, else ~/.cache): what can be measured again."""
+    base = os.environ.get(CACHE_HOME_ENV) or ""
+    root = pathlib.Path(base) if os.path.isabs(base) else pathlib.Path.home() / ".cache"  # XDG: a relative value is ignored
+    return root / "kvpool"
 
 
 def direct_frame_deadline_s(default: float) -> float:

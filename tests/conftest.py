@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import pathlib
 from multiprocessing import resource_tracker
 
 import psutil
 import pytest
 
+from kvpool.host import CACHE_HOME_ENV
 from kvpool.local.chain import LocalChain
 from kvpool.local.tokenizer import Tokenizer
 from kvpool.shard.bundled import bundled_model_path
@@ -31,6 +33,20 @@ PROMPTS = (
     "What is the capital of France?",
     "Write a short poem about the sea, the wind and a lighthouse keeper who counts the waves at night.",
 )
+
+
+@pytest.fixture(scope="session", autouse=True)
+def user_cache(tmp_path_factory: pytest.TempPathFactory):
+    """The suite's own user cache directory ($XDG_CACHE_HOME, inherited by every daemon it starts): the start-up
+    probe's readings (`kvpool serve --calibration-cache user`, the default) are kept there for the suite's later
+    starts of the same shard, and nothing the suite measures lands in, or is read from, the user's ~/.cache."""
+    before = os.environ.get(CACHE_HOME_ENV)
+    os.environ[CACHE_HOME_ENV] = str(tmp_path_factory.mktemp("user-cache"))
+    yield pathlib.Path(os.environ[CACHE_HOME_ENV])
+    if before is None:
+        os.environ.pop(CACHE_HOME_ENV, None)
+    else:
+        os.environ[CACHE_HOME_ENV] = before
 
 
 @pytest.fixture(scope="session")

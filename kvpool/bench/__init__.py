@@ -21,8 +21,11 @@ and noisy: compare the ratios, not the absolute times; every figure is a median)
                                    the same 8 sessions run 2 at a time by the router (`--overload-only`
                                    runs this section alone); whether the daemons have the warm tier
   9 start-up                       `kvpool serve` to its first status on the middle shard at --n-ctx 512,
-                                   2048, 8192 / a bare llama context of that n_ctx; start-up at 8192 / at 2048
-                                   (flat: 1.0; the probe fills 2048 cells in both) and at 8192 / at 512
+                                   2048, 8192, a first start (nothing kept: the probe runs) / a bare llama
+                                   context of that n_ctx; a first start at 8192 / at 2048 (flat: 1.0; the
+                                   probe fills 2048 cells in both) and at 8192 / at 512; a restart (the
+                                   probe's readings kept) at 8192 against 1.5 x a restart at 512 + 1 s and
+                                   against the shard's model load in process + 2 s
  10 durable sessions               one daemon of the first shard with --spill-dir, started and drained (SIGTERM)
                                    on one socket and spill dir: the drain (SIGTERM to exit 0) with N parked
                                    sessions / with none; `kvpool serve` to its first answered Hello adopting

@@ -127,7 +127,7 @@ def run_bench(options: BenchOptions) -> tuple[dict, str]:
             results["overload"] = _run_own_section("overload", rig.shards, rig.tokenizer, rig.socket_dir, options)
         bench_say("section 9: start-up at several --n-ctx beside a bare context")
         with meter.section("startup"):
-            results["startup"] = measure_startup(rig)
+            results["startup"] = measure_startup(rig.middle.path, rig.socket_dir)
         for name in ("durable", "move", "prefix"):
             with meter.section(name):
                 results[name] = _run_own_section(name, rig.shards, rig.tokenizer, rig.socket_dir, options)
@@ -205,12 +205,17 @@ def _move(shards: list[ShardInfo], tokenizer: Tokenizer, socket_dir: pathlib.Pat
     return measure_move(shards, new_shards, long_history(tokenizer, prompt, max(options.move_lengths) + 1), socket_dir, options, bench_say)
 
 
+def _startup(shards: list[ShardInfo], tokenizer: Tokenizer, socket_dir: pathlib.Path, options: BenchOptions) -> dict:
+    return measure_startup(shards[len(shards) // 2].path, socket_dir)
+
+
 def _prefix(shards: list[ShardInfo], tokenizer: Tokenizer, socket_dir: pathlib.Path, options: BenchOptions) -> dict:
     return measure_prefix(shards, tokenizer, socket_dir, options, bench_say)
 
 
 OWN_DAEMON_SECTIONS = {  # --only name: (section, what it measures, how)
     "overload": ("8", "overload, 8 sessions on 2 places per daemon", _overload),
+    "startup": ("9", "start-up: a first start and a restart with the probe's readings kept, at several --n-ctx", _startup),
     "durable": ("10", "durable sessions: drain and adoption of parked sessions, the first append after a restart vs a re-prefill", _durable),
     "move": ("11", "a re-plan of the 3-shard route onto other split points: Router.replan vs a replay", _move),
     "prefix": ("12", "shared prefixes: a new session's time to first token from a stored system prompt vs without, vs llama.cpp's reuse; memory", _prefix),

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvpool.daemon.books.spill import SpillDirRefused, check_disk_dir
-from kvpool.host import available_cores, format_bytes, parse_bytes
+from kvpool.host import available_cores, format_bytes, parse_bytes, user_cache_dir
 from kvpool.wire.protocol import DEFAULT_MAX_REQUEST_BYTES
 
 DEFAULT_MAX_BUFFERED_BYTES = 256 * 1024**2
@@ -127,7 +127,7 @@ class ServeConfig:
     # import may total (all imports in progress together as well); an import must also fit the spill store
     export_chunk_bytes: int = flag('--export-chunk-bytes', 'state bytes per Exported reply: an export travels in chunks of this size (default {default}, at least 1KiB)', default=DEFAULT_EXPORT_CHUNK_BYTES, parse=parse_bytes)
     max_import_bytes: int = flag('--max-import-bytes', 'the largest state an Import may carry, and the bytes all imports in progress may hold together (default {default}); an import must fit the spill store too', default=DEFAULT_MAX_IMPORT_BYTES, parse=parse_bytes)
-    calibration_cache: str = flag('--calibration-cache', "where the start-up probe's readings are kept for the next start of the same shard, build, mode, --n-ctx and threads on this machine, which then takes its charges from them instead of filling a context (a rolling restart is ready once its workers load): a directory, or off (default {default})", default="off", metavar='DIR|off')
+    calibration_cache: str = flag('--calibration-cache', "where the start-up probe's readings are kept for the next start of the same shard, build, mode, --n-ctx and threads on this machine, which then takes its charges from them instead of filling a context (a rolling restart is ready once its workers load): a directory, user (kvpool/calibration in $XDG_CACHE_HOME or ~/.cache), or off: measured at every start (default {default})", default="user", metavar='DIR|user|off')
     prefix_block: int = flag('--prefix-block', "tokens per block of the prefix store: a shared prefix is reused in whole blocks (every daemon of a route must agree; the router checks) (default {default})", default=DEFAULT_PREFIX_BLOCK, type=int, metavar='N')
     prefix_cache_budget_bytes: int = flag('--prefix-cache-budget', "bytes of the prefix store, a part of the warm tier: the states of prompts' leading blocks, content-addressed, from which a new session of the route starts instead of computing them (README, \"Shared prefixes\"); mirrored in --spill-dir/prefixes with --spill-dir; 0 turns it off, as --spill-budget 0 does (default {default})", default=DEFAULT_PREFIX_CACHE_BYTES, parse=bytes_or_zero)
 
@@ -217,6 +217,8 @@ class ServeConfig:
         """Where the probe's readings are kept (kvpool.daemon.admission.probe_cache); None: not kept."""
         if self.calibration_cache in ("off", "", None):
             return None
+        if self.calibration_cache == "user":
+            return user_cache_dir() / "calibration"
         return pathlib.Path(self.calibration_cache).absolute()
 
     @property

@@ -39,7 +39,8 @@ pytestmark = pytest.mark.timeout(3600)  # the slowest test takes ~15 s on 2 core
 @pytest.fixture(scope="module")
 def chain_daemon_processes(shards, socket_dir):
     """Three daemons, one per shard of the even split, 4 workers each, one compute thread each."""
-    with daemon_chain([shard.path for shard in shards], socket_dir, "chain", "--threads", "1", "--n-ctx", str(N_CTX), "--max-sessions", "4") as daemons:
+    with daemon_chain([shard.path for shard in shards], socket_dir, "chain", "--threads", "1", "--n-ctx", str(N_CTX), "--max-sessions", "4",
+                      "--calibration-cache", "off") as daemons:  # each start probes: the calibration test reads it
         yield daemons
 
 
@@ -355,7 +356,8 @@ def test_no_admission_measures_and_the_first_shard_costs_no_more_than_the_others
     first, middle, last = measured  # a context of N_CTX after one 512-row batch, each shard 10 layers
     assert first <= 1.5 * middle and last <= 1.5 * middle, [m / 2**20 for m in measured]
     for index, (shard, charge) in enumerate(zip(shards, charges)):
-        daemon = DaemonProcess(shard.path, socket_dir / f"measure{index}.sock", "--threads", "1", "--n-ctx", str(unseen), "--max-sessions", "1")
+        daemon = DaemonProcess(shard.path, socket_dir / f"measure{index}.sock", "--threads", "1", "--n-ctx", str(unseen), "--max-sessions", "1",
+                               "--calibration-cache", "off")
         try:
             with daemon.client() as client:
                 [later] = [row for row in client.stats().calibration if row.n_ctx == unseen]

@@ -68,7 +68,8 @@ def test_quick_bench_prints_every_section_and_writes_json_and_png(tmp_path: path
                      "overload, warm tier on", "overload, warm tier off",
                      "four sessions: kvpool whole model, 1 daemon, --mode batched", "four sessions: kvpool 3-shard chain, --mode batched",
                      "--mode batched vs --mode process", "--mode auto picks",
-                     "`kvpool serve` to first status, middle shard, n_ctx 8192", "start-up at n_ctx 8192 / at n_ctx 2048",
+                     "first start (nothing kept), middle shard, n_ctx 8192", "first start at n_ctx 8192 / at n_ctx 2048",
+                     "restart (readings kept: 0 probes), middle shard, n_ctx 8192", "restart at n_ctx 8192 against the model load + 2 s",
                      "drain: SIGTERM to exit 0, 4 parked sessions", "adoption: `kvpool serve` on the same socket and spill dir",
                      "512-token session, first append after a restart", "2048-token session, first append after a restart",
                      "128-token session, re-plan 0:10,10:20,20:30 -> 0:14,14:30: Router.replan",
@@ -105,8 +106,12 @@ def test_quick_bench_prints_every_section_and_writes_json_and_png(tmp_path: path
     assert startup["probed_cells"] == {"512": 512, "2048": 2048, "8192": 2048}  # the probe fills no more than PROBE_CELLS
     assert all(seconds > 0 for runs in startup["ready_s"].values() for seconds in runs)
     assert startup["charged_bytes"]["8192"] > startup["charged_bytes"]["512"] > 0
+    assert startup["restart_charged_bytes"] == startup["charged_bytes"]  # kept readings give the charges a probe gave
+    assert all(probes == [0, 0, 0] for probes in startup["restart_probes"].values())  # a restart computes nothing
+    assert all(cached == [1, 1, 1] for cached in startup["restart_cached"].values())
+    assert all(seconds > 0 for runs in startup["restart_ready_s"].values() for seconds in runs) and min(startup["model_load_s"]) > 0
     ratios = results["ratios"]
-    assert ratios["s9_start_growth"]["value"] > 0
+    assert ratios["s9_start_growth"]["value"] > 0 and ratios["s9_restart_vs_bound"]["value"] > 0 and ratios["s9_restart_vs_load_bound"]["value"] > 0
     assert ratios["restore_vs_reprefill_512"]["target"] == 10 and ratios["parked_vs_hot_sessions_per_gib"]["target"] == 20
     assert all(ratios[key]["value"] > 0 for key in ("restore_vs_reprefill_128", "restore_vs_reprefill_512", "parked_vs_hot_sessions_per_gib"))
     parked = results["warm"]["parked_vs_hot"]
@@ -292,7 +297,7 @@ def test_only_takes_known_sections_and_the_durable_move_and_prefix_flags_overrid
     prefix = options_from_args(_parsed("--only", "prefix", "--quick", "--prefix-rounds", "5", "--out", str(tmp_path)))
     assert prefix.prefix_rounds == 5 and options_from_args(_parsed("--out", str(tmp_path))).prefix_rounds == 7
     for bad in ("warm", ",", ""):
-        with pytest.raises(argparse.ArgumentError, match="--only takes a comma-separated list of overload, durable, move, prefix"):
+        with pytest.raises(argparse.ArgumentError, match="--only takes a comma-separated list of overload, startup, durable, move, prefix"):
             _parsed("--only", bad)
     with pytest.raises(argparse.ArgumentError, match="not allowed with argument"):
         _parsed("--only", "durable", "--overload-only")

@@ -137,7 +137,8 @@ def test_a_session_that_fills_its_context_uses_no_more_than_its_charge(shards, s
     shard = shards[1]
     n_ctx = 2048
     daemon = DaemonProcess(shard.path, socket_dir / "fill.sock",
-                           "--threads", "1", "--n-ctx", str(n_ctx), "--max-sessions", "1", "--spill-budget", "0")
+                           "--threads", "1", "--n-ctx", str(n_ctx), "--max-sessions", "1", "--spill-budget", "0",
+                           "--calibration-cache", "off")
     try:
         with daemon.client(direct=False) as client:
             pid = client.stats().workers[0].pid
@@ -183,7 +184,8 @@ def test_the_charge_is_within_15_percent_of_what_a_full_context_really_takes(sha
     for n_ctx in (1024, PROBE_CELLS + 1024):
         extra = ("--mode", "batched", "--seqs-per-worker", str(n_seqs)) if mode == "batched" else ("--mode", "process")
         daemon = DaemonProcess(shard.path, socket_dir / f"converse-{mode}-{n_ctx}.sock",
-                               "--threads", "1", "--n-ctx", str(n_ctx), "--max-sessions", str(n_seqs), "--spill-budget", "0", *extra)
+                               "--threads", "1", "--n-ctx", str(n_ctx), "--max-sessions", str(n_seqs), "--spill-budget", "0",
+                               "--calibration-cache", "off", *extra)
         try:
             with daemon.client(direct=False) as client:
                 stats = client.stats()

@@ -125,9 +125,13 @@ def test_round_spreads_min_median_max_and_enough() -> None:
 def test_summarize_withholds_only_the_contended_sections_ratios() -> None:
     startup = {"n_ctx": [512, 2048, 8192], "ready_s": {"512": [4.0] * 3, "2048": [4.5] * 3, "8192": [5.0] * 3},
                "bare_context_s": {n: [0.01] * 3 for n in ("512", "2048", "8192")}, "probed_cells": {"512": 512, "2048": 2048, "8192": 2048},
-               "charged_bytes": {"512": 1, "2048": 2, "8192": 3}}
+               "charged_bytes": {"512": 1, "2048": 2, "8192": 3}, "restart_ready_s": {n: [0.8] * 3 for n in ("512", "2048", "8192")},
+               "restart_charged_bytes": {"512": 1, "2048": 2, "8192": 3}, "restart_probes": {n: [0] * 3 for n in ("512", "2048", "8192")},
+               "restart_cached": {n: [1] * 3 for n in ("512", "2048", "8192")}, "model_load_s": [0.003] * 3}
     _summary, ratios, rows = summarize({"startup": startup, "load": {"startup": _load(0.5)}})
     assert ratios["s9_start_growth"]["verdict"] == "met" and ratios["s9_start_growth"]["met"] is True
+    assert ratios["s9_restart_vs_bound"]["value"] == pytest.approx(0.8 / (1.5 * 0.8 + 1.0)) and ratios["s9_restart_vs_bound"]["met"] is True
+    assert ratios["s9_restart_vs_load_bound"]["value"] == pytest.approx(0.8 / 2.003) and ratios["s9_restart_vs_load_bound"]["met"] is True
     _summary, ratios, rows = summarize({"startup": startup, "load": {"startup": _load(5.0)}})
     assert ratios["s9_start_growth"]["verdict"] == CONTENDED and ratios["s9_start_growth"]["met"] is None
     assert ratios["s9_start_growth"]["value"] == pytest.approx(5.0 / 4.5)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from kvpool.host import user_cache_dir
 from tests.support.contract import MODES, mode_flags
 
 
@@ -45,9 +46,21 @@ def test_off_never_keeps_and_a_damaged_file_is_measured_again(serve, fake_model,
     assert off.counters["calibrations"] == 1
 
 
-def test_off_by_default_even_with_a_spill_dir(serve, fake_model, tmp_path):
+def test_by_default_the_readings_are_kept_in_the_users_cache_not_the_spill_dir(serve, fake_model, tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     spill = ("--spill-dir", str(tmp_path / "spill"), "--spill-disk-budget", "1MiB")
-    started(serve, fake_model, *spill)
-    restarted, _ = started(serve, fake_model, *spill)
-    assert (restarted.counters["calibrations"], restarted.counters["calibrations_cached"]) == (1, 0)
+    first, _ = started(serve, fake_model, *spill)
+    restarted, log = started(serve, fake_model, *spill)
+    assert (first.counters["calibrations"], restarted.counters["calibrations"], restarted.counters["calibrations_cached"]) == (1, 0, 1)
+    assert f"kept in {tmp_path / 'xdg' / 'kvpool' / 'calibration'}" in log
+    assert len(list((tmp_path / "xdg" / "kvpool" / "calibration").glob("probe-*.json"))) == 1
     assert not (tmp_path / "spill" / "calibration").exists()
+
+
+def test_the_users_cache_follows_xdg_and_ignores_a_relative_value(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert user_cache_dir() == tmp_path / "kvpool"
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    for value in ("relative/cache", ""):
+        monkeypatch.setenv("XDG_CACHE_HOME", value)
+        assert user_cache_dir() == tmp_path / "home" / ".cache" / "kvpool"

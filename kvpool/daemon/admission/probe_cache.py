@@ -1,8 +1,9 @@
 """The start-up probe's readings kept between runs (README, "Memory"): a daemon started again on the same shard,
 build, mode, context size and thread count on the same machine takes its charges from the readings its
 predecessor measured instead of filling a context again, so a rolling restart is ready once its workers have
-loaded. Kept beside the spill dir (DIR/calibration/) or in --calibration-cache DIR; one file per key, written
-under a temporary name and renamed. A file that does not decode, or names another key, is measured again
+loaded. Kept in the user's cache (--calibration-cache user, the default: kvpool/calibration in $XDG_CACHE_HOME or
+~/.cache, kvpool.host.user_cache_dir) or in --calibration-cache DIR; one file per key, written under a temporary
+name and renamed. A file that does not decode, or names another key, is measured again
 and replaced."""
 
 from __future__ import annotations
