@@ -96,7 +96,9 @@ def test_default_four_sessions_equal_each_alone(tmp_path):
 
 @pytest.mark.timeout(HANG_GUARD_S)
 def test_budget_for_two_of_four_evicts_lru_and_evicted_sessions_replay_exactly(tmp_path):
-    report = _run(tmp_path, budget_for=2, seed=1, min_residency_s=0)  # plain LRU: no residency spares anyone
+    # plain LRU: no residency spares anyone; DRILL_OPS, as the newer drills: 4 sessions on 2 places evict from the
+    # third admission on, and each eviction's replay is checked (40 operations took 118 s beside two burners)
+    report = _run(tmp_path, budget_for=2, ops=DRILL_OPS, seed=1, min_residency_s=0)
     _assert_common(report)
     assert _verdict(report, "lru_eviction").passed
     assert report.errors_by_code.get("cache_miss/evicted", 0) > 0
@@ -138,7 +140,9 @@ def test_spill_four_sessions_on_two_places_park_and_restore_without_a_cache_miss
 
 @pytest.mark.timeout(HANG_GUARD_S)
 def test_ttl_one_second_expires_idle_sessions(tmp_path):
-    report = _run(tmp_path, ttl_s=1.0, seed=2)
+    # DRILL_OPS: every session still idles once past the TTL (a forced operation); 40 operations took 175 s beside
+    # two burners, where any gap over 1 s between a session's operations expires it and costs a replay
+    report = _run(tmp_path, ttl_s=1.0, ops=DRILL_OPS, seed=2)
     _assert_common(report)
     assert _verdict(report, "ttl_expiry").passed
     assert report.errors_by_code["cache_miss/expired"] >= SESSIONS  # every session idled once
