@@ -19,11 +19,16 @@ def work_dir() -> pathlib.Path:
     return pathlib.Path(os.environ.get(WORK_DIR_ENV) or DEFAULT_WORK_DIR).resolve()
 
 
-def user_cache_dir() -> pathlib.Path:
-    """kvpool's folder in the user's cache directory ($XDG_CACHE_HOME, else ~/.cache): what can be measured again."""
+def user_cache_dir() -> pathlib.Path | None:
+    """kvpool's folder in the user's cache directory ($XDG_CACHE_HOME, else ~/.cache): what can be measured again.
+    None when neither names a place (no XDG_CACHE_HOME and no home directory, as for some service accounts)."""
     base = os.environ.get(CACHE_HOME_ENV) or ""
-    root = pathlib.Path(base) if os.path.isabs(base) else pathlib.Path.home() / ".cache"  # XDG: a relative value is ignored
-    return root / "kvpool"
+    if os.path.isabs(base):
+        return pathlib.Path(base) / "kvpool"
+    try:  # XDG: a relative value is ignored
+        return pathlib.Path.home() / ".cache" / "kvpool"
+    except (RuntimeError, KeyError):
+        return None
 
 
 def direct_frame_deadline_s(default: float) -> float:

@@ -214,11 +214,13 @@ class ServeConfig:
 
     @property
     def calibration_cache_dir(self) -> pathlib.Path | None:
-        """Where the probe's readings are kept (kvpool.daemon.admission.probe_cache); None: not kept."""
+        """Where the probe's readings are kept (kvpool.daemon.admission.probe_cache); None: not kept (off, or `user`
+        with no user cache directory)."""
         if self.calibration_cache in ("off", "", None):
             return None
         if self.calibration_cache == "user":
-            return user_cache_dir() / "calibration"
+            cache = user_cache_dir()
+            return None if cache is None else cache / "calibration"  # no home: measured at every start
         return pathlib.Path(self.calibration_cache).absolute()
 
     @property

@@ -4,8 +4,11 @@ with the cache off) probes, and a damaged file is measured again and replaced.""
 
 from __future__ import annotations
 
+import pathlib
+
 import pytest
 
+from kvpool.daemon.config import ServeConfig
 from kvpool.host import user_cache_dir
 from tests.support.contract import MODES, mode_flags
 
@@ -64,3 +67,14 @@ def test_the_users_cache_follows_xdg_and_ignores_a_relative_value(monkeypatch, t
     for value in ("relative/cache", ""):
         monkeypatch.setenv("XDG_CACHE_HOME", value)
         assert user_cache_dir() == tmp_path / "home" / ".cache" / "kvpool"
+
+
+def test_with_no_home_the_default_keeps_nothing(monkeypatch):
+    def no_home() -> pathlib.Path:
+        raise RuntimeError("Could not determine home directory.")
+
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.setattr(pathlib.Path, "home", staticmethod(no_home))
+    assert user_cache_dir() is None
+    assert ServeConfig(model="m", socket="/tmp/s", calibration_cache="user").calibration_cache_dir is None
+    assert ServeConfig(model="m", socket="/tmp/s", calibration_cache="off").calibration_cache_dir is None
