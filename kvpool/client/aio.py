@@ -94,8 +94,11 @@ class _Connection:
     async def _handshake(self, name: str) -> HelloReply:
         call = hello_call(name)
         call.request.request_id = request_id = next(self._ids)
-        self._writer.write(encode(call.request))
-        await self._writer.drain()
+        try:
+            self._writer.write(encode(call.request))
+            await self._writer.drain()
+        except ConnectionError as error:  # a daemon killed as it accepted: its end reset before the Hello went out
+            raise ConnectionLost(f"the daemon closed the connection ({type(error).__name__})") from error
         reply = call.outcome(await self._read_reply())
         if reply.request_id != request_id:
             raise ConnectionLost(f"the daemon answered Hello {request_id} with HelloReply {reply.request_id}")
