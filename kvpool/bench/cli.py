@@ -125,10 +125,7 @@ def run_bench(options: BenchOptions) -> tuple[dict, str]:
             results["warm"] = measure_warm(rig)
         with meter.section("overload"):
             results["overload"] = _run_own_section("overload", rig.shards, rig.tokenizer, rig.socket_dir, options)
-        bench_say("section 9: start-up at several --n-ctx beside a bare context")
-        with meter.section("startup"):
-            results["startup"] = measure_startup(rig.middle.path, rig.socket_dir)
-        for name in ("durable", "move", "prefix"):
+        for name in ("startup", "durable", "move", "prefix"):
             with meter.section(name):
                 results[name] = _run_own_section(name, rig.shards, rig.tokenizer, rig.socket_dir, options)
         results["load"] = meter.loads

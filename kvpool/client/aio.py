@@ -54,6 +54,10 @@ from kvpool.wire.framing import FrameError, read_frame
 from kvpool.wire.protocol import MAX_REPLY_BYTES, Done, ErrorReply, HelloReply, Reply, RequestMessage, ShardDescription, StatsReply, decode_reply, encode
 
 
+def _closed(error: ConnectionError) -> ConnectionLost:
+    return ConnectionLost(f"the daemon closed the connection ({type(error).__name__})")
+
+
 class _Connection:
     """One connection after the Hello handshake; its reader task hands each reply to its request."""
 
@@ -98,7 +102,7 @@ class _Connection:
             self._writer.write(encode(call.request))
             await self._writer.drain()
         except ConnectionError as error:  # a daemon killed as it accepted: its end reset before the Hello went out
-            raise ConnectionLost(f"the daemon closed the connection ({type(error).__name__})") from error
+            raise _closed(error) from error
         reply = call.outcome(await self._read_reply())
         if reply.request_id != request_id:
             raise ConnectionLost(f"the daemon answered Hello {request_id} with HelloReply {reply.request_id}")
@@ -108,7 +112,7 @@ class _Connection:
         try:
             payload = await read_frame(self._reader, MAX_REPLY_BYTES)
         except ConnectionError as error:
-            raise ConnectionLost(f"the daemon closed the connection ({type(error).__name__})") from error
+            raise _closed(error) from error
         except FrameError as error:
             raise ConnectionLost(f"unreadable reply: {error}") from error
         if payload is None:
