@@ -17,7 +17,9 @@ ROUTE_N_CTX = 1024  # context of the decode and prefill sessions
 WARM_N_CTX = 2048 + 64  # section 7's daemons: a 2048-token session and its decodes fit
 DURABLE_N_CTX = 2048 + 64  # section 10's daemon: a 2048-token session and its next token fit
 MOVE_N_CTX = 2048 + 64  # section 11's daemons: the same
-PREFIX_N_CTX = 2048  # section 12's daemons and llama.cpp reference: a 1,056-token prompt in a chat-sized context
+# section 12's daemons and llama.cpp reference: a 1,056-token prompt in a chat-sized context, the size of sections 7,
+# 10 and 11's daemons so that the charge probe's readings their first start kept serve these (same shards and mode)
+PREFIX_N_CTX = 2048 + 64
 EPOCH = 1
 
 
@@ -58,6 +60,7 @@ class BenchOptions:
     move_lengths: tuple[int, ...] = (128, 512, 2048)  # section 11: histories moved by a re-plan and replayed
     move_rounds: int = 3  # section 11: interleaved rounds per length (each variant once per round)
     prefix_rounds: int = 7  # section 12: interleaved rounds of its time-to-first-token variants (a new session each)
+    prefix_system_tokens: int = 1024  # section 12: the system prompt every session shares
     chart: bool = True
     json_path: pathlib.Path | None = None  # --json: a copy of the results JSON
 
@@ -71,6 +74,8 @@ class BenchOptions:
             raise ValueError(f"warm lengths (at least one) and two decodes must fit in n_ctx {WARM_N_CTX}")
         if not self.durable_lengths or min(self.durable_lengths) < 1 or max(self.durable_lengths) + 1 > DURABLE_N_CTX:
             raise ValueError(f"durable lengths (at least one, each at least 1) and their next token must fit in n_ctx {DURABLE_N_CTX}")
+        if not 1 <= self.prefix_system_tokens <= PREFIX_N_CTX - 64:
+            raise ValueError(f"the prefix system prompt must have 1 to {PREFIX_N_CTX - 64} tokens (n_ctx {PREFIX_N_CTX}, room for a message)")
         if not self.move_lengths or min(self.move_lengths) < 1 or max(self.move_lengths) + 1 > MOVE_N_CTX:
             raise ValueError(f"move lengths (at least one, each at least 1) and their next token must fit in n_ctx {MOVE_N_CTX}")
 
@@ -81,7 +86,7 @@ class BenchOptions:
         # round is three daemon lifetimes: it stays at 1 (the run's end lists it among the figures short of 3)
         return cls(out_dir=out_dir, model=model, quick=True, rounds=3, decode_steps=6, history=16,
                    parallel_rounds=3, parallel_steps=4, repeats=3, warm_lengths=(128, 512), warm_repeats=3, overload_rounds=3, overload_steps=3,
-                   durable_sessions=4, durable_rounds=1, move_lengths=(128, 512), move_rounds=3, prefix_rounds=3)
+                   durable_sessions=4, durable_rounds=1, move_lengths=(128, 512), move_rounds=3, prefix_rounds=3, prefix_system_tokens=512)
 
     @property
     def max_n_ctx(self) -> int:

@@ -1,5 +1,6 @@
-"""Section 12, shared prefixes (issue 28): a new session whose prompt is a SYSTEM_TOKENS-token system prompt
-and a MESSAGE_TOKENS-token message, through the 3-shard route (3 daemons of its own, process mode, --n-ctx
+"""Section 12, shared prefixes (issue 28): a new session whose prompt is a system prompt of
+BenchOptions.prefix_system_tokens tokens (1,024; 512 in the quick run) and a MESSAGE_TOKENS-token message,
+through the 3-shard route (3 daemons of its own, process mode, --n-ctx
 PREFIX_N_CTX, the default --prefix-block), timed to its first token (the first append's logits):
 
   cached     Router(clients): the system prompt already stored on every daemon by an earlier session; the
@@ -46,7 +47,6 @@ from kvpool.shard.header import ShardInfo, file_sha256
 from kvpool.wire.prefix import chain_digests
 from workers.runtime.model import ShardModel
 
-SYSTEM_TOKENS = 1024
 MESSAGE_TOKENS = 32
 SYSTEM_TEXT = "You are a careful assistant. Answer briefly, cite what you were given, and say so when you do not know. "
 STORE_HANG_GUARD_S = 600.0  # a hang guard for a prefill's background store, never a verdict on speed
@@ -63,11 +63,11 @@ VARIANTS = (CACHED, UNCACHED, LLAMA, LLAMA_FRESH, COMPONENTS)
 # ---- inputs -------------------------------------------------------------------------------------------
 
 
-def system_prompt(tokenizer: Tokenizer) -> list[int]:
-    """SYSTEM_TOKENS tokens: SYSTEM_TEXT, then the bench's filler text."""
+def system_prompt(tokenizer: Tokenizer, length: int) -> list[int]:
+    """`length` tokens: SYSTEM_TEXT, then the bench's filler text."""
     filler = tokenizer.encode(FILLER_TEXT, add_special=False)
-    tokens = tokenizer.encode(SYSTEM_TEXT) + filler * (SYSTEM_TOKENS // len(filler) + 1)
-    return tokens[:SYSTEM_TOKENS]
+    tokens = tokenizer.encode(SYSTEM_TEXT) + filler * (length // len(filler) + 1)
+    return tokens[:length]
 
 
 def message(tokenizer: Tokenizer, label: str) -> list[int]:
@@ -108,36 +108,36 @@ def _routed_once(clients: Sequence[Client], session_id: str, prompt: list[int], 
             "hits": counts.prefix_hits, "fallbacks": counts.prefix_fallbacks, "first_append_rows": first_append}
 
 
-def _llama_once(context: PlainContext, state: ctypes.Array, rest: list[int]) -> dict:
-    """The kept context: the saved state restored into it (timed), then the message (timed)."""
+def _llama_once(context: PlainContext, state: ctypes.Array, at: int, rest: list[int]) -> dict:
+    """The kept context: the saved state of `at` positions restored into it (timed), then the message (timed)."""
     started = time.perf_counter()
-    context.restore_state(state, SYSTEM_TOKENS)
+    context.restore_state(state, at)
     restored = time.perf_counter()
-    logits = context.append(SYSTEM_TOKENS, np.asarray(rest, dtype=np.int32))[-1].copy()
+    logits = context.append(at, np.asarray(rest, dtype=np.int32))[-1].copy()
     done = time.perf_counter()
     return {"s": done - started, "restore_s": restored - started, "rows_s": done - restored, "logits": logits}
 
 
-def _llama_fresh_once(model: ShardModel, state: ctypes.Array, rest: list[int]) -> dict:
+def _llama_fresh_once(model: ShardModel, state: ctypes.Array, at: int, rest: list[int]) -> dict:
     """A context created for the request (timed), then as _llama_once; freed after, untimed."""
     started = time.perf_counter()
     context = PlainContext(model, PREFIX_N_CTX, n_threads=SINGLE_THREADS)
     try:
         created = time.perf_counter()
-        got = _llama_once(context, state, rest)
+        got = _llama_once(context, state, at, rest)
     finally:
         context.close()
     return {**got, "s": got["s"] + created - started, "create_s": created - started}
 
 
-def _walk_timed(clients: Sequence[Client], session_id: str, rest: list[int]) -> tuple[list[float], list[bool], np.ndarray]:
-    """One append of `rest` at SYSTEM_TOKENS through every daemon: each one's seconds and `restored` flag, the logits."""
+def _walk_timed(clients: Sequence[Client], session_id: str, at: int, rest: list[int]) -> tuple[list[float], list[bool], np.ndarray]:
+    """One append of `rest` at position `at` through every daemon: each one's seconds and `restored` flag, the logits."""
     rows: list[int] | np.ndarray = rest
     seconds, restored = [], []
     for stage, client in enumerate(clients):
         inputs = {"tokens": list(rows)} if stage == 0 else {"hidden": rows}
         started = time.perf_counter()
-        result = client.append(session_id, EPOCH, SYSTEM_TOKENS, **inputs)
+        result = client.append(session_id, EPOCH, at, **inputs)
         seconds.append(time.perf_counter() - started)
         restored.append(result.restored)
         rows = result.rows
@@ -156,10 +156,10 @@ def _components_once(clients: Sequence[Client], session_id: str, system: list[in
         lookup_s.append(time.perf_counter() - started)
     for client in clients:
         admit_s.append(time_call(lambda client=client: client.admit_prefix(session_id, EPOCH, "", digests)))
-    first_s, restored, _logits = _walk_timed(clients, session_id, rest)
+    first_s, restored, _logits = _walk_timed(clients, session_id, len(system), rest)
     for client in clients:
-        client.truncate(session_id, EPOCH, SYSTEM_TOKENS)
-    hot_s, _hot_restored, _logits = _walk_timed(clients, session_id, rest)
+        client.truncate(session_id, EPOCH, len(system))
+    hot_s, _hot_restored, _logits = _walk_timed(clients, session_id, len(system), rest)
     for client in clients:
         client.release(session_id, EPOCH)
     return {"held_blocks": held, "lookup_s": lookup_s, "admit_s": admit_s, "first_append_s": first_s, "restored": restored, "hot_append_s": hot_s}
@@ -182,9 +182,9 @@ def _measure_ttft(clients: list[Client], whole: ShardModel, tokenizer: Tokenizer
             if name in (CACHED, UNCACHED):
                 return _routed_once(clients, session_id, system + rest, prefix_cache=name == CACHED)
             if name == LLAMA:
-                return _llama_once(kept, state, rest)
+                return _llama_once(kept, state, len(system), rest)
             if name == LLAMA_FRESH:
-                return _llama_fresh_once(whole, state, rest)
+                return _llama_fresh_once(whole, state, len(system), rest)
             return _components_once(clients, session_id, system, message(tokenizer, f"{label}c"))
 
         for name in (CACHED, LLAMA, LLAMA_FRESH, COMPONENTS):  # warm-up (the seed was the uncached one): first contexts, saves, restores
@@ -255,9 +255,9 @@ def _measure_memory(mode: str, shards: Sequence[ShardInfo], tokenizer: Tokenizer
 
 def measure_prefix(shards: Sequence[ShardInfo], tokenizer: Tokenizer, socket_dir: pathlib.Path, options: BenchOptions,
                    say: Callable[[str], None]) -> dict:
-    system = system_prompt(tokenizer)
-    if len(system) != SYSTEM_TOKENS:
-        raise ValueError(f"prefix: the system prompt gives {len(system)} tokens, {SYSTEM_TOKENS} needed")
+    system = system_prompt(tokenizer, options.prefix_system_tokens)
+    if len(system) != options.prefix_system_tokens:
+        raise ValueError(f"prefix: the system prompt gives {len(system)} tokens, {options.prefix_system_tokens} needed")
     labels = ["seed", "warm-up", "warm-upc", *(f"{r}{c}" for r in range(options.prefix_rounds) for c in ("", "c"))]
     labels += [f"{mode} {index}" for mode in MEMORY_OPTIONS for index in ("seed", *range(SESSIONS))]
     if len({tuple(message(tokenizer, label)) for label in labels}) != len(labels):
@@ -278,7 +278,7 @@ def measure_prefix(shards: Sequence[ShardInfo], tokenizer: Tokenizer, socket_dir
         ttft = _measure_ttft(clients, whole, tokenizer, system, options.prefix_rounds, say)
         stats = [client.stats() for client in clients]
     memory = {mode: _measure_memory(mode, shards, tokenizer, system, socket_dir, say) for mode in MEMORY_OPTIONS}
-    return {"system_tokens": SYSTEM_TOKENS, "message_tokens": MESSAGE_TOKENS, "block": block, "n_ctx": PREFIX_N_CTX, "rounds": options.prefix_rounds,
+    return {"system_tokens": len(system), "message_tokens": MESSAGE_TOKENS, "block": block, "n_ctx": PREFIX_N_CTX, "rounds": options.prefix_rounds,
             "threads": SINGLE_THREADS, "daemon_options": DAEMON_OPTIONS, "daemon_start_s": start_s,
             "shard_sha256": {shard.path.name: file_sha256(shard.path) for shard in shards},
             "kv_bytes_per_position": kv_per_position, **ttft, "memory": memory,

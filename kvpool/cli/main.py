@@ -1,16 +1,20 @@
-"""`kvpool` command line: one subcommand per module, each with add_parser() and run()."""
+"""`kvpool` command line: one subcommand per module (kvpool.cli.<name>), each with add_parser() and run().
+
+A command imports only its own module: `kvpool serve` (what every daemon start runs) does not load the bench,
+the stress harness or llama.cpp's Python bindings in its supervisor; `kvpool`, `kvpool --help` or a name
+that is no subcommand builds the parser of every one."""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 
-from kvpool.cli import bench, demo, generate, serve, shard, status, stress
-
-SUBCOMMANDS = (demo, shard, generate, serve, status, bench, stress)
+SUBCOMMANDS = ("demo", "shard", "generate", "serve", "status", "bench", "stress")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The parser of every subcommand, or of `only` (one of SUBCOMMANDS) alone."""
     parser = argparse.ArgumentParser(
         prog="kvpool",
         description=(
@@ -19,13 +23,16 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     subcommands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in SUBCOMMANDS:
-        module.add_parser(subcommands)
+    for name in SUBCOMMANDS:
+        if only is None or name == only:
+            importlib.import_module(f"kvpool.cli.{name}").add_parser(subcommands)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    named = argv[0] if argv and argv[0] in SUBCOMMANDS else None
+    args = build_parser(named).parse_args(argv)
     try:
         return args.func(args)
     except KeyboardInterrupt:

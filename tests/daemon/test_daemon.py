@@ -21,7 +21,7 @@ from kvpool.router.router import Router
 from kvpool.wire.framing import FRAME_HEADER
 from kvpool.wire.protocol import PROTOCOL_VERSION, Append, AppendReply, Done, Hello, Release, Stats, encode
 from tests.support.chains import daemon_chain, greedy_with_logits, release_all
-from tests.support.daemons import STOP_HANG_GUARD_S, DaemonProcess, raw_connection, read_reply, sent_and_read
+from tests.support.daemons import STOP_HANG_GUARD_S, DaemonProcess, exited_all, raw_connection, read_reply, sent_and_read
 from tests.support.daemons import in_thread as _in_thread
 from tests.support.daemons import joined as _joined
 from tests.support.daemons import result as _result
@@ -675,5 +675,5 @@ def test_sigint_and_shutdown_request_stop_cleanly(shards, socket_dir):
         client.shutdown()
     assert daemon.process.wait(STOP_HANG_GUARD_S) == 0
     assert daemon.stop() == 0
-    _gone, alive = psutil.wait_procs(children, timeout=STOP_HANG_GUARD_S)
+    alive = exited_all(children, "the daemon's workers and resource tracker")
     assert not alive, f"left behind: {alive}"

@@ -19,7 +19,7 @@ import pytest
 from kvpool.bench.cli import add_arguments, options_from_args
 from kvpool.bench.durable import PARKED_SESSION_TOKENS, measure_durable, summarize_durable
 from kvpool.bench.move import measure_move, moved_split, summarize_move
-from kvpool.bench.options import DURABLE_N_CTX, MOVE_N_CTX, BenchOptions
+from kvpool.bench.options import DURABLE_N_CTX, MOVE_N_CTX, PREFIX_N_CTX, BenchOptions
 from kvpool.bench.table import render_table
 from kvpool.shard.ranges import LayerRange
 from tests.support.daemons import run_to_completion
@@ -27,6 +27,7 @@ from tests.support.daemons import run_to_completion
 REPOSITORY = pathlib.Path(__file__).resolve().parents[2]
 SECTIONS = ("1", "2", "3", "4", "5", "6", "7", "8", "9", "10", "11", "12")
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+QUICK_SYSTEM_TOKENS = 512  # section 12's shared system prompt in the quick run (BenchOptions.quick_run)
 
 
 def _numbers(value):
@@ -79,7 +80,7 @@ def test_quick_bench_prints_every_section_and_writes_json_and_png(quick_bench) -
                      "512-token session, first append after a restart", "2048-token session, first append after a restart",
                      "128-token session, re-plan 0:10,10:20,20:30 -> 0:14,14:30: Router.replan",
                      "512-token session, re-plan 0:10,10:20,20:30 -> 0:14,14:30: Router.replan",
-                     "new session, 1,024-token system prompt + 32-token message, 3 shard daemons, time to first token"):
+                     "new session, 512-token system prompt + 32-token message, 3 shard daemons, time to first token"):
         assert any(expected in line for line in table), expected
     assert "greedy tokens identical in all five paths | yes" in completed.stdout
     assert "bit-identical to the re-prefilled session's | yes" in completed.stdout  # every timed decode restored, none missed
@@ -222,29 +223,31 @@ def test_move_section_refuses_too_few_tokens_before_starting_a_daemon(shards, tm
 
 def _check_prefix_section(results: dict, table: list[str]) -> None:
     """What section 12 must show in a quick run: every variant timed three times, every cached session started
-    from the stored 1,024 tokens on all three daemons, the memory readings of both modes, its ratios and rows."""
+    from the stored system prompt (512 tokens in the quick run, 1,024 in the full one) on all three daemons, the
+    memory readings of both modes, its ratios and rows."""
     prefix = results["prefix"]
-    assert (prefix["system_tokens"], prefix["message_tokens"], prefix["block"], prefix["rounds"]) == (1024, 32, 32, 3)
+    system = QUICK_SYSTEM_TOKENS
+    assert (prefix["system_tokens"], prefix["message_tokens"], prefix["block"], prefix["rounds"]) == (system, 32, 32, 3)
     for name in ("cached", "uncached", "llama.cpp", "llama.cpp fresh context", "components"):
         assert len(prefix["runs"][name]) == 3, name
     for name in ("cached", "uncached", "llama.cpp", "llama.cpp fresh context"):
         assert all(one["s"] > 0 for one in prefix["runs"][name]), name
-    assert all(one["reused_tokens"] == 1024 and one["hits"] == 1 and one["first_append_rows"] == 1024 for one in prefix["runs"]["cached"])
+    assert all(one["reused_tokens"] == system and one["hits"] == 1 and one["first_append_rows"] == system for one in prefix["runs"]["cached"])
     assert all(one["reused_tokens"] == 0 and one["hits"] == 0 for one in prefix["runs"]["uncached"])
     for one in prefix["runs"]["components"]:
-        assert one["held_blocks"] == [32] * 3 and one["restored"] == [True] * 3
+        assert one["held_blocks"] == [system // 32] * 3 and one["restored"] == [True] * 3
         assert all(seconds > 0 for key in ("lookup_s", "admit_s", "first_append_s", "hot_append_s") for seconds in one[key])
     assert all(one["restore_s"] > 0 and one["rows_s"] > 0 for one in prefix["runs"]["llama.cpp"])
     assert all(one["create_s"] > 0 for one in prefix["runs"]["llama.cpp fresh context"])
     first = prefix["first_tokens"]
     assert first["cached"] == first["uncached"] == first["llama.cpp"] == first["llama.cpp fresh context"]  # the same first token every way
-    assert prefix["prefix_state_bytes"] > 0.9 * 1024 * sum(prefix["kv_bytes_per_position"])  # the whole model's KV of 1,024 positions, about
+    assert prefix["prefix_state_bytes"] > 0.9 * system * sum(prefix["kv_bytes_per_position"])  # the whole model's KV of those positions, about
     assert prefix["integrity"] == ["ok"] * 3 and prefix["sessions_left"] == 0
 
     for mode in ("process", "batched"):
         memory = prefix["memory"][mode]
-        assert memory["reused_tokens"] == 4 * 1024 and memory["hits"] == 4 and not any(memory["sessions_left"])
-        assert all(session["tier"] == "hot" and session["length"] == 1056 for reading in memory["held"] for session in reading["sessions"])
+        assert memory["reused_tokens"] == 4 * system and memory["hits"] == 4 and not any(memory["sessions_left"])
+        assert all(session["tier"] == "hot" and session["length"] == system + 32 for reading in memory["held"] for session in reading["sessions"])
         assert [len(reading["sessions"]) for reading in memory["held"]] == [4] * 3
         assert all(reading["prefix_entries"] == 1 and reading["prefix_bytes"] > 0 for reading in memory["after_seed"])
         assert all(held["prefix_bytes"] > seed["prefix_bytes"] for held, seed in zip(memory["held"], memory["after_seed"]))
@@ -259,10 +262,10 @@ def _check_prefix_section(results: dict, table: list[str]) -> None:
                 assert value > 0, key
     assert ratios["prefix_cached_vs_uncached_ttft"]["target"] == 10 and ratios["prefix_vs_llama_cpp_ttft"]["target"] == 0.9
     assert all(ratios[key]["value"] > 0 for key in ("prefix_cached_vs_uncached_ttft", "prefix_vs_llama_cpp_ttft", "prefix_memory_process_vs_batched"))
-    for expected in ("| 12 | new session, 1,024-token system prompt + 32-token message, 3 shard daemons, time to first token",
+    for expected in (f"| 12 | new session, {system:,}-token system prompt + 32-token message, 3 shard daemons, time to first token",
                      "| 12 | the same vs llama.cpp in one process reusing the prefix as its server does",
                      "| 12 | where the cached time goes", "--mode process vs --mode batched: budget reserved",
-                     "| 12 | every cached session started from 1,024 stored tokens on all 3 daemons"):
+                     f"| 12 | every cached session started from {system:,} stored tokens on all 3 daemons"):
         assert any(expected in line for line in table), expected
     assert results["environment"]["cpu_model"]
 
@@ -270,7 +273,7 @@ def _check_prefix_section(results: dict, table: list[str]) -> None:
 # ---- options and their limits ------------------------------------------------------------------------------
 
 
-def test_durable_and_move_lengths_fit_the_sections_n_ctx_at_the_edge(tmp_path, model_path):
+def test_durable_move_and_prefix_lengths_fit_the_sections_n_ctx_at_the_edge(tmp_path, model_path):
     assert _options(tmp_path, model_path, durable_lengths=(DURABLE_N_CTX - 1,)).durable_lengths == (DURABLE_N_CTX - 1,)
     for lengths in ((DURABLE_N_CTX,), (0,), ()):
         with pytest.raises(ValueError, match="durable lengths"):
@@ -279,6 +282,11 @@ def test_durable_and_move_lengths_fit_the_sections_n_ctx_at_the_edge(tmp_path, m
     for lengths in ((MOVE_N_CTX,), (0,), ()):
         with pytest.raises(ValueError, match="move lengths"):
             _options(tmp_path, model_path, move_lengths=lengths)
+    assert _options(tmp_path, model_path, prefix_system_tokens=PREFIX_N_CTX - 64).prefix_system_tokens == PREFIX_N_CTX - 64
+    for tokens in (PREFIX_N_CTX - 63, 0):
+        with pytest.raises(ValueError, match="prefix system prompt"):
+            _options(tmp_path, model_path, prefix_system_tokens=tokens)
+    assert BenchOptions.quick_run(tmp_path, model_path).prefix_system_tokens == QUICK_SYSTEM_TOKENS
     for field in ("durable_sessions", "durable_rounds", "move_rounds", "prefix_rounds"):
         assert getattr(_options(tmp_path, model_path, **{field: 1}), field) == 1
         with pytest.raises(ValueError, match="at least 1"):

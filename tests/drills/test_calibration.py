@@ -26,7 +26,8 @@ from kvpool.daemon.admission.calibration import (
     SharedContextCharge,
 )
 from tests.support.daemons import DaemonProcess
-from workers.server.main import MMAP_THRESHOLD_BYTES, anonymous_bytes
+from workers.server.entry import anonymous_bytes
+from workers.server.main import MMAP_THRESHOLD_BYTES
 
 MIB = 1 << 20
 CONVERSE_FACTOR = 1.15  # the charge is at most this much of a full context's real cost ...

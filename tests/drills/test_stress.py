@@ -2,7 +2,9 @@
 
 Each test is one `kvpool stress` run in process (kvpool.stress.run_stress): a chain of three daemons on
 the bundled model, four sessions x 40 operations (16 for the newer drills), then every session replayed
-alone on a fresh chain. Every run is bounded by operations; the timeouts are hang guards only, far above
+alone in process (--reference local: kvpool.local.chain.LocalChain, which the daemons equal bit for bit);
+the default drill replays on a fresh chain of daemons (the CLI's default, --reference daemon) so that
+reference is exercised too. Every run is bounded by operations; the timeouts are hang guards only, far above
 what the slowest, busiest machine needs. No assertion depends on speed: what timing decides (whether a
 cancel lands mid-prefill) is at most a warning in the report.
 """
@@ -44,12 +46,17 @@ OVERLOAD_OPS = 12
 HANG_GUARD_S = 1200
 DURABLE_SESSIONS = 2  # --restart, --persist-after: small runs (each restart starts a daemon)
 DURABLE_OPS = 12
+# --stall-timeout of the stalled worker's daemon (the CLI's default is 30 s). It bounds that daemon's every
+# worker call: the longest is one chunk of a session's prefill (at most 192 rows on a 10-layer shard at n_ctx
+# 512: ~0.4 s idle on a 2-core EPYC, ~1.2 s beside two CPU burners) or, if the suite's calibration cache has no
+# reading yet, the start-up probe's 512-row batch (~1.1 s idle). The drill waits this long for the stall.
+STALL_TIMEOUT_S = 12.0
 COMMON_VERDICTS = {"contract", "exact", "operations", "books_at_every_sample", "released", "worker_memory"}
 
 
 def _run(tmp_path: pathlib.Path, **overrides) -> StressReport:
     json_path = tmp_path / "stress.json"
-    report = run_stress(StressOptions(**{"sessions": SESSIONS, "ops": OPS, "json_path": json_path} | overrides))
+    report = run_stress(StressOptions(**{"sessions": SESSIONS, "ops": OPS, "json_path": json_path, "reference": "local"} | overrides))
     failed = [f"{v.name}: {v.detail}" for v in report.verdicts if not v.passed]
     assert report.passed and not failed, failed
     # the --json document is the same report
@@ -81,9 +88,9 @@ def _assert_common(report: StressReport) -> None:
 
 @pytest.mark.timeout(HANG_GUARD_S)
 def test_default_four_sessions_equal_each_alone(tmp_path):
-    report = _run(tmp_path)
+    report = _run(tmp_path, reference="daemon")
     _assert_common(report)
-    assert report.scenario == "default"
+    assert report.scenario == "default" and report.reference == "fresh daemons"
     for kind in ("prefill", "decode", "truncate", "cancel", "release_reopen", "epoch_bump", "stale_epoch"):
         assert report.ops_by_kind[kind] > 0 and report.latency_ms[kind].count > 0
     # nothing but the drills' own expected replies: no eviction, expiry or lost worker without a fault
@@ -216,7 +223,7 @@ def test_killed_supervisor_with_persist_after_costs_only_the_tail(tmp_path):
 
 @pytest.mark.timeout(HANG_GUARD_S)
 def test_stalled_worker_answers_worker_lost_after_the_request_timeout_and_is_replaced(tmp_path):
-    report = _run(tmp_path, stall_worker=True, seed=5, ops=DRILL_OPS)
+    report = _run(tmp_path, stall_worker=True, seed=5, ops=DRILL_OPS, stall_timeout_s=STALL_TIMEOUT_S)
     _assert_common(report)
     assert _verdict(report, "stall_worker").passed
     [stall] = report.stalls

@@ -23,6 +23,7 @@ from workers.runtime.model import ShardModel
 from workers.server.batched_server import BatchedWorkerServer
 from workers.server.commands import AnyCommand, Exit, Failed, Ready
 from workers.server.direct import DirectChannel
+from workers.server.entry import anonymous_bytes
 from workers.server.single import WorkerServer
 from workers.server.spec import WorkerSpec
 
@@ -49,19 +50,6 @@ def _exit_with_parent(parent_pid: int) -> None:
     if os.getppid() != parent_pid:
         os._exit(1)
     threading.Thread(target=watch, name="kvpool-parent-watch", daemon=True).start()
-
-
-def anonymous_bytes(pid: int | str = "self") -> int:
-    """A process's anonymous memory (what contexts allocate; the mmap'd weights left out), from
-    /proc/<pid>/smaps_rollup; 0 where it cannot be read."""
-    try:
-        with open(f"/proc/{pid}/smaps_rollup", encoding="ascii") as rollup:
-            for line in rollup:
-                if line.startswith("Anonymous:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0
 
 
 def fix_allocator() -> bool:

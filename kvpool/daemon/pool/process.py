@@ -23,7 +23,7 @@ from kvpool.daemon.pool.errors import WorkerLost, WorkerStartFailed
 from kvpool.daemon.pool.segment import WorkerSegment
 from kvpool.daemon.pool.spec import PoolSpec
 from workers.server.commands import AnyCommand, AnyWorkerReply, CancelDirect, Exit, Failed, Ready
-from workers.server.main import anonymous_bytes, worker_main
+from workers.server.entry import anonymous_bytes, worker_entry
 from workers.server.spec import WorkerSpec
 
 
@@ -60,8 +60,9 @@ class WorkerProcess:
 
     def _start(self, context, worker_spec: WorkerSpec, child_end: Connection, child_cancel_end: Connection):
         """The worker, started on the child's ends of its pipes (which it then owns). The one place a worker
-        runs: a spawned process serving workers.server.main.worker_main."""
-        process = context.Process(target=worker_main, args=(child_end, worker_spec, child_cancel_end), name=self.name, daemon=True)
+        runs: a spawned process serving workers.server.main.worker_main (through workers.server.entry, so that
+        the supervisor never imports llama.cpp)."""
+        process = context.Process(target=worker_entry, args=(child_end, worker_spec, child_cancel_end), name=self.name, daemon=True)
         process.start()
         child_end.close()  # so a dead worker reads as EOF on our end
         child_cancel_end.close()
