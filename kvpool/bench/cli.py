@@ -263,7 +263,7 @@ def _only(text: str) -> list[str]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--quick", action="store_true", help="a short run (about a minute): few rounds and steps")
+    parser.add_argument("--quick", action="store_true", help="a short run (about 6 minutes on 2 idle cores with the bundled model): few rounds and steps, every section")
     parser.add_argument("--model", type=pathlib.Path, help="source GGUF (default: the bundled model)")
     parser.add_argument("--out", type=pathlib.Path, help="output folder (default: <work dir>/bench)")
     parser.add_argument("--rounds", type=int, help="interleaved rounds of the one-session sections (default 7, quick 3)")
