@@ -26,8 +26,8 @@ from kvpool.daemon.admission.calibration import (
     SharedContextCharge,
 )
 from tests.support.daemons import DaemonProcess
-from workers.server.entry import anonymous_bytes
 from workers.server.main import MMAP_THRESHOLD_BYTES
+from workers.server.readings import anonymous_bytes
 
 MIB = 1 << 20
 CONVERSE_FACTOR = 1.15  # the charge is at most this much of a full context's real cost ...

@@ -12,7 +12,7 @@ import numpy as np
 
 from workers.runtime.batched import BatchedShardContext
 from workers.runtime.model import ShardModel
-from workers.server.entry import anonymous_bytes
+from workers.server.readings import anonymous_bytes
 
 ROWS = 512
 

@@ -23,7 +23,7 @@ from workers.runtime.model import ShardModel
 from workers.server.batched_server import BatchedWorkerServer
 from workers.server.commands import AnyCommand, Exit, Failed, Ready
 from workers.server.direct import DirectChannel
-from workers.server.entry import anonymous_bytes
+from workers.server.readings import anonymous_bytes
 from workers.server.single import WorkerServer
 from workers.server.spec import WorkerSpec
 

@@ -23,7 +23,8 @@ from kvpool.daemon.pool.errors import WorkerLost, WorkerStartFailed
 from kvpool.daemon.pool.segment import WorkerSegment
 from kvpool.daemon.pool.spec import PoolSpec
 from workers.server.commands import AnyCommand, AnyWorkerReply, CancelDirect, Exit, Failed, Ready
-from workers.server.entry import anonymous_bytes, worker_entry
+from workers.server.entry import worker_entry
+from workers.server.readings import anonymous_bytes
 from workers.server.spec import WorkerSpec
 
 
