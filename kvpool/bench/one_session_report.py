@@ -23,6 +23,7 @@ def summarize_mid_shard(results: dict) -> tuple[dict, dict, list[Row]]:
 
     mid = results["mid_shard"]
     decode = {name: median_of(values) for name, values in mid["decode_s"].items()}
+    cold = {name: median_of(values) for name, values in mid.get("cold_decode_s", {}).items() if values}
     mid_trip = median_of(mid["round_trip_s"]["worker_after_idle"])
     mid_trip_hot = median_of(mid["round_trip_s"]["worker"])
     mid_supervisor = median_of(mid["round_trip_s"]["supervisor"])
@@ -38,6 +39,7 @@ def summarize_mid_shard(results: dict) -> tuple[dict, dict, list[Row]]:
         "s1_overhead_s": overhead, "s1_round_trip_after_idle_s": mid_trip, "s1_round_trip_hot_s": mid_trip_hot,
         "s1_round_trip_supervisor_only_s": mid_supervisor, "s1_payload_s": mid["payload_s"], "s1_rest_s": mid_rest,
     })
+    summary.update({f"s1_{name.replace('.', '')}_cold_decode_s": seconds for name, seconds in cold.items()})
     rows += [
         Row("1", "middle shard decode: daemon vs the same shard in-process (worker runtime)", _rate(decode["daemon"]), _rate(decode["runtime"]),
             f"{daemon_vs_runtime:.3f}x tok/s", verdict(daemon_vs_runtime, DAEMON_OVERHEAD_TARGET)),
@@ -45,6 +47,10 @@ def summarize_mid_shard(results: dict) -> tuple[dict, dict, list[Row]]:
             f"{decode['llama.cpp'] / decode['daemon']:.3f}x tok/s"),
         Row("1", "middle shard decode: worker runtime (capture, graph stopped) vs llama.cpp, no capture", _rate(decode["runtime"]), _rate(decode["llama.cpp"]),
             f"{decode['llama.cpp'] / decode['runtime']:.3f}x tok/s"),
+        *([Row("1", f"  each variant's first {mid['block_warm_steps']} steps of a round, right after another variant ran (left out of the "
+                     "medians above): daemon vs worker runtime (llama.cpp's in the reference column after it)",
+                 ms(cold["daemon"]), f"{ms(cold['runtime'])}; llama.cpp {ms(cold['llama.cpp'])}", f"{cold['runtime'] / cold['daemon']:.3f}x tok/s")]
+          if cold else []),
         Row("1", "daemon overhead per token (daemon minus worker runtime)", ms(overhead), "", "100%"),
         Row("1", f"  round trip client-supervisor-worker-back, no compute, after {IDLE_MID_S * 1e3:.0f} ms idle "
                  f"(hot: {ms(mid_trip_hot)}; supervisor only: {ms(mid_supervisor)})", ms(mid_trip), "", share(mid_trip, overhead)),

@@ -44,6 +44,9 @@ class BenchOptions:
     quick: bool = False
     rounds: int = 7  # interleaved rounds of the single-session sections
     decode_steps: int = 96  # timed decode steps per round and variant
+    # section 1: steps each variant's block decodes before its timed ones (timed too, kept apart as cold steps):
+    # the first steps after another variant ran cost more (at ~1B, 17.5 ms falling to 9.9 within a block of 6)
+    block_warm_steps: int = 4
     history: int = 64  # rows in the middle shard's context before its decode steps
     prefill_rows: int = 512
     parallel_rounds: int = 7
@@ -68,8 +71,10 @@ class BenchOptions:
         if min(self.rounds, self.decode_steps, self.history, self.prefill_rows, self.parallel_rounds, self.parallel_steps, self.repeats,
                self.warm_repeats, *self.warm_lengths, self.overload_rounds, self.overload_steps, self.durable_sessions, self.durable_rounds, self.move_rounds, self.prefix_rounds) < 1:
             raise ValueError("rounds, steps, history, prefill rows, repeats, warm lengths and durable sessions must be at least 1")
-        if self.prefill_rows > ROUTE_N_CTX or self.history + self.decode_steps + 8 > ROUTE_N_CTX:
-            raise ValueError(f"prefill rows and history + decode steps must fit in n_ctx {ROUTE_N_CTX}")
+        if self.block_warm_steps < 0:
+            raise ValueError("block warm steps must be at least 0")
+        if self.prefill_rows > ROUTE_N_CTX or self.history + self.block_warm_steps + self.decode_steps + 8 > ROUTE_N_CTX:
+            raise ValueError(f"prefill rows and history + warm + decode steps must fit in n_ctx {ROUTE_N_CTX}")
         if not self.warm_lengths or max(self.warm_lengths) + 2 > WARM_N_CTX:
             raise ValueError(f"warm lengths (at least one) and two decodes must fit in n_ctx {WARM_N_CTX}")
         if not self.durable_lengths or min(self.durable_lengths) < 1 or max(self.durable_lengths) + 1 > DURABLE_N_CTX:
