@@ -267,7 +267,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", type=pathlib.Path, help="source GGUF (default: the bundled model)")
     parser.add_argument("--out", type=pathlib.Path, help="output folder (default: <work dir>/bench)")
     parser.add_argument("--rounds", type=int, help="interleaved rounds of the one-session sections (default 7, quick 3)")
-    parser.add_argument("--decode-steps", type=int, help="timed decode steps per round (default 96, quick 6)")
+    parser.add_argument("--decode-steps", type=int, help="timed decode steps per round and variant (default 96, quick 12); in section 1 the variants take turns every 3 of them")
     parser.add_argument("--parallel-rounds", type=int, help="interleaved rounds of the four-session section (default 7, quick 3)")
     parser.add_argument("--parallel-steps", type=int, help="decode steps per session per round (default 64, quick 4)")
     parser.add_argument("--repeats", type=int, help="admissions/releases/evictions per size (default 11, quick 3)")

@@ -53,16 +53,16 @@ def mid_shard_variants(rig: Rig, client: Client) -> tuple[dict[str, Variant], Ca
 
 def measure_mid_shard(rig: Rig) -> dict:
     """Section 1 (decode after `history` rows, every step timed) and section 4 (prefill), interleaved;
-    after each round, the mid daemon's request round trips (IPC without compute). Each variant's block of
-    decode steps begins with `block_warm_steps` steps kept apart (`cold_decode_s`): the first steps after
-    another variant ran are slower for every variant, and with few steps per block (quick) they would set
-    the median."""
+    after each round, the mid daemon's request round trips (IPC without compute). Within a round the
+    variants take turns every `chunk_steps` timed steps, each its own context: a slow spell of the machine
+    lasts seconds and hits every variant alike. Each turn's first step, right after another variant ran,
+    is timed and kept apart (`cold_decode_s`)."""
     options = rig.options
-    hidden, history, steps, warm = rig.mid_hidden, options.history, options.decode_steps, options.block_warm_steps
+    hidden, history, steps, chunk = rig.mid_hidden, options.history, options.decode_steps, options.chunk_steps
     client = rig.client("mid")
     variants, close = mid_shard_variants(rig, client)
     decode: dict[str, list[float]] = {name: [] for name in variants}
-    cold: dict[str, list[float]] = {name: [] for name in variants}  # each block's first `warm` steps
+    cold: dict[str, list[float]] = {name: [] for name in variants}
     prefill: dict[str, list[float]] = {name: [] for name in variants}
     trips: dict[str, list[float]] = {"supervisor": [], "worker": [], "worker_after_idle": []}
     try:
@@ -74,13 +74,20 @@ def measure_mid_shard(rig: Rig) -> dict:
             for step in range(4):
                 variant.append(history + step, hidden[history + step : history + step + 1])
         for round_index, order in run_interleaved(options.rounds, list(variants)):
+            position = dict.fromkeys(order, history)
+            for name in order:
+                variants[name].reset()
+                variants[name].append(0, hidden[:history])
+            for timed in range(0, steps, chunk):
+                for name in order:
+                    variant = variants[name]
+                    for turn_step in range(1 + min(chunk, steps - timed)):
+                        at = position[name]
+                        row = hidden[at : at + 1]
+                        (cold if turn_step == 0 else decode)[name].append(time_call(lambda: variant.append(at, row)))
+                        position[name] = at + 1
             for name in order:
                 variant = variants[name]
-                variant.reset()
-                variant.append(0, hidden[:history])
-                for step in range(warm + steps):
-                    row = hidden[history + step : history + step + 1]
-                    (cold if step < warm else decode)[name].append(time_call(lambda: variant.append(history + step, row)))
                 variant.reset()
                 prefill[name].append(time_call(lambda: variant.append(0, hidden[: options.prefill_rows])))
             for kind, values in round_trips(client, MID_SESSION, options.prefill_rows, max(8, steps // 2), IDLE_MID_S).items():
@@ -89,7 +96,7 @@ def measure_mid_shard(rig: Rig) -> dict:
     finally:
         close()
     payload = payload_seconds(hidden[:1], rig.middle.shape.n_embd, count=200)
-    return {"decode_s": decode, "cold_decode_s": cold, "block_warm_steps": warm, "prefill_s": prefill, "round_trip_s": trips, "payload_s": payload}
+    return {"decode_s": decode, "cold_decode_s": cold, "chunk_steps": chunk, "prefill_s": prefill, "round_trip_s": trips, "payload_s": payload}
 
 
 # ---- section 2: one session through the whole route -------------------------------------------------

@@ -47,8 +47,8 @@ def summarize_mid_shard(results: dict) -> tuple[dict, dict, list[Row]]:
             f"{decode['llama.cpp'] / decode['daemon']:.3f}x tok/s"),
         Row("1", "middle shard decode: worker runtime (capture, graph stopped) vs llama.cpp, no capture", _rate(decode["runtime"]), _rate(decode["llama.cpp"]),
             f"{decode['llama.cpp'] / decode['runtime']:.3f}x tok/s"),
-        *([Row("1", f"  each variant's first {mid['block_warm_steps']} steps of a round, right after another variant ran (left out of the "
-                     "medians above): daemon vs worker runtime (llama.cpp's in the reference column after it)",
+        *([Row("1", f"  the first step of each turn (the variants take turns every {mid['chunk_steps']} timed steps), right after another "
+                     "variant ran; left out of the medians above: daemon vs worker runtime (then llama.cpp's)",
                  ms(cold["daemon"]), f"{ms(cold['runtime'])}; llama.cpp {ms(cold['llama.cpp'])}", f"{cold['runtime'] / cold['daemon']:.3f}x tok/s")]
           if cold else []),
         Row("1", "daemon overhead per token (daemon minus worker runtime)", ms(overhead), "", "100%"),

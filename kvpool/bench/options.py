@@ -44,9 +44,10 @@ class BenchOptions:
     quick: bool = False
     rounds: int = 7  # interleaved rounds of the single-session sections
     decode_steps: int = 96  # timed decode steps per round and variant
-    # section 1: steps each variant's block decodes before its timed ones (timed too, kept apart as cold steps):
-    # the first steps after another variant ran cost more (at ~1B, 17.5 ms falling to 9.9 within a block of 6)
-    block_warm_steps: int = 4
+    # section 1: the variants take turns every `chunk_steps` timed steps, so a slow spell of the machine (at ~1B
+    # every variant's steps, in-process ones too, slow from ~9.5 to ~14 ms for seconds at a time) falls on all
+    # of them alike; each turn begins with one step after another variant ran, timed and kept apart (cold)
+    chunk_steps: int = 3
     history: int = 64  # rows in the middle shard's context before its decode steps
     prefill_rows: int = 512
     parallel_rounds: int = 7
@@ -71,10 +72,10 @@ class BenchOptions:
         if min(self.rounds, self.decode_steps, self.history, self.prefill_rows, self.parallel_rounds, self.parallel_steps, self.repeats,
                self.warm_repeats, *self.warm_lengths, self.overload_rounds, self.overload_steps, self.durable_sessions, self.durable_rounds, self.move_rounds, self.prefix_rounds) < 1:
             raise ValueError("rounds, steps, history, prefill rows, repeats, warm lengths and durable sessions must be at least 1")
-        if self.block_warm_steps < 0:
-            raise ValueError("block warm steps must be at least 0")
-        if self.prefill_rows > ROUTE_N_CTX or self.history + self.block_warm_steps + self.decode_steps + 8 > ROUTE_N_CTX:
-            raise ValueError(f"prefill rows and history + warm + decode steps must fit in n_ctx {ROUTE_N_CTX}")
+        if self.chunk_steps < 1:
+            raise ValueError("chunk steps must be at least 1")
+        if self.prefill_rows > ROUTE_N_CTX or self.history + self.decode_steps + self.cold_steps + 8 > ROUTE_N_CTX:
+            raise ValueError(f"prefill rows and history + decode steps (timed and cold) must fit in n_ctx {ROUTE_N_CTX}")
         if not self.warm_lengths or max(self.warm_lengths) + 2 > WARM_N_CTX:
             raise ValueError(f"warm lengths (at least one) and two decodes must fit in n_ctx {WARM_N_CTX}")
         if not self.durable_lengths or min(self.durable_lengths) < 1 or max(self.durable_lengths) + 1 > DURABLE_N_CTX:
@@ -89,9 +90,14 @@ class BenchOptions:
         # every timed figure gets MIN_ROUNDS rounds (a median between a min and a max: kvpool.bench.checks), with
         # fewer steps per round where a round has several, so the run stays about as long; but section 10's
         # round is three daemon lifetimes: it stays at 1 (the run's end lists it among the figures short of 3)
-        return cls(out_dir=out_dir, model=model, quick=True, rounds=3, decode_steps=6, history=16,
+        return cls(out_dir=out_dir, model=model, quick=True, rounds=3, decode_steps=12, history=16,
                    parallel_rounds=3, parallel_steps=4, repeats=3, warm_lengths=(128, 512), warm_repeats=3, overload_rounds=3, overload_steps=3,
                    durable_sessions=4, durable_rounds=1, move_lengths=(128, 512), move_rounds=3, prefix_rounds=3, prefix_system_tokens=512)
+
+    @property
+    def cold_steps(self) -> int:
+        """Section 1: the steps per round and variant that begin a turn (one per `chunk_steps` timed ones)."""
+        return -(-self.decode_steps // self.chunk_steps)
 
     @property
     def max_n_ctx(self) -> int:

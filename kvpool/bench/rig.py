@@ -81,7 +81,7 @@ class Rig:
         self.whole_model = self._stack.enter_context(ShardModel(source, n_threads=SINGLE_THREADS))
         self.mid_model = self._stack.enter_context(ShardModel(self.middle.path, n_threads=SINGLE_THREADS))
         self.chain = self._stack.enter_context(LocalChain([shard.path for shard in self.shards], n_threads=SINGLE_THREADS))
-        needed = max(options.prefill_rows, options.history + options.block_warm_steps + options.decode_steps + 8)
+        needed = max(options.prefill_rows, options.history + options.decode_steps + options.cold_steps + 8)
         filler = self.tokenizer.encode(FILLER_TEXT)[:needed]
         if len(filler) < needed:
             raise ValueError(f"the filler text gives {len(filler)} tokens, {needed} needed")
