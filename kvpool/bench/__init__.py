@@ -16,7 +16,7 @@ and noisy: compare the ratios, not the absolute times; every figure is a median)
                                    1-token decode that restores on each / a fresh session's prefill + the same
                                    decode (what a cache miss costs), at 128, 512, 2048 tokens (quick: 128, 512);
                                    sessions per GiB parked (spill bytes) / hot (charged bytes), 256 tokens at
-                                   n_ctx 2048
+                                   n_ctx 2048 (`--only warm` runs this section alone)
   8 overload                       8 sessions at once through a 3-daemon chain with 2 places per daemon /
                                    the same 8 sessions run 2 at a time by the router (`--overload-only`
                                    runs this section alone); whether the daemons have the warm tier

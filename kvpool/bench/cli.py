@@ -120,12 +120,7 @@ def run_bench(options: BenchOptions) -> tuple[dict, str]:
         bench_say("section 6: memory")
         with meter.section("memory"):
             results["memory"] = measure_memory(rig)
-        bench_say("section 7: warm tier, restore vs re-prefill and sessions per GiB")
-        with meter.section("warm"):
-            results["warm"] = measure_warm(rig)
-        with meter.section("overload"):
-            results["overload"] = _run_own_section("overload", rig.shards, rig.tokenizer, rig.socket_dir, options)
-        for name in ("startup", "durable", "move", "prefix"):
+        for name in OWN_DAEMON_SECTIONS:
             with meter.section(name):
                 results[name] = _run_own_section(name, rig.shards, rig.tokenizer, rig.socket_dir, options)
         results["load"] = meter.loads
@@ -210,7 +205,12 @@ def _prefix(shards: list[ShardInfo], tokenizer: Tokenizer, socket_dir: pathlib.P
     return measure_prefix(shards, tokenizer, socket_dir, options, bench_say)
 
 
-OWN_DAEMON_SECTIONS = {  # --only name: (section, what it measures, how)
+def _warm(shards: list[ShardInfo], tokenizer: Tokenizer, socket_dir: pathlib.Path, options: BenchOptions) -> dict:
+    return measure_warm(shards, tokenizer, socket_dir, options)
+
+
+OWN_DAEMON_SECTIONS = {  # --only name: (section, what it measures, how), in the order a whole run takes them
+    "warm": ("7", "warm tier, restore vs re-prefill and sessions per GiB", _warm),
     "overload": ("8", "overload, 8 sessions on 2 places per daemon", _overload),
     "startup": ("9", "start-up: a first start and a restart with the probe's readings kept, at several --n-ctx", _startup),
     "durable": ("10", "durable sessions: drain and adoption of parked sessions, the first append after a restart vs a re-prefill", _durable),

@@ -10,16 +10,19 @@ a "restore" timed here is never a re-prefill in disguise.
 from __future__ import annotations
 
 import contextlib
+import pathlib
 import time
 from collections.abc import Sequence
 
 import numpy as np
 
-from kvpool.bench.options import EPOCH, WARM_N_CTX, as_mib, bench_say, median_of
-from kvpool.bench.rig import Rig, long_history, run_interleaved, start_daemons, time_call
+from kvpool.bench.options import EPOCH, WARM_N_CTX, BenchOptions, as_mib, bench_say, median_of
+from kvpool.bench.rig import PROMPTS, long_history, run_interleaved, start_daemons, time_call
 from kvpool.bench.table import Row, headline, ms, verdict
 from kvpool.client.client import Client
+from kvpool.local.tokenizer import Tokenizer
 from kvpool.router.route import Route
+from kvpool.shard.header import ShardInfo
 from kvpool.wire.protocol import StatsReply
 
 WARM_SESSIONS = 2  # workers per daemon: the parked session's restore and a fresh session never wait for one
@@ -111,16 +114,16 @@ def _parked_vs_hot(route: Route, tokens: list[int], kv_bytes_per_position: list[
     }
 
 
-def measure_warm(rig: Rig) -> dict:
-    options = rig.options
+def measure_warm(shards: Sequence[ShardInfo], tokenizer: Tokenizer, socket_dir: pathlib.Path, options: BenchOptions) -> dict:
     common = ["--ttl", "600", "--threads-per-worker", "1", "--threads", "1", "--max-sessions", str(WARM_SESSIONS),
               "--n-ctx", str(WARM_N_CTX), "--budget", "1GiB", "--spill-budget", "1GiB"]
-    plan = {f"warm{index}": (shard.path, common) for index, shard in enumerate(rig.shards)}
-    tokens = long_history(rig.tokenizer, rig.prompts[0], max(*options.warm_lengths, PARKED_TOKENS) + 2)
+    plan = {f"warm{index}": (shard.path, common) for index, shard in enumerate(shards)}
+    prompt = tokenizer.encode(tokenizer.chat_prompt(PROMPTS[0]))
+    tokens = long_history(tokenizer, prompt, max(*options.warm_lengths, PARKED_TOKENS) + 2)
     with contextlib.ExitStack() as stack:
         bench_say(f"warm tier: starting {len(plan)} daemons (--n-ctx {WARM_N_CTX}, --max-sessions {WARM_SESSIONS})")
         started = time.perf_counter()
-        daemons = start_daemons(plan, rig.socket_dir, stack)
+        daemons = start_daemons(plan, socket_dir, stack)
         start_s = time.perf_counter() - started
         clients = [stack.enter_context(Client(daemon.socket, name="kvpool-bench")) for daemon in daemons.values()]
         route = Route(clients)
@@ -128,10 +131,16 @@ def measure_warm(rig: Rig) -> dict:
         _restore_once(route, "bench-warm-warm-up-restore", tokens, smallest)  # first contexts, saves and restores allocate
         _reprefill_once(route, "bench-warm-warm-up-re-prefill", tokens, smallest)
         lengths = {length: _measure_length(route, tokens, length, options.warm_repeats) for length in options.warm_lengths}
-        memory = _parked_vs_hot(route, tokens, [model.kv_bytes_per_position() for model in rig.chain.models])
+        memory = _parked_vs_hot(route, tokens, [_kv_bytes_per_position(client) for client in clients])
         integrity = [client.stats().integrity for client in clients]
     bench_say("warm tier done")
     return {"daemon_options": common, "daemon_start_s": start_s, "lengths": lengths, "parked_vs_hot": memory, "integrity": integrity}
+
+
+def _kv_bytes_per_position(client: Client) -> int:
+    """f16 K and V of the daemon's layers per cached position, from its calibration rows (theoretical bytes at n_ctx)."""
+    row = client.stats().calibration[0]
+    return row.theoretical_kv_bytes // row.n_ctx
 
 
 # ---- report -------------------------------------------------------------------------------------------

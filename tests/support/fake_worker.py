@@ -65,6 +65,7 @@ from workers.server.commands import (
     TruncateContext,
     Truncated,
 )
+from workers.server.pipe import received_command, send_reply
 from workers.server.segment import ABORT_FLAG_OFFSET
 from workers.server.spec import WorkerSpec
 
@@ -214,7 +215,7 @@ class FakeServer:
             case RestoreState(n_ctx=n_ctx, blob=blob, length=length):
                 sequence.open(0)
                 try:
-                    sequence.restore(blob, length, n_ctx)
+                    sequence.restore(bytes(blob), length, n_ctx)
                 except StateFormatError as error:
                     sequence.open(0)
                     return Failed(code="restore_failed", message=str(error), length=0)
@@ -326,11 +327,12 @@ class FakeWorkerMixin:
             try:
                 child_end.send_bytes(encoder.encode(ready))
                 while True:
-                    command = decoder.decode(child_end.recv_bytes())
-                    if isinstance(command, Exit):
-                        return
-                    server.wait_while_stopped()
-                    child_end.send_bytes(encoder.encode(server.handle(command)))
+                    with received_command(child_end, decoder) as command:
+                        if isinstance(command, Exit):
+                            return
+                        server.wait_while_stopped()
+                        reply = server.handle(command)
+                    send_reply(child_end, encoder, reply)
             except (EOFError, OSError):
                 return
             finally:

@@ -20,7 +20,6 @@ workers.runtime.ubatch.
 
 from __future__ import annotations
 
-import ctypes
 from collections.abc import Iterable
 
 import llama_cpp
@@ -30,6 +29,7 @@ from workers.runtime.batch_checks import check_seq, named_seqs, validated_append
 from workers.runtime.batch_plan import SeqAppend, plan_ubatches
 from workers.runtime.errors import BadInput, Cancelled, DecodeFailed, PositionMismatch, ShardRuntimeError
 from workers.runtime.params import LoadedShard
+from workers.runtime.sequence_io import StateSizeMismatch, restore_sequence, save_sequence
 from workers.runtime.ubatch import UbatchDecoder
 
 MAX_SEQUENCES = 256  # LLAMA_MAX_SEQ in llama.cpp
@@ -164,14 +164,12 @@ class BatchedShardContext:
         same n_seqs (the blob records every stream), into any of its sequences."""
         ctx = self._handle()
         seq = check_seq(seq, self.n_seqs)
-        size = llama_cpp.llama_state_seq_get_size(ctx, seq)
-        buffer = (ctypes.c_uint8 * size)()
-        written = llama_cpp.llama_state_seq_get_data(ctx, buffer, size, seq)
-        if written != size:
-            raise DecodeFailed(f"state of sequence {seq}: wrote {written} of {size} bytes", length=self._lengths[seq])
-        return bytes(buffer)
+        try:
+            return save_sequence(ctx, seq)
+        except StateSizeMismatch as error:
+            raise DecodeFailed(str(error), length=self._lengths[seq]) from None
 
-    def restore_state(self, seq: int, blob: bytes) -> int:
+    def restore_state(self, seq: int, blob: bytes | memoryview) -> int:
         """Load a saved sequence into an empty sequence `seq`. Returns its length.
 
         A failed restore leaves `seq` empty; llama.cpp may then hold corrupt cells in that stream
@@ -182,8 +180,7 @@ class BatchedShardContext:
         if self._lengths[seq] != 0:
             length = self._lengths[seq]
             raise PositionMismatch(f"restore needs an empty sequence; {seq} has length {length}", length=length)
-        source = (ctypes.c_uint8 * len(blob)).from_buffer_copy(blob)
-        read = llama_cpp.llama_state_seq_set_data(ctx, source, len(blob), seq)
+        read = restore_sequence(ctx, seq, blob)
         pos_min = llama_cpp.llama_memory_seq_pos_min(self._memory, seq)
         length = llama_cpp.llama_memory_seq_pos_max(self._memory, seq) + 1
         if read != len(blob) or length < 1 or pos_min != 0 or length > self.n_ctx_per_seq:

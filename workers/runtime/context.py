@@ -183,13 +183,13 @@ class ShardContext:
         """The sequence's KV state, positions [0, length), as restore_state takes it."""
         return save_sequence(self._handle(), SEQUENCE)
 
-    def restore_state(self, blob: bytes, length: int) -> int:
+    def restore_state(self, blob: bytes | memoryview, length: int) -> int:
         """Load a saved state into this empty context and keep its positions [0, length). Raises
         RestoreFailed (the context must then be freed, never reused: its KV may be corrupt)."""
         ctx = self._handle()
         if self._length:
             raise BadInput("restore needs an empty context", length=self._length)
-        if not restore_sequence(ctx, SEQUENCE, blob):
+        if restore_sequence(ctx, SEQUENCE, blob) <= 0:
             raise RestoreFailed("llama.cpp refused the saved state", length=0)
         held = llama_cpp.llama_memory_seq_pos_max(self._memory, SEQUENCE) + 1
         if held < length or length > self.n_ctx:

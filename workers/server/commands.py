@@ -1,4 +1,4 @@
-"""Messages between the supervisor and one worker process, over a pipe (bulk rows go through shared memory).
+"""Messages between the supervisor and one worker process, over a pipe (bulk rows go through shared memory, a saved state beside its message in a memfd: workers.server.pipe).
 
 Where the rows lie in the worker's segment: workers.server.segment. A worker serves one command at a time and answers each with exactly one reply.
 """
@@ -74,7 +74,8 @@ class CloseContext(Command):
 
 
 class SaveState(Command):
-    """The open context's sequence state, as bytes in the reply (Saved)."""
+    """The open context's sequence state, as bytes in the reply (Saved; its bytes travel beside it:
+    workers.server.pipe)."""
 
     seq: int = 0
 
@@ -84,9 +85,10 @@ class RestoreState(Command):
     On failure that context is freed (Failed, code restore_failed)."""
 
     n_ctx: int
-    blob: bytes
     length: int
+    blob: memoryview = memoryview(b"")  # empty on the wire; received: a view of the bytes that travel beside (workers.server.pipe)
     seq: int = 0
+    blob_bytes: int = 0  # on the wire: the size of the blob that travels beside the command
 
 
 class BindChannel(Command):
@@ -153,7 +155,8 @@ class Closed(WorkerReply):
 
 class Saved(WorkerReply):
     length: int
-    blob: bytes
+    blob: bytes = b""  # empty on the wire; received: the bytes that travel beside the reply (workers.server.pipe)
+    blob_bytes: int = 0  # on the wire: their size
 
 
 class Restored(WorkerReply):

@@ -23,6 +23,7 @@ from workers.runtime.model import ShardModel
 from workers.server.batched_server import BatchedWorkerServer
 from workers.server.commands import AnyCommand, Exit, Failed, Ready
 from workers.server.direct import DirectChannel
+from workers.server.pipe import received_command, send_reply
 from workers.server.readings import anonymous_bytes
 from workers.server.single import WorkerServer
 from workers.server.spec import WorkerSpec
@@ -130,9 +131,10 @@ def _obey(connection: Connection, server: WorkerServer | BatchedWorkerServer, ch
                 channel.ready(key.data, ready)
                 continue
             try:
-                command = decoder.decode(connection.recv_bytes())
+                with received_command(connection, decoder) as command:
+                    if isinstance(command, Exit):
+                        return
+                    reply = server.handle(command)
             except EOFError:
                 return  # the supervisor is gone
-            if isinstance(command, Exit):
-                return
-            connection.send_bytes(encoder.encode(server.handle(command)))
+            send_reply(connection, encoder, reply)

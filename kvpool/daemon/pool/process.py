@@ -24,6 +24,7 @@ from kvpool.daemon.pool.segment import WorkerSegment
 from kvpool.daemon.pool.spec import PoolSpec
 from workers.server.commands import AnyCommand, AnyWorkerReply, CancelDirect, Exit, Failed, Ready
 from workers.server.entry import worker_entry
+from workers.server.pipe import receive_reply, send_command
 from workers.server.readings import anonymous_bytes
 from workers.server.spec import WorkerSpec
 
@@ -116,7 +117,7 @@ class WorkerProcess:
             descriptor = self._connection.fileno()
             readable = loop.create_future()
             try:
-                self._connection.send_bytes(self._encoder.encode(command))
+                send_command(self._connection, self._encoder, command)
                 self._waiting = (loop, readable)
                 loop.add_reader(descriptor, lambda: readable.done() or readable.set_result(None))
                 timer = loop.call_later(self.request_timeout_s, lambda: readable.done() or readable.set_exception(TimeoutError()))
@@ -126,7 +127,7 @@ class WorkerProcess:
                     self._waiting = None
                     timer.cancel()
                     loop.remove_reader(descriptor)
-                payload = self._connection.recv_bytes()
+                reply = receive_reply(self._connection, self._decoder)
             except TimeoutError:
                 self.lost = True
                 self.process.kill()
@@ -140,7 +141,7 @@ class WorkerProcess:
             except asyncio.CancelledError:
                 self.lost = True
                 raise
-            return self._decoder.decode(payload)
+            return reply
 
     def send_cancel(self, command: CancelDirect) -> None:
         """Hand `command` to the worker's cancel thread, over its own pipe (no reply awaited)."""

@@ -1,0 +1,128 @@
+"""The supervisor-worker pipe as both ends speak it: one msgpack message per command and per reply, and a
+saved state's bytes (SaveState's reply, RestoreState's blob) beside its message in a memfd whose descriptor
+crosses the pipe (a Unix socket pair) as SCM_RIGHTS ancillary data.
+
+Why not in the message: a state is megabytes (3.76 MiB for 512 positions of the middle bundled shard), and
+through the socket pair it moved in 64 KiB pieces, each a wake-up of the other process, into buffers grown
+as it came: measured in a worker, encoding a Saved reply took 1.6-16 ms and sending it 3-15 ms, receiving a
+RestoreState 7-18 ms, all for one 3.76 MiB blob. A memfd is written with one write() and read with one
+read() (or mapped: a worker hands llama.cpp the mapping itself, workers.runtime.sequence_io), takes no room
+in /dev/shm (its pages are the writer's memory until both ends close it), and is gone once both have.
+
+The order on the pipe: the message (its blob empty, blob_bytes its size), then one byte carrying the
+descriptor. The writer fills the memfd before it sends the message, so the reader never waits between them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import socket
+from collections.abc import Iterator
+from multiprocessing.connection import Connection
+
+import msgspec
+
+from workers.server.commands import AnyCommand, AnyWorkerReply, RestoreState, Saved
+
+MEMFD_NAME = "kvpool-state"
+
+
+class StateTransferError(OSError):
+    """A state's bytes did not cross the pipe whole (no descriptor, or fewer bytes than announced)."""
+
+
+def _memfd_of(data: bytes | memoryview) -> int:
+    """A memfd holding `data`, positioned at its start."""
+    fd = os.memfd_create(MEMFD_NAME, os.MFD_CLOEXEC)
+    try:
+        view = memoryview(data).cast("B")
+        written = 0
+        while written < len(view):
+            written += os.write(fd, view[written:])
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _send_descriptor(connection: Connection, fd: int) -> None:
+    with socket.socket(fileno=os.dup(connection.fileno())) as sock:
+        socket.send_fds(sock, [b"S"], [fd])
+
+
+def _receive_descriptor(connection: Connection) -> int:
+    with socket.socket(fileno=os.dup(connection.fileno())) as sock:
+        message, fds, _flags, _address = socket.recv_fds(sock, 1, 1)
+    if message != b"S" or len(fds) != 1:
+        for fd in fds:
+            os.close(fd)
+        raise StateTransferError("a state's descriptor did not follow its message")
+    return fds[0]
+
+
+def _send(connection: Connection, encoder: msgspec.msgpack.Encoder, message, blob: bytes | memoryview | None) -> None:
+    if blob is None:
+        connection.send_bytes(encoder.encode(message))
+        return
+    fd = _memfd_of(blob)
+    try:
+        connection.send_bytes(encoder.encode(msgspec.structs.replace(message, blob=b"", blob_bytes=len(blob))))
+        _send_descriptor(connection, fd)
+    finally:
+        os.close(fd)
+
+
+def send_command(connection: Connection, encoder: msgspec.msgpack.Encoder, command: AnyCommand) -> None:
+    """The supervisor's end: `command`, and a RestoreState's blob beside it."""
+    _send(connection, encoder, command, command.blob if isinstance(command, RestoreState) else None)
+
+
+def send_reply(connection: Connection, encoder: msgspec.msgpack.Encoder, reply: AnyWorkerReply) -> None:
+    """A worker's end: `reply`, and a Saved reply's blob beside it."""
+    _send(connection, encoder, reply, reply.blob if isinstance(reply, Saved) else None)
+
+
+def receive_reply(connection: Connection, decoder: msgspec.msgpack.Decoder) -> AnyWorkerReply:
+    """The supervisor's end: the next reply, a Saved one with its blob read in (bytes of its own). Raises
+    EOFError or OSError (StateTransferError among them) as the pipe does."""
+    reply = decoder.decode(connection.recv_bytes())
+    if not isinstance(reply, Saved):
+        return reply
+    fd = _receive_descriptor(connection)
+    try:
+        blob = os.pread(fd, reply.blob_bytes, 0) if reply.blob_bytes else b""
+    finally:
+        os.close(fd)
+    if len(blob) != reply.blob_bytes:
+        raise StateTransferError(f"a saved state of {reply.blob_bytes} bytes arrived with {len(blob)}")
+    return msgspec.structs.replace(reply, blob=blob, blob_bytes=0)
+
+
+@contextlib.contextmanager
+def received_command(connection: Connection, decoder: msgspec.msgpack.Decoder) -> Iterator[AnyCommand]:
+    """A worker's end: the next command; a RestoreState's blob is a read-only view of the memfd's mapping,
+    valid inside the block (unmapped after it). Raises EOFError or OSError as the pipe does."""
+    command = decoder.decode(connection.recv_bytes())
+    if not isinstance(command, RestoreState):
+        yield command
+        return
+    fd = _receive_descriptor(connection)
+    try:
+        size = os.fstat(fd).st_size
+        if size != command.blob_bytes:
+            raise StateTransferError(f"a state of {command.blob_bytes} bytes arrived with {size}")
+        mapping = mmap.mmap(fd, size, prot=mmap.PROT_READ) if size else None
+    finally:
+        os.close(fd)
+    if mapping is None:
+        yield msgspec.structs.replace(command, blob=memoryview(b""), blob_bytes=0)
+        return
+    view = memoryview(mapping)
+    try:
+        yield msgspec.structs.replace(command, blob=view, blob_bytes=0)
+    finally:
+        with contextlib.suppress(BufferError):  # a view still exported: unmapped when the last one goes
+            view.release()
+            mapping.close()
