@@ -309,8 +309,9 @@ def test_only_takes_known_sections_and_the_durable_move_and_prefix_flags_overrid
     assert options.prefix_rounds == 3  # quick
     prefix = options_from_args(_parsed("--only", "prefix", "--quick", "--prefix-rounds", "5", "--out", str(tmp_path)))
     assert prefix.prefix_rounds == 5 and options_from_args(_parsed("--out", str(tmp_path))).prefix_rounds == 7
-    for bad in ("warm", ",", ""):
-        with pytest.raises(argparse.ArgumentError, match="--only takes a comma-separated list of overload, startup, durable, move, prefix"):
+    assert _parsed("--only", "warm,prefix").only == ["warm", "prefix"]
+    for bad in ("cold", "warm,cold", ",", ""):
+        with pytest.raises(argparse.ArgumentError, match="--only takes a comma-separated list of warm, overload, startup, durable, move, prefix"):
             _parsed("--only", bad)
     with pytest.raises(argparse.ArgumentError, match="not allowed with argument"):
         _parsed("--only", "durable", "--overload-only")
