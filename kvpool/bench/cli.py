@@ -205,12 +205,8 @@ def _prefix(shards: list[ShardInfo], tokenizer: Tokenizer, socket_dir: pathlib.P
     return measure_prefix(shards, tokenizer, socket_dir, options, bench_say)
 
 
-def _warm(shards: list[ShardInfo], tokenizer: Tokenizer, socket_dir: pathlib.Path, options: BenchOptions) -> dict:
-    return measure_warm(shards, tokenizer, socket_dir, options)
-
-
 OWN_DAEMON_SECTIONS = {  # --only name: (section, what it measures, how), in the order a whole run takes them
-    "warm": ("7", "warm tier, restore vs re-prefill and sessions per GiB", _warm),
+    "warm": ("7", "warm tier, restore vs re-prefill and sessions per GiB", measure_warm),
     "overload": ("8", "overload, 8 sessions on 2 places per daemon", _overload),
     "startup": ("9", "start-up: a first start and a restart with the probe's readings kept, at several --n-ctx", _startup),
     "durable": ("10", "durable sessions: drain and adoption of parked sessions, the first append after a restart vs a re-prefill", _durable),
