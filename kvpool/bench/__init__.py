@@ -12,8 +12,9 @@ and noisy: compare the ratios, not the absolute times; every figure is a median)
   4 prefill                        512 rows into the middle shard through a daemon / in-process
   5 admission and reclaim          admit on a warm worker / a bare llama context; release; LRU eviction
   6 memory                         bytes charged / theoretical KV / measured USS growth; daemon USS
-  7 warm tier                      through 3 shard daemons of their own (--n-ctx 2112): Park on each + the
-                                   1-token decode that restores on each / a fresh session's prefill + the same
+  7 warm tier                      through 3 shard daemons of their own (--n-ctx 2112): Park on all 3 at once
+                                   (as a router parks a route) + the 1-token decode that restores on each
+                                   (into the context the park kept) / a fresh session's prefill + the same
                                    decode (what a cache miss costs), at 128, 512, 2048 tokens (quick: 128, 512);
                                    sessions per GiB parked (spill bytes) / hot (charged bytes), 256 tokens at
                                    n_ctx 2048 (`--only warm` runs this section alone)

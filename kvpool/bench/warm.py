@@ -46,11 +46,11 @@ def _row(stats: StatsReply, session: str):
 
 
 def _restore_once(route: Route, session: str, tokens: list[int], length: int) -> dict:
-    """Prefill (not timed), then time Park on every daemon and the 1-token decode that restores on each,
-    then one more decode (hot again)."""
+    """Prefill (not timed), then time Park on every daemon at once (kvpool.router.route.Route.park) and the
+    1-token decode that restores on each, then one more decode (hot again)."""
     clients = route.clients
     route.append(session, EPOCH, 0, tokens[:length])
-    park_s = time_call(lambda: [client.park(session, EPOCH) for client in clients])
+    park_s = time_call(lambda: route.park(session, EPOCH))  # every daemon at once, as a router parks a route
     parked = all(_row(client.stats(), session).tier != "hot" for client in clients)
     restores, misses = _counters(clients, "restores"), _counters(clients, "misses")
     started = time.perf_counter()
@@ -164,7 +164,7 @@ def summarize_warm(warm: dict) -> tuple[dict, dict, list[Row]]:
                         f"s7_park_and_restore_{length}_s": parked_and_restored, f"s7_reprefill_{length}_s": reprefill,
                         f"s7_restore_vs_reprefill_{length}": ratio, f"s7_restore_decode_vs_reprefill_{length}": reprefill / restore})
         checks = checks and all(runs["restored_everywhere"]) and all(runs["logits_identical"])
-        rows.append(Row("7", f"{length}-token session, 3 daemons: Park on each + the 1-token decode that restores on each vs a fresh "
+        rows.append(Row("7", f"{length}-token session, 3 daemons: Park on all at once + the 1-token decode that restores on each vs a fresh "
                              "session's prefill + the same decode (re-prefill: a cache miss)",
                         f"{ms(parked_and_restored)} (park {ms(park)}; restoring decode {ms(restore)}; then a hot decode {ms(hot)})",
                         f"{ms(reprefill)} (prefill {ms(median_of(runs['reprefill_prefill_s']))})", f"{ratio:.1f}x faster",

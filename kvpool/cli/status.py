@@ -56,7 +56,8 @@ def render(stats: StatsReply) -> str:
         f"uptime  {stats.uptime_s:.0f} s   books: {stats.integrity}",
         f"mode    {stats.mode_detail or stats.mode}",
         f"budget  reserved {format_bytes(budget.reserved_bytes)} / limit {format_bytes(budget.limit_bytes)}   "
-        f"measured USS {format_bytes(budget.measured_uss_bytes)}"
+        + (f"spare contexts {format_bytes(budget.spare_bytes)}   " if budget.spare_bytes else "")
+        + f"measured USS {format_bytes(budget.measured_uss_bytes)}"
         + (f"   VRAM {format_bytes(budget.measured_vram_bytes)}" if budget.measured_vram_bytes is not None else "   VRAM n/a (no GPU)"),
         _spill_line(budget),
         _prefix_line(stats.prefixes),

@@ -84,7 +84,8 @@ class Housekeeper:
             if session is None and uss:
                 worker.baseline_uss = min(worker.baseline_uss, uss)  # the baseline is taken while import pages settle
             drift = uss - worker.baseline_uss
-            allowed = (session.charged_bytes if session is not None else 0) + margin
+            spare = self.books.spare_of(worker.name)
+            allowed = (session.charged_bytes if session is not None else spare.charge if spare is not None else 0) + margin
             if drift <= allowed:
                 continue
             if session is not None:

@@ -26,6 +26,8 @@ COUNTERS = (
     "spill_drops",
     "spill_disk_failures",  # disk-tier file operations that failed (a failed write drops the state it was to hold)
     "restores",
+    "restores_into_spare",  # restores into the spare context a park left on the worker (none created)
+    "spares_freed",  # spare contexts freed to make room for an admission
     "restore_failures",
     "parks",
     "forks",
@@ -69,6 +71,7 @@ class Metrics:
         self._errors = Counter("kvpool_errors_by_code", "error replies by code", ["code"], registry=self.registry)
         self.sessions = Gauge("kvpool_sessions", "live sessions", registry=self.registry)
         self.reserved_bytes = Gauge("kvpool_reserved_bytes", "bytes reserved by live sessions", registry=self.registry)
+        self.spare_bytes = Gauge("kvpool_spare_bytes", "bytes kept by free workers' spare contexts (in the budget beside the sessions')", registry=self.registry)
         self.limit_bytes = Gauge("kvpool_budget_bytes", "the byte budget", registry=self.registry)
         self.measured_bytes = Gauge("kvpool_measured_uss_bytes", "USS of all workers", registry=self.registry)
         self.shared_memory_bytes = Gauge(
@@ -88,7 +91,8 @@ class Metrics:
     def show_books(self, books) -> None:
         """Gauges from the books (kvpool.daemon.books.books.Books), after each change."""
         self.sessions.set(len(books.table))
-        self.reserved_bytes.set(books.budget.reserved)
+        self.reserved_bytes.set(books.session_bytes)
+        self.spare_bytes.set(books.spare_bytes)
         spill = books.spill
         for tier, held, limit in (("ram", spill.ram_bytes, spill.ram_limit), ("disk", spill.disk_bytes, spill.disk_limit)):
             self.spill_bytes.labels(tier=tier).set(held)

@@ -55,7 +55,7 @@ def build_stats(
             for w, uss in zip(workers, usses)
         ],
         budget=BudgetRow(
-            limit_bytes=books.budget.limit, reserved_bytes=books.budget.reserved,
+            limit_bytes=books.budget.limit, reserved_bytes=books.session_bytes, spare_bytes=books.spare_bytes,
             measured_uss_bytes=measured, measured_vram_bytes=vram.used_by({w.pid for w in workers}),
             shared_memory_bytes=pool.segment_bytes,
             spill_limit_bytes=books.spill.ram_limit, spill_bytes=books.spill.ram_bytes,

@@ -3,12 +3,14 @@ through the daemons that serve them (no recovery: kvpool.router.router decides w
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 
 import numpy as np
 
 from kvpool.client.client import AppendResult, Client, ConnectionLost, KvpoolError
 from kvpool.shard.route import check_route
+from kvpool.wire.protocol import Done
 from kvpool.wire.sampling import Sampling
 
 
@@ -67,6 +69,31 @@ class Route:
                 self.clients[stage].truncate(session_id, epoch, length)
             except KvpoolError as error:
                 raise StageFailed(stage, error) from None
+
+    def park(self, session_id: str, epoch: int) -> list[Done]:
+        """Park on every daemon at once (a thread per daemon: they are other processes, usually other hosts,
+        so the route's park takes as long as its slowest daemon's), each daemon's reply in route order; the
+        first failure, by stage, is raised once every daemon has answered."""
+        replies: list[Done | None] = [None] * len(self.clients)
+        failures: list[Exception | None] = [None] * len(self.clients)
+
+        def park_at(stage: int) -> None:
+            try:
+                replies[stage] = self.clients[stage].park(session_id, epoch)
+            except KvpoolError as error:
+                failures[stage] = StageFailed(stage, error)
+            except ConnectionLost as error:
+                failures[stage] = error
+
+        threads = [threading.Thread(target=park_at, args=(stage,), name=f"kvpool-park-{stage}") for stage in range(len(self.clients))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        first_failure = next((failure for failure in failures if failure is not None), None)
+        if first_failure is not None:
+            raise first_failure
+        return [reply for reply in replies if reply is not None]
 
     def release(self, session_id: str, epoch: int) -> None:
         """Release on every daemon, also past one that fails; then raise the first failure, if any."""

@@ -135,7 +135,14 @@ def _version_of(encoded: memoryview) -> int | None:
 def open_state(data: bytes, identity: StateIdentity) -> tuple[StateHeader, bytes]:
     """(header, payload) of a stored state whose checksum holds and whose identity is `identity`; raises
     StateRejected otherwise."""
-    view = memoryview(data)
+    header, payload = open_state_view(data, identity)
+    return header, bytes(payload)
+
+
+def open_state_view(data: bytes, identity: StateIdentity) -> tuple[StateHeader, memoryview]:
+    """open_state with the payload a read-only view of `data`, not a copy (a restore hands it on to its
+    worker's memfd as it is: 3.76 MiB copied less per restore at 512 positions of the middle bundled shard)."""
+    view = memoryview(data).toreadonly()
     header = read_header(view)
     whole = data if isinstance(data, bytes) else bytes(view)  # the C library takes bytes only
     if google_crc32c.value(whole) != CRC_RESIDUE:
@@ -143,7 +150,7 @@ def open_state(data: bytes, identity: StateIdentity) -> tuple[StateHeader, bytes
     if header.identity != identity:
         raise StateRejected(IDENTITY, f"saved by another shard, build or KV layout: {_difference(header.identity, identity)}")
     end = len(view) - _CRC.size
-    return header, bytes(view[end - header.payload_bytes : end])
+    return header, view[end - header.payload_bytes : end]
 
 
 def _difference(saved: StateIdentity, ours: StateIdentity) -> str:

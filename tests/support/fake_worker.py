@@ -10,7 +10,9 @@ output row of position p is float32 noise seeded by that digest (`expected_rows`
 real llama.cpp sequence states in layout (kvpool.state.sequence: one stream, positions [0, n), one layer
 whose K and V rows are the digests), so check_cells, the seal, export, import and re-slicing treat them
 as they treat llama.cpp's. Memory: a context "allocates" n_ctx x kv_bytes_per_position when it opens, as
-llama.cpp does, and the worker reports that as its anonymous memory, so calibration fits real charges.
+llama.cpp does, and the worker reports that as its anonymous memory, so calibration fits real charges; a
+parked context kept as the spare (SaveState.keep, process mode) still holds its n_ctx's memory until an
+open of that n_ctx takes it (Opened.reused / Restored.reused) or another n_ctx or CloseContext frees it.
 
 `fake_kinds(...)` gives the (process-mode, batched) classes for PoolSpec.kinds with behaviour knobs: a
 delay per row (so a cancel or a drain meets an append in flight), and a hook to fail a command. One
@@ -152,6 +154,7 @@ class FakeServer:
         self.behaviour = behaviour
         self.batched = spec.seqs_per_worker > 0
         self.sequences = [FakeSequence() for _ in range(max(spec.seqs_per_worker, 1))]
+        self.spare_n_ctx = 0  # process mode: the n_ctx of the spare context (0: none)
         self.running = threading.Event()  # cleared: stopped, as SIGSTOP stops a worker (see `stopped`)
         self.running.set()
         self.killed = threading.Event()  # set by FakeProcess.kill: a stopped worker is killed too
@@ -178,7 +181,7 @@ class FakeServer:
         per_position = kv_bytes_per_position(self.shape)
         if self.batched:
             return BASE_MEMORY_BYTES + len(self.sequences) * self.spec.max_n_ctx * per_position
-        return BASE_MEMORY_BYTES + self.sequences[0].n_ctx * per_position
+        return BASE_MEMORY_BYTES + (self.sequences[0].n_ctx + self.spare_n_ctx) * per_position
 
     def handle(self, command: AnyCommand) -> AnyWorkerReply:
         if self.behaviour.fail is not None and (failed := self.behaviour.fail(command)) is not None:
@@ -207,26 +210,41 @@ class FakeServer:
                 return Truncated(length=sequence.length)
             case CloseContext():
                 sequence.open(0)
+                self.spare_n_ctx = 0
                 return Closed()
-            case SaveState():
+            case SaveState(keep=keep):
                 if not sequence.n_ctx:
                     return Failed(code="no_context", message="no open context")
-                return Saved(length=sequence.length, blob=sequence.state(seq))
+                if keep and self.batched:
+                    return Failed(code="bad_command", message="a batched worker keeps no spare context")
+                saved = Saved(length=sequence.length, blob=sequence.state(seq))
+                if keep:
+                    self.spare_n_ctx = sequence.n_ctx
+                    sequence.open(0)
+                return saved
             case RestoreState(n_ctx=n_ctx, blob=blob, length=length):
+                reused = self._take_spare(n_ctx)
                 sequence.open(0)
                 try:
                     sequence.restore(bytes(blob), length, n_ctx)
                 except StateFormatError as error:
                     sequence.open(0)
                     return Failed(code="restore_failed", message=str(error), length=0)
-                return Restored(length=sequence.length)
+                return Restored(length=sequence.length, reused=reused)
         return Failed(code="bad_command", message=f"a fake worker does not take {type(command).__name__}")
 
     def _open(self, sequence: FakeSequence, n_ctx: int) -> Opened | Failed:
         if self.batched and not 1 <= n_ctx <= self.spec.max_n_ctx:
             return Failed(code="open_failed", message=f"n_ctx {n_ctx} is beyond this worker's {self.spec.max_n_ctx} per sequence")
+        reused = self._take_spare(n_ctx)
         sequence.open(n_ctx)
-        return Opened(n_ctx=n_ctx)
+        return Opened(n_ctx=n_ctx, reused=reused)
+
+    def _take_spare(self, n_ctx: int) -> bool:
+        """As the real worker: a spare of this n_ctx becomes the context; any other is freed."""
+        reused = self.spare_n_ctx == n_ctx
+        self.spare_n_ctx = 0
+        return reused
 
     def _item(self, item: BatchItem) -> Appended | Failed:
         if not 0 <= item.seq < len(self.sequences):

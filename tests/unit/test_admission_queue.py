@@ -36,7 +36,7 @@ class Daemon:
 
     async def admit(self, session_id: str, timeout_s: float, *, busy: bool = True):
         async with self.queue.turn(time.monotonic() + timeout_s) as ticket:
-            plan = await self.queue.plan(ticket, CHARGE, lambda: None)
+            plan = await self.queue.plan(ticket, CHARGE, 0, lambda: None)
             session, released = self.books.admit(plan, session_id=session_id, epoch=1, n_ctx=64, charge=CHARGE, now=time.monotonic())
         for worker in released:
             self.books.give_back(worker)

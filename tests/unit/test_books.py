@@ -11,11 +11,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from kvpool.daemon.books.books import Books
+from kvpool.daemon.books.books import Books, Spare, SpareOwner
 from kvpool.daemon.books.budget import ByteBudget, OverBudget
 from kvpool.daemon.books.integrity import IntegrityError
 from kvpool.daemon.books.sessions import EpochCheck, Session, SessionTable
+from kvpool.daemon.books.spill import SpillStore
 from kvpool.wire.protocol import MissReason
+from tests.support.fake_worker import FakeSequence
 
 # ---- ByteBudget -----------------------------------------------------------------------------------
 
@@ -368,9 +370,10 @@ def test_integrity_checks_hold_under_python_optimize() -> None:
 
 
 class BooksMachine(RuleBasedStateMachine):
-    """Admissions (with LRU eviction, sparing sessions used within a residency window), releases, in-flight
-    requests, calibrations, dead and replaced workers, in any order, against a plain model: the books must
-    balance after every step and every live session must own its worker alone."""
+    """Admissions (with LRU eviction, sparing sessions used within a residency window), releases, parks
+    (the context freed or kept as its worker's spare), in-flight requests, calibrations, dead and replaced
+    workers, in any order, against a plain model: the books must balance after every step, every live
+    session must own its worker alone, spares must stay on free workers and be taken for room first."""
 
     LIMIT = 1000
     ids = st.sampled_from("abcdef")
@@ -378,7 +381,7 @@ class BooksMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.names = iter(f"w{index}" for index in range(10_000))
-        self.books = Books(self.LIMIT, [next(self.names) for _ in range(3)])
+        self.books = Books(self.LIMIT, [next(self.names) for _ in range(3)], spill=SpillStore(1 << 20))
         self.dead: set[str] = set()
         self.clock = 0.0
         self.in_transit: set[str] = set()  # taken by the machine itself (calibrations, freed contexts)
@@ -386,34 +389,53 @@ class BooksMachine(RuleBasedStateMachine):
     def usable(self, worker: str) -> bool:
         return worker not in self.dead
 
-    @rule(session_id=ids, charge=st.integers(min_value=1, max_value=700), residency=st.sampled_from([0.0, 1.5, 4.5]))
-    def admit(self, session_id: str, charge: int, residency: float) -> None:
+    @rule(session_id=ids, charge=st.integers(min_value=1, max_value=700), residency=st.sampled_from([0.0, 1.5, 4.5]), n_ctx=st.sampled_from([64, 128]))
+    def admit(self, session_id: str, charge: int, residency: float, n_ctx: int) -> None:
         """`residency` in clock ticks: sessions used within it are never victims (kvpool.daemon.admission.residency)."""
         if self.books.table.get(session_id) is not None:
             return
         protected_after = self.clock - residency
         idle = self.books.table.least_recently_used_idle()
         evictable = {s.session_id: s for s in idle if s.last_used <= protected_after}
-        plan = self.books.plan_admission(charge, self.usable, protected_after=protected_after)
+        matching = [w for w in self.books.free_workers() if self.usable(w) and (spare := self.books.spare_of(w)) and spare.n_ctx == n_ctx]
+        plan = self.books.plan_admission(charge, self.usable, n_ctx=n_ctx, protected_after=protected_after)
         if plan is None:
-            room = self.books.budget.available + sum(s.charged_bytes for s in evictable.values())
+            room = self.books.budget.available + self.books.spare_bytes + sum(s.charged_bytes for s in evictable.values())
             has_worker = bool(evictable) or any(map(self.usable, self.books.free_workers()))
             assert room < charge or not has_worker, "a feasible admission was refused"
             return
         assert [v.session_id for v in plan.victims] == list(evictable)[: len(plan.victims)], "victims not LRU first"
         assert all(v.last_used <= protected_after for v in plan.victims), "a protected session was evicted"
         assert plan.worker is None or self.usable(plan.worker)
+        assert not matching or plan.worker in matching, "a spare of the session's n_ctx was passed over"
+        if plan.victims and plan.worker is not None:  # evicted for bytes (not for a worker): every spare went first
+            assert all(w == plan.worker or w in plan.spares for w in self.books.free_workers() if self.books.spare_of(w)), \
+                "a session was evicted while a spare could have made room"
         self.clock += 1
-        session, released = self.books.admit(plan, session_id=session_id, epoch=1, n_ctx=64, charge=charge, now=self.clock)
+        session, released = self.books.admit(plan, session_id=session_id, epoch=1, n_ctx=n_ctx, charge=charge, now=self.clock)
         assert self.books.session_of(session.worker_name) is session and session.worker_name not in self.dead
         assert all(self.books.table.miss_reason(v.session_id, 1) is MissReason.EVICTED for v in plan.victims)
+        assert set(plan.spares) <= set(released) and all(self.books.spare_of(w) is None for w in released)
         self.in_transit.update(released)
+
+    @rule(session_id=ids, keep=st.booleans())
+    def park(self, session_id: str, keep: bool) -> None:
+        session = self.books.table.get(session_id)
+        if session is None or not session.hot or not session.idle:
+            return
+        worker, charge, n_ctx = session.worker_name, session.charged_bytes, session.n_ctx
+        freed, _dropped = self.books.park(session, b"a saved state", kept=keep)
+        if keep:
+            assert freed is None and self.books.state_of(worker) == "free" and self.books.spare_of(worker) == Spare(n_ctx, charge)
+        else:
+            assert freed == worker and self.books.spare_of(worker) is None
+            self.in_transit.add(worker)
 
     @rule(session_id=ids)
     def release(self, session_id: str) -> None:
         session = self.books.table.get(session_id)
-        if session is not None and session.idle:
-            self.in_transit.add(self.books.forget(session, MissReason.RELEASED))
+        if session is not None and session.idle and (worker := self.books.forget(session, MissReason.RELEASED)) is not None:
+            self.in_transit.add(worker)
 
     @rule(session_id=ids, busy=st.booleans())
     def request_in_flight(self, session_id: str, busy: bool) -> None:
@@ -455,8 +477,10 @@ class BooksMachine(RuleBasedStateMachine):
     def books_balance(self) -> None:
         self.books.check_integrity()
         live = self.books.table.sessions()
-        assert self.books.budget.reserved == sum(s.charged_bytes for s in live) <= self.LIMIT
-        assert len({s.worker_name for s in live}) == len(live)
+        hot = sum(s.charged_bytes for s in live if s.hot)
+        assert self.books.session_bytes == hot and self.books.budget.reserved == hot + self.books.spare_bytes <= self.LIMIT
+        assert all(self.books.state_of(w) == "free" for w in self.books.workers() if self.books.spare_of(w) is not None)
+        assert len({s.worker_name for s in live if s.hot}) == len([s for s in live if s.hot])
         assert all(self.books.state_of(w) == "in transit" for w in self.in_transit)
 
 
@@ -477,4 +501,92 @@ def test_books_integrity_catches_a_worker_in_two_states_and_a_leaked_charge() ->
     books._free.remove(session.worker_name)
     books.budget.reserve("leak", 5)
     with pytest.raises(IntegrityError):
+        books.check_integrity()
+
+
+# ---- spares: a parked session's emptied context, kept by its worker ----------------------------------
+
+
+def _parked_with_spare(books: Books, session_id: str, n_ctx: int, charge: int) -> str:
+    plan = books.plan_admission(charge, lambda _w: True, n_ctx=n_ctx)
+    assert plan is not None
+    session, _ = books.admit(plan, session_id=session_id, epoch=1, n_ctx=n_ctx, charge=charge, now=0.0)
+    worker = session.worker_name
+    freed, dropped = books.park(session, FakeSequence().state(0), kept=True)  # an empty sequence's state
+    assert (freed, dropped) == (None, [])
+    return worker
+
+
+def test_a_kept_context_stays_charged_as_its_workers_spare_apart_from_the_sessions() -> None:
+    books = Books(1000, ["w1", "w2"], spill=SpillStore(1 << 20))
+    worker = _parked_with_spare(books, "a", 64, 300)
+    assert books.state_of(worker) == "free" and books.spare_of(worker) == Spare(64, 300)
+    assert (books.session_bytes, books.spare_bytes, books.budget.reserved, books.room) == (0, 300, 300, 1000)
+    assert books.budget.charge_of(SpareOwner(worker)) == 300
+    books.check_integrity()
+
+
+def test_an_admission_takes_the_spare_of_its_n_ctx_and_the_spare_leaves_the_budget() -> None:
+    books = Books(1000, ["w1", "w2"], spill=SpillStore(1 << 20))
+    worker = _parked_with_spare(books, "a", 64, 300)
+    other = next(w for w in books.free_workers() if w != worker)
+    assert books.free_workers()[-1] == worker  # most recently freed, but:
+    assert books.plan_admission(300, lambda _w: True, n_ctx=128).worker == other  # another n_ctx keeps the spare for its own
+    plan = books.plan_admission(300, lambda _w: True, n_ctx=64)
+    assert (plan.worker, plan.spares, plan.victims) == (worker, (), ())
+    restored = books.table.get("a")
+    books.take_blob(restored)
+    assert books.unpark(plan, restored, 300) == []
+    assert restored.worker_name == worker and books.spare_of(worker) is None
+    assert (books.session_bytes, books.spare_bytes, books.budget.reserved) == (300, 0, 300)
+    books.check_integrity()
+
+
+def test_spares_are_the_first_room_an_admission_takes_before_any_eviction() -> None:
+    books = Books(1000, ["w1", "w2", "w3"], spill=SpillStore(1 << 20))
+    hot = []
+    for name in ("a", "b"):  # both hot at once, then both parked: two spares
+        session, _ = books.admit(books.plan_admission(400, lambda _w: True, n_ctx=64), session_id=name, epoch=1, n_ctx=64, charge=400, now=0.0)
+        hot.append(session)
+    kept = [session.worker_name for session in hot]
+    for session in hot:
+        assert books.park(session, FakeSequence().state(0), kept=True)[0] is None
+    assert len(set(kept)) == 2 and books.spare_bytes == 800
+    hot_plan = books.plan_admission(200, lambda _w: True, n_ctx=256)
+    session, released = books.admit(hot_plan, session_id="c", epoch=1, n_ctx=256, charge=200, now=1.0)
+    assert released == [] and session.worker_name not in kept  # the worker without a spare: both spares stay
+    session.in_flight = 0
+    assert (books.budget.available, books.room) == (0, 800)
+    plan = books.plan_admission(700, lambda _w: True, n_ctx=512)  # more than one spare's room: both go, no eviction
+    assert plan.victims == () and plan.worker in kept and set(plan.spares) == set(kept) - {plan.worker}
+    new, released = books.admit(plan, session_id="d", epoch=1, n_ctx=512, charge=700, now=2.0)
+    assert released == list(plan.spares) and all(books.state_of(w) == "in transit" for w in released)
+    assert books.spare_bytes == 0 and books.session_bytes == 900 and books.table.get("c") is session
+    books.check_integrity()
+
+
+def test_taking_a_worker_for_other_work_prefers_one_without_a_spare_and_drops_the_spare() -> None:
+    books = Books(1000, ["w1", "w2"], spill=SpillStore(1 << 20))
+    worker = _parked_with_spare(books, "a", 64, 300)
+    other = books.take(lambda _w: True)
+    assert other != worker and books.spare_of(worker) is not None
+    assert books.take(lambda _w: True) == worker and books.spare_of(worker) is None and books.spare_bytes == 0
+    books.check_integrity()
+    books.give_back(other)
+    dead = _parked_with_spare(books, "b", 64, 300)
+    assert books.take_unusable(lambda name: name != dead) == [dead] and books.spare_bytes == 0
+    books.check_integrity()
+
+
+def test_books_integrity_catches_a_spare_on_a_bound_worker_and_a_spare_without_its_charge() -> None:
+    books = Books(1000, ["w1", "w2"], spill=SpillStore(1 << 20))
+    worker = _parked_with_spare(books, "a", 64, 300)
+    books.budget.release(SpareOwner(worker))
+    with pytest.raises(IntegrityError):
+        books.check_integrity()
+    books.budget.reserve(SpareOwner(worker), 300)
+    books.check_integrity()
+    books._free.remove(worker)
+    books._in_transit.add(worker)
+    with pytest.raises(IntegrityError, match="spare"):
         books.check_integrity()

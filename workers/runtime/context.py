@@ -179,6 +179,13 @@ class ShardContext:
             self._roll_back(n)
         return self._length
 
+    def clear(self, *, data: bool) -> None:
+        """Forget every position: length 0, as a new context. With `data` the KV buffers are zeroed too, as
+        llama.cpp zeroes a new context's; without, the cells are only marked empty (what the next appends
+        and restores see is the same either way: an empty cell is masked out, then overwritten)."""
+        llama_cpp.llama_memory_clear(self._memory, data)
+        self._length = 0
+
     def save_state(self) -> bytes:
         """The sequence's KV state, positions [0, length), as restore_state takes it."""
         return save_sequence(self._handle(), SEQUENCE)

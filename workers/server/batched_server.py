@@ -92,6 +92,8 @@ class BatchedWorkerServer:
                 self.context.clear(seq)
                 self._limits[seq] = 0
                 return Closed()
+            case SaveState(keep=True):
+                return Failed(code="bad_command", message="a batched worker keeps no spare context: its sequences are emptied where they are")
             case SaveState():
                 if not self._limits[seq]:
                     return Failed(code="no_context", message=f"sequence {seq} serves no session")
@@ -169,6 +171,9 @@ class BatchedWorkerServer:
 
     def release_free_heap(self) -> None:
         pass  # the one context lives as long as the worker
+
+    def after_reply(self) -> None:
+        pass  # no spare: a sequence of the one context is emptied where it is
 
     def close(self) -> None:
         self.context.close()

@@ -75,14 +75,18 @@ class CloseContext(Command):
 
 class SaveState(Command):
     """The open context's sequence state, as bytes in the reply (Saved; its bytes travel beside it:
-    workers.server.pipe)."""
+    workers.server.pipe). With `keep` (a park, process mode) the context is emptied and kept as the
+    worker's spare: no context is open after the reply, and the next OpenContext / RunAppend.n_ctx /
+    RestoreState of the same n_ctx takes the spare instead of creating one (its KV cleared to zeros, as a
+    fresh context's is); CloseContext or any other n_ctx frees it."""
 
     seq: int = 0
+    keep: bool = False
 
 
 class RestoreState(Command):
-    """A fresh context of n_ctx positions loaded with `blob` (from SaveState) and cut to `length`.
-    On failure that context is freed (Failed, code restore_failed)."""
+    """A fresh context of n_ctx positions (the spare, if it has that n_ctx) loaded with `blob` (from
+    SaveState) and cut to `length`. On failure that context is freed (Failed, code restore_failed)."""
 
     n_ctx: int
     length: int
@@ -129,6 +133,7 @@ class Ready(WorkerReply):
 
 class Opened(WorkerReply):
     n_ctx: int
+    reused: bool = False  # the worker's spare context, not a new one
 
 
 class Appended(WorkerReply):
@@ -161,6 +166,7 @@ class Saved(WorkerReply):
 
 class Restored(WorkerReply):
     length: int
+    reused: bool = False  # restored into the worker's spare context rather than a new one
 
 
 class ChannelState(WorkerReply):

@@ -74,8 +74,8 @@ class Admission:
     def deadline_of(admit_timeout_s: float) -> float:
         return time.monotonic() + min(max(admit_timeout_s, 0.0), MAX_ADMIT_WAIT_S)
 
-    async def make_room(self, charge: int, deadline: float, *, still_wanted=lambda: None) -> AdmissionPlan:
-        """A plan that places `charge` bytes on a worker, taken in turn (kvpool.daemon.admission.queue: over_budget
+    async def make_room(self, charge: int, n_ctx: int, deadline: float, *, still_wanted=lambda: None) -> AdmissionPlan:
+        """A plan that places `charge` bytes on a worker for a context of `n_ctx` positions, taken in turn (kvpool.daemon.admission.queue: over_budget
         with retry_after_s past the deadline). With the warm tier on, victims are parked one at a time (each
         a save and a context freed) until a plan needs none, the turn kept meanwhile. `still_wanted` raises
         when the request no longer makes sense (it is checked after every wait)."""
@@ -89,7 +89,7 @@ class Admission:
 
         async with self.queue.turn(deadline) as ticket:
             while True:
-                plan = await self.queue.plan(ticket, charge, before_each_try)
+                plan = await self.queue.plan(ticket, charge, n_ctx, before_each_try)
                 if plan.victims and self.books.spill.enabled:
                     if not await self.parking.park(plan.victims[0]):
                         await asyncio.sleep(PARK_RETRY_S)  # the victim got busy (or is being dropped): plan again
@@ -97,8 +97,11 @@ class Admission:
                 return plan
 
     def carry_out(self, plan: AdmissionPlan, evicted_workers: list[str]) -> None:
+        """Free the contexts of the evicted sessions' workers and of the spares taken for room."""
         if plan.victims:
             self.metrics.count("evictions", len(plan.victims))
+        if plan.spares:
+            self.metrics.count("spares_freed", len(plan.spares))
         for worker in evicted_workers:
             self.lifecycle.spawn(self.lifecycle.free(worker))
 
@@ -115,7 +118,7 @@ class Admission:
                 length = live.length if live.epoch == request.epoch else 0
                 raise RequestFailed(ErrorCode.POSITION_MISMATCH, "the session was admitted by a concurrent request", length=length)
 
-        plan = await self.make_room(charge, self.deadline_of(request.admit_timeout_s), still_wanted=not_admitted_meanwhile)
+        plan = await self.make_room(charge, n_ctx, self.deadline_of(request.admit_timeout_s), still_wanted=not_admitted_meanwhile)
         not_admitted_meanwhile()  # the books change below in this same step: nothing can come between
         session, evicted_workers = self.books.admit(
             plan, session_id=request.session_id, epoch=request.epoch, n_ctx=n_ctx, charge=charge, now=time.monotonic()
@@ -147,7 +150,7 @@ class Admission:
             self.gate.check_live(session)
 
         try:
-            plan = await self.make_room(charge, deadline, still_wanted=still_parked)
+            plan = await self.make_room(charge, session.n_ctx, deadline, still_wanted=still_parked)
         except BaseException:  # a cancelled request too: the blob never stays out of the store
             if self.books.table.get(session.session_id) is session:
                 self.metrics.count("spill_drops", len(self.books.put_back_blob(session, blob)))
@@ -156,7 +159,9 @@ class Admission:
         self.carry_out(plan, evicted_workers)
         refused = functools.partial(self._restore_failed, session)
         async with self.lifecycle.worker_call(session, lost="lost while restoring the session", refused=refused):
-            await self.pool.get(session.worker_name).restore_state(session.n_ctx, blob, session.length)
+            restored = await self.pool.get(session.worker_name).restore_state(session.n_ctx, blob, session.length)
+        if restored.reused:
+            self.metrics.count("restores_into_spare")
         self.metrics.observe_restore(time.monotonic() - started)
 
     def open_refused(self, session: Session, failure: WorkerFailed) -> RequestFailed:

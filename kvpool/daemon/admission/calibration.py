@@ -215,6 +215,7 @@ class Calibrator:
         if worker is None:
             raise RuntimeError("no usable worker to calibrate on")
         try:
+            await self.pool.get(worker).close_context()  # a spare it kept would be taken by the probe's open
             probe = await self._probe(worker, n_ctx)
             await self.pool.get(worker).close_context()
         finally:

@@ -1,5 +1,7 @@
-"""Parking: an idle hot session's state is saved by its worker into the spill store, then the context is
-freed and its charge goes back to the hot budget. Used for eviction (the warm tier on), for sessions idle
+"""Parking: an idle hot session's state is saved by its worker into the spill store and its charge goes back
+to the hot budget; the context is freed, or (process mode) emptied and kept by the worker as its spare
+(kvpool.daemon.books.books: charged, the first room an admission takes), so that the session's restore
+or the next admission of that n_ctx creates no context. Used for eviction (the warm tier on), for sessions idle
 past --park-after, and for the Park request."""
 
 from __future__ import annotations
@@ -41,8 +43,9 @@ class Parking:
                 if entered:
                     raise
                 return True  # its worker was lost on the way: the place is free
+            keep = not self.pool.batched  # a batched worker's sequence is emptied where it is
             try:
-                blob = await self.pool.get(session.worker_name).save_state()
+                blob = await self.pool.get(session.worker_name).save_state(keep=keep)
             except WorkerLost as lost:
                 self.lifecycle.lost(session)
                 if entered:
@@ -53,12 +56,15 @@ class Parking:
                 self.metrics.count("evictions")
                 return True
             length = session.length
-            worker, dropped = self.books.park(session, blob)
+            worker, dropped = self.books.park(session, blob, kept=keep)
             if self.books.prefix_wanted(session) and self.books.offer_prefix(session, blob, length) == "stored":
                 self.metrics.count("prefix_stored")
             self.metrics.count("spills")
             self.metrics.count("spill_drops", len(dropped))
-            await self.lifecycle.free(worker)
+            if worker is not None:
+                await self.lifecycle.free(worker)
+            else:
+                await self.lifecycle.notify_capacity()
             return True
         finally:
             if not entered:

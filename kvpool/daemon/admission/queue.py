@@ -82,8 +82,9 @@ class AdmissionQueue:
             if self._line:  # the next in line (or one behind a leaver) looks again
                 self.lifecycle.spawn(self.lifecycle.notify_capacity())
 
-    async def plan(self, ticket: Ticket, charge: int, before_each_try: Callable[[], None]) -> AdmissionPlan:
-        """A plan that makes room for `charge` bytes and a worker, once `ticket` is first in line; over_budget
+    async def plan(self, ticket: Ticket, charge: int, n_ctx: int, before_each_try: Callable[[], None]) -> AdmissionPlan:
+        """A plan that makes room for `charge` bytes and a worker for a context of `n_ctx` positions (a spare of
+        that n_ctx first: kvpool.daemon.books.books.Books.plan_admission), once `ticket` is first in line; over_budget
         (with retry_after_s) when its wait runs out. before_each_try() may raise to end the wait. Carry the
         plan out before the next await (its victims may be used again otherwise); ask again as often as needed."""
         while True:
@@ -91,7 +92,7 @@ class AdmissionQueue:
             now = time.monotonic()
             wake_at = ticket.deadline
             if self._line[0] is ticket:
-                plan, lapse = self._try(ticket, charge, now)
+                plan, lapse = self._try(ticket, charge, n_ctx, now)
                 if plan is not None:
                     self._placed(ticket, now)
                     return plan
@@ -103,7 +104,7 @@ class AdmissionQueue:
             ticket.waited = True
             await self.lifecycle.wait_for_capacity(min(wake_at - now, RECHECK_S))
 
-    def _try(self, ticket: Ticket, charge: int, now: float) -> tuple[AdmissionPlan | None, float | None]:
+    def _try(self, ticket: Ticket, charge: int, n_ctx: int, now: float) -> tuple[AdmissionPlan | None, float | None]:
         """The plan if room can be made now; else until when to wait for a better one (None: waiting
         would not help): a protection that lapses, if evicting a protected session would have made room;
         a worker on its way back (its context being freed) when the bytes are there and only a worker is
@@ -111,15 +112,15 @@ class AdmissionQueue:
         if ticket.first_since is None:
             ticket.first_since = now
         residency = self.residency()
-        plan = self.books.plan_admission(charge, self.usable, protected_after=residency.protected_after(now))
+        plan = self.books.plan_admission(charge, self.usable, n_ctx=n_ctx, protected_after=residency.protected_after(now))
         if plan is not None and plan.victims and now < ticket.first_since + residency.min_s and self._worker_on_its_way(charge):
             return None, ticket.first_since + residency.min_s  # the worker's return wakes the line (capacity)
-        if plan is not None or self.books.plan_admission(charge, self.usable) is None:
+        if plan is not None or self.books.plan_admission(charge, self.usable, n_ctx=n_ctx) is None:
             return plan, None
         return None, residency.next_lapse(self.books.table.least_recently_used_idle(), now)
 
     def _worker_on_its_way(self, charge: int) -> bool:
-        return self.books.budget.available >= charge and any(self.books.state_of(worker) == "in transit" for worker in self.books.workers())
+        return self.books.room >= charge and any(self.books.state_of(worker) == "in transit" for worker in self.books.workers())
 
     def _placed(self, ticket: Ticket, now: float) -> None:
         if not ticket.waited or ticket.placed:
@@ -143,6 +144,6 @@ class AdmissionQueue:
     def _refusal(self, charge: int) -> str:
         free_workers = sum(map(self.usable, self.books.free_workers()))
         return (
-            f"needs {charge} bytes and a worker; {self.books.budget.available} bytes and {free_workers} workers free, "
+            f"needs {charge} bytes and a worker; {self.books.room} bytes and {free_workers} workers free, "
             f"no idle session to evict (unprotected), {len(self._line) - 1} other admissions waiting"
         )

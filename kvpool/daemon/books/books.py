@@ -4,9 +4,13 @@ one synchronous set (no awaits, no processes), so every decision about them is m
 A live session is hot (bound to a worker, its charge reserved in the hot budget) or parked (no worker,
 its saved state in the spill store, charged to that store's limits). A worker is in exactly one state:
 free (no session, usable), bound (serving one hot session), or in transit (taken out of the books'
-hands: its context being freed, a calibration, a replacement). check_integrity() raises IntegrityError
-unless: every worker is in one state; the bound workers are exactly the hot sessions' workers; the
-reserved bytes are exactly the hot sessions' charges; the stored blobs are exactly the parked sessions'.
+hands: its context being freed, a calibration, a replacement). A free worker may hold a spare: the
+emptied context of the session parked from it (process mode), kept so that the next context of its n_ctx
+is not created again; a spare keeps that session's charge, under its own owner in the budget, and is the
+first room an admission takes (its worker frees it). check_integrity() raises IntegrityError unless: every
+worker is in one state; the bound workers are exactly the hot sessions' workers; spares are on free
+workers only; the reserved bytes are exactly the hot sessions' and the spares' charges; the stored blobs
+are exactly the parked sessions'.
 """
 
 from __future__ import annotations
@@ -32,11 +36,29 @@ Usable = Callable[[str], bool]
 
 @dataclass(frozen=True, slots=True)
 class AdmissionPlan:
-    """Evict `victims` (idle, least recently used first), then serve the new session on `worker`:
-    a free worker, or the first victim's worker taken over directly when `worker` is None."""
+    """Free the spares of `spares` (free workers) and evict `victims` (idle, least recently used first),
+    then serve the new session on `worker`: a free worker (its own spare, if any, becomes the session's
+    context or is freed by the worker as it opens another), or the first victim's worker taken over
+    directly when `worker` is None."""
 
     victims: tuple[Session, ...]
     worker: str | None
+    spares: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Spare:
+    """A free worker's spare context: the n_ctx it was opened with and the charge it keeps."""
+
+    n_ctx: int
+    charge: int
+
+
+@dataclass(frozen=True, slots=True)
+class SpareOwner:
+    """The budget's owner of a spare's charge (sessions own theirs by key)."""
+
+    worker: str
 
 
 class Books:
@@ -54,6 +76,7 @@ class Books:
         self._free: list[str] = list(workers)
         self._bound: dict[str, Session] = {}
         self._in_transit: set[str] = set()
+        self._spares: dict[str, Spare] = {}
 
     # ---- workers ---------------------------------------------------------------------------------
 
@@ -68,6 +91,30 @@ class Books:
     def free_workers(self) -> list[str]:
         return list(self._free)
 
+    def spare_of(self, worker: str) -> Spare | None:
+        return self._spares.get(worker)
+
+    @property
+    def spare_bytes(self) -> int:
+        """The charges the spares keep."""
+        return sum(spare.charge for spare in self._spares.values())
+
+    @property
+    def session_bytes(self) -> int:
+        """The charges the hot sessions hold (the budget's reservations less the spares')."""
+        return self.budget.reserved - self.spare_bytes
+
+    @property
+    def room(self) -> int:
+        """The bytes an admission can have without evicting: what the budget has left and every spare's."""
+        return self.budget.available + self.spare_bytes
+
+    def _drop_spare(self, worker: str) -> None:
+        """The worker's spare (if any) leaves the books and its charge the budget: its context is the next
+        session's, or being freed."""
+        if self._spares.pop(worker, None) is not None:
+            self.budget.release(SpareOwner(worker))
+
     def add_worker(self, worker: str) -> None:
         """A new worker joins, free."""
         require(worker not in self._free and worker not in self._bound and worker not in self._in_transit, f"{worker} is already known")
@@ -80,11 +127,12 @@ class Books:
 
     def take(self, usable: Usable, worker: str | None = None) -> str | None:
         """A free worker (the given one, or the most recently freed usable one) into transit; None if none."""
-        candidates = [worker] if worker is not None else list(reversed(self._free))
+        candidates = [worker] if worker is not None else sorted(reversed(self._free), key=lambda name: name in self._spares)
         for name in candidates:
             if name in self._free and usable(name):
                 self._free.remove(name)
                 self._in_transit.add(name)
+                self._drop_spare(name)  # whoever takes it replaces or frees its contexts
                 return name
         return None
 
@@ -94,6 +142,7 @@ class Books:
         for name in dead:
             self._free.remove(name)
             self._in_transit.add(name)
+            self._drop_spare(name)
         return dead
 
     def give_back(self, worker: str) -> None:
@@ -104,12 +153,21 @@ class Books:
 
     # ---- sessions --------------------------------------------------------------------------------
 
-    def plan_admission(self, charge: int, usable: Usable, *, protected_after: float = math.inf) -> AdmissionPlan | None:
-        """Least recently used idle sessions whose eviction makes room for `charge` bytes and a worker;
-        None when even evicting every idle session would not. Sessions last used after `protected_after`
-        are never victims (residency, kvpool.daemon.admission.residency)."""
-        free = next((name for name in reversed(self._free) if usable(name)), None)
-        available = self.budget.available
+    def plan_admission(self, charge: int, usable: Usable, *, n_ctx: int = 0, protected_after: float = math.inf) -> AdmissionPlan | None:
+        """A free worker for a context of `n_ctx` (one whose spare has that n_ctx first, then one without a
+        spare, most recently freed first), the spares and then the least recently used idle sessions whose
+        eviction makes room for `charge` bytes and a worker; None when even evicting every idle session
+        would not. Sessions last used after `protected_after` are never victims (residency,
+        kvpool.daemon.admission.residency)."""
+        free = self._free_worker_for(n_ctx, usable)
+        available = self.budget.available + (self._spares[free].charge if free in self._spares else 0)
+        spares: list[str] = []
+        for worker, spare in self._spares.items():
+            if available >= charge:
+                break
+            if worker != free:
+                spares.append(worker)
+                available += spare.charge
         victims: list[Session] = []
         for session in self.table.least_recently_used_idle():
             if available >= charge and (free is not None or victims):
@@ -119,8 +177,13 @@ class Books:
             victims.append(session)
             available += session.charged_bytes
         if available >= charge and (free is not None or victims):
-            return AdmissionPlan(tuple(victims), free)
+            return AdmissionPlan(tuple(victims), free, tuple(spares))
         return None
+
+    def _free_worker_for(self, n_ctx: int, usable: Usable) -> str | None:
+        usable_free = [name for name in reversed(self._free) if usable(name)]
+        ranked = sorted(usable_free, key=lambda name: 0 if (spare := self._spares.get(name)) and spare.n_ctx == n_ctx else 2 if spare else 1)
+        return ranked[0] if ranked else None
 
     def admit(self, plan: AdmissionPlan, *, session_id: str, epoch: int, n_ctx: int, charge: int, now: float) -> tuple[Session, list[str]]:
         """Carry out `plan` in one step: evict, reserve, bind. Returns the new session and the evicted
@@ -129,14 +192,14 @@ class Books:
         self.table.add(session)
         return session, self._bind(plan, session, charge)
 
-    def take_blob(self, session: Session) -> bytes:
-        """A parked session's blob leaves the store for its restore (so making room for the restore never
-        drops it); raises CorruptBlob (the blob is then gone too), also when its cells do not hold positions
-        [0, its length) (kvpool.state.sequence.check_cells: llama.cpp would restore them as they are).
-        put_back_blob or unpark follows."""
+    def take_blob(self, session: Session) -> memoryview:
+        """A parked session's blob (a read-only view of its stored state's payload: no copy) leaves the store
+        for its restore (so making room for the restore never drops it); raises CorruptBlob (the blob is then
+        gone too), also when its cells do not hold positions [0, its length) (kvpool.state.sequence.check_cells:
+        llama.cpp would restore them as they are). put_back_blob or unpark follows."""
         require(not session.hot and session.key not in self._restoring, "only a parked session's blob is taken")
         try:
-            blob = self.sealing.open(session, self.spill.read(session.key))
+            blob = self.sealing.open_view(session, self.spill.read(session.key))
             try:
                 check_cells(blob, session.length)
             except StateFormatError as error:
@@ -183,7 +246,7 @@ class Books:
         self._on_change(self)
         return outcome
 
-    def put_back_blob(self, session: Session, blob: bytes) -> list[Session]:
+    def put_back_blob(self, session: Session, blob: bytes | memoryview) -> list[Session]:
         """A restore that could not start: the blob goes back (newest); returns the sessions dropped for room."""
         del self._restoring[session.key]
         dropped = self._drop_spilled(self.spill.put(session.key, self.sealing.seal(session, blob)))
@@ -199,6 +262,12 @@ class Books:
 
     def _bind(self, plan: AdmissionPlan, session: Session, charge: int) -> list[str]:
         released: list[str] = [worker for victim in plan.victims if (worker := self.forget(victim, MissReason.EVICTED))]
+        for worker in plan.spares:
+            require(worker in self._spares and worker in self._free, f"planned spare of {worker} is gone")
+            self._free.remove(worker)
+            self._in_transit.add(worker)
+            self._drop_spare(worker)
+            released.append(worker)
         if plan.worker is not None:
             worker = self.take(lambda _name: True, plan.worker)
             require(worker is not None, f"planned worker {plan.worker} is not free")
@@ -212,15 +281,23 @@ class Books:
         self._on_change(self)
         return released
 
-    def park(self, session: Session, blob: bytes) -> tuple[str, list[Session]]:
-        """A hot session's saved state goes to the spill store and its worker into transit (its context
-        to be freed), its charge back to the hot budget. Returns the worker and the sessions whose blobs
-        were dropped to make room (gone: evicted), this one included when its blob fits nowhere."""
+    def park(self, session: Session, blob: bytes, *, kept: bool = False) -> tuple[str | None, list[Session]]:
+        """A hot session's saved state goes to the spill store and its charge back to the hot budget; its
+        worker goes into transit (its context to be freed), or, `kept` (its worker kept the emptied context:
+        SaveState.keep), is free at once with that context as its spare, the charge moving to the spare.
+        Returns the worker to free (None when kept) and the sessions whose blobs were dropped to make room
+        (gone: evicted), this one included when its blob fits nowhere."""
         require(session.hot and self._bound.get(session.worker_name) is session, "only a bound hot session is parked")
-        worker = session.worker_name
+        worker: str | None = session.worker_name
         del self._bound[worker]
-        self._in_transit.add(worker)
         self.budget.release(session.key)
+        if kept:
+            self._free.append(worker)
+            self._spares[worker] = Spare(session.n_ctx, session.charged_bytes)
+            self.budget.reserve(SpareOwner(worker), session.charged_bytes)
+            worker = None
+        else:
+            self._in_transit.add(worker)
         session.worker_name = ""
         dropped = self._drop_spilled(self.spill.put(session.key, self.sealing.seal(session, blob)))
         self._on_change(self)
@@ -316,7 +393,9 @@ class Books:
         parked = {session.key for session in everyone if not session.hot}
         require(set(self._restoring) <= parked, "a blob being restored belongs to no parked session")
         self.spill.check_integrity(parked - set(self._restoring), {s.key for s in live})
-        self.budget.check_integrity(session.key for session in live)
+        require(set(self._spares) <= set(self._free), "a spare context on a worker that is not free")
+        self.budget.check_integrity([session.key for session in live] + [SpareOwner(worker) for worker in self._spares])
+        require(all(self.budget.charge_of(SpareOwner(w)) == spare.charge for w, spare in self._spares.items()), "a charge differs from its spare's")
         self.prefixes.check_integrity()
         require(all(self.budget.charge_of(s.key) == s.charged_bytes for s in live), "a charge differs from its session's")
         require({s.worker_name for s in live} == set(self._bound), "bound workers != the live sessions' workers")

@@ -13,7 +13,7 @@ import llama_cpp
 from kvpool.daemon.books.sessions import Session
 from kvpool.daemon.books.spill import CorruptBlob
 from kvpool.shard.header import ShardInfo, file_sha256
-from kvpool.state.header import FORMAT_VERSION, IDENTITY, OWNER, StateHeader, StateIdentity, StateRejected, open_state, seal, sealed_size
+from kvpool.state.header import FORMAT_VERSION, IDENTITY, OWNER, StateHeader, StateIdentity, StateRejected, open_state_view, seal, sealed_size
 
 
 def wall_clock_of(monotonic_s: float) -> float:
@@ -48,8 +48,12 @@ class StateSeal:
     def open(self, session: Session, data: bytes) -> bytes:
         """The payload of `session`'s stored state; raises CorruptBlob (`mismatch` when the state is another
         daemon's: its identity differs)."""
+        return bytes(self.open_view(session, data))
+
+    def open_view(self, session: Session, data: bytes) -> memoryview:
+        """open, the payload a read-only view of `data` (kvpool.state.header.open_state_view)."""
         try:
-            header, payload = open_state(data, self.identity)
+            header, payload = open_state_view(data, self.identity)
             if (header.session_id, header.epoch) != session.key or header.length < session.length:
                 raise StateRejected(OWNER, f"the stored state is {header.session_id!r} epoch {header.epoch} of {header.length} positions")
         except StateRejected as rejected:

@@ -299,11 +299,11 @@ class SequenceSlot:
         self.process.forget_seq(self.seq)
         await self.process._expect(CloseContext(seq=self.seq), Closed)
 
-    async def save_state(self) -> bytes:
-        return (await self.process._expect(SaveState(seq=self.seq), Saved)).blob
+    async def save_state(self, *, keep: bool = False) -> bytes:
+        return (await self.process._expect(SaveState(seq=self.seq, keep=keep), Saved)).blob
 
-    async def restore_state(self, n_ctx: int, blob: bytes, length: int) -> int:
-        return (await self.process._expect(RestoreState(n_ctx=n_ctx, blob=blob, length=length, seq=self.seq), Restored)).length
+    async def restore_state(self, n_ctx: int, blob: bytes | memoryview, length: int) -> Restored:
+        return await self.process._expect(RestoreState(n_ctx=n_ctx, blob=blob, length=length, seq=self.seq), Restored)
 
     async def revoke_channel(self) -> int:
         raise WorkerFailed("internal", "a batched worker has no direct channel", 0)

@@ -112,13 +112,15 @@ class WorkerHandle(WorkerProcess):
     async def close_context(self) -> None:
         await self._expect(CloseContext(), Closed)
 
-    async def save_state(self) -> bytes:
-        """The open context's sequence state (positions [0, length))."""
-        return (await self._expect(SaveState(), Saved)).blob
+    async def save_state(self, *, keep: bool = False) -> bytes:
+        """The open context's sequence state (positions [0, length)); with `keep` the context is then emptied
+        and kept as the worker's spare (workers.server.commands.SaveState): none is open afterwards."""
+        return (await self._expect(SaveState(keep=keep), Saved)).blob
 
-    async def restore_state(self, n_ctx: int, blob: bytes, length: int) -> int:
-        """A fresh context loaded with `blob`, cut to `length`; WorkerFailed code restore_failed if refused."""
-        return (await self._expect(RestoreState(n_ctx=n_ctx, blob=blob, length=length), Restored)).length
+    async def restore_state(self, n_ctx: int, blob: bytes | memoryview, length: int) -> Restored:
+        """A fresh context (the spare if it has n_ctx: Restored.reused) loaded with `blob`, cut to `length`;
+        WorkerFailed code restore_failed if refused."""
+        return await self._expect(RestoreState(n_ctx=n_ctx, blob=blob, length=length), Restored)
 
     async def bind_channel(self, bind: Binding) -> int:
         """Serve `bind`'s session from the direct channel again (after a command that revoked it); returns the length."""

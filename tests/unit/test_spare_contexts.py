@@ -1,0 +1,74 @@
+"""Spare contexts on fake workers (process mode): a parked session's worker keeps the emptied context,
+charged apart from the sessions; the session's restore, or the next admission of that n_ctx, takes it;
+spares are the first room an admission takes; what each session gets back stays its own history's rows
+(tests/support/fake_worker.expected_rows). The same on llama.cpp's numbers: tests/daemon/test_warm_tier.py."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tests.support.contract import rows_of
+from tests.support.daemons import checked
+
+
+def _budget(client):
+    budget = checked(client).budget
+    assert budget.reserved_bytes + budget.spare_bytes <= budget.limit_bytes
+    return budget
+
+
+def test_a_park_keeps_the_context_as_a_charged_spare_and_the_restore_takes_it(serve, fake_model):
+    with serve(fake_model, "--max-sessions", "2").client() as client:
+        client.append("s", 1, 0, tokens=[1, 2, 3, 4])
+        charge = client.stats().sessions[0].charged_bytes
+        assert client.park("s", 1).detail == "parked"
+        budget = _budget(client)
+        assert (budget.reserved_bytes, budget.spare_bytes) == (0, charge)
+        assert [row.state for row in client.stats().workers] == ["free", "free"]
+        restored = client.append("s", 1, 4, tokens=[5])
+        assert restored.restored and np.array_equal(restored.rows, rows_of(client, [1, 2, 3, 4, 5]))
+        stats = client.stats()
+        assert stats.counters["restores_into_spare"] == 1 and stats.counters.get("spares_freed", 0) == 0
+        assert (_budget(client).reserved_bytes, _budget(client).spare_bytes) == (charge, 0)
+        client.release("s", 1)
+        assert (_budget(client).reserved_bytes, _budget(client).spare_bytes) == (0, 0)  # a release frees its context
+
+
+def test_one_place_serves_two_sessions_through_each_others_spares_each_its_own_history(serve, fake_model):
+    with serve(fake_model, "--max-sessions", "1", "--min-residency", "0").client() as client:
+        histories = {"a": [1, 2, 3], "b": [7, 8]}
+        client.append("a", 1, 0, tokens=histories["a"])
+        client.park("a", 1)
+        fresh = client.append("b", 1, 0, tokens=histories["b"])  # admitted into a's spare: a fresh history's rows
+        assert fresh.admitted and np.array_equal(fresh.rows, rows_of(client, histories["b"]))
+        for step in range(3):
+            for name, history in histories.items():
+                reply = client.append(name, 1, len(history), tokens=[40 + step])  # the other one is parked for it
+                history.append(40 + step)
+                assert reply.restored and np.array_equal(reply.rows, rows_of(client, history)), (name, step)
+        stats = checked(client)
+        assert stats.counters["restores_into_spare"] == stats.counters["restores"] == 6 and stats.counters["misses"] == 0
+
+
+def test_spares_are_freed_for_room_before_any_session_is_evicted(serve, fake_model):
+    with serve(fake_model, "--max-sessions", "3", "--n-ctx", "64").client() as client:
+        client.append("probe", 1, 0, tokens=[1])
+        charge = client.stats().sessions[0].charged_bytes
+        client.release("probe", 1)
+    with serve(fake_model, "--max-sessions", "3", "--n-ctx", "64", "--budget", str(charge * 2), "--min-residency", "0", name="two").client() as client:
+        for name in ("a", "b"):  # both hot, then both parked: two spares fill the budget
+            client.append(name, 1, 0, tokens=[3, 4])
+        for name in ("a", "b"):
+            client.park(name, 1)
+        assert (_budget(client).reserved_bytes, _budget(client).spare_bytes) == (0, 2 * charge)
+        small = client.append("c", 1, 0, tokens=[5], n_ctx=32)  # no spare of its n_ctx: one spare is freed for it
+        assert small.admitted and np.array_equal(small.rows, rows_of(client, [5]))
+        stats = client.stats()
+        assert stats.counters["spares_freed"] == 1 and stats.counters.get("evictions", 0) == 0
+        assert sorted(row.tier for row in stats.sessions) == ["hot", "ram", "ram"]
+        small_charge = next(row.charged_bytes for row in stats.sessions if row.session_id == "c")
+        assert (_budget(client).reserved_bytes, _budget(client).spare_bytes) == (small_charge, charge)
+        back = client.append("a", 1, 2, tokens=[6])  # into the spare left: no eviction either
+        assert back.restored and np.array_equal(back.rows, rows_of(client, [3, 4, 6]))
+        stats = checked(client)
+        assert stats.counters["restores_into_spare"] == 1 and stats.counters.get("evictions", 0) == 0
