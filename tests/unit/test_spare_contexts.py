@@ -1,12 +1,15 @@
 """Spare contexts on fake workers (process mode): a parked session's worker keeps the emptied context,
 charged apart from the sessions; the session's restore, or the next admission of that n_ctx, takes it;
 spares are the first room an admission takes; what each session gets back stays its own history's rows
-(tests/support/fake_worker.expected_rows). The same on llama.cpp's numbers: tests/daemon/test_warm_tier.py."""
+(tests/support/fake_worker.expected_rows). The same on llama.cpp's numbers: tests/daemon/test_warm_tier.py.
+And a route's park (kvpool.router.route.Route.park): every daemon at once, a failing stage raised after all."""
 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
+from kvpool.router.route import Route, StageFailed
 from tests.support.contract import rows_of
 from tests.support.daemons import checked
 
@@ -72,3 +75,24 @@ def test_spares_are_freed_for_room_before_any_session_is_evicted(serve, fake_mod
         assert back.restored and np.array_equal(back.rows, rows_of(client, [3, 4, 6]))
         stats = checked(client)
         assert stats.counters["restores_into_spare"] == 1 and stats.counters.get("evictions", 0) == 0
+
+
+def test_a_route_parks_on_every_daemon_at_once_and_a_failing_stage_is_raised_after_all_answered(serve, fake_shards):
+    daemons = [serve(path, "--max-sessions", "2", name=f"stage{index}") for index, path in enumerate(fake_shards)]
+    clients = [daemon.client() for daemon in daemons]
+    try:
+        for client in clients:
+            client.__enter__()
+        route = Route(clients)
+        first = route.append("s", 1, 0, [1, 2, 3])
+        assert [reply.detail for reply in route.park("s", 1)] == ["parked"] * 3
+        assert all([row.tier for row in checked(client).sessions] == ["ram"] for client in clients)
+        assert np.array_equal(route.append("s", 1, 3, [4]), route.append("t", 1, 0, [1, 2, 3, 4])[-1:]) and first.shape[0] == 1
+        clients[1].release("s", 1)  # the middle daemon no longer holds the session: its stage fails, the others park
+        with pytest.raises(StageFailed) as failed:
+            route.park("s", 1)
+        assert failed.value.stage == 1 and failed.value.reply.code == "cache_miss"
+        assert [[row.tier for row in checked(client).sessions if row.session_id == "s"] for client in clients] == [["ram"], [], ["ram"]]
+    finally:
+        for client in clients:
+            client.__exit__(None, None, None)
