@@ -172,7 +172,7 @@ class Drain:
             for session in [session for session in service.books.table.sessions() if session.hot]:
                 if self.interrupted:
                     return
-                await service.parking.park(session)
+                await service.parking.park(session, keep=False)
             if not any(session.hot for session in service.books.table.sessions()):
                 break
             await asyncio.sleep(CANCEL_EVERY_S)

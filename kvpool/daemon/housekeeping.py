@@ -40,7 +40,7 @@ class Housekeeper:
             return
         self.channels.refresh()
         for session in self.books.table.expired(time.monotonic(), self.config.park_after_s):
-            if session.hot and await self.parking.park(session):
+            if session.hot and await self.parking.park(session, keep=False):  # idle: its memory goes back
                 self.metrics.count("parks")
 
     async def persist_idle(self) -> None:
@@ -80,11 +80,13 @@ class Housekeeper:
             session = self.books.session_of(worker.name)
             if session is not None and not session.idle:
                 continue
+            spare = self.books.spare_of(worker.name)
             uss = await self.lifecycle.in_thread(worker.measure_uss)
+            if self.books.session_of(worker.name) is not session or self.books.spare_of(worker.name) != spare:
+                continue  # taken, freed or given a spare while it was measured: the reading is of another state
             if session is None and uss:
                 worker.baseline_uss = min(worker.baseline_uss, uss)  # the baseline is taken while import pages settle
             drift = uss - worker.baseline_uss
-            spare = self.books.spare_of(worker.name)
             allowed = (session.charged_bytes if session is not None else spare.charge if spare is not None else 0) + margin
             if drift <= allowed:
                 continue

@@ -51,6 +51,7 @@ def build_stats(
             WorkerRow(
                 name=w.name, pid=w.pid, state=books.state_of(w.name), uss_bytes=uss, baseline_uss_bytes=w.baseline_uss,
                 session_id=bound.session_id if (bound := books.session_of(w.name)) is not None else "",
+                spare_bytes=spare.charge if (spare := books.spare_of(w.name)) is not None else 0,
             )
             for w, uss in zip(workers, usses)
         ],

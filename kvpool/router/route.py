@@ -82,7 +82,7 @@ class Route:
                 replies[stage] = self.clients[stage].park(session_id, epoch)
             except KvpoolError as error:
                 failures[stage] = StageFailed(stage, error)
-            except ConnectionLost as error:
+            except BaseException as error:  # noqa: BLE001 - raised in the caller's thread below, never lost in this one
                 failures[stage] = error
 
         threads = [threading.Thread(target=park_at, args=(stage,), name=f"kvpool-park-{stage}") for stage in range(len(self.clients))]
@@ -93,6 +93,7 @@ class Route:
         first_failure = next((failure for failure in failures if failure is not None), None)
         if first_failure is not None:
             raise first_failure
+        assert all(reply is not None for reply in replies)
         return [reply for reply in replies if reply is not None]
 
     def release(self, session_id: str, epoch: int) -> None:

@@ -150,7 +150,7 @@ def open_state_view(data: bytes, identity: StateIdentity) -> tuple[StateHeader, 
     if header.identity != identity:
         raise StateRejected(IDENTITY, f"saved by another shard, build or KV layout: {_difference(header.identity, identity)}")
     end = len(view) - _CRC.size
-    return header, view[end - header.payload_bytes : end]
+    return header, memoryview(whole).toreadonly()[end - header.payload_bytes : end]  # of the bytes the CRC was checked on
 
 
 def _difference(saved: StateIdentity, ours: StateIdentity) -> str:

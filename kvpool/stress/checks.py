@@ -61,7 +61,8 @@ def _worker_memory(before: Snapshot, after: Snapshot, tolerance: int) -> list[Wo
         else:
             reference, compared_to = worker.baseline_uss_bytes, "own baseline"
         delta = worker.uss_bytes - reference
-        rows.append(WorkerMemory(worker.pid, reference, worker.uss_bytes, delta, compared_to, abs(delta) <= tolerance))
+        # a spare context (a parked session's, kept on purpose and charged) is memory the worker may hold
+        rows.append(WorkerMemory(worker.pid, reference, worker.uss_bytes, delta, compared_to, -tolerance <= delta <= tolerance + worker.spare_bytes))
     return rows
 
 

@@ -104,7 +104,7 @@ class Sampler:
         self.samples.append(
             Sample(
                 t_s=round(time.monotonic() - self._started, 3), daemon=index,
-                reserved_bytes=stats.budget.reserved_bytes, limit_bytes=stats.budget.limit_bytes,
+                reserved_bytes=stats.budget.reserved_bytes + stats.budget.spare_bytes, limit_bytes=stats.budget.limit_bytes,  # the budget's whole
                 measured_uss_bytes=stats.budget.measured_uss_bytes, sessions=len(stats.sessions),
                 integrity=stats.integrity,
             )

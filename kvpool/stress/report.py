@@ -20,7 +20,7 @@ class Latency(msgspec.Struct):
 class Sample(msgspec.Struct):
     t_s: float
     daemon: int
-    reserved_bytes: int
+    reserved_bytes: int  # what the budget holds: the sessions' charges and the spares'
     limit_bytes: int
     measured_uss_bytes: int
     sessions: int

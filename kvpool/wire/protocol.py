@@ -300,6 +300,7 @@ class WorkerRow(Message):
     uss_bytes: int
     baseline_uss_bytes: int
     session_id: str = ""
+    spare_bytes: int = 0  # the charge of the spare context this free worker keeps (kvpool.daemon.books.books)
 
 
 class BudgetRow(Message):

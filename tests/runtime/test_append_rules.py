@@ -15,6 +15,7 @@ from kvpool.wire.protocol import Append
 from kvpool.wire.sampling import Sampling
 from kvpool.wire.shape import ShardShape
 from tests.conftest import EVEN_SPLIT
+from tests.support.worker_server import worker_server
 from workers.runtime.batched import BatchedShardContext
 from workers.runtime.context import ShardContext
 from workers.runtime.errors import ShardRuntimeError
@@ -22,8 +23,6 @@ from workers.runtime.model import ShardModel
 from workers.runtime.sampling import sample
 from workers.server.commands import Failed, OpenContext, RunAppend
 from workers.server.segment import SegmentRegions
-from workers.server.single import WorkerServer
-from workers.server.spec import WorkerSpec
 
 N_CTX = 16
 FIRST = ShardShape(layer_start=0, layer_stop=10, total_layers=30, n_embd=576, n_vocab=49152)
@@ -82,20 +81,11 @@ def test_token_ids_past_int64_are_a_bad_request_on_the_wire():
         assert refused.code == "bad_request"
 
 
-def _worker(model: ShardModel, segment: shared_memory.SharedMemory, input_rows: int) -> WorkerServer:
-    spec = WorkerSpec(
-        shard_path=str(model.path), shm_name=segment.name,
-        segment=SegmentRegions(input_bytes=input_rows * 4, output_bytes=input_rows * FIRST.n_embd * 4),
-        n_threads=1, flash_attn=False, parent_pid=0, max_n_ctx=N_CTX,
-    )
-    return WorkerServer(model, segment, spec)
-
-
 @pytest.mark.parametrize("n_rows", [-1, 0, N_CTX + 1])
 def test_a_worker_refuses_a_row_count_outside_its_input_region(first_model, n_rows, resource_tracker_running):
     """A negative count must not read the whole segment as token ids (np.frombuffer's count -1)."""
     segment = shared_memory.SharedMemory(create=True, size=SegmentRegions(N_CTX * 4, N_CTX * FIRST.n_embd * 4).total_bytes)
-    server = _worker(first_model, segment, N_CTX)
+    server = worker_server(first_model, segment, N_CTX, FIRST.n_embd, N_CTX)
     try:
         server.handle(OpenContext(n_ctx=N_CTX))
         reply = server.handle(RunAppend(start_pos=0, n_rows=n_rows))

@@ -6,18 +6,19 @@ And a route's park (kvpool.router.route.Route.park): every daemon at once, a fai
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 
 from kvpool.router.route import Route, StageFailed
 from tests.support.contract import rows_of
-from tests.support.daemons import checked
+from tests.support.daemons import checked, in_thread, refused, result, wait_until
+from tests.support.fake_worker import fake_kinds
 
 
 def _budget(client):
-    budget = checked(client).budget
-    assert budget.reserved_bytes + budget.spare_bytes <= budget.limit_bytes
-    return budget
+    return checked(client).budget
 
 
 def test_a_park_keeps_the_context_as_a_charged_spare_and_the_restore_takes_it(serve, fake_model):
@@ -27,7 +28,7 @@ def test_a_park_keeps_the_context_as_a_charged_spare_and_the_restore_takes_it(se
         assert client.park("s", 1).detail == "parked"
         budget = _budget(client)
         assert (budget.reserved_bytes, budget.spare_bytes) == (0, charge)
-        assert [row.state for row in client.stats().workers] == ["free", "free"]
+        assert sorted((row.state, row.spare_bytes) for row in client.stats().workers) == [("free", 0), ("free", charge)]
         restored = client.append("s", 1, 4, tokens=[5])
         assert restored.restored and np.array_equal(restored.rows, rows_of(client, [1, 2, 3, 4, 5]))
         stats = client.stats()
@@ -96,3 +97,47 @@ def test_a_route_parks_on_every_daemon_at_once_and_a_failing_stage_is_raised_aft
     finally:
         for client in clients:
             client.__exit__(None, None, None)
+
+
+def test_a_restore_that_finds_no_room_puts_the_state_back_and_comes_back_later(serve, fake_model):
+    kinds = fake_kinds()
+    daemon = serve(fake_model, "--max-sessions", "1", kinds=kinds)
+    with daemon.client() as client, daemon.client() as other:
+        client.append("parked", 1, 0, tokens=[1, 2, 3])
+        client.park("parked", 1)
+        client.append("busy", 1, 0, tokens=[4])  # into the parked session's spare: the one place
+        kinds[0].behaviour.row_delay_s = 0.05  # from now on a 40-row append takes 2 s: the place stays busy
+        busy = in_thread(lambda: other.append("busy", 1, 1, tokens=list(range(40))))
+        wait_until(lambda: any(row.in_flight for row in client.stats().sessions), "the busy session's append in flight")
+        full = refused(lambda: client.append("parked", 1, 3, tokens=[5], admit_timeout_s=0.0))
+        assert full.code == "over_budget"
+        stats = checked(client)  # the state went back to the store: the session is still parked, whole
+        assert {row.session_id: row.tier for row in stats.sessions} == {"parked": "ram", "busy": "hot"}
+        kinds[0].behaviour.row_delay_s = 0.0
+        assert result(*busy).length == 41
+        back = client.append("parked", 1, 3, tokens=[5], admit_timeout_s=10.0)
+        assert back.restored and np.array_equal(back.rows, rows_of(client, [1, 2, 3, 5]))
+
+
+def test_a_park_after_idle_time_frees_the_context_and_keeps_no_spare(serve, fake_model):
+    with serve(fake_model, "--park-after", "0.2").client() as client:
+        client.append("idle", 1, 0, tokens=[1, 2])
+        wait_until(lambda: [row.tier for row in client.stats().sessions] == ["ram"], "the idle session's park")
+        budget = _budget(client)
+        assert (budget.reserved_bytes, budget.spare_bytes) == (0, 0)  # idle: its memory goes back
+        assert np.array_equal(client.append("idle", 1, 2, tokens=[3]).rows, rows_of(client, [1, 2, 3]))
+
+
+def test_a_route_park_does_not_wait_for_one_daemon_before_the_next(serve, fake_shards):
+    daemons = [serve(path, name=f"at-once{index}") for index, path in enumerate(fake_shards)]
+    with contextlib.ExitStack() as stack:
+        clients = [stack.enter_context(daemon.client()) for daemon in daemons]
+        watchers = [stack.enter_context(daemon.client()) for daemon in daemons]
+        route = Route(clients)
+        route.append("s", 1, 0, [1, 2, 3])
+        with daemons[0].stopped():  # the first daemon's worker takes no command: its park waits there
+            parking = in_thread(lambda: route.park("s", 1))
+            wait_until(lambda: all([row.tier for row in watcher.stats().sessions] == ["ram"] for watcher in watchers[1:]),
+                       "the other daemons parked while the first one waits")
+            assert [row.tier for row in watchers[0].stats().sessions] == ["hot"] and parking[0].is_alive()
+        assert [reply.detail for reply in result(*parking)] == ["parked"] * 3

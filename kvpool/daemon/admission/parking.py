@@ -25,10 +25,13 @@ class Parking:
         self.lifecycle = lifecycle
         self.metrics = metrics
 
-    async def park(self, session: Session, *, entered: bool = False) -> bool:
+    async def park(self, session: Session, *, entered: bool = False, keep: bool = True) -> bool:
         """Park `session` if it is (still) a live, idle hot session; True if its place was freed (parked,
         or lost on the way). With `entered` the caller (a Park request) holds the session's lock and counts
-        its request, and a worker lost on the way raises RequestFailed(worker_lost): the request's answer."""
+        its request, and a worker lost on the way raises RequestFailed(worker_lost): the request's answer.
+        `keep`: the worker keeps the context as its spare (process mode; for a Park request and for room,
+        where a restore or an admission is to take it), else frees it (--park-after, a drain: the memory
+        goes back)."""
         if not entered:
             if not session.idle or session.lock.locked() or not self._live_hot(session):
                 return False
@@ -43,7 +46,7 @@ class Parking:
                 if entered:
                     raise
                 return True  # its worker was lost on the way: the place is free
-            keep = not self.pool.batched  # a batched worker's sequence is emptied where it is
+            keep = keep and not self.pool.batched  # a batched worker's sequence is emptied where it is
             try:
                 blob = await self.pool.get(session.worker_name).save_state(keep=keep)
             except WorkerLost as lost:

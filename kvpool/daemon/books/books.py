@@ -249,7 +249,7 @@ class Books:
     def put_back_blob(self, session: Session, blob: bytes | memoryview) -> list[Session]:
         """A restore that could not start: the blob goes back (newest); returns the sessions dropped for room."""
         del self._restoring[session.key]
-        dropped = self._drop_spilled(self.spill.put(session.key, self.sealing.seal(session, blob)))
+        dropped = self._drop_spilled(self.spill.put(session.key, self.sealing.seal(session, bytes(blob))))  # the CRC library takes bytes only
         self._on_change(self)
         return dropped
 

@@ -1,0 +1,80 @@
+"""A worker's spare context on the real model (workers.server.single.WorkerServer, in process): a park's
+SaveState(keep) leaves no open context, only the spare; the spare is zeroed after the reply; a restore or an
+open of its n_ctx takes it, any other n_ctx frees it; a context a refused restore touched never becomes one;
+and what a restored spare computes is bit for bit what a fresh context computes."""
+
+from __future__ import annotations
+
+from multiprocessing import shared_memory
+
+import numpy as np
+import pytest
+
+from tests.conftest import EVEN_SPLIT
+from tests.support.worker_server import worker_server
+from workers.runtime.model import ShardModel
+from workers.server.commands import Failed, OpenContext, Opened, Restored, RestoreState, RunAppend, Saved, SaveState, TruncateContext
+from workers.server.segment import SegmentRegions
+
+N_CTX = 32
+PROMPT = np.array([1, 502, 3441, 28, 314, 1789], np.int32)
+
+
+@pytest.fixture(scope="module")
+def first_model(shard_sets):
+    with ShardModel(shard_sets[EVEN_SPLIT][0].path) as model:
+        yield model
+
+
+@pytest.fixture
+def server(first_model, resource_tracker_running):
+    shape = first_model.shape
+    segment = shared_memory.SharedMemory(create=True, size=SegmentRegions(N_CTX * 4, N_CTX * shape.n_embd * 4).total_bytes)
+    worker = worker_server(first_model, segment, N_CTX, shape.n_embd, N_CTX)
+    try:
+        yield worker
+    finally:
+        worker.close()
+        segment.close()
+        segment.unlink()
+
+
+def _append(server, start: int, tokens: np.ndarray, n_ctx: int = 0):
+    server._input[: tokens.nbytes] = tokens.tobytes()
+    reply = server.handle(RunAppend(start_pos=start, n_rows=len(tokens), output_rows="all", n_ctx=n_ctx))
+    assert not isinstance(reply, Failed), reply
+    return np.frombuffer(server._buffer, np.float32, len(tokens) * server.model.shape.n_embd, server.spec.segment.output_offset).copy()
+
+
+def test_a_kept_context_is_a_spare_only_an_open_of_its_n_ctx_takes_and_it_computes_as_a_fresh_one(server, first_model):
+    _append(server, 0, PROMPT[:4], n_ctx=N_CTX)
+    saved = server.handle(SaveState(keep=True))
+    assert isinstance(saved, Saved) and saved.length == 4 and server.context is None and server.spare is not None
+    for command in (RunAppend(start_pos=0, n_rows=1), TruncateContext(length=0), SaveState()):
+        assert isinstance(reply := server.handle(command), Failed) and reply.code == "no_context"  # the spare is no open context
+    server.after_reply()  # as the command loop does once the reply has gone: the KV zeroed
+    restored = server.handle(RestoreState(n_ctx=N_CTX, length=4, blob=memoryview(saved.blob)))
+    assert restored == Restored(length=4, reused=True) and server.spare is None
+    continued = _append(server, 4, PROMPT[4:])
+    with first_model.new_context(N_CTX) as fresh:
+        fresh.append(0, tokens=PROMPT[:4])
+        assert np.array_equal(continued.reshape(2, -1), fresh.append(4, tokens=PROMPT[4:]))
+    server.handle(SaveState(keep=True))
+    server.after_reply()
+    assert server.handle(OpenContext(n_ctx=N_CTX)) == Opened(n_ctx=N_CTX, reused=True)
+    assert server.context.length == 0  # a new session in it starts empty, and computes as in a fresh context:
+    with first_model.new_context(N_CTX) as fresh:
+        assert np.array_equal(_append(server, 0, PROMPT).reshape(len(PROMPT), -1), fresh.append(0, tokens=PROMPT, output_rows="all"))
+
+
+def test_another_n_ctx_frees_the_spare_and_a_refused_restore_never_leaves_one(server):
+    _append(server, 0, PROMPT[:3], n_ctx=N_CTX)
+    saved = server.handle(SaveState(keep=True))
+    assert server.handle(OpenContext(n_ctx=N_CTX // 2)) == Opened(n_ctx=N_CTX // 2, reused=False) and server.spare is None
+    server.handle(SaveState(keep=True))
+    damaged = bytearray(saved.blob)
+    damaged[-1] ^= 0xFF  # the last layer's data: framing holds, llama.cpp may read it or refuse the whole
+    damaged[8:12] = (10_000).to_bytes(4, "little")  # a cell count beyond the context: refused
+    refused = server.handle(RestoreState(n_ctx=N_CTX // 2, length=3, blob=memoryview(bytes(damaged))))
+    assert isinstance(refused, Failed) and refused.code == "restore_failed"
+    assert server.context is None and server.spare is None  # the context it touched is freed, never kept
