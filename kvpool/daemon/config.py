@@ -13,6 +13,7 @@ import types
 from collections.abc import Callable
 from typing import Any
 
+from kvpool.daemon.books.prefixes import SUBDIR as PREFIX_SUBDIR
 from kvpool.daemon.books.spill import SpillDirRefused, check_disk_dir
 from kvpool.host import available_cores, format_bytes, parse_bytes, user_cache_dir
 from kvpool.wire.protocol import DEFAULT_MAX_REQUEST_BYTES
@@ -165,7 +166,7 @@ class ServeConfig:
             problems.append("--spill-dir and --spill-disk-budget go together")
         if self.spill_dir is not None:
             try:
-                check_disk_dir(self.spill_dir)  # before any worker starts
+                check_disk_dir(self.spill_dir, subdirs=(PREFIX_SUBDIR,))  # before any worker starts
             except SpillDirRefused as refused:
                 problems.append(str(refused))
         if self.mode not in MODES:

@@ -306,3 +306,28 @@ def test_a_holder_that_is_stopping_is_waited_for_with_a_progress_line(tmp_path, 
     finally:
         holder.kill()
         holder.wait()
+
+
+@pytest.mark.parametrize("case", ["symlink", "open to others", "a file"])
+def test_a_prefix_folder_in_the_spill_dir_that_is_not_private_is_refused_before_any_worker_starts(tmp_path, case):
+    from kvpool.daemon.books.prefixes import SUBDIR
+    from kvpool.daemon.config import ServeConfig
+
+    directory = tmp_path / "spill"
+    directory.mkdir(mode=0o700)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir(mode=0o700)
+    folder = directory / SUBDIR
+    if case == "symlink":
+        folder.symlink_to(elsewhere)  # its files would be read from and written to another place
+    elif case == "open to others":
+        folder.mkdir(mode=0o700)
+        folder.chmod(0o777)
+    else:
+        folder.write_bytes(b"not a folder")
+    with pytest.raises(ValueError) as raised:
+        ServeConfig(model="m", socket="/tmp/s", spill_dir=directory, spill_disk_budget_bytes=1 << 20)
+    assert SUBDIR in str(raised.value) and "\n" not in str(raised.value).strip()
+    assert sorted(path.name for path in directory.iterdir()) == [SUBDIR] and list(elsewhere.iterdir()) == []
+    folder.unlink() if case != "open to others" else folder.chmod(0o700)
+    assert ServeConfig(model="m", socket="/tmp/s", spill_dir=directory, spill_disk_budget_bytes=1 << 20).spill_dir == directory

@@ -32,7 +32,7 @@ import re
 import stat
 import time
 import zlib
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 
 from kvpool.daemon.books.integrity import require
 from kvpool.state.header import MAGIC, StateHeader, StateIdentity, StateRejected, open_state
@@ -350,10 +350,11 @@ def _unlink(path: pathlib.Path | None) -> None:
 # ---- the spill directory ---------------------------------------------------------------------------
 
 
-def check_disk_dir(directory: pathlib.Path) -> None:
+def check_disk_dir(directory: pathlib.Path, subdirs: Sequence[str] = ()) -> None:
     """Refuse (SpillDirRefused, one line) a spill directory that is not the user's alone: a symlink, owned
-    by someone else, writable by group or others, or under a parent others can change. Creates nothing
-    (the configuration checks this before any worker starts); a directory not there yet passes."""
+    by someone else, writable by group or others, or under a parent others can change; the same for each of
+    `subdirs` found in it (folders other stores keep there: the prefix store's). Creates nothing (the
+    configuration checks this before any worker starts); a directory not there yet passes."""
     directory = directory.absolute()
     if directory.is_symlink():
         raise SpillDirRefused(f"--spill-dir {directory} is a symlink: give the directory itself")
@@ -365,6 +366,20 @@ def check_disk_dir(directory: pathlib.Path) -> None:
     except OSError as error:
         raise SpillDirRefused(f"--spill-dir {directory}: {error.strerror or error}") from None
     _check_private(directory, info)
+    for name in subdirs:
+        _check_subdir(directory / name)
+
+
+def _check_subdir(path: pathlib.Path) -> None:
+    try:
+        info = path.lstat()
+    except FileNotFoundError:
+        return
+    except OSError as error:
+        raise SpillDirRefused(f"--spill-dir {path.parent}: {path.name}/: {error.strerror or error}") from None
+    if stat.S_ISLNK(info.st_mode):
+        raise SpillDirRefused(f"--spill-dir {path.parent}: {path.name}/ is a symlink: it must be a directory of its own")
+    _check_private(path, info)
 
 
 def prepare_disk_dir(directory: pathlib.Path) -> SpillDirLock:
