@@ -356,9 +356,17 @@ def check_disk_dir(directory: pathlib.Path, subdirs: Sequence[str] = ()) -> None
     `subdirs` found in it (folders other stores keep there: the prefix store's). Creates nothing (the
     configuration checks this before any worker starts); a directory not there yet passes."""
     directory = directory.absolute()
+    _check_own(directory, parents=True)
+    for name in subdirs:
+        _check_own(directory / name, parents=False)  # inside a private directory: its parents are checked
+
+
+def _check_own(directory: pathlib.Path, *, parents: bool) -> None:
+    """`directory` (if there) is no symlink and the user's alone; with `parents`, so is the way to it."""
     if directory.is_symlink():
         raise SpillDirRefused(f"--spill-dir {directory} is a symlink: give the directory itself")
-    _check_parents(directory)
+    if parents:
+        _check_parents(directory)
     try:
         info = directory.stat()
     except FileNotFoundError:
@@ -366,20 +374,6 @@ def check_disk_dir(directory: pathlib.Path, subdirs: Sequence[str] = ()) -> None
     except OSError as error:
         raise SpillDirRefused(f"--spill-dir {directory}: {error.strerror or error}") from None
     _check_private(directory, info)
-    for name in subdirs:
-        _check_subdir(directory / name)
-
-
-def _check_subdir(path: pathlib.Path) -> None:
-    try:
-        info = path.lstat()
-    except FileNotFoundError:
-        return
-    except OSError as error:
-        raise SpillDirRefused(f"--spill-dir {path.parent}: {path.name}/: {error.strerror or error}") from None
-    if stat.S_ISLNK(info.st_mode):
-        raise SpillDirRefused(f"--spill-dir {path.parent}: {path.name}/ is a symlink: it must be a directory of its own")
-    _check_private(path, info)
 
 
 def prepare_disk_dir(directory: pathlib.Path) -> SpillDirLock:
