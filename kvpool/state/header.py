@@ -14,15 +14,21 @@ session, epoch or length than expected).
 
 from __future__ import annotations
 
+import ctypes
+import pathlib
 import struct
 
 import google_crc32c
 import msgspec
+import numpy as np
+
+from kvpool.state.shared import SharedState
 
 MAGIC = b"KVPSTAT1"
 FORMAT_VERSION = 1
 _LENGTH = struct.Struct("<I")
 _CRC = struct.Struct("<I")
+CRC_BYTES = _CRC.size
 MAX_HEADER_BYTES = 1 << 16
 # CRC-32C of any bytes followed by their own CRC-32C (little-endian), whatever the bytes: checking a state
 # against it reads the state once, with no copy of all but its last 4 bytes (tests/unit/test_state_header.py)
@@ -95,6 +101,55 @@ def seal(header: StateHeader, payload: bytes) -> bytes:
     return b"".join((head, payload, _CRC.pack(crc)))  # the payload copied once
 
 
+def _crc32c_library() -> ctypes.CDLL | None:
+    """google-crc32c's own C library (its wheels ship it beside the package), for buffers its Python API
+    refuses (it takes bytes only); None where it is not found (a copy to bytes then)."""
+    for path in sorted((pathlib.Path(google_crc32c.__file__).parent.parent / "google_crc32c.libs").glob("libcrc32c*.so*")):
+        try:
+            library = ctypes.CDLL(str(path))
+        except OSError:
+            continue
+        library.crc32c_extend.restype = ctypes.c_uint32
+        library.crc32c_extend.argtypes = (ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t)
+        return library
+    return None
+
+
+_crc32c = _crc32c_library()
+
+
+def crc32c_extend(crc: int, data: bytes | memoryview) -> int:
+    """google_crc32c.extend for any contiguous buffer (a mapping's view among them), with no copy."""
+    if isinstance(data, bytes):
+        return google_crc32c.extend(crc, data)
+    view = memoryview(data).cast("B")
+    if _crc32c is None:
+        return google_crc32c.extend(crc, bytes(view))
+    return _crc32c.crc32c_extend(crc, np.frombuffer(view, np.uint8).ctypes.data if len(view) else None, len(view))
+
+
+def head_size(header: StateHeader) -> int:
+    """The bytes before the payload in a sealed state of `header`."""
+    return len(MAGIC) + _LENGTH.size + len(_encoder.encode(header))
+
+
+def seal_shared(header: StateHeader, state: SharedState) -> bool:
+    """Seal `state` in place (its payload already there, `head` bytes free before it for the header and
+    `tail` after it for the CRC): the header and CRC written in and the memfd sealed. False, touching
+    nothing, when its room does not fit this header (the caller seals a copy then)."""
+    if header.payload_bytes != state.payload_bytes:
+        raise ValueError(f"the header says {header.payload_bytes} payload bytes, the state has {state.payload_bytes}")
+    encoded = _encoder.encode(header)
+    head = b"".join((MAGIC, _LENGTH.pack(len(encoded)), encoded))
+    if len(head) != state.head or state.tail != _CRC.size:
+        return False
+    state.write_at(0, head)
+    crc = crc32c_extend(google_crc32c.value(head), state.payload)
+    state.write_at(state.head + state.payload_bytes, _CRC.pack(crc))
+    state.seal()
+    return True
+
+
 def sealed_size(header: StateHeader) -> int:
     """The bytes seal() gives for `header` and its payload."""
     return len(MAGIC) + _LENGTH.size + len(_encoder.encode(header)) + header.payload_bytes + _CRC.size
@@ -139,18 +194,25 @@ def open_state(data: bytes, identity: StateIdentity) -> tuple[StateHeader, bytes
     return header, bytes(payload)
 
 
-def open_state_view(data: bytes, identity: StateIdentity) -> tuple[StateHeader, memoryview]:
+def open_state_view(data: bytes | memoryview | SharedState, identity: StateIdentity) -> tuple[StateHeader, memoryview]:
     """open_state with the payload a read-only view of `data`, not a copy (a restore hands it on to its
-    worker's memfd as it is: 3.76 MiB copied less per restore at 512 positions of the middle bundled shard)."""
-    view = memoryview(data).toreadonly()
-    header = read_header(view)
-    whole = data if isinstance(data, bytes) else bytes(view)  # the C library takes bytes only
-    if google_crc32c.value(whole) != CRC_RESIDUE:
-        raise StateRejected(BAD_CHECKSUM, "the saved state fails its CRC-32C")
+    worker's memfd as it is: 3.76 MiB copied less per restore at 512 positions of the middle bundled shard).
+    A sealed SharedState is not read again: seal_shared computed its CRC over these pages, which nothing
+    can have changed since (kvpool.state.shared)."""
+    if isinstance(data, SharedState):
+        if not data.sealed:
+            raise StateRejected(BAD_CHECKSUM, "a shared state that is not sealed")
+        view = data.view
+        header = read_header(view)
+    else:
+        view = memoryview(data).toreadonly()
+        header = read_header(view)
+        if crc32c_extend(0, view) != CRC_RESIDUE:
+            raise StateRejected(BAD_CHECKSUM, "the saved state fails its CRC-32C")
     if header.identity != identity:
         raise StateRejected(IDENTITY, f"saved by another shard, build or KV layout: {_difference(header.identity, identity)}")
     end = len(view) - _CRC.size
-    return header, memoryview(whole).toreadonly()[end - header.payload_bytes : end]  # of the bytes the CRC was checked on
+    return header, view[end - header.payload_bytes : end]  # of the bytes the CRC was checked on
 
 
 def _difference(saved: StateIdentity, ours: StateIdentity) -> str:

@@ -212,12 +212,13 @@ class FakeServer:
                 sequence.open(0)
                 self.spare_n_ctx = 0
                 return Closed()
-            case SaveState(keep=keep):
+            case SaveState(keep=keep, head=head, tail=tail):
                 if not sequence.n_ctx:
                     return Failed(code="no_context", message="no open context")
                 if keep and self.batched:
                     return Failed(code="bad_command", message="a batched worker keeps no spare context")
-                saved = Saved(length=sequence.length, blob=sequence.state(seq))
+                room = {} if self.batched else {"head": head, "tail": tail}  # as the real ones: a batched worker leaves no room
+                saved = Saved(length=sequence.length, blob=sequence.state(seq), **room)
                 if keep:
                     self.spare_n_ctx = sequence.n_ctx
                     sequence.open(0)

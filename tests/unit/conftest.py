@@ -9,6 +9,7 @@ import pathlib
 import pytest
 
 from tests.support.fake_daemon import TOTAL_LAYERS, FakeDaemon, fake_shard_file
+from tests.support.pipes import pipe_pair
 
 
 @pytest.fixture(autouse=True)
@@ -61,3 +62,12 @@ def serve(sockets):
             with daemon.client() as client:
                 assert client.stats().integrity == "ok"
             daemon.stop()
+
+
+@pytest.fixture
+def pipe():
+    """(supervisor end, worker end) of a worker pipe, closed after the test."""
+    supervisor, worker = pipe_pair()
+    yield supervisor, worker
+    supervisor.close()
+    worker.close()

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from kvpool.router.route import Route, StageFailed
+from kvpool.state.shared import SharedState
 from tests.support.contract import rows_of
 from tests.support.daemons import checked, in_thread, refused, result, wait_until
 from tests.support.fake_worker import fake_kinds
@@ -141,3 +142,20 @@ def test_a_route_park_does_not_wait_for_one_daemon_before_the_next(serve, fake_s
                        "the other daemons parked while the first one waits")
             assert [row.tier for row in watchers[0].stats().sessions] == ["hot"] and parking[0].is_alive()
         assert [reply.detail for reply in result(*parking)] == ["parked"] * 3
+
+
+def test_a_parked_state_stays_in_the_memory_its_worker_wrote_until_the_restore_takes_it(serve, fake_model):
+    """Long enough for a park's room (over 64 KiB of state): the state is kept as the worker's memfd
+    (kvpool.state.shared), one per parked session, and freed once restored or released."""
+    tokens = [t % 97 + 1 for t in range(1100)]
+    with serve(fake_model, "--max-sessions", "2", "--n-ctx", "2048").client() as client:
+        before = SharedState.open_count()
+        for session_id in ("a", "b"):
+            client.append(session_id, 1, 0, tokens=tokens)
+            assert client.park(session_id, 1).detail == "parked"
+        assert SharedState.open_count() == before + 2
+        restored = client.append("a", 1, len(tokens), tokens=[5])
+        assert restored.restored and np.array_equal(restored.rows, rows_of(client, tokens + [5]))
+        assert SharedState.open_count() == before + 1
+        client.release("b", 1)
+        assert SharedState.open_count() == before

@@ -3,44 +3,23 @@ whole, in both directions, and nothing is left open behind them."""
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import socket
 
 import msgspec
 import pytest
 
+from tests.support.pipes import open_descriptors
 from workers.server.commands import AnyCommand, AnyWorkerReply, Closed, RestoreState, Saved, SaveState
 from workers.server.pipe import StateTransferError, receive_reply, received_command, send_command, send_reply
 
 BLOB = bytes(range(256)) * 4099 + b"tail"  # ~1 MiB, not a multiple of a page
 
 
-def _open_descriptors() -> set[tuple[str, str]]:
-    """This process's descriptors and what each names. Compared as sets, after against before: a descriptor
-    left open shows up as new; one another thread closes meanwhile (a test before this one winding down)
-    changes nothing."""
-    opened = set()
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            opened.add((fd, os.readlink(f"/proc/self/fd/{fd}")))
-        except OSError:
-            pass  # closed since the listing (listdir's own descriptor among them)
-    return opened
-
-
-@pytest.fixture
-def pipe():
-    supervisor, worker = multiprocessing.get_context("spawn").Pipe(duplex=True)
-    yield supervisor, worker
-    supervisor.close()
-    worker.close()
-
-
 def test_a_restore_blob_reaches_the_worker_as_a_view_and_is_unmapped_after(pipe) -> None:
     supervisor, worker = pipe
     encoder, decoder = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(AnyCommand)
-    before = _open_descriptors()
+    before = open_descriptors()
     send_command(supervisor, encoder, RestoreState(n_ctx=64, length=5, blob=BLOB, seq=1))
     with received_command(worker, decoder) as command:
         assert isinstance(command, RestoreState) and (command.n_ctx, command.length, command.seq, command.blob_bytes) == (64, 5, 1, 0)
@@ -48,17 +27,17 @@ def test_a_restore_blob_reaches_the_worker_as_a_view_and_is_unmapped_after(pipe)
         blob = command.blob
     with pytest.raises(ValueError):  # released with the block: the mapping is gone
         bytes(blob)
-    assert _open_descriptors() - before == set()
+    assert open_descriptors() - before == set()
 
 
 def test_a_saved_state_reaches_the_supervisor_as_bytes_of_its_own(pipe) -> None:
     supervisor, worker = pipe
     encoder, decoder = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(AnyWorkerReply)
-    before = _open_descriptors()
+    before = open_descriptors()
     send_reply(worker, encoder, Saved(length=7, blob=BLOB))
     reply = receive_reply(supervisor, decoder)
     assert reply == Saved(length=7, blob=BLOB) and type(reply.blob) is bytes
-    assert _open_descriptors() - before == set()
+    assert open_descriptors() - before == set()
 
 
 def test_other_messages_and_an_empty_blob_cross_as_before(pipe) -> None:
@@ -94,8 +73,8 @@ def test_a_blob_of_another_size_than_announced_is_refused(pipe) -> None:
     with socket.socket(fileno=os.dup(supervisor.fileno())) as sock:
         socket.send_fds(sock, [b"S"], [fd])
     os.close(fd)
-    before = _open_descriptors()
-    with pytest.raises(StateTransferError, match="4 bytes arrived with 3"):
+    before = open_descriptors()
+    with pytest.raises(StateTransferError, match="a state of 4 bytes at 0 arrived in 3"):
         with received_command(worker, msgspec.msgpack.Decoder(AnyCommand)):
             pass
-    assert _open_descriptors() - before == set()
+    assert open_descriptors() - before == set()

@@ -82,6 +82,8 @@ class SaveState(Command):
 
     seq: int = 0
     keep: bool = False
+    head: int = 0  # bytes the reply's memfd leaves before the state's (the supervisor's header: workers.server.pipe)
+    tail: int = 0  # and after them (its CRC)
 
 
 class RestoreState(Command):
@@ -93,6 +95,7 @@ class RestoreState(Command):
     blob: memoryview = memoryview(b"")  # empty on the wire; received: a view of the bytes that travel beside (workers.server.pipe)
     seq: int = 0
     blob_bytes: int = 0  # on the wire: the size of the blob that travels beside the command
+    blob_offset: int = 0  # on the wire: where in that memfd the blob begins
 
 
 class BindChannel(Command):
@@ -160,8 +163,10 @@ class Closed(WorkerReply):
 
 class Saved(WorkerReply):
     length: int
-    blob: bytes = b""  # empty on the wire; received: the bytes that travel beside the reply (workers.server.pipe)
+    blob: bytes = b""  # empty on the wire; received: the bytes that travel beside the reply, or their SharedState (workers.server.pipe)
     blob_bytes: int = 0  # on the wire: their size
+    head: int = 0  # SaveState's room in the memfd before the bytes
+    tail: int = 0  # and after them
 
 
 class Restored(WorkerReply):

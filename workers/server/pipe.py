@@ -11,6 +11,11 @@ in /dev/shm (its pages are the writer's memory until both ends close it), and is
 
 The order on the pipe: the message (its blob empty, blob_bytes its size), then one byte carrying the
 descriptor. The writer fills the memfd before it sends the message, so the reader never waits between them.
+
+A park's save asks for room around the bytes (SaveState.head / .tail): the worker leaves that many bytes
+before and after them in its memfd, and the supervisor keeps the memfd itself as the stored state
+(kvpool.state.shared.SharedState: it writes the header and CRC in and seals it), with no copy. A restore
+of such a state sends that descriptor back (RestoreState.blob_offset: where llama.cpp's bytes begin in it).
 """
 
 from __future__ import annotations
@@ -24,23 +29,24 @@ from multiprocessing.connection import Connection
 
 import msgspec
 
+from kvpool.state.shared import SharedPayload, SharedState, new_memfd
 from workers.server.commands import AnyCommand, AnyWorkerReply, RestoreState, Saved
-
-MEMFD_NAME = "kvpool-state"
 
 
 class StateTransferError(OSError):
     """A state's bytes did not cross the pipe whole (no descriptor, or fewer bytes than announced)."""
 
 
-def _memfd_of(data: bytes | memoryview) -> int:
-    """A memfd holding `data`, positioned at its start."""
-    fd = os.memfd_create(MEMFD_NAME, os.MFD_CLOEXEC)
+def _memfd_of(data: bytes | memoryview, head: int = 0, tail: int = 0) -> int:
+    """A memfd holding `data` after `head` bytes, `tail` bytes after it (those zeros)."""
+    fd = new_memfd()
     try:
         view = memoryview(data).cast("B")
+        if head or tail:
+            os.ftruncate(fd, head + len(view) + tail)
         written = 0
         while written < len(view):
-            written += os.write(fd, view[written:])
+            written += os.pwrite(fd, view[written:], head + written)
         return fd
     except BaseException:
         os.close(fd)
@@ -62,42 +68,55 @@ def _receive_descriptor(connection: Connection) -> int:
     return fds[0]
 
 
-def _send(connection: Connection, encoder: msgspec.msgpack.Encoder, message, blob: bytes | memoryview | None) -> None:
-    if blob is None:
-        connection.send_bytes(encoder.encode(message))
-        return
-    fd = _memfd_of(blob)
+def _send(connection: Connection, encoder: msgspec.msgpack.Encoder, message, fd: int, **fields) -> None:
+    """`message` with `fields` in place of its blob, then `fd` (closed here)."""
     try:
-        connection.send_bytes(encoder.encode(msgspec.structs.replace(message, blob=b"", blob_bytes=len(blob))))
+        connection.send_bytes(encoder.encode(msgspec.structs.replace(message, blob=b"", **fields)))
         _send_descriptor(connection, fd)
     finally:
         os.close(fd)
 
 
 def send_command(connection: Connection, encoder: msgspec.msgpack.Encoder, command: AnyCommand) -> None:
-    """The supervisor's end: `command`, and a RestoreState's blob beside it."""
-    _send(connection, encoder, command, command.blob if isinstance(command, RestoreState) else None)
+    """The supervisor's end: `command`, and a RestoreState's blob beside it (a SharedPayload's own
+    descriptor, else a memfd of the bytes)."""
+    if not isinstance(command, RestoreState):
+        connection.send_bytes(encoder.encode(command))
+    elif isinstance(command.blob, SharedPayload):
+        _send(connection, encoder, command, os.dup(command.blob.state.fd), blob_bytes=len(command.blob), blob_offset=command.blob.offset)
+    else:
+        _send(connection, encoder, command, _memfd_of(command.blob), blob_bytes=len(command.blob), blob_offset=0)
 
 
 def send_reply(connection: Connection, encoder: msgspec.msgpack.Encoder, reply: AnyWorkerReply) -> None:
-    """A worker's end: `reply`, and a Saved reply's blob beside it."""
-    _send(connection, encoder, reply, reply.blob if isinstance(reply, Saved) else None)
+    """A worker's end: `reply`, and a Saved reply's blob beside it (with the room it asks for around it)."""
+    if not isinstance(reply, Saved):
+        connection.send_bytes(encoder.encode(reply))
+        return
+    _send(connection, encoder, reply, _memfd_of(reply.blob, reply.head, reply.tail), blob_bytes=len(reply.blob))
 
 
 def receive_reply(connection: Connection, decoder: msgspec.msgpack.Decoder) -> AnyWorkerReply:
-    """The supervisor's end: the next reply, a Saved one with its blob read in (bytes of its own). Raises
-    EOFError or OSError (StateTransferError among them) as the pipe does."""
+    """The supervisor's end: the next reply, a Saved one with its blob: a SharedState of the worker's
+    memfd when it has room around the bytes (Saved.head / .tail) and this process may keep one more open,
+    else the bytes read in. Raises EOFError or OSError (StateTransferError among them) as the pipe does."""
     reply = decoder.decode(connection.recv_bytes())
     if not isinstance(reply, Saved):
         return reply
     fd = _receive_descriptor(connection)
+    if (reply.head or reply.tail) and SharedState.available():
+        try:
+            shared = SharedState(fd, head=reply.head, payload_bytes=reply.blob_bytes, tail=reply.tail)
+        except ValueError as error:
+            raise StateTransferError(str(error)) from None
+        return msgspec.structs.replace(reply, blob=shared, blob_bytes=0)
     try:
-        blob = os.pread(fd, reply.blob_bytes, 0) if reply.blob_bytes else b""
+        blob = os.pread(fd, reply.blob_bytes, reply.head) if reply.blob_bytes else b""
     finally:
         os.close(fd)
     if len(blob) != reply.blob_bytes:
         raise StateTransferError(f"a saved state of {reply.blob_bytes} bytes arrived with {len(blob)}")
-    return msgspec.structs.replace(reply, blob=blob, blob_bytes=0)
+    return msgspec.structs.replace(reply, blob=blob, blob_bytes=0, head=0, tail=0)
 
 
 @contextlib.contextmanager
@@ -111,18 +130,20 @@ def received_command(connection: Connection, decoder: msgspec.msgpack.Decoder) -
     fd = _receive_descriptor(connection)
     try:
         size = os.fstat(fd).st_size
-        if size != command.blob_bytes:
-            raise StateTransferError(f"a state of {command.blob_bytes} bytes arrived with {size}")
-        mapping = mmap.mmap(fd, size, prot=mmap.PROT_READ) if size else None
+        if command.blob_offset < 0 or size < command.blob_offset + command.blob_bytes:
+            raise StateTransferError(f"a state of {command.blob_bytes} bytes at {command.blob_offset} arrived in {size}")
+        mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=mmap.PROT_READ) if command.blob_bytes else None
     finally:
         os.close(fd)
     if mapping is None:
-        yield msgspec.structs.replace(command, blob=memoryview(b""), blob_bytes=0)
+        yield msgspec.structs.replace(command, blob=memoryview(b""), blob_bytes=0, blob_offset=0)
         return
     view = memoryview(mapping)
+    blob = view[command.blob_offset : command.blob_offset + command.blob_bytes]
     try:
-        yield msgspec.structs.replace(command, blob=view, blob_bytes=0)
+        yield msgspec.structs.replace(command, blob=blob, blob_bytes=0, blob_offset=0)
     finally:
         with contextlib.suppress(BufferError):  # a view still exported: unmapped when the last one goes
+            blob.release()
             view.release()
             mapping.close()

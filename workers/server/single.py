@@ -93,10 +93,10 @@ class WorkerServer:
                 self._close_context()
                 self._close_spare()
                 return Closed()
-            case SaveState(keep=keep):
+            case SaveState(keep=keep, head=head, tail=tail):
                 if self.context is None:
                     return Failed(code="no_context", message="no open context")
-                saved = Saved(length=self.context.length, blob=self.context.save_state())
+                saved = Saved(length=self.context.length, blob=self.context.save_state(), head=head, tail=tail)
                 if keep:
                     self._keep_as_spare()
                 return saved

@@ -26,6 +26,7 @@ from kvpool.daemon.pool.channels import Channels
 from kvpool.daemon.pool.handle import WorkerFailed
 from kvpool.daemon.pool.lifecycle import WorkerLifecycle
 from kvpool.daemon.pool.pool import WorkerPool
+from kvpool.state.shared import close_payload
 from kvpool.wire.errors import RequestFailed
 from kvpool.wire.protocol import Append, ErrorCode, MissReason
 
@@ -154,12 +155,17 @@ class Admission:
         except BaseException:  # a cancelled request too: the blob never stays out of the store
             if self.books.table.get(session.session_id) is session:
                 self.metrics.count("spill_drops", len(self.books.put_back_blob(session, blob)))
+            else:
+                close_payload(blob)
             raise
         evicted_workers = self.books.unpark(plan, session, charge)
         self.carry_out(plan, evicted_workers)
         refused = functools.partial(self._restore_failed, session)
-        async with self.lifecycle.worker_call(session, lost="lost while restoring the session", refused=refused):
-            restored = await self.pool.get(session.worker_name).restore_state(session.n_ctx, blob, session.length)
+        try:
+            async with self.lifecycle.worker_call(session, lost="lost while restoring the session", refused=refused):
+                restored = await self.pool.get(session.worker_name).restore_state(session.n_ctx, blob, session.length)
+        finally:
+            close_payload(blob)  # restored or not, the state is no longer the store's
         if restored.reused:
             self.metrics.count("restores_into_spare")
         self.metrics.observe_restore(time.monotonic() - started)

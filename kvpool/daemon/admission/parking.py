@@ -13,6 +13,7 @@ from kvpool.daemon.pool.channels import Channels
 from kvpool.daemon.pool.handle import WorkerFailed, WorkerLost
 from kvpool.daemon.pool.lifecycle import WorkerLifecycle
 from kvpool.daemon.pool.pool import WorkerPool
+from kvpool.state.shared import SharedState
 from kvpool.wire.errors import RequestFailed
 from kvpool.wire.protocol import ErrorCode, MissReason
 
@@ -47,8 +48,9 @@ class Parking:
                     raise
                 return True  # its worker was lost on the way: the place is free
             keep = keep and not self.pool.batched  # a batched worker's sequence is emptied where it is
+            head, tail = self.books.sealing.room(session)
             try:
-                blob = await self.pool.get(session.worker_name).save_state(keep=keep)
+                blob = await self.pool.get(session.worker_name).save_state(keep=keep, head=head, tail=tail)
             except WorkerLost as lost:
                 self.lifecycle.lost(session)
                 if entered:
@@ -59,8 +61,10 @@ class Parking:
                 self.metrics.count("evictions")
                 return True
             length = session.length
+            # the prefix store's copy taken first: a shared state that fits nowhere is freed by the park
+            offer = bytes(blob.payload if isinstance(blob, SharedState) else blob) if self.books.prefix_wanted(session) else None
             worker, dropped = self.books.park(session, blob, kept=keep)
-            if self.books.prefix_wanted(session) and self.books.offer_prefix(session, blob, length) == "stored":
+            if offer is not None and self.books.offer_prefix(session, offer, length) == "stored":
                 self.metrics.count("prefix_stored")
             self.metrics.count("spills")
             self.metrics.count("spill_drops", len(dropped))

@@ -29,6 +29,7 @@ from kvpool.daemon.books.sessions import Session, SessionTable
 from kvpool.daemon.books.spill import CorruptBlob, FoundFile, SpillStore
 from kvpool.state.header import UNBOUND, StateIdentity
 from kvpool.state.sequence import StateFormatError, check_cells
+from kvpool.state.shared import SharedPayload, SharedState, close_payload, payload_view
 from kvpool.wire.protocol import MissReason
 
 Usable = Callable[[str], bool]
@@ -192,20 +193,25 @@ class Books:
         self.table.add(session)
         return session, self._bind(plan, session, charge)
 
-    def take_blob(self, session: Session) -> memoryview:
-        """A parked session's blob (a read-only view of its stored state's payload: no copy) leaves the store
-        for its restore (so making room for the restore never drops it); raises CorruptBlob (the blob is then
-        gone too), also when its cells do not hold positions [0, its length) (kvpool.state.sequence.check_cells:
-        llama.cpp would restore them as they are). put_back_blob or unpark follows."""
+    def take_blob(self, session: Session) -> memoryview | SharedPayload:
+        """A parked session's blob (a read-only view of its stored state's payload: no copy; a SharedPayload
+        when the state is shared memory, the caller's to close) leaves the store for its restore (so making
+        room for the restore never drops it); raises CorruptBlob (the blob is then gone too), also when its
+        cells do not hold positions [0, its length) (kvpool.state.sequence.check_cells: llama.cpp would restore
+        them as they are). put_back_blob or unpark follows."""
         require(not session.hot and session.key not in self._restoring, "only a parked session's blob is taken")
+        blob: memoryview | SharedPayload | None = None
         try:
             blob = self.sealing.open_view(session, self.spill.read(session.key))
             try:
-                check_cells(blob, session.length)
+                check_cells(payload_view(blob), session.length)
             except StateFormatError as error:
                 raise CorruptBlob(f"the saved state's cells are refused: {error}") from None
+        except BaseException:
+            close_payload(blob)
+            raise
         finally:
-            self.spill.discard(session.key)
+            self.spill.discard(session.key, close=blob is None)
         self._restoring[session.key] = len(blob)
         return blob
 
@@ -246,10 +252,12 @@ class Books:
         self._on_change(self)
         return outcome
 
-    def put_back_blob(self, session: Session, blob: bytes | memoryview) -> list[Session]:
-        """A restore that could not start: the blob goes back (newest); returns the sessions dropped for room."""
+    def put_back_blob(self, session: Session, blob: memoryview | SharedPayload) -> list[Session]:
+        """A restore that could not start: the blob goes back (newest; a shared one as it was sealed); returns
+        the sessions dropped for room."""
         del self._restoring[session.key]
-        dropped = self._drop_spilled(self.spill.put(session.key, self.sealing.seal(session, bytes(blob))))  # the CRC library takes bytes only
+        stored = blob.state if isinstance(blob, SharedPayload) else self.sealing.seal(session, bytes(blob))
+        dropped = self._drop_spilled(self.spill.put(session.key, stored))
         self._on_change(self)
         return dropped
 
@@ -281,7 +289,7 @@ class Books:
         self._on_change(self)
         return released
 
-    def park(self, session: Session, blob: bytes, *, kept: bool = False) -> tuple[str | None, list[Session]]:
+    def park(self, session: Session, blob: bytes | SharedState, *, kept: bool = False) -> tuple[str | None, list[Session]]:
         """A hot session's saved state goes to the spill store and its charge back to the hot budget; its
         worker goes into transit (its context to be freed), or, `kept` (its worker kept the emptied context:
         SaveState.keep), is free at once with that context as its spare, the charge moving to the spare.

@@ -13,7 +13,25 @@ import llama_cpp
 from kvpool.daemon.books.sessions import Session
 from kvpool.daemon.books.spill import CorruptBlob
 from kvpool.shard.header import ShardInfo, file_sha256
-from kvpool.state.header import FORMAT_VERSION, IDENTITY, OWNER, StateHeader, StateIdentity, StateRejected, open_state_view, seal, sealed_size
+from kvpool.state.header import (
+    CRC_BYTES,
+    FORMAT_VERSION,
+    IDENTITY,
+    OWNER,
+    StateHeader,
+    StateIdentity,
+    StateRejected,
+    head_size,
+    open_state_view,
+    seal,
+    seal_shared,
+    sealed_size,
+)
+from kvpool.state.shared import SharedPayload, SharedState, payload_view
+
+# the payload size a park's room is sized for (a header's size depends on its numbers' msgpack widths; any
+# payload from 64 KiB to 4 GiB takes as many bytes as this one): a state outside it is sealed as a copy
+ROOM_PAYLOAD_BYTES = 1 << 20
 
 
 def wall_clock_of(monotonic_s: float) -> float:
@@ -37,28 +55,43 @@ class StateSeal:
             payload_bytes=payload_bytes,
         )
 
-    def seal(self, session: Session, payload: bytes, *, length: int | None = None) -> bytes:
-        """`length`: the positions the payload holds when it is not the session's length now (saved before an append)."""
+    def seal(self, session: Session, payload: bytes | SharedState, *, length: int | None = None) -> bytes | SharedState:
+        """`length`: the positions the payload holds when it is not the session's length now (saved before an
+        append). A SharedState (its payload saved with `room`) is sealed in place and returned; one whose room
+        does not fit the header is copied out and freed."""
+        if isinstance(payload, SharedState):
+            header = self._header(session, payload.payload_bytes, length)
+            if seal_shared(header, payload):
+                return payload
+            data = bytes(payload.payload)
+            payload.close()
+            return seal(header, data)
         return seal(self._header(session, len(payload), length), payload)
+
+    def room(self, session: Session) -> tuple[int, int]:
+        """(head, tail): the bytes a saved state of `session` leaves around its payload for seal() to seal it
+        in place (workers.server.commands.SaveState)."""
+        return head_size(self._header(session, ROOM_PAYLOAD_BYTES)), CRC_BYTES
 
     def size(self, session: Session, payload_bytes: int) -> int:
         """The stored size of a payload of `payload_bytes` sealed for `session`."""
         return sealed_size(self._header(session, payload_bytes))
 
-    def open(self, session: Session, data: bytes) -> bytes:
+    def open(self, session: Session, data: bytes | SharedState) -> bytes:
         """The payload of `session`'s stored state; raises CorruptBlob (`mismatch` when the state is another
         daemon's: its identity differs)."""
-        return bytes(self.open_view(session, data))
+        return bytes(payload_view(self.open_view(session, data)))
 
-    def open_view(self, session: Session, data: bytes) -> memoryview:
-        """open, the payload a read-only view of `data` (kvpool.state.header.open_state_view)."""
+    def open_view(self, session: Session, data: bytes | SharedState) -> memoryview | SharedPayload:
+        """open, the payload a read-only view of `data` (kvpool.state.header.open_state_view), or of a
+        SharedState its SharedPayload (a restore sends its descriptor on)."""
         try:
             header, payload = open_state_view(data, self.identity)
             if (header.session_id, header.epoch) != session.key or header.length < session.length:
                 raise StateRejected(OWNER, f"the stored state is {header.session_id!r} epoch {header.epoch} of {header.length} positions")
         except StateRejected as rejected:
             raise CorruptBlob(f"{rejected} ({rejected.reason})", mismatch=rejected.reason == IDENTITY) from None
-        return payload
+        return SharedPayload(data) if isinstance(data, SharedState) else payload
 
 
 def shard_identity(

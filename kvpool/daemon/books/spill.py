@@ -4,7 +4,8 @@ Each tier has a byte limit and keeps its blobs least recently stored first. A bl
 memory pushes the oldest memory blobs to disk (when the disk tier is on and has room) or drops them; a
 dropped blob's session is gone (the caller turns it into a cache miss). A blob on disk carries a CRC-32
 checked when it is read back (a file can change behind the store's back); a blob in memory is an immutable
-bytes object, checked by its length only: every blob is a sealed state (kvpool.state.header: it begins with
+bytes object or a sealed memfd (kvpool.state.shared: a park's state, kept where its worker wrote it and
+freed as it leaves memory), checked by its length only: every blob is a sealed state (kvpool.state.header: it begins with
 its MAGIC and ends with a CRC-32C, which opening it checks), so a second pass over it in memory, 1.4 ms for
 the 3.8 MiB of a 512-token middle-shard session, would check nothing new. A disk file is the blob, written durably: under a temporary name, fsync'd, renamed,
 and the directory fsync'd. A write that fails (the file system full, an I/O error) drops that blob alone,
@@ -36,6 +37,7 @@ from collections.abc import Hashable, Sequence
 
 from kvpool.daemon.books.integrity import require
 from kvpool.state.header import MAGIC, StateHeader, StateIdentity, StateRejected, open_state
+from kvpool.state.shared import SharedState
 
 RAM = "ram"
 DISK = "disk"
@@ -69,8 +71,13 @@ class SpillDirRefused(ValueError):
 class Stored:
     nbytes: int
     crc32: int | None  # the disk file's CRC-32; None in memory (the module docstring)
-    data: bytes | None  # None: on disk
+    data: bytes | SharedState | None  # None: on disk; a SharedState is closed when it leaves memory
     path: pathlib.Path | None = None
+
+    def release(self) -> None:
+        """Free a shared state's memory (the store no longer holds it in memory)."""
+        if isinstance(self.data, SharedState):
+            self.data.close()
 
 
 class SpillStore:
@@ -157,11 +164,14 @@ class SpillStore:
     def fits(self, nbytes: int) -> bool:
         return self.enabled and (nbytes <= self.ram_limit or nbytes <= self.disk_limit)
 
-    def put(self, key: Hashable, blob: bytes) -> list[Hashable]:
-        """Store `blob` (newest); returns the keys whose blobs were dropped to make room (`key` itself
-        when it fits in no tier or its disk write failed). Never raises for a failing disk."""
+    def put(self, key: Hashable, blob: bytes | SharedState) -> list[Hashable]:
+        """Store `blob` (newest; a SharedState becomes the store's: closed once it leaves memory); returns the
+        keys whose blobs were dropped to make room (`key` itself when it fits in no tier or its disk write
+        failed). Never raises for a failing disk."""
         require(key not in self, f"{key!r} is already stored")
         if not self.fits(len(blob)):
+            if isinstance(blob, SharedState):
+                blob.close()
             return [key]
         stored = Stored(len(blob), None, blob)
         dropped: list[Hashable] = []
@@ -176,7 +186,13 @@ class SpillStore:
 
     def _to_disk(self, key: Hashable, item: Stored) -> list[Hashable]:
         """Move one memory blob to disk, dropping the oldest disk blobs for room; `key` is among the
-        returned (dropped) keys if it cannot go."""
+        returned (dropped) keys if it cannot go. The memory copy is freed either way."""
+        try:
+            return self._write_to_disk(key, item)
+        finally:
+            item.release()
+
+    def _write_to_disk(self, key: Hashable, item: Stored) -> list[Hashable]:
         if self.disk_dir is None or item.nbytes > self.disk_limit:
             return [key]
         dropped: list[Hashable] = []
@@ -186,7 +202,7 @@ class SpillStore:
             self._remove_file(old.path)
             dropped.append(oldest)
         path = self._next_path()
-        data = item.data or b""
+        data = item.data.view if isinstance(item.data, SharedState) else item.data or b""
         try:
             _write_file(path, data)
         except OSError as error:
@@ -220,8 +236,8 @@ class SpillStore:
         except OSError as error:
             self._disk_failed(f"removing {path}", error, "the file stays (the store no longer counts it)")
 
-    def read(self, key: Hashable) -> bytes:
-        """The blob, checked; raises CorruptBlob. The blob stays stored."""
+    def read(self, key: Hashable) -> bytes | SharedState:
+        """The blob, checked; raises CorruptBlob. The blob stays stored (a SharedState: still the store's)."""
         item = self._ram.get(key) or self._disk[key]
         data = item.data
         if data is None:
@@ -248,13 +264,16 @@ class SpillStore:
         self._add(DISK, key, Stored(found.nbytes, found.crc32, None, found.path))
         return True
 
-    def discard(self, key: Hashable) -> int:
-        """Drop a blob if stored (idempotent); returns its size."""
+    def discard(self, key: Hashable, *, close: bool = True) -> int:
+        """Drop a blob if stored (idempotent); returns its size. `close=False`: a SharedState the caller took
+        with read() becomes the caller's, left open."""
         for tier, items in ((RAM, self._ram), (DISK, self._disk)):
             item = items.pop(key, None)
             if item is not None:
                 self._tier_bytes[tier] -= item.nbytes
                 self._remove_file(item.path)
+                if close:
+                    item.release()
                 return item.nbytes
         return 0
 
@@ -290,6 +309,8 @@ class SpillStore:
                 del self._behind[key]
             else:
                 self.drop_behind(key)
+        for item in self._ram.values():
+            item.release()
         self._ram.clear()
         self._tier_bytes[RAM] = 0
         if self._owner is not None:

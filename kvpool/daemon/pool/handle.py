@@ -16,6 +16,7 @@ import numpy as np
 from kvpool.daemon.pool.errors import WorkerFailed, WorkerLost, WorkerStartFailed
 from kvpool.daemon.pool.process import WorkerProcess
 from kvpool.daemon.pool.spec import PoolSpec
+from kvpool.state.shared import SharedPayload, SharedState
 from kvpool.wire.sampling import Sampling
 from workers.server.commands import (
     AnyCommand,
@@ -112,12 +113,14 @@ class WorkerHandle(WorkerProcess):
     async def close_context(self) -> None:
         await self._expect(CloseContext(), Closed)
 
-    async def save_state(self, *, keep: bool = False) -> bytes:
+    async def save_state(self, *, keep: bool = False, head: int = 0, tail: int = 0) -> bytes | SharedState:
         """The open context's sequence state (positions [0, length)); with `keep` the context is then emptied
-        and kept as the worker's spare (workers.server.commands.SaveState): none is open afterwards."""
-        return (await self._expect(SaveState(keep=keep), Saved)).blob
+        and kept as the worker's spare (workers.server.commands.SaveState): none is open afterwards. With
+        room asked for around the bytes (`head`, `tail`), a SharedState of the worker's memfd when this
+        process may keep one more (workers.server.pipe), else the bytes."""
+        return (await self._expect(SaveState(keep=keep, head=head, tail=tail), Saved)).blob
 
-    async def restore_state(self, n_ctx: int, blob: bytes | memoryview, length: int) -> Restored:
+    async def restore_state(self, n_ctx: int, blob: bytes | memoryview | SharedPayload, length: int) -> Restored:
         """A fresh context (the spare if it has n_ctx: Restored.reused) loaded with `blob`, cut to `length`;
         WorkerFailed code restore_failed if refused."""
         return await self._expect(RestoreState(n_ctx=n_ctx, blob=blob, length=length), Restored)
