@@ -5,6 +5,7 @@ and what a restored spare computes is bit for bit what a fresh context computes.
 
 from __future__ import annotations
 
+import math
 from multiprocessing import shared_memory
 
 import numpy as np
@@ -52,15 +53,16 @@ def test_a_kept_context_is_a_spare_only_an_open_of_its_n_ctx_takes_and_it_comput
     assert isinstance(saved, Saved) and saved.length == 4 and server.context is None and server.spare is not None
     for command in (RunAppend(start_pos=0, n_rows=1), TruncateContext(length=0), SaveState()):
         assert isinstance(reply := server.handle(command), Failed) and reply.code == "no_context"  # the spare is no open context
-    server.after_reply()  # as the command loop does once the reply has gone: the KV zeroed
+    assert server.idle_in(0.0) is not None and server.idle_in(math.inf) == 0.0  # idle work due: the spare's zeroing
+    server.idle(math.inf)  # as the command loop does once the worker sat idle: the KV zeroed
+    assert server.idle_in(math.inf) is None
     restored = server.handle(RestoreState(n_ctx=N_CTX, length=4, blob=memoryview(saved.blob)))
     assert restored == Restored(length=4, reused=True) and server.spare is None
     continued = _append(server, 4, PROMPT[4:])
     with first_model.new_context(N_CTX) as fresh:
         fresh.append(0, tokens=PROMPT[:4])
         assert np.array_equal(continued.reshape(2, -1), fresh.append(4, tokens=PROMPT[4:]))
-    server.handle(SaveState(keep=True))
-    server.after_reply()
+    server.handle(SaveState(keep=True, owner=("s", 1)))  # not zeroed before a new session takes it: the open zeroes it
     assert server.handle(OpenContext(n_ctx=N_CTX)) == Opened(n_ctx=N_CTX, reused=True)
     assert server.context.length == 0  # a new session in it starts empty, and computes as in a fresh context:
     with first_model.new_context(N_CTX) as fresh:
@@ -78,3 +80,25 @@ def test_another_n_ctx_frees_the_spare_and_a_refused_restore_never_leaves_one(se
     refused = server.handle(RestoreState(n_ctx=N_CTX // 2, length=3, blob=memoryview(bytes(damaged))))
     assert isinstance(refused, Failed) and refused.code == "restore_failed"
     assert server.context is None and server.spare is None  # the context it touched is freed, never kept
+
+
+def test_a_spare_goes_back_to_its_own_session_unzeroed_and_to_any_other_zeroed(server, first_model, monkeypatch):
+    """The KV a parked session left in its spare is zeroed before another session's restore takes the spare,
+    not before its own (whose cells the restore writes again); both continue bit for bit as fresh contexts."""
+    zeroed = []
+    _append(server, 0, PROMPT[:4], n_ctx=N_CTX)
+    saved = server.handle(SaveState(keep=True, owner=("a", 1)))
+    clear = server.spare.clear
+    monkeypatch.setattr(server.spare, "clear", lambda *, data: (data and zeroed.append(data), clear(data=data)))  # the zeroings only
+    assert server.handle(RestoreState(n_ctx=N_CTX, length=4, blob=memoryview(saved.blob), owner=("a", 1))).reused
+    assert zeroed == [] and server.idle_in(math.inf) is None
+    with first_model.new_context(N_CTX) as fresh:
+        fresh.append(0, tokens=PROMPT[:4])
+        assert np.array_equal(_append(server, 4, PROMPT[4:]).reshape(2, -1), fresh.append(4, tokens=PROMPT[4:]))
+    other = server.handle(SaveState(keep=True, owner=("a", 1)))  # a's 6 positions stay in the spare's buffers
+    assert server.handle(RestoreState(n_ctx=N_CTX, length=4, blob=memoryview(saved.blob), owner=("b", 1))).reused
+    assert zeroed == [True]  # another session: zeroed first (the clear patched on the same context)
+    with first_model.new_context(N_CTX) as fresh:
+        fresh.append(0, tokens=PROMPT[:4])
+        assert np.array_equal(_append(server, 4, PROMPT[4:]).reshape(2, -1), fresh.append(4, tokens=PROMPT[4:]))
+    assert other.length == 6

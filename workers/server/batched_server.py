@@ -172,8 +172,11 @@ class BatchedWorkerServer:
     def release_free_heap(self) -> None:
         pass  # the one context lives as long as the worker
 
-    def after_reply(self) -> None:
-        pass  # no spare: a sequence of the one context is emptied where it is
+    def idle_in(self, now: float) -> float | None:
+        return None  # no spare: a sequence of the one context is emptied where it is
+
+    def idle(self, now: float) -> None:
+        pass
 
     def close(self) -> None:
         self.context.close()

@@ -123,6 +123,9 @@ def _obey(connection: Connection, server: WorkerServer | BatchedWorkerServer, ch
     while True:
         wait = channel.next_wait() if channel is not None else None
         before = time.monotonic()
+        idle = server.idle_in(before)
+        if idle is not None:
+            wait = idle if wait is None else min(wait, idle)
         events = selector.select(wait)
         if channel is not None:
             channel.waited(time.monotonic() - before)
@@ -138,4 +141,5 @@ def _obey(connection: Connection, server: WorkerServer | BatchedWorkerServer, ch
                     send_reply(connection, encoder, reply)  # in the block: a restored state's mapping goes after the reply (0.7 ms at 3.76 MiB)
             except EOFError:
                 return  # the supervisor is gone
-            server.after_reply()
+        if not events:
+            server.idle(time.monotonic())  # nothing came while the worker waited: its idle work, if due

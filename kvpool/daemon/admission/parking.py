@@ -50,7 +50,7 @@ class Parking:
             keep = keep and not self.pool.batched  # a batched worker's sequence is emptied where it is
             head, tail = self.books.sealing.room(session)
             try:
-                blob = await self.pool.get(session.worker_name).save_state(keep=keep, head=head, tail=tail)
+                blob = await self.pool.get(session.worker_name).save_state(keep=keep, head=head, tail=tail, owner=session.key)
             except WorkerLost as lost:
                 self.lifecycle.lost(session)
                 if entered:

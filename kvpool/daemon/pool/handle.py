@@ -113,17 +113,17 @@ class WorkerHandle(WorkerProcess):
     async def close_context(self) -> None:
         await self._expect(CloseContext(), Closed)
 
-    async def save_state(self, *, keep: bool = False, head: int = 0, tail: int = 0) -> bytes | SharedState:
+    async def save_state(self, *, keep: bool = False, head: int = 0, tail: int = 0, owner: tuple[str, int] | None = None) -> bytes | SharedState:
         """The open context's sequence state (positions [0, length)); with `keep` the context is then emptied
-        and kept as the worker's spare (workers.server.commands.SaveState): none is open afterwards. With
-        room asked for around the bytes (`head`, `tail`), a SharedState of the worker's memfd when this
-        process may keep one more (workers.server.pipe), else the bytes."""
-        return (await self._expect(SaveState(keep=keep, head=head, tail=tail), Saved)).blob
+        and kept as the worker's spare for `owner`'s restore (workers.server.commands.SaveState): none is open
+        afterwards. With room asked for around the bytes (`head`, `tail`), a SharedState of the worker's memfd
+        when this process may keep one more (workers.server.pipe), else the bytes."""
+        return (await self._expect(SaveState(keep=keep, head=head, tail=tail, owner=owner), Saved)).blob
 
-    async def restore_state(self, n_ctx: int, blob: bytes | memoryview | SharedPayload, length: int) -> Restored:
+    async def restore_state(self, n_ctx: int, blob: bytes | memoryview | SharedPayload, length: int, owner: tuple[str, int] | None = None) -> Restored:
         """A fresh context (the spare if it has n_ctx: Restored.reused) loaded with `blob`, cut to `length`;
-        WorkerFailed code restore_failed if refused."""
-        return await self._expect(RestoreState(n_ctx=n_ctx, blob=blob, length=length), Restored)
+        WorkerFailed code restore_failed if refused. `owner`: the session restored."""
+        return await self._expect(RestoreState(n_ctx=n_ctx, blob=blob, length=length, owner=owner), Restored)
 
     async def bind_channel(self, bind: Binding) -> int:
         """Serve `bind`'s session from the direct channel again (after a command that revoked it); returns the length."""
