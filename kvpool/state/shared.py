@@ -24,9 +24,11 @@ import fcntl
 import mmap
 import os
 import resource
+import threading
 import weakref
 
 SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+SIZE_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW  # set as it arrives: a sender that truncates it then cannot make a reader's mapping fault (SIGBUS)
 MEMFD_NAME = "kvpool-state"
 
 
@@ -52,10 +54,12 @@ def _close_quietly(fd: int, mapping: mmap.mmap | None) -> None:
 
 class SharedState:
     """`nbytes` bytes of a memfd: `head` bytes before llama.cpp's `payload_bytes`, `tail` after. Takes
-    ownership of `fd`. `view` is read-only; `sealed` once nothing can change the bytes."""
+    ownership of `fd`, whose size is sealed already (`adopt`). `view` is read-only; `sealed` once nothing
+    can change the bytes."""
 
     limit = _default_limit()
     _open = 0
+    _count_lock = threading.Lock()  # finalizers may run in any thread
 
     def __init__(self, fd: int, *, head: int, payload_bytes: int, tail: int) -> None:
         self.fd = fd
@@ -71,12 +75,24 @@ class SharedState:
         except BaseException:
             os.close(fd)
             raise
-        SharedState._open += 1
+        with SharedState._count_lock:
+            SharedState._open += 1
         self._finalizer = weakref.finalize(self, SharedState._release, fd, self._mapping)
+
+    @classmethod
+    def adopt(cls, fd: int, *, head: int, payload_bytes: int, tail: int) -> SharedState | None:
+        """A SharedState of a received memfd, its size sealed first; None, `fd` left open and untouched,
+        when it cannot be (a memfd made without MFD_ALLOW_SEALING, or not a memfd): the caller reads it."""
+        try:
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SIZE_SEALS)
+        except OSError:
+            return None
+        return cls(fd, head=head, payload_bytes=payload_bytes, tail=tail)
 
     @staticmethod
     def _release(fd: int, mapping: mmap.mmap | None) -> None:
-        SharedState._open -= 1
+        with SharedState._count_lock:
+            SharedState._open -= 1
         _close_quietly(fd, mapping)
 
     @classmethod

@@ -62,7 +62,7 @@ def test_a_kept_context_is_a_spare_only_an_open_of_its_n_ctx_takes_and_it_comput
     with first_model.new_context(N_CTX) as fresh:
         fresh.append(0, tokens=PROMPT[:4])
         assert np.array_equal(continued.reshape(2, -1), fresh.append(4, tokens=PROMPT[4:]))
-    server.handle(SaveState(keep=True, owner=("s", 1)))  # not zeroed before a new session takes it: the open zeroes it
+    server.handle(SaveState(keep=True, owner=7))  # not zeroed before a new session takes it: the open zeroes it
     assert server.handle(OpenContext(n_ctx=N_CTX)) == Opened(n_ctx=N_CTX, reused=True)
     assert server.context.length == 0  # a new session in it starts empty, and computes as in a fresh context:
     with first_model.new_context(N_CTX) as fresh:
@@ -82,21 +82,22 @@ def test_another_n_ctx_frees_the_spare_and_a_refused_restore_never_leaves_one(se
     assert server.context is None and server.spare is None  # the context it touched is freed, never kept
 
 
-def test_a_spare_goes_back_to_its_own_session_unzeroed_and_to_any_other_zeroed(server, first_model, monkeypatch):
-    """The KV a parked session left in its spare is zeroed before another session's restore takes the spare,
-    not before its own (whose cells the restore writes again); both continue bit for bit as fresh contexts."""
+def test_a_spare_goes_back_to_its_own_park_unzeroed_and_to_any_other_zeroed(server, first_model, monkeypatch):
+    """The KV a park left in its spare is zeroed before the restore of any other park (another session, or the
+    same key parked again: each park has its own token) takes the spare, not before its own (whose cells the
+    restore writes again); both continue bit for bit as fresh contexts."""
     zeroed = []
     _append(server, 0, PROMPT[:4], n_ctx=N_CTX)
-    saved = server.handle(SaveState(keep=True, owner=("a", 1)))
+    saved = server.handle(SaveState(keep=True, owner=1))
     clear = server.spare.clear
     monkeypatch.setattr(server.spare, "clear", lambda *, data: (data and zeroed.append(data), clear(data=data)))  # the zeroings only
-    assert server.handle(RestoreState(n_ctx=N_CTX, length=4, blob=memoryview(saved.blob), owner=("a", 1))).reused
+    assert server.handle(RestoreState(n_ctx=N_CTX, length=4, blob=memoryview(saved.blob), owner=1)).reused
     assert zeroed == [] and server.idle_in(math.inf) is None
     with first_model.new_context(N_CTX) as fresh:
         fresh.append(0, tokens=PROMPT[:4])
         assert np.array_equal(_append(server, 4, PROMPT[4:]).reshape(2, -1), fresh.append(4, tokens=PROMPT[4:]))
-    other = server.handle(SaveState(keep=True, owner=("a", 1)))  # a's 6 positions stay in the spare's buffers
-    assert server.handle(RestoreState(n_ctx=N_CTX, length=4, blob=memoryview(saved.blob), owner=("b", 1))).reused
+    other = server.handle(SaveState(keep=True, owner=2))  # a's 6 positions stay in the spare's buffers
+    assert server.handle(RestoreState(n_ctx=N_CTX, length=4, blob=memoryview(saved.blob), owner=3)).reused
     assert zeroed == [True]  # another session: zeroed first (the clear patched on the same context)
     with first_model.new_context(N_CTX) as fresh:
         fresh.append(0, tokens=PROMPT[:4])

@@ -6,6 +6,8 @@ descriptor limit the bytes are copied as before."""
 from __future__ import annotations
 
 import os
+import resource
+import socket
 
 import msgspec
 import pytest
@@ -13,6 +15,7 @@ import pytest
 from kvpool.daemon.books.sealing import StateSeal
 from kvpool.daemon.books.sessions import Session
 from kvpool.daemon.books.spill import SpillStore
+from kvpool.daemon.transport.listener import derived_max_connections
 from kvpool.state.header import UNBOUND, StateRejected, open_state_view, seal
 from kvpool.state.shared import SharedPayload, SharedState
 from tests.support.pipes import open_descriptors
@@ -112,3 +115,47 @@ def test_the_store_frees_shared_memory_as_it_leaves_memory(pipe, tmp_path) -> No
     assert not taken.closed
     taken.close()
     store.close()
+
+
+def test_a_memfd_that_cannot_be_sealed_arrives_as_bytes(pipe) -> None:
+    supervisor, worker = pipe
+    fd = os.memfd_create("unsealable")  # no MFD_ALLOW_SEALING
+    os.write(fd, b"\0" * 8 + PAYLOAD + b"\0" * 4)
+    worker.send_bytes(msgspec.msgpack.Encoder().encode(Saved(length=9, blob_bytes=len(PAYLOAD), head=8, tail=4)))
+    with socket.socket(fileno=os.dup(worker.fileno())) as sock:
+        socket.send_fds(sock, [b"S"], [fd])
+    os.close(fd)
+    before = open_descriptors()
+    blob = receive_reply(supervisor, msgspec.msgpack.Decoder(AnyWorkerReply)).blob
+    assert type(blob) is bytes and blob == PAYLOAD
+    assert open_descriptors() - before == set()
+
+
+def test_a_received_state_can_no_longer_change_size(pipe) -> None:
+    """Its size sealed as it arrives: a sender that truncated it would otherwise fault the reader's mapping."""
+    sealing, session = StateSeal(UNBOUND), _session()
+    shared = _saved(pipe, sealing, session)
+    with pytest.raises(PermissionError):
+        os.ftruncate(shared.fd, 0)
+    assert bytes(shared.payload) == PAYLOAD
+    shared.close()
+
+
+def test_the_connection_limit_leaves_the_shared_states_their_descriptors(monkeypatch) -> None:
+    monkeypatch.setattr(resource, "getrlimit", lambda _which: (600, 600))
+    monkeypatch.setattr(SharedState, "limit", 0)
+    without = derived_max_connections()
+    monkeypatch.setattr(SharedState, "limit", 150)
+    assert derived_max_connections() == without - 150
+
+
+def test_a_memfd_that_refuses_its_seal_is_sealed_as_a_copy(pipe, monkeypatch) -> None:
+    sealing, session = StateSeal(UNBOUND), _session()
+    shared = _saved(pipe, sealing, session)
+
+    def refuse(_self) -> None:
+        raise OSError(16, "busy")
+
+    monkeypatch.setattr(SharedState, "seal", refuse)
+    sealed = sealing.seal(session, shared)
+    assert type(sealed) is bytes and shared.closed and bytes(sealing.open_view(session, sealed)) == PAYLOAD

@@ -82,7 +82,7 @@ class SaveState(Command):
 
     seq: int = 0
     keep: bool = False
-    owner: tuple[str, int] | None = None  # with keep: the session (id, epoch) whose KV the spare's cells still hold
+    owner: int = 0  # with keep: the park's token (the supervisor's, one per park; 0: none) the spare's KV belongs to
     head: int = 0  # bytes the reply's memfd leaves before the state's (the supervisor's header: workers.server.pipe)
     tail: int = 0  # and after them (its CRC)
 
@@ -97,7 +97,7 @@ class RestoreState(Command):
     seq: int = 0
     blob_bytes: int = 0  # on the wire: the size of the blob that travels beside the command
     blob_offset: int = 0  # on the wire: where in that memfd the blob begins
-    owner: tuple[str, int] | None = None  # the session restored: a spare it left is taken without zeroing
+    owner: int = 0  # the restored state's park token: the spare that park left is taken without zeroing
 
 
 class BindChannel(Command):

@@ -106,10 +106,11 @@ def receive_reply(connection: Connection, decoder: msgspec.msgpack.Decoder) -> A
     fd = _receive_descriptor(connection)
     if (reply.head or reply.tail) and SharedState.available():
         try:
-            shared = SharedState(fd, head=reply.head, payload_bytes=reply.blob_bytes, tail=reply.tail)
+            shared = SharedState.adopt(fd, head=reply.head, payload_bytes=reply.blob_bytes, tail=reply.tail)
         except ValueError as error:
             raise StateTransferError(str(error)) from None
-        return msgspec.structs.replace(reply, blob=shared, blob_bytes=0)
+        if shared is not None:
+            return msgspec.structs.replace(reply, blob=shared, blob_bytes=0)
     try:
         blob = os.pread(fd, reply.blob_bytes, reply.head) if reply.blob_bytes else b""
     finally:
@@ -132,7 +133,8 @@ def received_command(connection: Connection, decoder: msgspec.msgpack.Decoder) -
         size = os.fstat(fd).st_size
         if command.blob_offset < 0 or size < command.blob_offset + command.blob_bytes:
             raise StateTransferError(f"a state of {command.blob_bytes} bytes at {command.blob_offset} arrived in {size}")
-        mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=mmap.PROT_READ) if command.blob_bytes else None
+        # private: a shared mapping of a write-sealed memfd is refused before Linux 6.7 (a read-only private one copies nothing)
+        mapping = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE | mmap.MAP_POPULATE, prot=mmap.PROT_READ) if command.blob_bytes else None
     finally:
         os.close(fd)
     if mapping is None:

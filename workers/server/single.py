@@ -53,7 +53,7 @@ class WorkerServer:
         self.context: ShardContext | None = None
         self.spare: ShardContext | None = None  # emptied, not open: only _open takes it
         self._spare_zeroed = True
-        self._spare_owner: tuple[str, int] | None = None  # whose KV an unzeroed spare still holds
+        self._spare_owner = 0  # the park token whose KV an unzeroed spare still holds (0: none)
         self._zero_due = 0.0
         self._buffer = segment.buf
         regions = spec.segment
@@ -61,7 +61,7 @@ class WorkerServer:
         self._abort_flag_address = ctypes.addressof(ctypes.c_char.from_buffer(segment.buf, ABORT_FLAG_OFFSET))
         libc_name = ctypes.util.find_library("c")
         self._malloc_trim = getattr(ctypes.CDLL(libc_name), "malloc_trim", None) if libc_name else None
-        self.bound: tuple[str, int] | None = None  # the session the direct channel serves
+        self.bound: int = 0  # the session the direct channel serves
         self.compute = (
             ComputeLocks(spec.compute_lock_path, spec.compute_slots, spec.worker_index) if spec.compute_lock_path else contextlib.nullcontext()
         )
@@ -121,7 +121,7 @@ class WorkerServer:
             self.bound = (command.bind.session_id, command.bind.epoch)
         return appended
 
-    def _keep_as_spare(self, owner: tuple[str, int] | None) -> None:
+    def _keep_as_spare(self, owner: int) -> None:
         """The open context, emptied (its cells only), becomes the spare, still holding `owner`'s KV in its
         buffers until it is zeroed: when the worker has sat idle IDLE_ZERO_S, or before any other session
         takes it (a memset of the whole cache, 1.5-1.6 ms at n_ctx 2112 on the bundled middle shard, kept
@@ -148,19 +148,19 @@ class WorkerServer:
         if not self._spare_zeroed:
             spare.clear(data=True)
             self._spare_zeroed = True
-            self._spare_owner = None
+            self._spare_owner = 0
 
-    def _open(self, n_ctx: int, owner: tuple[str, int] | None = None) -> Opened | Failed:
+    def _open(self, n_ctx: int, owner: int = 0) -> Opened | Failed:
         """A fresh context of n_ctx positions: the spare if it has that n_ctx (Opened.n_ctx then), else a new
-        one once every other context is freed. The spare is zeroed first unless `owner` (a restore's session)
-        is the session whose KV it still holds: nothing of another session's is ever left in a context."""
+        one once every other context is freed. The spare is zeroed first unless `owner` (a restore's park
+        token) is the park whose KV it still holds: nothing of another session's is ever left in a context."""
         spare, self.spare = self.spare, None
         self._close_context()
         if spare is not None and spare.n_ctx == n_ctx:
-            if owner is None or owner != self._spare_owner:
+            if not owner or owner != self._spare_owner:
                 self._zero(spare)
             self._spare_zeroed = True  # the spare is gone: its state no longer matters
-            self._spare_owner = None
+            self._spare_owner = 0
             self.context = spare
             return Opened(n_ctx=n_ctx, reused=True)
         if spare is not None:

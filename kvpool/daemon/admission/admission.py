@@ -163,7 +163,7 @@ class Admission:
         refused = functools.partial(self._restore_failed, session)
         try:
             async with self.lifecycle.worker_call(session, lost="lost while restoring the session", refused=refused):
-                restored = await self.pool.get(session.worker_name).restore_state(session.n_ctx, blob, session.length, owner=session.key)
+                restored = await self.pool.get(session.worker_name).restore_state(session.n_ctx, blob, session.length, owner=session.park_token)
         finally:
             close_payload(blob)  # restored or not, the state is no longer the store's
         if restored.reused:

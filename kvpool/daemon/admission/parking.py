@@ -6,6 +6,8 @@ past --park-after, and for the Park request."""
 
 from __future__ import annotations
 
+import itertools
+
 from kvpool.daemon.books.books import Books
 from kvpool.daemon.books.sessions import Session
 from kvpool.daemon.metrics import Metrics
@@ -25,6 +27,13 @@ class Parking:
         self.pool = pool
         self.lifecycle = lifecycle
         self.metrics = metrics
+        self._tokens = itertools.count(1)
+
+    def _new_token(self, session: Session) -> int:
+        """A token for this park alone: the worker takes the spare it leaves unzeroed only for a restore that
+        names it (a session that ends and starts again under the same key gets another)."""
+        session.park_token = next(self._tokens)
+        return session.park_token
 
     async def park(self, session: Session, *, entered: bool = False, keep: bool = True) -> bool:
         """Park `session` if it is (still) a live, idle hot session; True if its place was freed (parked,
@@ -50,7 +59,7 @@ class Parking:
             keep = keep and not self.pool.batched  # a batched worker's sequence is emptied where it is
             head, tail = self.books.sealing.room(session)
             try:
-                blob = await self.pool.get(session.worker_name).save_state(keep=keep, head=head, tail=tail, owner=session.key)
+                blob = await self.pool.get(session.worker_name).save_state(keep=keep, head=head, tail=tail, owner=self._new_token(session))
             except WorkerLost as lost:
                 self.lifecycle.lost(session)
                 if entered:

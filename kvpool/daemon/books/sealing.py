@@ -61,8 +61,11 @@ class StateSeal:
         does not fit the header is copied out and freed."""
         if isinstance(payload, SharedState):
             header = self._header(session, payload.payload_bytes, length)
-            if seal_shared(header, payload):
-                return payload
+            try:
+                if seal_shared(header, payload):
+                    return payload
+            except OSError:  # the memfd refused a write or its seals: the bytes are still whole, sealed as a copy
+                pass
             data = bytes(payload.payload)
             payload.close()
             return seal(header, data)

@@ -38,6 +38,7 @@ class Session:
     # its first len(digests) blocks' digests (kvpool.wire.prefix), chained in prefix_scope: what it offers the prefix store
     digests: list[bytes] = dataclasses.field(default_factory=list)
     prefix_scope: str = ""
+    park_token: int = 0  # its last park's token (kvpool.daemon.admission.parking): the spare that park left is its own
     lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
 
     @property

@@ -300,10 +300,10 @@ class SequenceSlot:
         self.process.forget_seq(self.seq)
         await self.process._expect(CloseContext(seq=self.seq), Closed)
 
-    async def save_state(self, *, keep: bool = False, head: int = 0, tail: int = 0, owner: tuple[str, int] | None = None) -> bytes:
+    async def save_state(self, *, keep: bool = False, head: int = 0, tail: int = 0, owner: int = 0) -> bytes:
         return (await self.process._expect(SaveState(seq=self.seq, keep=keep), Saved)).blob  # the bytes: a batched worker leaves no room
 
-    async def restore_state(self, n_ctx: int, blob: bytes | memoryview | SharedPayload, length: int, owner: tuple[str, int] | None = None) -> Restored:
+    async def restore_state(self, n_ctx: int, blob: bytes | memoryview | SharedPayload, length: int, owner: int = 0) -> Restored:
         return await self.process._expect(RestoreState(n_ctx=n_ctx, blob=blob, length=length, seq=self.seq), Restored)
 
     async def revoke_channel(self) -> int:

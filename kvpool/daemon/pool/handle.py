@@ -113,16 +113,16 @@ class WorkerHandle(WorkerProcess):
     async def close_context(self) -> None:
         await self._expect(CloseContext(), Closed)
 
-    async def save_state(self, *, keep: bool = False, head: int = 0, tail: int = 0, owner: tuple[str, int] | None = None) -> bytes | SharedState:
+    async def save_state(self, *, keep: bool = False, head: int = 0, tail: int = 0, owner: int = 0) -> bytes | SharedState:
         """The open context's sequence state (positions [0, length)); with `keep` the context is then emptied
-        and kept as the worker's spare for `owner`'s restore (workers.server.commands.SaveState): none is open
+        and kept as the worker's spare for the restore that names the park token `owner` (workers.server.commands.SaveState): none is open
         afterwards. With room asked for around the bytes (`head`, `tail`), a SharedState of the worker's memfd
         when this process may keep one more (workers.server.pipe), else the bytes."""
         return (await self._expect(SaveState(keep=keep, head=head, tail=tail, owner=owner), Saved)).blob
 
-    async def restore_state(self, n_ctx: int, blob: bytes | memoryview | SharedPayload, length: int, owner: tuple[str, int] | None = None) -> Restored:
+    async def restore_state(self, n_ctx: int, blob: bytes | memoryview | SharedPayload, length: int, owner: int = 0) -> Restored:
         """A fresh context (the spare if it has n_ctx: Restored.reused) loaded with `blob`, cut to `length`;
-        WorkerFailed code restore_failed if refused. `owner`: the session restored."""
+        WorkerFailed code restore_failed if refused. `owner`: the park token of the state restored."""
         return await self._expect(RestoreState(n_ctx=n_ctx, blob=blob, length=length, owner=owner), Restored)
 
     async def bind_channel(self, bind: Binding) -> int:

@@ -23,6 +23,7 @@ from collections.abc import Awaitable, Callable
 
 import msgspec
 
+from kvpool.state.shared import SharedState
 from kvpool.wire.framing import FRAME_HEADER, FrameTooLarge, frame_size
 from kvpool.wire.protocol import ErrorCode, ErrorReply, Hello, decode_request, encode
 
@@ -84,13 +85,14 @@ def listening_socket(path: pathlib.Path) -> socket.socket:
 
 
 def derived_max_connections() -> int:
-    """What RLIMIT_NOFILE leaves after the descriptors held now, a reserve, and the refusals in progress
-    (one connection holds one descriptor), at most MAX_CONNECTIONS_CAP and at least 1."""
+    """What RLIMIT_NOFILE leaves after the descriptors held now, a reserve, the parked states kept in shared
+    memory (kvpool.state.shared.SharedState.limit: a descriptor each) and the refusals in progress (one
+    connection holds one descriptor), at most MAX_CONNECTIONS_CAP and at least 1."""
     soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY:
         return MAX_CONNECTIONS_CAP
     held = len(os.listdir("/proc/self/fd"))
-    return max(1, min(MAX_CONNECTIONS_CAP, soft - held - RESERVED_FDS - MAX_REFUSING - 1))
+    return max(1, min(MAX_CONNECTIONS_CAP, soft - held - RESERVED_FDS - SharedState.limit - MAX_REFUSING - 1))
 
 
 class BurstLog:
