@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import fcntl
+import os
+
 import numpy as np
 import pytest
 
+from kvpool.state.shared import SEALS
 from tests.conftest import EVEN_SPLIT
 from workers.runtime.errors import BadInput, RestoreFailed
 from workers.runtime.model import ShardModel
@@ -111,3 +115,20 @@ def test_check_cells_passes_llama_cpps_own_states_and_refuses_any_other_position
             check_cells(blob[:cut], 1)
     with pytest.raises(StateFormatError):
         check_cells(blob + b"\0", 1)
+
+
+def test_a_state_written_into_a_memfd_is_the_saved_bytes_between_its_room(model, prompt_ids):
+    """A park's save (workers.runtime.sequence_io.save_sequence_to_memfd): llama.cpp writes into the memfd
+    itself, `head` bytes in, `tail` bytes left after; the bytes are save_state's, and the memfd can be sealed
+    against writes (no mapping of it is left writable)."""
+    prompt = prompt_ids[0]
+    with model.new_context(N_CTX) as context:
+        context.append(0, **_rows(model, prompt))
+        fd, size = context.save_state_to_memfd(13, 4)
+        try:
+            assert os.fstat(fd).st_size == 13 + size + 4
+            data = os.pread(fd, 13 + size + 4, 0)
+            assert data[13 : 13 + size] == context.save_state() and data[:13] == bytes(13) and data[-4:] == bytes(4)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)  # EBUSY if a writable mapping were left
+        finally:
+            os.close(fd)

@@ -16,7 +16,7 @@ import numpy as np
 from kvpool.wire.checks import check_input_kind, check_output_rows, check_position, shard_rows
 from workers.runtime.errors import BadInput, Cancelled, DecodeFailed, PositionMismatch, RestoreFailed, wire_checks
 from workers.runtime.params import LoadedShard
-from workers.runtime.sequence_io import restore_sequence, save_sequence
+from workers.runtime.sequence_io import restore_sequence, save_sequence, save_sequence_to_memfd
 
 OutputRows = Literal["last", "all"]
 
@@ -189,6 +189,11 @@ class ShardContext:
     def save_state(self) -> bytes:
         """The sequence's KV state, positions [0, length), as restore_state takes it."""
         return save_sequence(self._handle(), SEQUENCE)
+
+    def save_state_to_memfd(self, head: int, tail: int) -> tuple[int, int]:
+        """save_state written into a new memfd after `head` bytes and before `tail` (workers.runtime.sequence_io.
+        save_sequence_to_memfd): (its descriptor, the state's bytes)."""
+        return save_sequence_to_memfd(self._handle(), SEQUENCE, head, tail)
 
     def restore_state(self, blob: bytes | memoryview, length: int) -> int:
         """Load a saved state into this empty context and keep its positions [0, length). Raises

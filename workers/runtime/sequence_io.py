@@ -12,9 +12,13 @@ and a bytes() copy took 2.3 + 0.6 + 1.9 ms, mostly page faults of the two fresh 
 from __future__ import annotations
 
 import ctypes
+import mmap
+import os
 
 import llama_cpp
 import numpy as np
+
+from kvpool.state.shared import new_memfd
 
 _new_bytes = ctypes.pythonapi.PyBytes_FromStringAndSize
 _new_bytes.restype = ctypes.py_object
@@ -34,6 +38,30 @@ def save_sequence(ctx: llama_cpp.llama_context_p, sequence: int) -> bytes:
     if written != size:
         raise StateSizeMismatch(f"llama_state_seq_get_data wrote {written} of {size} bytes of sequence {sequence}")
     return blob
+
+
+def save_sequence_to_memfd(ctx: llama_cpp.llama_context_p, sequence: int, head: int, tail: int) -> tuple[int, int]:
+    """(memfd, payload bytes): the sequence's state written by llama.cpp straight into a new memfd (sealable:
+    kvpool.state.shared) after `head` bytes, `tail` bytes after it, its pages allocated at once (MAP_POPULATE)
+    rather than faulted one by one, and no mapping of it left behind. Raises StateSizeMismatch as
+    save_sequence does (the memfd closed)."""
+    size = llama_cpp.llama_state_seq_get_size(ctx, sequence)
+    fd = new_memfd()
+    try:
+        os.ftruncate(fd, head + size + tail)
+        if size:
+            with mmap.mmap(fd, head + size + tail, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE) as mapping:
+                window = (ctypes.c_uint8 * size).from_buffer(mapping, head)
+                try:
+                    written = llama_cpp.llama_state_seq_get_data(ctx, window, size, sequence)
+                finally:
+                    del window  # the mapping closes only once no view of it is left
+            if written != size:
+                raise StateSizeMismatch(f"llama_state_seq_get_data wrote {written} of {size} bytes of sequence {sequence}")
+        return fd, size
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def restore_sequence(ctx: llama_cpp.llama_context_p, sequence: int, blob: bytes | memoryview) -> int:

@@ -33,6 +33,18 @@ from kvpool.state.shared import SharedPayload, SharedState, new_memfd
 from workers.server.commands import AnyCommand, AnyWorkerReply, RestoreState, Saved
 
 
+class WrittenState:
+    """A saved state already in a memfd, laid out as its Saved reply's room says (the worker's park:
+    workers.runtime.sequence_io.save_sequence_to_memfd); send_reply sends `fd` as it is and closes it."""
+
+    def __init__(self, fd: int, nbytes: int) -> None:
+        self.fd = fd
+        self.nbytes = nbytes
+
+    def __len__(self) -> int:
+        return self.nbytes
+
+
 class StateTransferError(OSError):
     """A state's bytes did not cross the pipe whole (no descriptor, or fewer bytes than announced)."""
 
@@ -93,7 +105,8 @@ def send_reply(connection: Connection, encoder: msgspec.msgpack.Encoder, reply: 
     if not isinstance(reply, Saved):
         connection.send_bytes(encoder.encode(reply))
         return
-    _send(connection, encoder, reply, _memfd_of(reply.blob, reply.head, reply.tail), blob_bytes=len(reply.blob))
+    fd = reply.blob.fd if isinstance(reply.blob, WrittenState) else _memfd_of(reply.blob, reply.head, reply.tail)
+    _send(connection, encoder, reply, fd, blob_bytes=len(reply.blob))
 
 
 def receive_reply(connection: Connection, decoder: msgspec.msgpack.Decoder) -> AnyWorkerReply:

@@ -35,6 +35,7 @@ from workers.server.commands import (
     Truncated,
 )
 from workers.server.compute_locks import ComputeLocks
+from workers.server.pipe import WrittenState
 from workers.server.segment import ABORT_FLAG_OFFSET
 from workers.server.spec import WorkerSpec
 
@@ -101,7 +102,11 @@ class WorkerServer:
             case SaveState(keep=keep, head=head, tail=tail, owner=owner):
                 if self.context is None:
                     return Failed(code="no_context", message="no open context")
-                saved = Saved(length=self.context.length, blob=self.context.save_state(), head=head, tail=tail)
+                if head or tail:  # room asked for: llama.cpp writes straight into the memfd that travels
+                    blob = WrittenState(*self.context.save_state_to_memfd(head, tail))
+                else:
+                    blob = self.context.save_state()
+                saved = Saved(length=self.context.length, blob=blob, head=head, tail=tail)
                 if keep:
                     self._keep_as_spare(owner)
                 return saved
