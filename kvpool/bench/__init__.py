@@ -14,8 +14,9 @@ and noisy: compare the ratios, not the absolute times; every figure is a median)
   6 memory                         bytes charged / theoretical KV / measured USS growth; daemon USS
   7 warm tier                      through 3 shard daemons of their own (--n-ctx 2112): Park on all 3 at once
                                    (as a router parks a route) + the 1-token decode that restores on each
-                                   (into the context the park kept) / a fresh session's prefill + the same
-                                   decode (what a cache miss costs), at 128, 512, 2048 tokens (quick: 128, 512);
+                                   (into the context the park kept), 5 cycles per round / a fresh session's
+                                   prefill + the same decode (what a cache miss costs), at 128, 512, 2048
+                                   tokens (quick: 128, 512);
                                    sessions per GiB parked (spill bytes) / hot (charged bytes), 256 tokens at
                                    n_ctx 2048 (`--only warm` runs this section alone)
   8 overload                       8 sessions at once through a 3-daemon chain with 2 places per daemon /
