@@ -7,6 +7,7 @@ And a route's park (kvpool.router.route.Route.park): every daemon at once, a fai
 from __future__ import annotations
 
 import contextlib
+import gc
 
 import numpy as np
 import pytest
@@ -149,6 +150,7 @@ def test_a_parked_state_stays_in_the_memory_its_worker_wrote_until_the_restore_t
     (kvpool.state.shared), one per parked session, and freed once restored or released."""
     tokens = [t % 97 + 1 for t in range(1100)]
     with serve(fake_model, "--max-sessions", "2", "--n-ctx", "2048").client() as client:
+        gc.collect()  # an earlier test's garbage freed now, not between the counts below
         before = SharedState.open_count()
         for session_id in ("a", "b"):
             client.append(session_id, 1, 0, tokens=tokens)

@@ -53,8 +53,7 @@ class WorkerServer:
         self.spec = spec
         self.context: ShardContext | None = None
         self.spare: ShardContext | None = None  # emptied, not open: only _open takes it
-        self._spare_zeroed = True
-        self._spare_owner = 0  # the park token whose KV an unzeroed spare still holds (0: none)
+        self._unzeroed: int | None = None  # an unzeroed spare's park token (0: none named); None: zeroed
         self._zero_due = 0.0
         self._buffer = segment.buf
         regions = spec.segment
@@ -62,7 +61,7 @@ class WorkerServer:
         self._abort_flag_address = ctypes.addressof(ctypes.c_char.from_buffer(segment.buf, ABORT_FLAG_OFFSET))
         libc_name = ctypes.util.find_library("c")
         self._malloc_trim = getattr(ctypes.CDLL(libc_name), "malloc_trim", None) if libc_name else None
-        self.bound: int = 0  # the session the direct channel serves
+        self.bound: tuple[str, int] | None = None  # the session the direct channel serves
         self.compute = (
             ComputeLocks(spec.compute_lock_path, spec.compute_slots, spec.worker_index) if spec.compute_lock_path else contextlib.nullcontext()
         )
@@ -134,13 +133,12 @@ class WorkerServer:
         self._close_spare()
         self.context.clear(data=False)
         self.spare, self.context = self.context, None
-        self._spare_zeroed = False
-        self._spare_owner = owner
+        self._unzeroed = owner
         self._zero_due = time.monotonic() + IDLE_ZERO_S
 
     def idle_in(self, now: float) -> float | None:
         """Seconds until the worker has idle work due (0: now), None when it has none."""
-        if self.spare is None or self._spare_zeroed:
+        if self.spare is None or self._unzeroed is None:
             return None
         return max(self._zero_due - now, 0.0)
 
@@ -150,22 +148,20 @@ class WorkerServer:
             self._zero(self.spare)
 
     def _zero(self, spare: ShardContext) -> None:
-        if not self._spare_zeroed:
+        if self._unzeroed is not None:
             spare.clear(data=True)
-            self._spare_zeroed = True
-            self._spare_owner = 0
+            self._unzeroed = None
 
     def _open(self, n_ctx: int, owner: int = 0) -> Opened | Failed:
         """A fresh context of n_ctx positions: the spare if it has that n_ctx (Opened.n_ctx then), else a new
         one once every other context is freed. The spare is zeroed first unless `owner` (a restore's park
         token) is the park whose KV it still holds: nothing of another session's is ever left in a context."""
         spare, self.spare = self.spare, None
+        unzeroed, self._unzeroed = self._unzeroed, None
         self._close_context()
         if spare is not None and spare.n_ctx == n_ctx:
-            if not owner or owner != self._spare_owner:
-                self._zero(spare)
-            self._spare_zeroed = True  # the spare is gone: its state no longer matters
-            self._spare_owner = 0
+            if unzeroed is not None and (not owner or owner != unzeroed):
+                spare.clear(data=True)
             self.context = spare
             return Opened(n_ctx=n_ctx, reused=True)
         if spare is not None:
