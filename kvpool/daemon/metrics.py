@@ -27,6 +27,7 @@ COUNTERS = (
     "spill_disk_failures",  # disk-tier file operations that failed (a failed write drops the state it was to hold)
     "restores",
     "restores_into_spare",  # restores into the spare context a park left on the worker (none created)
+    "restores_in_place",  # of those, into the spare of the session's own park, unzeroed: its cells kept, nothing loaded
     "spares_freed",  # spare contexts freed to make room for an admission
     "restore_failures",
     "parks",

@@ -116,7 +116,7 @@ class PrefixRequests:
         nothing; the append stands."""
         length = session.length
         try:
-            payload = await worker.save_state()
+            payload = (await worker.save_state()).blob
         except WorkerFailed:
             return
         self.offered(self.books.offer_prefix(session, payload, length))
@@ -128,7 +128,7 @@ class PrefixRequests:
             return
         try:
             if session.hot:
-                payload = await self.pool.get(session.worker_name).save_state()
+                payload = (await self.pool.get(session.worker_name).save_state()).blob
             else:
                 payload = self.books.read_blob(session)
         except (WorkerFailed, WorkerLost, CorruptBlob):  # nothing offered: the release frees what is left

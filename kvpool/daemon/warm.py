@@ -38,7 +38,8 @@ class WarmRequests:
         session = self.books.table.get(request.session_id)
         if session is None:
             raise self.gate.miss(request.session_id, request.epoch, "no state for this session")
-        async with self.gate.entered(session):
+        await self.gate.enter(session, revoke_by_run=True)  # the park's SaveState revokes the direct channel (Parking.park)
+        async with self.gate.holding(session):
             if not session.hot:
                 return Done(length=session.length, session_id=session.session_id, epoch=session.epoch, detail="already parked")
             await self.parking.park(session, entered=True)
@@ -103,4 +104,4 @@ class WarmRequests:
                     self.metrics.count_miss(MissReason.RESTORE_FAILED)
                     raise RequestFailed(ErrorCode.CACHE_MISS, f"the source's saved state is damaged: {error}", reason=MissReason.RESTORE_FAILED) from None
             async with self.lifecycle.worker_call(source, lost="the worker serving the source session was lost", refused="saving the source's state failed"):
-                return await self.pool.get(source.worker_name).save_state(), source.length
+                return (await self.pool.get(source.worker_name).save_state()).blob, source.length

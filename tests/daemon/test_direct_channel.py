@@ -108,13 +108,21 @@ def test_revocation_release_epoch_eviction_truncate_and_park(model_path, socket_
         with parked.client() as router, parked.client(direct=False) as other:
             router.append("p", 1, 0, tokens=prompt)
             router.append("p", 1, 8, tokens=[5])
-            other.park("p", 1)
+            assert other.park("p", 1).length == 9  # the park's save revoked the channel: the direct append's length
             got = router.append("p", 1, 9, tokens=[6])
             assert got.restored
             with whole_model.new_context(N_CTX) as reference:
                 reference.append(0, tokens=np.asarray(prompt, np.int32))
                 reference.append(8, tokens=np.asarray([5], np.int32))
                 assert np.array_equal(got.rows, reference.append(9, tokens=np.asarray([6], np.int32)))
+                router.append("p", 1, 10, tokens=[7])  # direct again; parked, cut to 6 while parked, then restored
+                assert other.park("p", 1).length == 11 and other.truncate("p", 1, 6) == 6
+                got = router.append("p", 1, 6, tokens=[8])
+                reference.truncate(6)
+                assert got.restored and np.array_equal(got.rows, reference.append(6, tokens=np.asarray([8], np.int32)))
+            counters = other.stats().counters
+            # both restores went into the spare their own park left, its cells kept: nothing loaded
+            assert counters["restores"] == counters["restores_in_place"] == 2 and counters["misses"] == 0
     finally:
         parked.stop()
 

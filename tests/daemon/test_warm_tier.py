@@ -70,6 +70,7 @@ def test_four_sessions_on_two_places_park_and_restore_bit_identically(model_path
             # every park kept its context as the worker's spare, and every restore went into one: into the
             # context another session had just left (zeroed), and s2 and s3 were admitted into s0's and s1's
             assert stats.counters["restores_into_spare"] == 12
+            assert stats.counters.get("restores_in_place", 0) == 0  # another session's spare is zeroed, then loaded
             assert stats.budget.spare_bytes == 0  # every spare a park left was taken by the restore it made room for
             tiers = sorted(row.tier for row in stats.sessions)
             assert tiers == ["hot", "hot", "ram", "ram"]

@@ -118,7 +118,7 @@ def test_quick_bench_prints_every_section_and_writes_json_and_png(quick_bench) -
     assert all(seconds > 0 for runs in startup["restart_ready_s"].values() for seconds in runs) and min(startup["model_load_s"]) > 0
     ratios = results["ratios"]
     assert ratios["s9_start_growth"]["value"] > 0 and ratios["s9_restart_vs_bound"]["value"] > 0 and ratios["s9_restart_vs_load_bound"]["value"] > 0
-    assert ratios["restore_vs_reprefill_512"]["target"] == 10 and ratios["parked_vs_hot_sessions_per_gib"]["target"] == 20
+    assert ratios["restore_vs_reprefill_512"]["target"] == 100 and ratios["parked_vs_hot_sessions_per_gib"]["target"] == 20
     assert all(ratios[key]["value"] > 0 for key in ("restore_vs_reprefill_128", "restore_vs_reprefill_512", "parked_vs_hot_sessions_per_gib"))
     parked = results["warm"]["parked_vs_hot"]
     assert parked["tiers_after_park"] == ["ram"] * 3 and results["warm"]["integrity"] == ["ok"] * 3

@@ -1,13 +1,15 @@
 """A worker's spare context on the real model (workers.server.single.WorkerServer, in process): a park's
-SaveState(keep) leaves no open context, only the spare; the spare is zeroed after the reply; a restore or an
-open of its n_ctx takes it, any other n_ctx frees it; a context a refused restore touched never becomes one;
-and what a restored spare computes is bit for bit what a fresh context computes."""
+SaveState(keep) leaves no open context, only the spare; the spare is zeroed once idle or before another takes
+it; a restore or an open of its n_ctx takes it, any other n_ctx frees it; a context a refused restore touched
+never becomes one; its own park's restore resumes its cells; and what a restored spare computes is bit for bit
+what a fresh context computes."""
 
 from __future__ import annotations
 
 import math
 from multiprocessing import shared_memory
 
+import llama_cpp
 import numpy as np
 import pytest
 
@@ -103,3 +105,36 @@ def test_a_spare_goes_back_to_its_own_park_unzeroed_and_to_any_other_zeroed(serv
         fresh.append(0, tokens=PROMPT[:4])
         assert np.array_equal(_append(server, 4, PROMPT[4:]).reshape(2, -1), fresh.append(4, tokens=PROMPT[4:]))
     assert other.length == 6
+
+
+def test_a_parks_own_restore_loads_nothing_keeps_the_cells_and_continues_bit_for_bit(server, first_model, monkeypatch):
+    """The restore of a spare's own park, unzeroed, resumes the cells that park saved (Restored.in_place): no
+    llama.cpp load (restore_state never runs), cut to a shorter length when a truncate came while parked; its
+    next appends are those of a context that was never parked. A spare whose cells no longer hold what its
+    park saved is loaded from the blob instead, as any other."""
+    loads = []
+    _append(server, 0, PROMPT[:5], n_ctx=N_CTX)
+    saved = server.handle(SaveState(keep=True, owner=11))
+    assert server.spare.length == 5  # the cells stay: a park does not empty its spare
+    monkeypatch.setattr(type(server.spare), "restore_state", lambda context, blob, length: loads.append(length))
+    restored = server.handle(RestoreState(n_ctx=N_CTX, length=5, blob=memoryview(saved.blob), owner=11))
+    assert restored == Restored(length=5, reused=True, in_place=True) and loads == [] and server.idle_in(math.inf) is None
+    with first_model.new_context(N_CTX) as fresh:
+        fresh.append(0, tokens=PROMPT[:5])
+        assert np.array_equal(_append(server, 5, PROMPT[5:]).reshape(1, -1), fresh.append(5, tokens=PROMPT[5:]))
+
+    six = server.handle(SaveState(keep=True, owner=12))  # 6 positions parked; the session truncated to 3 while parked
+    restored = server.handle(RestoreState(n_ctx=N_CTX, length=3, blob=memoryview(six.blob), owner=12))
+    assert restored == Restored(length=3, reused=True, in_place=True) and loads == [] and server.context.length == 3
+    with first_model.new_context(N_CTX) as fresh:
+        fresh.append(0, tokens=PROMPT[:3])
+        assert np.array_equal(_append(server, 3, PROMPT[3:5]).reshape(2, -1), fresh.append(3, tokens=PROMPT[3:5], output_rows="all"))
+    monkeypatch.undo()
+
+    resaved = server.handle(SaveState(keep=True, owner=13))  # 5 positions; then its cells are cut behind its back
+    llama_cpp.llama_memory_seq_rm(server.spare._memory, 0, 2, -1)
+    restored = server.handle(RestoreState(n_ctx=N_CTX, length=5, blob=memoryview(resaved.blob), owner=13))
+    assert restored == Restored(length=5, reused=True, in_place=False)  # loaded from the blob: the cells were not the park's
+    with first_model.new_context(N_CTX) as fresh:
+        fresh.append(0, tokens=PROMPT[:5])
+        assert np.array_equal(_append(server, 5, PROMPT[5:]).reshape(1, -1), fresh.append(5, tokens=PROMPT[5:]))

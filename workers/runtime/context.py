@@ -211,6 +211,20 @@ class ShardContext:
             self._roll_back(length)
         return self._length
 
+    def resume(self, length: int) -> int:
+        """Keep positions [0, length) of the sequence this context still holds (a parked session's own spare:
+        the cells its save was read from, never cleared since): what restore_state of that save would leave,
+        with nothing loaded. Raises RestoreFailed, the context untouched, when llama.cpp's cells do not hold
+        this context's whole length or `length` exceeds it."""
+        self._handle()
+        held = llama_cpp.llama_memory_seq_pos_max(self._memory, SEQUENCE) + 1
+        first = llama_cpp.llama_memory_seq_pos_min(self._memory, SEQUENCE)
+        if held != self._length or (held and first != 0) or not 0 <= length <= held:
+            raise RestoreFailed(f"the kept cells hold positions [{first}, {held}), this context {self._length}, {length} asked", length=0)
+        if held > length:
+            self._roll_back(length)
+        return self._length
+
     def close(self) -> None:
         """Idempotent; frees the batch and the context (the model stays)."""
         if self._batch is not None:

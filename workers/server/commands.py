@@ -174,6 +174,7 @@ class Saved(WorkerReply):
 class Restored(WorkerReply):
     length: int
     reused: bool = False  # restored into the worker's spare context rather than a new one
+    in_place: bool = False  # that spare still held the park's own cells: nothing was loaded (the blob unread)
 
 
 class ChannelState(WorkerReply):

@@ -44,15 +44,15 @@ IDLE_ZERO_S = 1.0  # how long a worker sits idle before it zeroes a spare its la
 
 class WorkerServer:
     """Executes commands against the model and its one optional context, and keeps a parked session's
-    emptied context as a spare for the next context of its n_ctx (SaveState.keep): a restore or an
-    admission then creates nothing (13-17 ms at n_ctx 2112 on the bundled middle shard, evidence/warm-tier)
-    and finds its buffers' pages already mapped."""
+    context as a spare for the next context of its n_ctx (SaveState.keep): a restore or an admission then
+    creates nothing (13-17 ms at n_ctx 2112 on the bundled middle shard, evidence/warm-tier) and finds its
+    buffers' pages already mapped; that park's own restore finds its cells too."""
 
     def __init__(self, model: ShardModel, segment: shared_memory.SharedMemory, spec: WorkerSpec) -> None:
         self.model = model
         self.spec = spec
         self.context: ShardContext | None = None
-        self.spare: ShardContext | None = None  # emptied, not open: only _open takes it
+        self.spare: ShardContext | None = None  # not open: only _open takes it (its cells cleared unless _unzeroed)
         self._unzeroed: int | None = None  # an unzeroed spare's park token (0: none named); None: zeroed
         self._zero_due = 0.0
         self._buffer = segment.buf
@@ -126,12 +126,12 @@ class WorkerServer:
         return appended
 
     def _keep_as_spare(self, owner: int) -> None:
-        """The open context, emptied (its cells only), becomes the spare, still holding `owner`'s KV in its
-        buffers until it is zeroed: when the worker has sat idle IDLE_ZERO_S, or before any other session
-        takes it (a memset of the whole cache, 1.5-1.6 ms at n_ctx 2112 on the bundled middle shard, kept
-        off the park and off its own session's restore)."""
+        """The open context becomes the spare as it is, the parked sequence's cells and KV still in it, until
+        it is zeroed (cells and buffers: a memset of the whole cache, 1.5-1.6 ms at n_ctx 2112 on the bundled
+        middle shard, kept off the park): when the worker has sat idle IDLE_ZERO_S, or before any other
+        session takes it. Only the restore of `owner`'s park takes it unzeroed, and then loads nothing: the
+        cells that park saved are still there (_restore)."""
         self._close_spare()
-        self.context.clear(data=False)
         self.spare, self.context = self.context, None
         self._unzeroed = owner
         self._zero_due = time.monotonic() + IDLE_ZERO_S
@@ -174,9 +174,20 @@ class WorkerServer:
         return Opened(n_ctx=n_ctx)
 
     def _restore(self, command: RestoreState):
+        """The parked session back in a context: into the spare its own park left, unzeroed, nothing is loaded
+        (its cells are the ones that park saved, cut to `length`); anywhere else, the blob is. A spare whose
+        cells do not hold what that park saved is cleared and loaded as any other."""
+        own = (
+            command.owner != 0 and self.spare is not None and self.spare.n_ctx == command.n_ctx and self._unzeroed == command.owner
+        )
         opened = self._open(command.n_ctx, command.owner)
         if isinstance(opened, Failed):
             return opened
+        if own:
+            try:
+                return Restored(length=self.context.resume(command.length), reused=True, in_place=True)
+            except ShardRuntimeError:
+                self.context.clear(data=True)
         try:
             return Restored(length=self.context.restore_state(command.blob, command.length), reused=opened.reused)
         except ShardRuntimeError as error:

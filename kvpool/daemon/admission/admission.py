@@ -168,6 +168,8 @@ class Admission:
             close_payload(blob)  # restored or not, the state is no longer the store's
         if restored.reused:
             self.metrics.count("restores_into_spare")
+        if restored.in_place:
+            self.metrics.count("restores_in_place")
         self.metrics.observe_restore(time.monotonic() - started)
 
     def open_refused(self, session: Session, failure: WorkerFailed) -> RequestFailed:

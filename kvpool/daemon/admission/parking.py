@@ -51,15 +51,18 @@ class Parking:
             if not self._live_hot(session):
                 return False
             try:
-                await self.channels.revoke(session)
+                # the SaveState revokes the direct channel in the worker, as every command does: no round trip of
+                # its own unless a direct append computes now; the length is then the one the state is saved at
+                await self.channels.revoke(session, by_run=True)
             except RequestFailed:
                 if entered:
                     raise
                 return True  # its worker was lost on the way: the place is free
             keep = keep and not self.pool.batched  # a batched worker's sequence is emptied where it is
             head, tail = self.books.sealing.room(session)
+            self.channels.handed_to_run(session)
             try:
-                blob = await self.pool.get(session.worker_name).save_state(keep=keep, head=head, tail=tail, owner=self._new_token(session))
+                saved = await self.pool.get(session.worker_name).save_state(keep=keep, head=head, tail=tail, owner=self._new_token(session))
             except WorkerLost as lost:
                 self.lifecycle.lost(session)
                 if entered:
@@ -69,7 +72,8 @@ class Parking:
                 await self.lifecycle.drop(session, MissReason.EVICTED)
                 self.metrics.count("evictions")
                 return True
-            length = session.length
+            blob = saved.blob
+            session.length = length = saved.length
             # the prefix store's copy taken first: a shared state that fits nowhere is freed by the park
             offer = bytes(blob.payload if isinstance(blob, SharedState) else blob) if self.books.prefix_wanted(session) else None
             worker, dropped = self.books.park(session, blob, kept=keep)
@@ -99,7 +103,7 @@ class Parking:
                     return False
                 length = session.length
                 try:
-                    blob = await self.pool.get(session.worker_name).save_state()
+                    blob = (await self.pool.get(session.worker_name).save_state()).blob
                 except WorkerLost:
                     self.lifecycle.lost(session)
                     return False

@@ -16,7 +16,7 @@ import numpy as np
 from kvpool.daemon.pool.errors import WorkerFailed, WorkerLost, WorkerStartFailed
 from kvpool.daemon.pool.process import WorkerProcess
 from kvpool.daemon.pool.spec import PoolSpec
-from kvpool.state.shared import SharedPayload, SharedState
+from kvpool.state.shared import SharedPayload
 from kvpool.wire.sampling import Sampling
 from workers.server.commands import (
     AnyCommand,
@@ -113,12 +113,13 @@ class WorkerHandle(WorkerProcess):
     async def close_context(self) -> None:
         await self._expect(CloseContext(), Closed)
 
-    async def save_state(self, *, keep: bool = False, head: int = 0, tail: int = 0, owner: int = 0) -> bytes | SharedState:
-        """The open context's sequence state (positions [0, length)); with `keep` the context is then emptied
-        and kept as the worker's spare for the restore that names the park token `owner` (workers.server.commands.SaveState): none is open
-        afterwards. With room asked for around the bytes (`head`, `tail`), a SharedState of the worker's memfd
-        when this process may keep one more (workers.server.pipe), else the bytes."""
-        return (await self._expect(SaveState(keep=keep, head=head, tail=tail, owner=owner), Saved)).blob
+    async def save_state(self, *, keep: bool = False, head: int = 0, tail: int = 0, owner: int = 0) -> Saved:
+        """The open context's sequence state (positions [0, Saved.length): the worker's length, a direct append
+        that reached it first included) in Saved.blob; with `keep` the context is then kept as the worker's
+        spare, its cells in it, for the restore that names the park token `owner` (workers.server.commands.SaveState):
+        none is open afterwards. With room asked for around the bytes (`head`, `tail`), the blob is a SharedState
+        of the worker's memfd when this process may keep one more (workers.server.pipe), else the bytes."""
+        return await self._expect(SaveState(keep=keep, head=head, tail=tail, owner=owner), Saved)
 
     async def restore_state(self, n_ctx: int, blob: bytes | memoryview | SharedPayload, length: int, owner: int = 0) -> Restored:
         """A fresh context (the spare if it has n_ctx: Restored.reused) loaded with `blob`, cut to `length`;
