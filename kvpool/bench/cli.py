@@ -105,12 +105,7 @@ def run_bench(options: BenchOptions) -> tuple[dict, str]:
             "shards": {shard.path.name: file_sha256(shard.path) for shard in rig.shards},
         }
         meter = LoadMeter()
-        bench_say("section 1 and 4: the middle shard, one session")
-        with meter.section("mid_shard"):
-            results["mid_shard"] = measure_mid_shard(rig)
-        bench_say("section 2: one session through the whole route")
-        with meter.section("route"):
-            results["route"] = measure_route(rig, [rig.client(f"chain{index}") for index in range(len(rig.shards))], rig.client("whole"))
+        results.update(_one_session_sections(rig, meter))
         bench_say("section 3: four sessions at once")
         with meter.section("parallel"):
             results["parallel"] = measure_parallel(rig)
@@ -221,8 +216,34 @@ def _run_own_section(name: str, shards: list[ShardInfo], tokenizer: Tokenizer, s
     return measure(shards, tokenizer, socket_dir, options)
 
 
+# --only decode: sections 1, 4 and 2 on a rig of their own (kvpool.bench.rig.Rig with one_session)
+ONE_SESSION = "decode"
+ONE_SESSION_WHAT = "1, 2, 4"
+
+
+def _one_session_sections(rig: Rig, meter: LoadMeter) -> dict:
+    """Sections 1 and 4 (results key mid_shard) and 2 (route) on `rig`."""
+    measured = {}
+    bench_say("section 1 and 4: the middle shard, one session")
+    with meter.section("mid_shard"):
+        measured["mid_shard"] = measure_mid_shard(rig)
+    bench_say("section 2: one session through the whole route")
+    with meter.section("route"):
+        measured["route"] = measure_route(rig, [rig.client(f"chain{index}") for index in range(len(rig.shards))], rig.client("whole"))
+    return measured
+
+
+def _measure_one_session(options: BenchOptions, meter: LoadMeter) -> dict:
+    rig = Rig(options, one_session=True)
+    try:
+        return {"daemons": {"start_s": rig.daemon_start_s, "options": rig.daemon_options}, **_one_session_sections(rig, meter)}
+    finally:
+        rig.close()
+
+
 def run_only(options: BenchOptions, names: list[str]) -> tuple[dict, str]:
-    """The sections `names` of OWN_DAEMON_SECTIONS alone (their own daemons); writes <out>/bench-<names>.json."""
+    """The sections `names` alone: those of OWN_DAEMON_SECTIONS on their own daemons, `decode` (sections 1, 2
+    and 4) on a rig of its own; writes <out>/bench-<names>.json."""
     env = environment(options.model)
     shards = shards_in_parts(options.model, 3, progress=bench_say)
     socket_dir = pathlib.Path(tempfile.mkdtemp(prefix="kvpool-bench-"))
@@ -231,12 +252,15 @@ def run_only(options: BenchOptions, names: list[str]) -> tuple[dict, str]:
         measured = {}
         with Tokenizer(shards[0].path) as tokenizer:
             for name in names:
+                if name == ONE_SESSION:
+                    measured.update(_measure_one_session(options, meter))
+                    continue
                 with meter.section(name):
                     measured[name] = _run_own_section(name, shards, tokenizer, socket_dir, options)
     finally:
         shutil.rmtree(socket_dir, ignore_errors=True)
     env["load_average_at_end"] = os.getloadavg()
-    summary, ratios, rows = summarize({**measured, "load": meter.loads})
+    summary, ratios, rows = summarize({**measured, "options": dataclasses.asdict(options), "load": meter.loads})
     table = render_table(rows)
     results = _jsonable({"environment": env, "options": dataclasses.asdict(options),
                          "shards": {shard.path.name: file_sha256(shard.path) for shard in shards},
@@ -252,9 +276,10 @@ def run_only(options: BenchOptions, names: list[str]) -> tuple[dict, str]:
 
 def _only(text: str) -> list[str]:
     names = [name.strip() for name in text.split(",") if name.strip()]
-    unknown = sorted(set(names) - set(OWN_DAEMON_SECTIONS))
+    known = [ONE_SESSION, *OWN_DAEMON_SECTIONS]
+    unknown = sorted(set(names) - set(known))
     if not names or unknown:
-        raise argparse.ArgumentTypeError(f"--only takes a comma-separated list of {', '.join(OWN_DAEMON_SECTIONS)} (got {text!r})")
+        raise argparse.ArgumentTypeError(f"--only takes a comma-separated list of {', '.join(known)} (got {text!r})")
     return list(dict.fromkeys(names))
 
 
@@ -275,7 +300,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--move-rounds", type=int, help="section 11: interleaved rounds of move against replay per length (default 3, quick 3)")
     parser.add_argument("--prefix-rounds", type=int, help="section 12: interleaved rounds of its time-to-first-token variants (default 7, quick 3)")
     alone = parser.add_mutually_exclusive_group()
-    alone.add_argument("--only", type=_only, metavar="NAME[,NAME]", help=f"run only these sections, each on daemons of its own: {', '.join(f'{name} ({section})' for name, (section, _what, _how) in OWN_DAEMON_SECTIONS.items())}; writes <out>/bench-<names>.json")
+    alone.add_argument("--only", type=_only, metavar="NAME[,NAME]", help=f"run only these sections, each on daemons of its own: {ONE_SESSION} ({ONE_SESSION_WHAT}: one session, the middle shard and the route), "
+                       f"{', '.join(f'{name} ({section})' for name, (section, _what, _how) in OWN_DAEMON_SECTIONS.items())}; writes <out>/bench-<names>.json")
     alone.add_argument("--overload-only", action="store_true", help="run only section 8 (overload) on its own daemons (as --only overload)")
     parser.add_argument("--no-chart", action="store_true", help="skip the PNG chart")
     parser.add_argument("--json", type=pathlib.Path, metavar="PATH", help="also write the results (raw figures, summary, and the headline \"ratios\" with their targets) to PATH")

@@ -46,7 +46,7 @@ def summarize(results: dict) -> tuple[dict, dict, list[Row]]:
     ratios: dict[str, dict] = {}
     rows: list[Row] = []
     loads = results.get("load", {})
-    parts = [(key, section(results)) for key, section in zip(SECTION_KEYS, SECTIONS)] if "mid_shard" in results else []
+    parts = [(key, section(results)) for key, section in zip(SECTION_KEYS, SECTIONS) if key in results]
     parts += [(key, summarizer(results[key])) for key, summarizer in OWN_SECTIONS.items() if key in results]
     for key, (section_summary, section_ratios, section_rows) in parts:
         section_ratios, section_rows = withhold_contended(loads.get(key), section_ratios, section_rows)

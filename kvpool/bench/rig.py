@@ -37,10 +37,13 @@ FILLER_TEXT = "The quick brown fox jumps over the lazy dog while the river keeps
 
 
 class Rig:
-    """The daemons, in-process models, clients and inputs of one run; close() tears all down."""
+    """The daemons, in-process models, clients and inputs of one run; close() tears all down. With `one_session`
+    only what sections 1, 2 and 4 use (`--only decode`): the mid, chain and whole daemons, not section 3's
+    batched ones."""
 
-    def __init__(self, options: BenchOptions) -> None:
+    def __init__(self, options: BenchOptions, *, one_session: bool = False) -> None:
         self.options = options
+        self.one_session = one_session
         self._stack = contextlib.ExitStack()
         self.socket_dir = pathlib.Path(tempfile.mkdtemp(prefix="kvpool-bench-"))
         self._stack.callback(shutil.rmtree, self.socket_dir, ignore_errors=True)
@@ -68,6 +71,8 @@ class Rig:
             "whole": (source, [*common, "--threads", str(PARALLEL_THREADS), "--max-sessions", str(SESSIONS),
                               "--n-ctx", str(options.max_n_ctx), "--budget", "2GiB", "--spill-budget", "0", "--min-residency", "0"]),
         }
+        if self.one_session:
+            plan = {name: entry for name, entry in plan.items() if not name.startswith(("chainb", "wholeb"))}
         self.daemon_options = {name: options_ for name, (_path, options_) in plan.items()}
         bench_say(f"starting {len(plan)} daemons ({sum(int(o[o.index('--max-sessions') + 1]) for _p, o in plan.values())} workers), sockets in {self.socket_dir}")
         started = time.perf_counter()
