@@ -10,13 +10,16 @@ and noisy: compare the ratios, not the absolute times; every figure is a median)
   3 four sessions at once          aggregate decode tok/s through kvpool / llama.cpp serving the four as
                                    sequences of one context with one batched llama_decode per step
   4 prefill                        512 rows into the middle shard through a daemon / in-process
+                                   (`--only decode` runs sections 1, 2 and 4 alone, on the daemons they use)
   5 admission and reclaim          admit on a warm worker / a bare llama context; release; LRU eviction
   6 memory                         bytes charged / theoretical KV / measured USS growth; daemon USS
   7 warm tier                      through 3 shard daemons of their own (--n-ctx 2112): Park on all 3 at once
                                    (as a router parks a route) + the 1-token decode that restores on each
-                                   (into the context the park kept), 5 cycles per round / a fresh session's
-                                   prefill + the same decode (what a cache miss costs), at 128, 512, 2048
-                                   tokens (quick: 128, 512);
+                                   right after (in place: the cells the park left in its spare), 5 cycles
+                                   per round, and 2 more whose restore comes 1.3 s later (the spares zeroed:
+                                   the state loaded from the store) / a fresh session's prefill + the same
+                                   decode (what a cache miss costs), at 128, 512, 2048 tokens (quick: 128,
+                                   512);
                                    sessions per GiB parked (spill bytes) / hot (charged bytes), 256 tokens at
                                    n_ctx 2048 (`--only warm` runs this section alone)
   8 overload                       8 sessions at once through a 3-daemon chain with 2 places per daemon /

@@ -310,8 +310,29 @@ def test_only_takes_known_sections_and_the_durable_move_and_prefix_flags_overrid
     prefix = options_from_args(_parsed("--only", "prefix", "--quick", "--prefix-rounds", "5", "--out", str(tmp_path)))
     assert prefix.prefix_rounds == 5 and options_from_args(_parsed("--out", str(tmp_path))).prefix_rounds == 7
     assert _parsed("--only", "warm,prefix").only == ["warm", "prefix"]
+    assert _parsed("--only", "decode,warm").only == ["decode", "warm"]
     for bad in ("cold", "warm,cold", ",", ""):
-        with pytest.raises(argparse.ArgumentError, match="--only takes a comma-separated list of warm, overload, startup, durable, move, prefix"):
+        with pytest.raises(argparse.ArgumentError, match="--only takes a comma-separated list of decode, warm, overload, startup, durable, move, prefix"):
             _parsed("--only", bad)
     with pytest.raises(argparse.ArgumentError, match="not allowed with argument"):
         _parsed("--only", "durable", "--overload-only")
+
+
+@pytest.mark.timeout(BENCH_HANG_GUARD_S + 300)
+def test_only_decode_runs_sections_1_2_and_4_on_their_own_daemons(tmp_path) -> None:
+    """`--only decode`: the one-session sections alone, on the mid, chain and whole daemons only (not section 3's
+    batched ones), with their rows, ratios and spreads, and nothing of the other sections."""
+    out = tmp_path / "bench"
+    completed = run_to_completion(
+        [sys.executable, "-m", "kvpool", "bench", "--only", "decode", "--quick", "--rounds", "1", "--decode-steps", "3", "--no-chart", "--out", str(out)],
+        cwd=REPOSITORY, timeout_s=BENCH_HANG_GUARD_S,
+    )
+    assert completed.returncode == 0, completed.stderr[-4000:]
+    results = json.loads((out / "bench-decode.json").read_text())
+    assert sorted(results["daemons"]["options"]) == ["chain0", "chain1", "chain2", "mid", "whole"]
+    assert {"mid_shard", "route"} <= results.keys() and not {"parallel", "admission", "memory", "warm"} & results.keys()
+    sections = {line.split("|")[1].strip() for line in completed.stdout.splitlines() if line.startswith("| ") and not line.startswith("| #")}
+    assert sections == {"1", "2", "4"}
+    assert {"daemon_vs_inprocess", "route_vs_whole"} <= results["ratios"].keys()
+    assert all(results["ratios"][name]["value"] > 0 for name in ("daemon_vs_inprocess", "route_vs_whole"))
+    assert results["summary"]["s2_tokens_identical"] and set(results["load"]) == {"mid_shard", "route"}
