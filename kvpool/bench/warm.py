@@ -57,9 +57,9 @@ def _row(stats: StatsReply, session: str):
 def _restore_once(route: Route, session: str, tokens: list[int], length: int) -> dict:
     """Prefill (not timed), then PARK_CYCLES + LOADED_CYCLES times: time Park on every daemon at once
     (kvpool.router.route.Route.park) and the 1-token decode that restores on each (in the last LOADED_CYCLES after
-    SETTLE_S idle, untimed), then one more decode (hot again). Lists of the cycles' times, and of the restores
-    that resumed their spare's cells per cycle (summed over the daemons); `logits` the first restoring decode's
-    (the re-prefill decodes the same token at the same position)."""
+    SETTLE_S idle, untimed), then one more decode (hot again). Lists of the cycles' times, and per cycle whether
+    each daemon's restore resumed its spare's cells; `logits` the first restoring decode's and `loaded_logits` the
+    first loaded one's (the re-prefill decodes the same tokens at the same positions)."""
     clients = route.clients
     route.append(session, EPOCH, 0, tokens[:length])
     got: dict = {"park_s": [], "restore_s": [], "hot_decode_s": [], "loaded_park_s": [], "loaded_restore_s": [],
@@ -76,26 +76,31 @@ def _restore_once(route: Route, session: str, tokens: list[int], length: int) ->
         logits = route.append(session, EPOCH, at, tokens[at : at + 1])
         got[f"{loaded}restore_s"].append(time.perf_counter() - started)
         restored = [after - before for after, before in zip(_counters(clients, "restores"), restores)] == [1] * len(clients)
-        got[f"{loaded}in_place"].append(sum(_counters(clients, "restores_in_place")) - sum(in_place))
+        got[f"{loaded}in_place"].append([after - before == 1 for after, before in zip(_counters(clients, "restores_in_place"), in_place)])
         got["restored_everywhere"] = got["restored_everywhere"] and parked and restored and _counters(clients, "misses") == misses
         hot = time_call(lambda at=at: route.append(session, EPOCH, at + 1, tokens[at + 1 : at + 2]))
         if not loaded:
             got["hot_decode_s"].append(hot)
-        if cycle == 0:
-            got["logits"] = logits
+        if cycle in (0, PARK_CYCLES):
+            got["loaded_logits" if loaded else "logits"] = logits
     route.release(session, EPOCH)
     return got
 
 
 def _reprefill_once(route: Route, session: str, tokens: list[int], length: int) -> dict:
-    """What a cache miss costs: a fresh session's prefill of the same tokens, then the same decode."""
+    """What a cache miss costs: a fresh session's prefill of the same tokens, then the same decode (timed); then,
+    untimed, the decodes the restored session made up to its first loaded cycle's, whose logits that one's are
+    compared with."""
     started = time.perf_counter()
     route.append(session, EPOCH, 0, tokens[:length])
     prefill_s = time.perf_counter() - started
     logits = route.append(session, EPOCH, length, tokens[length : length + 1])
     total_s = time.perf_counter() - started
+    loaded_at = length + 2 * PARK_CYCLES
+    for at in range(length + 1, loaded_at + 1):
+        loaded_logits = route.append(session, EPOCH, at, tokens[at : at + 1])
     route.release(session, EPOCH)
-    return {"prefill_s": prefill_s, "total_s": total_s, "logits": logits}
+    return {"prefill_s": prefill_s, "total_s": total_s, "logits": logits, "loaded_logits": loaded_logits}
 
 
 def _measure_length(route: Route, tokens: list[int], length: int, repeats: int) -> dict:
@@ -115,8 +120,8 @@ def _measure_length(route: Route, tokens: list[int], length: int, repeats: int) 
                 got = _reprefill_once(route, session, tokens, length)
                 runs["reprefill_prefill_s"].append(got["prefill_s"])
                 runs["reprefill_s"].append(got["total_s"])
-            logits[name] = got["logits"]
-        runs["logits_identical"].append(bool(np.array_equal(logits["restore"], logits["re-prefill"])))
+            logits[name] = {key: got[key] for key in ("logits", "loaded_logits")}
+        runs["logits_identical"].append(all(np.array_equal(logits["restore"][key], logits["re-prefill"][key]) for key in ("logits", "loaded_logits")))
         bench_say(f"warm tier: {length} tokens, round {round_index + 1}/{repeats}")
     return runs
 
@@ -178,7 +183,6 @@ def summarize_warm(warm: dict) -> tuple[dict, dict, list[Row]]:
     ratios: dict[str, dict] = {}
     rows: list[Row] = []
     checks = True
-    daemons = len(warm["integrity"])
     in_place = loaded_in_place = cycles = loaded_cycles = 0
     for key, runs in warm["lengths"].items():
         length = int(key)
@@ -198,8 +202,8 @@ def summarize_warm(warm: dict) -> tuple[dict, dict, list[Row]]:
                         f"s7_loaded_restore_decode_vs_reprefill_{length}": reprefill / loaded_restore})
         checks = checks and all(runs["restored_everywhere"]) and all(runs["logits_identical"])
         # the path each daemon's restore took: its own park's cells resumed (right after), the state loaded (after the idle)
-        in_place, cycles = in_place + sum(runs["in_place"]), cycles + daemons * len(runs["in_place"])
-        loaded_in_place, loaded_cycles = loaded_in_place + sum(runs["loaded_in_place"]), loaded_cycles + daemons * len(runs["loaded_in_place"])
+        in_place, cycles = in_place + sum(map(sum, runs["in_place"])), cycles + sum(map(len, runs["in_place"]))
+        loaded_in_place, loaded_cycles = loaded_in_place + sum(map(sum, runs["loaded_in_place"])), loaded_cycles + sum(map(len, runs["loaded_in_place"]))
         counted = f"{len(runs['park_s'])} cycles, {PARK_CYCLES} per round"
         rows.append(Row("7", f"{length}-token session, 3 daemons: Park on all at once + the 1-token decode that restores on each, right after "
                              f"(in place: the cells each park left; medians of {counted}) vs a fresh session's prefill + the same decode "
@@ -218,7 +222,8 @@ def summarize_warm(warm: dict) -> tuple[dict, dict, list[Row]]:
     rows.append(Row("7", f"restores that resumed their own park's cells (Restored.in_place), of the daemons' restores right after the park / "
                          f"{SETTLE_S:.1f} s after it (a worker busy past IDLE_ZERO_S may still resume in place)",
                     f"{in_place} of {cycles}", f"{loaded_in_place} of {loaded_cycles}", "", ""))
-    rows.append(Row("7", "every timed decode restored on all 3 daemons (no miss), its logits bit-identical to the re-prefilled session's",
+    rows.append(Row("7", "every timed decode restored on all 3 daemons (no miss); the first restoring decode's logits, in place and loaded, "
+                         "bit-identical to the re-prefilled session's at the same position",
                     "yes" if checks else "NO", "", ""))
 
     memory = warm["parked_vs_hot"]

@@ -120,11 +120,40 @@ def test_revocation_release_epoch_eviction_truncate_and_park(model_path, socket_
                 got = router.append("p", 1, 6, tokens=[8])
                 reference.truncate(6)
                 assert got.restored and np.array_equal(got.rows, reference.append(6, tokens=np.asarray([8], np.int32)))
+                assert other.stats().counters["restores_in_place"] == 2  # both into the spare their own park left: nothing loaded
+                # another session takes the only place (p parked for it, its spare cleared for q), then p takes it back
+                # (q parked): into q's spare, cleared, p's stored state loaded
+                other.append("q", 1, 0, tokens=prompt[:4])
+                got = router.append("p", 1, 7, tokens=[9])
+                assert got.restored and np.array_equal(got.rows, reference.append(7, tokens=np.asarray([9], np.int32)))
             counters = other.stats().counters
-            # both restores went into the spare their own park left, its cells kept: nothing loaded
-            assert counters["restores"] == counters["restores_in_place"] == 2 and counters["misses"] == 0
+            assert counters["restores"] == 3 and counters["restores_in_place"] == 2 and counters["misses"] == 0
     finally:
         parked.stop()
+
+
+def test_a_copy_written_behind_leaves_the_direct_channel_bound(model_path, socket_dir, tmp_path, whole_model, prompt_ids):
+    """--persist-after: the copy's save revokes the channel in the worker (every command does) and the supervisor
+    binds it again at once: the next append still goes straight to the worker, and the copy holds the length of
+    the direct appends before it."""
+    daemon = _serve(model_path, socket_dir, "persist-channel", "--max-sessions", "1", "--spill-dir", str(tmp_path / "spill"),
+                    "--spill-disk-budget", "64MiB", "--persist-after", "2")  # far above a step on a slow, busy machine: one copy, at 9
+    prompt = prompt_ids[1][:8]
+    try:
+        with daemon.client() as router, daemon.client(direct=False) as other, whole_model.new_context(N_CTX) as reference:
+            reference.append(0, tokens=np.asarray(prompt, np.int32))
+            router.append("w", 1, 0, tokens=prompt)
+            router.append("w", 1, 8, tokens=[5])  # direct
+            reference.append(8, tokens=np.asarray([5], np.int32))
+            wait_until(lambda: other.stats().counters.get("persisted", 0) >= 1, "a copy written behind")
+            before = other.stats().counters
+            got = router.append("w", 1, 9, tokens=[6])
+            after = other.stats().counters
+            assert np.array_equal(got.rows, reference.append(9, tokens=np.asarray([6], np.int32)))
+            assert after["direct_appends"] == before["direct_appends"] + 1 and after["appends"] == before["appends"]
+            assert after["persisted"] >= 1 and after["persist_failures"] == 0 and after["misses"] == 0
+    finally:
+        daemon.stop()
 
 
 def test_cancel_reaches_a_direct_append_running_or_not_yet_read(model_path, socket_dir, tokenizer):

@@ -75,10 +75,11 @@ class CloseContext(Command):
 
 class SaveState(Command):
     """The open context's sequence state, as bytes in the reply (Saved; its bytes travel beside it:
-    workers.server.pipe). With `keep` (a park, process mode) the context is emptied and kept as the
-    worker's spare: no context is open after the reply, and the next OpenContext / RunAppend.n_ctx /
-    RestoreState of the same n_ctx takes the spare instead of creating one (its KV cleared to zeros, as a
-    fresh context's is); CloseContext or any other n_ctx frees it."""
+    workers.server.pipe). With `keep` (a park, process mode) the context is kept as the worker's spare, the
+    sequence's cells still in it: no context is open after the reply, and the next OpenContext /
+    RunAppend.n_ctx / RestoreState of the same n_ctx takes the spare instead of creating one (cleared, cells
+    and KV, as a fresh context is, unless it is the RestoreState of this park's `owner`, which resumes the
+    cells); CloseContext or any other n_ctx frees it."""
 
     seq: int = 0
     keep: bool = False
@@ -89,7 +90,9 @@ class SaveState(Command):
 
 class RestoreState(Command):
     """A fresh context of n_ctx positions (the spare, if it has that n_ctx) loaded with `blob` (from
-    SaveState) and cut to `length`. On failure that context is freed (Failed, code restore_failed)."""
+    SaveState) and cut to `length`; into the unzeroed spare of the park `owner` names, the cells that park
+    saved are resumed instead and the blob is not read (Restored.in_place). On failure that context is freed
+    (Failed, code restore_failed)."""
 
     n_ctx: int
     length: int
@@ -97,7 +100,7 @@ class RestoreState(Command):
     seq: int = 0
     blob_bytes: int = 0  # on the wire: the size of the blob that travels beside the command
     blob_offset: int = 0  # on the wire: where in that memfd the blob begins
-    owner: int = 0  # the restored state's park token: the spare that park left is taken without zeroing
+    owner: int = 0  # the restored state's park token: the spare that park left is taken without zeroing, its cells resumed
 
 
 class BindChannel(Command):

@@ -1,7 +1,7 @@
 """Parking: an idle hot session's state is saved by its worker into the spill store and its charge goes back
-to the hot budget; the context is freed, or (process mode) emptied and kept by the worker as its spare
-(kvpool.daemon.books.books: charged, the first room an admission takes), so that the session's restore
-or the next admission of that n_ctx creates no context. Used for eviction (the warm tier on), for sessions idle
+to the hot budget; the context is freed, or (process mode) kept by the worker as its spare (kvpool.daemon.
+books.books: charged, the first room an admission takes), so that the session's restore or the next
+admission of that n_ctx creates no context, and that restore, while the spare is unzeroed, loads nothing. Used for eviction (the warm tier on), for sessions idle
 past --park-after, and for the Park request."""
 
 from __future__ import annotations
@@ -14,10 +14,11 @@ from kvpool.daemon.metrics import Metrics
 from kvpool.daemon.pool.channels import Channels
 from kvpool.daemon.pool.handle import WorkerFailed, WorkerLost
 from kvpool.daemon.pool.lifecycle import WorkerLifecycle
-from kvpool.daemon.pool.pool import WorkerPool
+from kvpool.daemon.pool.pool import Lendable, WorkerPool
 from kvpool.state.shared import SharedState
 from kvpool.wire.errors import RequestFailed
 from kvpool.wire.protocol import ErrorCode, MissReason
+from workers.server.commands import Binding
 
 
 class Parking:
@@ -101,18 +102,25 @@ class Parking:
             try:
                 if not self._live_hot(session) or session.persisted_length == session.length:
                     return False
-                length = session.length
+                worker = self.pool.get(session.worker_name)
+                # the save revokes the session's direct channel in the worker, as every command does; it is bound
+                # again right after, so that the client's next append still goes straight to the worker
+                rebind = self.channels.binding(session) if session.channel else None
+                self.channels.handed_to_run(session)
                 try:
-                    blob = (await self.pool.get(session.worker_name).save_state()).blob
+                    saved = await worker.save_state()
+                    if rebind is not None and self._live_hot(session):
+                        await self._rebind(session, worker, rebind)
                 except WorkerLost:
                     self.lifecycle.lost(session)
                     return False
                 except WorkerFailed:
                     self.metrics.count("persist_failures")
                     return False
-                if not self._live_hot(session) or session.length != length:
+                if not self._live_hot(session):
                     return False
-                if not self.books.spill.write_behind(session.key, self.books.sealing.seal(session, blob)):
+                session.length = length = saved.length  # the worker's: a direct append that reached it first is in the copy
+                if not self.books.spill.write_behind(session.key, self.books.sealing.seal(session, saved.blob)):
                     self.metrics.count("persist_failures")
                     return False
                 session.persisted_length = length
@@ -120,6 +128,14 @@ class Parking:
                 return True
             finally:
                 session.in_flight -= 1
+
+    async def _rebind(self, session: Session, worker: Lendable, binding: Binding) -> None:
+        """`session`'s direct channel bound again after a command that revoked it (left revoked if the worker refuses)."""
+        try:
+            await worker.bind_channel(binding)
+        except WorkerFailed:
+            return
+        self.channels.bound(session)
 
     def _live_hot(self, session: Session) -> bool:
         return session.hot and self.books.table.get(session.session_id) is session

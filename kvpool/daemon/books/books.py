@@ -5,7 +5,8 @@ A live session is hot (bound to a worker, its charge reserved in the hot budget)
 its saved state in the spill store, charged to that store's limits). A worker is in exactly one state:
 free (no session, usable), bound (serving one hot session), or in transit (taken out of the books'
 hands: its context being freed, a calibration, a replacement). A free worker may hold a spare: the
-emptied context of the session parked from it (process mode), kept so that the next context of its n_ctx
+context of the session parked from it (process mode; the worker clears it before anyone but that park's
+restore takes it), kept so that the next context of its n_ctx
 is not created again; a spare keeps that session's charge, under its own owner in the budget, and is the
 first room an admission takes (its worker frees it). check_integrity() raises IntegrityError unless: every
 worker is in one state; the bound workers are exactly the hot sessions' workers; spares are on free
@@ -291,7 +292,7 @@ class Books:
 
     def park(self, session: Session, blob: bytes | SharedState, *, kept: bool = False) -> tuple[str | None, list[Session]]:
         """A hot session's saved state goes to the spill store and its charge back to the hot budget; its
-        worker goes into transit (its context to be freed), or, `kept` (its worker kept the emptied context:
+        worker goes into transit (its context to be freed), or, `kept` (its worker kept the context:
         SaveState.keep), is free at once with that context as its spare, the charge moving to the spare.
         Returns the worker to free (None when kept) and the sessions whose blobs were dropped to make room
         (gone: evicted), this one included when its blob fits nowhere."""

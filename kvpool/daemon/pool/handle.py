@@ -123,7 +123,8 @@ class WorkerHandle(WorkerProcess):
 
     async def restore_state(self, n_ctx: int, blob: bytes | memoryview | SharedPayload, length: int, owner: int = 0) -> Restored:
         """A fresh context (the spare if it has n_ctx: Restored.reused) loaded with `blob`, cut to `length`;
-        WorkerFailed code restore_failed if refused. `owner`: the park token of the state restored."""
+        WorkerFailed code restore_failed if refused. `owner`: the park token of the state restored (the spare
+        that park left, unzeroed, resumes its cells and the blob is not read: Restored.in_place)."""
         return await self._expect(RestoreState(n_ctx=n_ctx, blob=blob, length=length, owner=owner), Restored)
 
     async def bind_channel(self, bind: Binding) -> int:
