@@ -194,11 +194,8 @@ class KvService:
                 self.prefixes.record(session, request, n_rows)
                 if capture:
                     await self.prefixes.capture(session, worker)
-                    if binding is not None:
-                        try:
-                            await worker.bind_channel(binding)
-                        except WorkerFailed:
-                            binding = None  # the reply names no channel: the client asks the daemon
+                    if binding is not None and not await self.channels.bind_again(session, binding):
+                        binding = None  # the reply names no channel: the client asks the daemon
         finally:
             session.appending = False
             worker.set_abort(False)  # a cancel that arrived as the append finished must not outlive it

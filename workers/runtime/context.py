@@ -222,10 +222,7 @@ class ShardContext:
         if held != self._length or (held and first != 0) or not 0 <= length <= held:
             raise RestoreFailed(f"the kept cells hold positions [{first}, {held}), this context {self._length}, {length} asked", length=0)
         if held > length:
-            try:
-                self._roll_back(length)
-            except AssertionError:  # cells with a gap: not what the park saved
-                raise RestoreFailed(f"the kept cells could not be cut to {length} positions", length=0) from None
+            self._roll_back(length)
         return self._length
 
     def close(self) -> None:

@@ -177,13 +177,11 @@ class WorkerServer:
         """The parked session back in a context: into the spare its own park left, unzeroed, nothing is loaded
         (its cells are the ones that park saved, cut to `length`); anywhere else, the blob is. A spare whose
         cells do not hold what that park saved is cleared and loaded as any other."""
-        own = (
-            command.owner != 0 and self.spare is not None and self.spare.n_ctx == command.n_ctx and self._unzeroed == command.owner
-        )
+        own = command.owner != 0 and command.owner == self._unzeroed  # a spare _open reuses is then that park's, its cells in it
         opened = self._open(command.n_ctx, command.owner)
         if isinstance(opened, Failed):
             return opened
-        if own:
+        if own and opened.reused:
             try:
                 return Restored(length=self.context.resume(command.length), reused=True, in_place=True)
             except ShardRuntimeError:
@@ -230,6 +228,7 @@ class WorkerServer:
             self.release_free_heap()
 
     def _close_spare(self) -> None:
+        self._unzeroed = None  # no spare, no park's cells
         if self.spare is not None:
             self.spare.close()
             self.spare = None

@@ -14,11 +14,10 @@ from kvpool.daemon.metrics import Metrics
 from kvpool.daemon.pool.channels import Channels
 from kvpool.daemon.pool.handle import WorkerFailed, WorkerLost
 from kvpool.daemon.pool.lifecycle import WorkerLifecycle
-from kvpool.daemon.pool.pool import Lendable, WorkerPool
+from kvpool.daemon.pool.pool import WorkerPool
 from kvpool.state.shared import SharedState
 from kvpool.wire.errors import RequestFailed
 from kvpool.wire.protocol import ErrorCode, MissReason
-from workers.server.commands import Binding
 
 
 class Parking:
@@ -102,15 +101,14 @@ class Parking:
             try:
                 if not self._live_hot(session) or session.persisted_length == session.length:
                     return False
-                worker = self.pool.get(session.worker_name)
                 # the save revokes the session's direct channel in the worker, as every command does; it is bound
                 # again right after, so that the client's next append still goes straight to the worker
                 rebind = self.channels.binding(session) if session.channel else None
                 self.channels.handed_to_run(session)
                 try:
-                    saved = await worker.save_state()
-                    if rebind is not None and self._live_hot(session):
-                        await self._rebind(session, worker, rebind)
+                    saved = await self.pool.get(session.worker_name).save_state()
+                    if rebind is not None and self._live_hot(session) and await self.channels.bind_again(session, rebind):
+                        self.channels.bound(session)
                 except WorkerLost:
                     self.lifecycle.lost(session)
                     return False
@@ -128,14 +126,6 @@ class Parking:
                 return True
             finally:
                 session.in_flight -= 1
-
-    async def _rebind(self, session: Session, worker: Lendable, binding: Binding) -> None:
-        """`session`'s direct channel bound again after a command that revoked it (left revoked if the worker refuses)."""
-        try:
-            await worker.bind_channel(binding)
-        except WorkerFailed:
-            return
-        self.channels.bound(session)
 
     def _live_hot(self, session: Session) -> bool:
         return session.hot and self.books.table.get(session.session_id) is session

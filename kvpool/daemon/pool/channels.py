@@ -12,6 +12,7 @@ import time
 
 from kvpool.daemon.books.books import Books
 from kvpool.daemon.books.sessions import Session
+from kvpool.daemon.pool.errors import WorkerFailed
 from kvpool.daemon.pool.lifecycle import WorkerLifecycle
 from kvpool.daemon.pool.pool import WorkerPool
 from workers.server.commands import Binding
@@ -53,6 +54,15 @@ class Channels:
         session.channel = False
         async with self.lifecycle.worker_call(session, refused=REFUSED):
             session.length = await self.pool.get(session.worker_name).revoke_channel()
+
+    async def bind_again(self, session: Session, binding: Binding) -> bool:
+        """After a command that revoked the channel (a prefix capture's or a copy's save), the worker serves
+        `binding` from it again; False when it refuses (the channel stays revoked: the client asks the daemon)."""
+        try:
+            await self.pool.get(session.worker_name).bind_channel(binding)
+        except WorkerFailed:
+            return False
+        return True
 
     @staticmethod
     def handed_to_run(session: Session) -> None:
