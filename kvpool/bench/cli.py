@@ -33,11 +33,12 @@ from kvpool.bench.rig import PROMPTS, Rig, long_history
 from kvpool.bench.startup import measure_startup
 from kvpool.bench.table import render_table
 from kvpool.bench.warm import measure_warm
-from kvpool.host import work_dir
+from kvpool.host import glibc_tunables, transparent_huge_pages, work_dir
 from kvpool.local.tokenizer import Tokenizer
 from kvpool.shard.bundled import bundled_model_path
 from kvpool.shard.cache import cached_shards, shards_in_parts
 from kvpool.shard.header import ShardInfo, file_sha256
+from workers.server.readings import huge_page_bytes
 
 
 def _cpu_model() -> str:
@@ -65,6 +66,9 @@ def environment(source: pathlib.Path) -> dict:
         "model": str(source),
         "model_sha256": file_sha256(source),
         "load_average_at_start": os.getloadavg(),
+        # the malloc of the bench's own references; a daemon's workers get the same by default (--huge-pages auto)
+        "transparent_huge_pages": transparent_huge_pages(),
+        "glibc_tunables": glibc_tunables(),
     }
 
 
@@ -123,6 +127,7 @@ def run_bench(options: BenchOptions) -> tuple[dict, str]:
         rig.close()
     results = _jsonable(results)
     env["load_average_at_end"] = os.getloadavg()
+    env["huge_page_bytes_at_end"] = huge_page_bytes()
     env["wall_s"] = time.perf_counter() - started
     # every process this run started has been waited for by now, so its CPU time is in ours
     env["other_processes_cpu_s"] = (_busy_cpu_s() - busy_before) - (_own_tree_cpu_s() - ours_before)
@@ -260,6 +265,7 @@ def run_only(options: BenchOptions, names: list[str]) -> tuple[dict, str]:
     finally:
         shutil.rmtree(socket_dir, ignore_errors=True)
     env["load_average_at_end"] = os.getloadavg()
+    env["huge_page_bytes_at_end"] = huge_page_bytes()
     summary, ratios, rows = summarize({**measured, "options": dataclasses.asdict(options), "load": meter.loads})
     table = render_table(rows)
     results = _jsonable({"environment": env, "options": dataclasses.asdict(options),

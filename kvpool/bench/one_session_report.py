@@ -56,7 +56,7 @@ def summarize_mid_shard(results: dict) -> tuple[dict, dict, list[Row]]:
                  f"(hot: {ms(mid_trip_hot)}; supervisor only: {ms(mid_supervisor)})", ms(mid_trip), "", share(mid_trip, overhead)),
         Row("1", "  payload: encode, decode, shared-memory copies of one row each way (replayed in-process, hot caches)",
             ms(mid["payload_s"]), "", share(mid["payload_s"], overhead)),
-        Row("1", "  rest: append bookkeeping in supervisor and worker, compute-slot semaphore, scheduling", ms(mid_rest), "", share(mid_rest, overhead)),
+        Row("1", "  rest, not measured apart: the worker's own llama compute of the step against the runtime's, the Python on either side of it, scheduling", ms(mid_rest), "", share(mid_rest, overhead)),
     ]
     return summary, ratios, rows
 

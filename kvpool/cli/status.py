@@ -48,6 +48,11 @@ def add_parser(subcommands: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run)
 
 
+def _huge_pages_line(stats: StatsReply) -> str:
+    held = sum(worker.huge_page_bytes for worker in stats.workers)
+    return f"huge pages  {stats.huge_pages or 'n/a'}; the workers hold {format_bytes(held)} in them"
+
+
 def render(stats: StatsReply) -> str:
     shard = stats.shard
     budget = stats.budget
@@ -55,6 +60,7 @@ def render(stats: StatsReply) -> str:
         f"shard   {shard.shape}  {shard.model_path}",
         f"uptime  {stats.uptime_s:.0f} s   books: {stats.integrity}",
         f"mode    {stats.mode_detail or stats.mode}",
+        _huge_pages_line(stats),
         f"budget  reserved {format_bytes(budget.reserved_bytes)} / limit {format_bytes(budget.limit_bytes)}   "
         + (f"spare contexts {format_bytes(budget.spare_bytes)}   " if budget.spare_bytes else "")
         + f"measured USS {format_bytes(budget.measured_uss_bytes)}"

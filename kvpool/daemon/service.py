@@ -287,7 +287,7 @@ class KvService:
             counters=self.metrics.snapshot() | self.channels.counts() | self.pool.batch_counts() | {"peak_concurrent_compute_threads": self.compute.peak * self.config.worker_threads}
             | self.books.table.fence_counts() | {"admissions_waiting": len(self.admission.queue)},
             calibration=self.calibrator.rows(),
-            mode=self.config.mode, mode_detail=self.mode_detail(),
+            mode=self.config.mode, mode_detail=self.mode_detail(), huge_pages=self.config.huge_pages_detail,
         )
 
     def mode_detail(self) -> str:

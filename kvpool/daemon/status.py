@@ -28,6 +28,7 @@ def build_stats(
     calibration: list[CalibrationRow],
     mode: str = "process",
     mode_detail: str = "",
+    huge_pages: str = "",
 ) -> StatsReply:
     """`usses` are the measured USS of `workers`, in that order."""
     now = time.monotonic()
@@ -52,6 +53,7 @@ def build_stats(
                 name=w.name, pid=w.pid, state=books.state_of(w.name), uss_bytes=uss, baseline_uss_bytes=w.baseline_uss,
                 session_id=bound.session_id if (bound := books.session_of(w.name)) is not None else "",
                 spare_bytes=spare.charge if (spare := books.spare_of(w.name)) is not None else 0,
+                huge_page_bytes=w.ready.huge_page_bytes if w.ready is not None else 0,
             )
             for w, uss in zip(workers, usses)
         ],
@@ -72,4 +74,5 @@ def build_stats(
         calibration=calibration,
         mode=mode,
         mode_detail=mode_detail,
+        huge_pages=huge_pages,
     )

@@ -103,6 +103,7 @@ def build_pool(config: ServeConfig, info: ShardInfo, kinds: tuple[type, type] | 
             request_timeout_s=config.request_timeout_s,
             direct=config.uses_direct_channels,
             kinds=kinds,
+            environment=config.worker_environment,
         )
     )
 
@@ -268,7 +269,7 @@ class Supervisor:
             return None
         key = ProbeKey(
             format=PROBE_CACHE_FORMAT, identity=identity, mode=config.mode, n_ctx=config.n_ctx, worker_threads=config.worker_threads,
-            n_gpu_layers=config.n_gpu_layers, machine=machine_name(), kvpool_probe=PROBE_PARAMETERS,
+            n_gpu_layers=config.n_gpu_layers, machine=machine_name(), kvpool_probe=PROBE_PARAMETERS, huge_pages=config.huge_pages_used,
         )
         return ProbeCache(directory, key)
 

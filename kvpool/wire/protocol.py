@@ -301,6 +301,7 @@ class WorkerRow(Message):
     baseline_uss_bytes: int
     session_id: str = ""
     spare_bytes: int = 0  # the charge of the spare context this free worker keeps (kvpool.daemon.books.books)
+    huge_page_bytes: int = 0  # its anonymous memory in transparent huge pages when it became ready (--huge-pages)
 
 
 class BudgetRow(Message):
@@ -351,6 +352,7 @@ class StatsReply(ReplyMessage):
     calibration: list[CalibrationRow] = []  # the measurements every session's charge is fitted from
     mode: str = "process"  # how workers hold sessions: "process" (one each) or "batched" (sequences of one context)
     mode_detail: str = ""  # why this mode, and its shape (sessions per worker process)
+    huge_pages: str = ""  # what --huge-pages came to on this host (kvpool.daemon.config.ServeConfig.huge_pages_detail)
     prefixes: PrefixStoreRow | None = None  # None: no prefix store
 
 

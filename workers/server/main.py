@@ -24,7 +24,7 @@ from workers.server.batched_server import BatchedWorkerServer
 from workers.server.commands import AnyCommand, Exit, Failed, Ready
 from workers.server.direct import DirectChannel
 from workers.server.pipe import received_command, send_reply
-from workers.server.readings import anonymous_bytes
+from workers.server.readings import anonymous_bytes, huge_page_bytes
 from workers.server.single import WorkerServer
 from workers.server.spec import WorkerSpec
 
@@ -96,6 +96,7 @@ def worker_main(connection: Connection, spec: WorkerSpec, cancel_connection: Con
                 shape=model.shape,
                 kv_bytes_per_position=model.kv_bytes_per_position(),
                 context_bytes=max(anonymous_bytes() - before, 0) if spec.seqs_per_worker else 0,
+                huge_page_bytes=huge_page_bytes(),
             )
         )
     )
