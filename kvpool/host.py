@@ -70,8 +70,8 @@ def with_huge_page_malloc(tunables: str | None) -> str:
     mmapped chunks and heap madvised MADV_HUGEPAGE; llama.cpp's CPU buffers, the repacked weights among them, are
     such chunks), the other tunables of `tunables` kept. A hugetlb tunable already there is kept as it is: the
     user's choice. glibc before 2.35 ignores the name."""
-    items = [item for item in (tunables or "").split(":") if item]
-    if any(item.split("=", 1)[0] == HUGETLB_TUNABLE for item in items):
+    items = _tunable_items(tunables)
+    if any(item.partition("=")[0] == HUGETLB_TUNABLE for item in items):
         return ":".join(items)
     return ":".join([*items, f"{HUGETLB_TUNABLE}=1"])
 
@@ -92,8 +92,13 @@ def huge_page_environment() -> dict[str, str]:
 
 def asks_for_huge_pages(tunables: str) -> bool:
     """`tunables` (a GLIBC_TUNABLES value) set glibc.malloc.hugetlb to something other than 0."""
-    values = [item.split("=", 1)[1] for item in tunables.split(":") if item.startswith(f"{HUGETLB_TUNABLE}=")]
+    values = [value for name, _, value in (item.partition("=") for item in _tunable_items(tunables)) if name == HUGETLB_TUNABLE]
     return bool(values) and values[-1] not in ("", "0")
+
+
+def _tunable_items(tunables: str | None) -> list[str]:
+    """GLIBC_TUNABLES' items (name=value) in order, as written; empty ones left out."""
+    return [item for item in (tunables or "").split(":") if item]
 
 
 def available_cores() -> int:

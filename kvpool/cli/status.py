@@ -50,7 +50,7 @@ def add_parser(subcommands: argparse._SubParsersAction) -> None:
 
 def _huge_pages_line(stats: StatsReply) -> str:
     held = sum(worker.huge_page_bytes for worker in stats.workers)
-    return f"huge pages  {stats.huge_pages or 'n/a'}; the workers hold {format_bytes(held)} in them"
+    return f"huge pages  {stats.huge_pages or 'n/a'}; the workers held {format_bytes(held)} in them when they became ready"
 
 
 def render(stats: StatsReply) -> str:

@@ -178,4 +178,13 @@ class FakeDaemon:
             self.stop()
 
 
+def started(serve, model, *flags: str):
+    """A fake daemon started (the `serve` fixture) with `flags` and stopped at once: its stats and its log."""
+    daemon = serve(model, *flags)
+    with daemon.client() as client:
+        stats = client.stats()
+    daemon.stop()
+    return stats, daemon.log()
+
+
 logging.getLogger("kvpool.serve").setLevel(logging.WARNING)

@@ -15,7 +15,7 @@ from kvpool.cli.main import build_parser
 from kvpool.daemon.config import ServeConfig
 from kvpool.daemon.pool.process import spawn_environment
 from kvpool.host import GLIBC_TUNABLES_ENV, asks_for_huge_pages, huge_page_environment, transparent_huge_pages, with_huge_page_malloc
-from tests.unit.test_probe_cache import started
+from tests.support.fake_daemon import started
 
 SETTING = "glibc.malloc.hugetlb=1"
 

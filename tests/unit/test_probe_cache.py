@@ -11,14 +11,7 @@ import pytest
 from kvpool.daemon.config import ServeConfig
 from kvpool.host import user_cache_dir
 from tests.support.contract import MODES, mode_flags
-
-
-def started(serve, model, *flags: str):
-    daemon = serve(model, *flags)
-    with daemon.client() as client:
-        stats = client.stats()
-    daemon.stop()
-    return stats, daemon.log()
+from tests.support.fake_daemon import started
 
 
 @pytest.mark.parametrize("mode", MODES)
