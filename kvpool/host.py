@@ -1,6 +1,6 @@
 """The host kvpool runs on: the one place environment variables are read (the work directory, the user's cache
-directory, the direct channel's frame deadline, the service manager's notification socket, glibc's tunables), the
-cores it may use, whether its kernel offers transparent huge pages, and byte sizes as people write them."""
+directory, the direct channel's frame deadline, the service manager's notification socket), the cores it may use,
+and byte sizes as people write them."""
 
 from __future__ import annotations
 
@@ -12,9 +12,6 @@ DEFAULT_WORK_DIR = ".kvpool"
 FRAME_DEADLINE_ENV = "KVPOOL_DIRECT_FRAME_DEADLINE_S"
 NOTIFY_SOCKET_ENV = "NOTIFY_SOCKET"  # set by a service manager (systemd Type=notify): see kvpool.daemon.notify
 CACHE_HOME_ENV = "XDG_CACHE_HOME"  # the XDG base directory for a user's caches (default ~/.cache)
-GLIBC_TUNABLES_ENV = "GLIBC_TUNABLES"  # read by glibc when a process starts: name=value pairs joined by ':'
-HUGETLB_TUNABLE = "glibc.malloc.hugetlb"  # 1: malloc madvises its mmapped chunks and heap MADV_HUGEPAGE (glibc >= 2.35)
-THP_ENABLED_PATH = pathlib.Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
 def work_dir() -> pathlib.Path:
@@ -52,53 +49,6 @@ def direct_frame_deadline_s(default: float) -> float:
 def notify_socket_address() -> str | None:
     """The service manager's notification socket (NOTIFY_SOCKET), or None when nothing asked to be told."""
     return os.environ.get(NOTIFY_SOCKET_ENV) or None
-
-
-def transparent_huge_pages(path: pathlib.Path = THP_ENABLED_PATH) -> str:
-    """The kernel's transparent huge page mode for anonymous memory: always, madvise or never; "" where the
-    kernel says nothing (no such file: not Linux, or built without THP)."""
-    try:
-        text = path.read_text(encoding="ascii")
-    except (OSError, UnicodeDecodeError):
-        return ""
-    start, end = text.find("["), text.find("]")
-    return text[start + 1 : end] if 0 <= start < end else ""
-
-
-def with_huge_page_malloc(tunables: str | None) -> str:
-    """GLIBC_TUNABLES for a process whose malloc asks for transparent huge pages (glibc.malloc.hugetlb=1: its
-    mmapped chunks and heap madvised MADV_HUGEPAGE; llama.cpp's CPU buffers, the repacked weights among them, are
-    such chunks), the other tunables of `tunables` kept. A hugetlb tunable already there is kept as it is: the
-    user's choice. glibc before 2.35 ignores the name."""
-    items = _tunable_items(tunables)
-    if any(item.partition("=")[0] == HUGETLB_TUNABLE for item in items):
-        return ":".join(items)
-    return ":".join([*items, f"{HUGETLB_TUNABLE}=1"])
-
-
-def glibc_tunables() -> str:
-    """This process's GLIBC_TUNABLES ("" when unset)."""
-    return os.environ.get(GLIBC_TUNABLES_ENV, "")
-
-
-def huge_page_environment() -> dict[str, str]:
-    """What a process started now from this one needs in its environment for its malloc to ask for transparent
-    huge pages: GLIBC_TUNABLES as with_huge_page_malloc makes it, or nothing where the kernel offers none (THP
-    never, or no THP). The one rule for a daemon's workers (--huge-pages auto) and the bench's own references."""
-    if transparent_huge_pages() not in ("always", "madvise"):
-        return {}
-    return {GLIBC_TUNABLES_ENV: with_huge_page_malloc(glibc_tunables())}
-
-
-def asks_for_huge_pages(tunables: str) -> bool:
-    """`tunables` (a GLIBC_TUNABLES value) set glibc.malloc.hugetlb to something other than 0."""
-    values = [value for name, _, value in (item.partition("=") for item in _tunable_items(tunables)) if name == HUGETLB_TUNABLE]
-    return bool(values) and values[-1] not in ("", "0")
-
-
-def _tunable_items(tunables: str | None) -> list[str]:
-    """GLIBC_TUNABLES' items (name=value) in order, as written; empty ones left out."""
-    return [item for item in (tunables or "").split(":") if item]
 
 
 def available_cores() -> int:

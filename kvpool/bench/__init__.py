@@ -62,11 +62,10 @@ Threads: every single-session figure uses 1 llama thread per computing context (
 `--threads 1` each, which alone would allow 3 single threads at once across daemons, so the benchmark's
 router caps the chain at 2 appends in flight (at most 2 llama threads); an uncapped chain row is shown too.
 Flash attention is off everywhere. Greedy decoding continues past end-of-generation tokens (timing only).
-Memory: the daemons run with --huge-pages auto, their default (workers' malloc asks for transparent huge pages
-where the kernel offers them), and `kvpool bench` starts itself again with the same GLIBC_TUNABLES when it lacks
-them, so its in-process references sit in the same kind of pages as the workers (JSON "environment":
-transparent_huge_pages, glibc_tunables, the bench's huge_page_bytes_at_end); GLIBC_TUNABLES=glibc.malloc.hugetlb=0
-in the environment measures both sides without.
+Memory: the daemons run with --huge-pages auto, their default (each worker collapses the memory its load
+allocated, the repacked weights, into transparent huge pages where the kernel offers them), and every in-process
+reference loads its model the same way (workers.runtime.model.ShardModel's default), so neither side of a ratio
+has huge pages the other lacks (JSON "environment": transparent_huge_pages, the bench's huge_page_bytes_at_end).
 
 The JSON's "ratios" names the headline ratios, each with its target (null: none), whether it was met and its
 verdict. The bench checks its own runs (kvpool.bench.checks): each section's load (JSON "load": load

@@ -33,11 +33,12 @@ from kvpool.bench.rig import PROMPTS, Rig, long_history
 from kvpool.bench.startup import measure_startup
 from kvpool.bench.table import render_table
 from kvpool.bench.warm import measure_warm
-from kvpool.host import glibc_tunables, transparent_huge_pages, work_dir
+from kvpool.host import work_dir
 from kvpool.local.tokenizer import Tokenizer
 from kvpool.shard.bundled import bundled_model_path
 from kvpool.shard.cache import cached_shards, shards_in_parts
 from kvpool.shard.header import ShardInfo, file_sha256
+from workers.runtime.huge_pages import transparent_huge_pages
 from workers.server.readings import huge_page_bytes
 
 
@@ -66,9 +67,8 @@ def environment(source: pathlib.Path) -> dict:
         "model": str(source),
         "model_sha256": file_sha256(source),
         "load_average_at_start": os.getloadavg(),
-        # the malloc of the bench's own references; a daemon's workers get the same by default (--huge-pages auto)
+        # the bench's own references collapse their loads into huge pages as a daemon's workers do (--huge-pages auto)
         "transparent_huge_pages": transparent_huge_pages(),
-        "glibc_tunables": glibc_tunables(),
     }
 
 

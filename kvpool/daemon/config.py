@@ -13,10 +13,9 @@ import types
 from collections.abc import Callable
 from typing import Any
 
-from kvpool import host
 from kvpool.daemon.books.prefixes import SUBDIR as PREFIX_SUBDIR
 from kvpool.daemon.books.spill import SpillDirRefused, check_disk_dir
-from kvpool.host import GLIBC_TUNABLES_ENV, asks_for_huge_pages, available_cores, format_bytes, huge_page_environment, parse_bytes, user_cache_dir
+from kvpool.host import available_cores, format_bytes, parse_bytes, user_cache_dir
 from kvpool.wire.protocol import DEFAULT_MAX_REQUEST_BYTES
 
 DEFAULT_MAX_BUFFERED_BYTES = 256 * 1024**2
@@ -28,7 +27,7 @@ MAX_PREFIX_BLOCK = 4096
 DEFAULT_PREFIX_CACHE_BYTES = 256 * 1024**2
 
 
-HUGE_PAGES = ("auto", "off")  # auto: workers ask glibc's malloc for transparent huge pages where the kernel offers them
+HUGE_PAGES = ("auto", "off")  # auto: each worker collapses its load's own memory into transparent huge pages where the kernel offers them
 MODES = ("process", "batched", "auto")  # auto: resolved at start-up (kvpool.daemon.mode_probe) to one of the others
 
 
@@ -91,7 +90,7 @@ class ServeConfig:
     threads_per_worker: int = flag('--threads-per-worker', 'process mode: llama threads per worker (default {default}); a batched worker process gets --threads divided by the number of worker processes', default=1, type=int)
     n_ctx: int = flag('--n-ctx', 'largest (and default) context per session (default {default})', default=2048, type=int)  # the largest context a session may ask for, and the default
     flash_attn: bool = flag('--flash-attn', 'use flash attention (all shards of a route must agree)', default=False, action='store_true')
-    huge_pages: str = flag('--huge-pages', "auto: worker processes start with glibc's malloc asking for transparent huge pages (GLIBC_TUNABLES glibc.malloc.hugetlb=1, glibc >= 2.35) where the kernel offers them (THP always or madvise): llama.cpp's CPU buffers, the repacked weights among them, then sit in 2 MiB pages, where a decode step, which reads them all, takes the same time in every process (`kvpool status` shows the bytes each worker got); off: workers start with the environment as it is (default {default})", default='auto', choices=HUGE_PAGES)
+    huge_pages: str = flag('--huge-pages', "auto: right after loading the shard, each worker asks the kernel to move the memory the load allocated (the weights llama.cpp repacks for this CPU: Q4_0, Q4_K, IQ4_NL, ...) into 2 MiB transparent huge pages (MADV_COLLAPSE, Linux >= 6.1) where it offers them (THP always or madvise), so that a decode step, which reads them all, takes the same time in every process; contexts keep ordinary pages. `kvpool status` shows the bytes each worker got. off: nothing asked (default {default})", default='auto', choices=HUGE_PAGES)
     max_request_bytes: int = flag('--max-request-bytes', 'largest request frame accepted (default {default})', default=DEFAULT_MAX_REQUEST_BYTES, parse=parse_bytes)
     ready_timeout_s: float = 60.0
     request_timeout_s: float = flag('--request-timeout', 'seconds a worker may take to answer one call (an append of --n-ctx rows included); a worker that does not is killed and replaced, and its request answered worker_lost (default {default})', default=600.0, type=float)  # a worker call not answered by then: worker killed, request worker_lost
@@ -242,29 +241,6 @@ class ServeConfig:
         if self.max_buffered_bytes is not None:
             return self.max_buffered_bytes
         return max(DEFAULT_MAX_BUFFERED_BYTES, self.max_request_bytes)
-
-    @property
-    def worker_environment(self) -> tuple[tuple[str, str], ...]:
-        """Variables the worker processes start with over the supervisor's environment (--huge-pages auto:
-        kvpool.host.huge_page_environment)."""
-        return tuple(huge_page_environment().items()) if self.huge_pages == "auto" else ()
-
-    @property
-    def huge_pages_used(self) -> bool:
-        """The workers' malloc asks for transparent huge pages (a GLIBC_TUNABLES of the user's own that sets
-        glibc.malloc.hugetlb=0 is kept, and then they do not)."""
-        return asks_for_huge_pages(dict(self.worker_environment).get(GLIBC_TUNABLES_ENV, ""))
-
-    @property
-    def huge_pages_detail(self) -> str:
-        """What --huge-pages came to on this host, as `kvpool status` shows it."""
-        mode = host.transparent_huge_pages() or "not offered"
-        if self.huge_pages == "off":
-            return f"off (--huge-pages off; transparent huge pages: {mode})"
-        if not self.huge_pages_used:
-            tunables = dict(self.worker_environment).get(GLIBC_TUNABLES_ENV, "")
-            return f"off (transparent huge pages: {mode}" + (f"; GLIBC_TUNABLES {tunables})" if tunables else ")")
-        return f"workers' malloc asks for them (GLIBC_TUNABLES {dict(self.worker_environment)[GLIBC_TUNABLES_ENV]}; transparent huge pages: {mode})"
 
     @property
     def batched(self) -> bool:

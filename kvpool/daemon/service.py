@@ -82,6 +82,7 @@ class KvService:
         self.metrics.limit_bytes.set(config.budget_bytes)
         self.vram = VramMeter()
         self.started = time.monotonic()
+        self.huge_pages = f"--huge-pages {config.huge_pages}"  # and what the first worker's load came to (set by the supervisor)
         self.mode_reason = ""  # --mode auto: why this mode (set by the supervisor)
         self.compute = ComputeSlots(config.concurrent_workers)
         pool.use_compute_slots(self.compute)  # batched workers take one per batch
@@ -287,7 +288,7 @@ class KvService:
             counters=self.metrics.snapshot() | self.channels.counts() | self.pool.batch_counts() | {"peak_concurrent_compute_threads": self.compute.peak * self.config.worker_threads}
             | self.books.table.fence_counts() | {"admissions_waiting": len(self.admission.queue)},
             calibration=self.calibrator.rows(),
-            mode=self.config.mode, mode_detail=self.mode_detail(), huge_pages=self.config.huge_pages_detail,
+            mode=self.config.mode, mode_detail=self.mode_detail(), huge_pages=self.huge_pages,
         )
 
     def mode_detail(self) -> str:

@@ -97,13 +97,13 @@ def build_pool(config: ServeConfig, info: ShardInfo, kinds: tuple[type, type] | 
                 compute_lock_path=str(compute_lock_path(config)) if config.concurrent_workers < config.worker_processes else "",
                 compute_slots=config.concurrent_workers,
                 seqs_per_worker=config.seqs_per_worker if config.batched else 0,
+                huge_pages=config.huge_pages == "auto",
             ),
             size=config.max_sessions,
             ready_timeout_s=config.ready_timeout_s,
             request_timeout_s=config.request_timeout_s,
             direct=config.uses_direct_channels,
             kinds=kinds,
-            environment=config.worker_environment,
         )
     )
 
@@ -194,6 +194,7 @@ class Supervisor:
                 seqs_per_context=config.seqs_per_worker if config.batched else 1,
             )
             self.service = service = KvService(config, pool, shard, ready.kv_bytes_per_position, identity)
+            service.huge_pages += f"; the first worker's load: {ready.huge_pages}" if ready.huge_pages else ""
             service.mode_reason = mode_reason
             if config.spill_dir is not None:
                 self._announce(service.adopt_saved_states())
@@ -269,7 +270,7 @@ class Supervisor:
             return None
         key = ProbeKey(
             format=PROBE_CACHE_FORMAT, identity=identity, mode=config.mode, n_ctx=config.n_ctx, worker_threads=config.worker_threads,
-            n_gpu_layers=config.n_gpu_layers, machine=machine_name(), kvpool_probe=PROBE_PARAMETERS, huge_pages=config.huge_pages_used,
+            n_gpu_layers=config.n_gpu_layers, machine=machine_name(), kvpool_probe=PROBE_PARAMETERS,
         )
         return ProbeCache(directory, key)
 

@@ -352,7 +352,7 @@ class StatsReply(ReplyMessage):
     calibration: list[CalibrationRow] = []  # the measurements every session's charge is fitted from
     mode: str = "process"  # how workers hold sessions: "process" (one each) or "batched" (sequences of one context)
     mode_detail: str = ""  # why this mode, and its shape (sessions per worker process)
-    huge_pages: str = ""  # what --huge-pages came to on this host (kvpool.daemon.config.ServeConfig.huge_pages_detail)
+    huge_pages: str = ""  # --huge-pages and what the first worker's load asked for (workers.runtime.huge_pages.Collapse.describe)
     prefixes: PrefixStoreRow | None = None  # None: no prefix store
 
 

@@ -1,23 +1,31 @@
-"""--huge-pages (kvpool.host, kvpool.daemon.config, kvpool.daemon.pool.process): a daemon's workers start with
-glibc's malloc asking for transparent huge pages where the kernel offers them, the user's own tunables kept;
-the supervisor's environment is as it was after each spawn; the calibration kept between starts is another
-key with or without them. No model, no worker process (the real workers: tests/daemon/test_huge_pages.py)."""
+"""--huge-pages (workers.runtime.huge_pages, kvpool.daemon.config): after a load, the anonymous memory it mapped is
+asked for in transparent huge pages where the kernel offers them, and nothing else; `off`, or a kernel that offers
+none, asks nothing; the flag reaches every worker's spec and `kvpool status` says what it came to. No model, no
+worker process (a real load: tests/daemon/test_huge_pages.py)."""
 
 from __future__ import annotations
 
-import os
-import threading
+import ctypes
+import mmap
 
 import pytest
 
-import kvpool.host
 from kvpool.cli.main import build_parser
 from kvpool.daemon.config import ServeConfig
-from kvpool.daemon.pool.process import spawn_environment
-from kvpool.host import GLIBC_TUNABLES_ENV, asks_for_huge_pages, huge_page_environment, transparent_huge_pages, with_huge_page_malloc
-from tests.support.fake_daemon import started
+from workers.runtime import huge_pages
+from workers.runtime.huge_pages import HUGE_PAGE_BYTES, Collapse, MappingWatch, anonymous_ranges, new_ranges, transparent_huge_pages, whole_huge_pages
 
-SETTING = "glibc.malloc.hugetlb=1"
+MIB = 1024**2
+
+MAPS = """\
+55e7fc597000-55e7fc6eb000 rw-p 00000000 00:00 0                          [heap]
+7f7b1eda7000-7f7b1fbe0000 rw-p 00000000 00:00 0
+7f7b20000000-7f7b20400000 rw-s 00000000 00:01 1234                       /memfd:kvpool (deleted)
+7f7b21000000-7f7b21200000 r--p 00000000 00:00 0
+7f7b22000000-7f7b22400000 rw-p 00000000 08:01 42                         /models/shard.gguf
+7f7b23000000-7f7b23200000 rw-p 00000000 00:00 0                          [anon:glibc: malloc arena]
+7ffc00000000-7ffc00021000 rw-p 00000000 00:00 0                          [stack]
+"""
 
 
 @pytest.mark.parametrize(
@@ -34,102 +42,112 @@ def test_no_such_file_is_no_mode(tmp_path):
     assert transparent_huge_pages(tmp_path / "absent") == ""
 
 
-def test_the_tunable_is_added_beside_the_users_own_and_a_hugetlb_of_theirs_is_kept():
-    assert with_huge_page_malloc(None) == SETTING
-    assert with_huge_page_malloc("") == SETTING
-    assert with_huge_page_malloc("glibc.malloc.arena_max=2") == f"glibc.malloc.arena_max=2:{SETTING}"
-    assert with_huge_page_malloc("glibc.malloc.hugetlb=0:glibc.malloc.arena_max=2") == "glibc.malloc.hugetlb=0:glibc.malloc.arena_max=2"
-    assert with_huge_page_malloc(f"::{SETTING}:") == SETTING  # empty items dropped, nothing added twice
-    assert asks_for_huge_pages(SETTING) and asks_for_huge_pages("glibc.malloc.hugetlb=2")
-    assert not asks_for_huge_pages("glibc.malloc.hugetlb=0") and not asks_for_huge_pages("glibc.malloc.arena_max=2") and not asks_for_huge_pages("")
+def test_only_private_writable_anonymous_mappings_count():
+    assert anonymous_ranges(MAPS) == [
+        (0x55E7FC597000, 0x55E7FC6EB000),  # the heap
+        (0x7F7B1EDA7000, 0x7F7B1FBE0000),  # no name
+        (0x7F7B23000000, 0x7F7B23200000),  # a named anonymous mapping
+    ]  # shared, read-only, file-backed and the stack left out
 
 
-@pytest.mark.parametrize("mode", ["always", "madvise"])
-def test_a_kernel_that_offers_them_gets_the_tunable(monkeypatch, mode):
-    monkeypatch.setattr(kvpool.host, "transparent_huge_pages", lambda: mode)
-    monkeypatch.setenv(GLIBC_TUNABLES_ENV, "glibc.malloc.arena_max=2")
-    assert huge_page_environment() == {GLIBC_TUNABLES_ENV: f"glibc.malloc.arena_max=2:{SETTING}"}
-    config = ServeConfig(model="m", socket="/tmp/s")
-    assert config.huge_pages == "auto"  # the default
-    assert config.worker_environment == ((GLIBC_TUNABLES_ENV, f"glibc.malloc.arena_max=2:{SETTING}"),)
-    assert config.huge_pages_used
-    assert config.huge_pages_detail == f"workers' malloc asks for them (GLIBC_TUNABLES glibc.malloc.arena_max=2:{SETTING}; transparent huge pages: {mode})"
-    off = ServeConfig(model="m", socket="/tmp/s", huge_pages="off")
-    assert off.worker_environment == () and not off.huge_pages_used
-    assert off.huge_pages_detail == f"off (--huge-pages off; transparent huge pages: {mode})"
+def test_what_was_mapped_before_is_left_out_a_grown_mapping_counts_for_its_new_part():
+    before = [(0x1000, 0x5000), (0x9000, 0xA000)]
+    after = [(0x1000, 0x8000), (0x9000, 0xA000), (0x20000, 0x30000)]  # the first grew, the second is as it was
+    assert new_ranges(before, after) == [(0x5000, 0x8000), (0x20000, 0x30000)]
+    assert new_ranges([(0x2000, 0x3000)], [(0x1000, 0x4000)]) == [(0x1000, 0x2000), (0x3000, 0x4000)]  # merged around an old one
+    assert new_ranges([], after) == after and new_ranges(after, after) == []
 
 
-@pytest.mark.parametrize("mode", ["never", ""])
-def test_a_kernel_that_offers_none_gets_nothing(monkeypatch, mode):
-    monkeypatch.setattr(kvpool.host, "transparent_huge_pages", lambda: mode)
-    assert huge_page_environment() == {}
-    config = ServeConfig(model="m", socket="/tmp/s")
-    assert config.worker_environment == () and not config.huge_pages_used
-    assert config.huge_pages_detail == f"off (transparent huge pages: {mode or 'not offered'})"
+def test_only_whole_huge_pages_are_asked_for():
+    page = HUGE_PAGE_BYTES
+    assert whole_huge_pages([(page - 4096, 3 * page + 4096)]) == [(page, 3 * page)]
+    assert whole_huge_pages([(page + 4096, 2 * page + 4096)]) == []  # no whole page inside
+    assert whole_huge_pages([(0, page), (4 * page, 5 * page)]) == [(0, page), (4 * page, 5 * page)]
 
 
-def test_the_users_hugetlb_0_is_kept_and_said(monkeypatch):
-    monkeypatch.setattr(kvpool.host, "transparent_huge_pages", lambda: "madvise")
-    monkeypatch.setenv(GLIBC_TUNABLES_ENV, "glibc.malloc.hugetlb=0")
-    config = ServeConfig(model="m", socket="/tmp/s")
-    assert config.worker_environment == ((GLIBC_TUNABLES_ENV, "glibc.malloc.hugetlb=0"),)
-    assert not config.huge_pages_used
-    assert config.huge_pages_detail == "off (transparent huge pages: madvise; GLIBC_TUNABLES glibc.malloc.hugetlb=0)"
+def test_off_or_a_kernel_that_offers_none_asks_nothing(monkeypatch):
+    assert MappingWatch(False).collapse() == Collapse(skipped="--huge-pages off")
+    for mode, said in (("never", "transparent huge pages: never"), ("", "transparent huge pages: not offered")):
+        monkeypatch.setattr(huge_pages, "transparent_huge_pages", lambda mode=mode: mode)
+        collapse = MappingWatch(True).collapse()
+        assert collapse == Collapse(skipped=said, mode=mode)
+        assert collapse.describe() == f"nothing asked ({said})"
+
+
+def _huge_bytes_in(start: int, end: int) -> int:
+    """AnonHugePages of the mappings of this process that overlap [start, end)."""
+    total, inside = 0, False
+    with open("/proc/self/smaps", encoding="ascii", errors="replace") as smaps:
+        for line in smaps:
+            fields = line.split()
+            if "-" in fields[0] and len(fields) >= 5:
+                low, high = (int(part, 16) for part in fields[0].split("-"))
+                inside = low < end and start < high
+            elif inside and fields[0] == "AnonHugePages:":
+                total += int(fields[1]) * 1024
+    return total
+
+
+def test_memory_mapped_while_watched_is_collapsed_and_memory_mapped_before_is_not(monkeypatch):
+    """Real madvise calls on this process's own memory: 16 MiB mapped (and written) before the watch are left as
+    they are, 16 MiB mapped while it watches are asked for whole (at least 14 MiB of whole huge pages, wherever
+    the kernel placed them) and, on a kernel with MADV_COLLAPSE that offers huge pages, sit in them after."""
+    before = mmap.mmap(-1, 16 * MIB, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    before.write(b"\1" * len(before))
+    monkeypatch.setattr(huge_pages, "transparent_huge_pages", lambda: "madvise")
+    watch = MappingWatch(True)
+    during = mmap.mmap(-1, 16 * MIB, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    during.write(b"\2" * len(during))
+    try:
+        collapse = watch.collapse()
+        assert collapse.skipped == "" and 14 * MIB <= collapse.asked_bytes, collapse
+        assert collapse.describe().startswith(f"{collapse.asked_bytes / MIB:.1f} MiB of its own memory asked for in ")
+        assert collapse.describe().endswith(" s (transparent huge pages: madvise)") == (not collapse.refused)
+        address = _address(during)
+        old = _address(before)
+        if not collapse.refused and transparent_huge_pages() in huge_pages.OFFERED:
+            assert _huge_bytes_in(address, address + len(during)) >= 14 * MIB, collapse
+        assert _huge_bytes_in(old, old + len(before)) == 0 or transparent_huge_pages() == "always"
+        assert during[:1] == b"\2" and during[-1:] == b"\2" and before[-1:] == b"\1"  # collapsing moved the pages, not what is in them
+    finally:
+        during.close()
+        before.close()
+
+
+def _address(mapping: mmap.mmap) -> int:
+    return ctypes.addressof(ctypes.c_char.from_buffer(mapping))
+
+
+def test_a_refusal_is_reported_not_raised(monkeypatch):
+    monkeypatch.setattr(huge_pages, "transparent_huge_pages", lambda: "madvise")
+    monkeypatch.setattr(huge_pages, "MADV_COLLAPSE", 0x7FFF)  # no such advice: EINVAL, as from a kernel before 6.1
+    watch = MappingWatch(True)
+    during = mmap.mmap(-1, 8 * MIB, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    during.write(b"\3" * len(during))
+    try:
+        collapse = watch.collapse()
+    finally:
+        during.close()
+    assert collapse.asked_bytes >= 6 * MIB and collapse.refused and all(item.startswith("MADV_COLLAPSE: EINVAL") for item in collapse.refused)
+    assert "; refused: MADV_COLLAPSE: EINVAL" in collapse.describe()
 
 
 def test_the_flag_takes_auto_or_off_only(capsys):
     parser = build_parser("serve")
+    assert ServeConfig(model="m", socket="/tmp/s").huge_pages == "auto"  # the default
     assert parser.parse_args(["serve", "--model", "m", "--socket", "s", "--huge-pages", "off"]).huge_pages == "off"
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "--model", "m", "--socket", "s", "--huge-pages", "always"])
     assert "invalid choice: 'always'" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("before", [None, "glibc.malloc.arena_max=2"])
-def test_a_spawn_sees_the_variables_and_the_supervisor_keeps_its_own(monkeypatch, before):
-    if before is None:
-        monkeypatch.delenv(GLIBC_TUNABLES_ENV, raising=False)
-    else:
-        monkeypatch.setenv(GLIBC_TUNABLES_ENV, before)
-    with spawn_environment(((GLIBC_TUNABLES_ENV, SETTING),)):
-        assert os.environ[GLIBC_TUNABLES_ENV] == SETTING
-    assert os.environ.get(GLIBC_TUNABLES_ENV) == before
-    with pytest.raises(RuntimeError), spawn_environment(((GLIBC_TUNABLES_ENV, SETTING),)):
-        raise RuntimeError("a spawn that failed")
-    assert os.environ.get(GLIBC_TUNABLES_ENV) == before
-    with spawn_environment(()):
-        assert os.environ.get(GLIBC_TUNABLES_ENV) == before
-
-
-def test_spawns_from_two_threads_each_see_the_variables(monkeypatch):
-    monkeypatch.delenv(GLIBC_TUNABLES_ENV, raising=False)
-    seen: list[str | None] = []
-    inside = threading.Barrier(2, timeout=60)
-
-    def spawn() -> None:
-        try:
-            inside.wait()  # both threads ask at once: the lock lets one in at a time
-        except threading.BrokenBarrierError:
-            pass
-        with spawn_environment(((GLIBC_TUNABLES_ENV, SETTING),)):
-            seen.append(os.environ.get(GLIBC_TUNABLES_ENV))
-
-    threads = [threading.Thread(target=spawn) for _ in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert seen == [SETTING, SETTING]
-    assert GLIBC_TUNABLES_ENV not in os.environ
-
-
-def test_the_kept_calibration_is_another_key_with_huge_pages(serve, fake_model, tmp_path, monkeypatch):
-    monkeypatch.setattr(kvpool.host, "transparent_huge_pages", lambda: "madvise")
-    monkeypatch.delenv(GLIBC_TUNABLES_ENV, raising=False)
-    cache = tmp_path / "calibration"
-    with_them, _ = started(serve, fake_model, "--calibration-cache", str(cache))
-    without, _ = started(serve, fake_model, "--calibration-cache", str(cache), "--huge-pages", "off")
-    again, _ = started(serve, fake_model, "--calibration-cache", str(cache), "--huge-pages", "off")
-    assert [stats.counters["calibrations"] for stats in (with_them, without, again)] == [1, 1, 0]
-    assert len(list(cache.glob("probe-*.json"))) == 2
-    assert with_them.huge_pages.startswith("workers' malloc asks for them") and without.huge_pages.startswith("off (--huge-pages off")
+@pytest.mark.parametrize("setting", ["auto", "off"])
+def test_the_flag_reaches_every_workers_spec_and_status(serve, fake_model, setting):
+    daemon = serve(fake_model, "--huge-pages", setting, "--max-sessions", "2")
+    try:
+        assert daemon.supervisor.service.pool.spec.worker.huge_pages == (setting == "auto")
+        with daemon.client() as client:
+            said = client.stats().huge_pages
+        assert said == f"--huge-pages {setting}"  # fake workers load nothing, so report nothing of a load
+    finally:
+        daemon.stop()

@@ -15,6 +15,7 @@ import pathlib
 import llama_cpp
 
 from workers.runtime.context import ShardContext
+from workers.runtime.huge_pages import Collapse, MappingWatch
 from workers.runtime.native import NativeLibrary, load_native
 from workers.runtime.params import Closable, LlamaContext
 from workers.runtime.shard import read_attention_shape, read_lookahead_layers, read_shape
@@ -32,7 +33,12 @@ class ShardModel:
         flash_attn: bool = False,
         verbose: bool = False,
         native: NativeLibrary | None = None,
+        huge_pages: bool = True,
     ) -> None:
+        """`huge_pages`: the anonymous memory the load creates (the weights llama.cpp repacks) is collapsed into
+        transparent huge pages where the kernel offers them (workers.runtime.huge_pages; `self.huge_pages` says
+        what came of it). A daemon's workers follow --huge-pages; every other load, the bench's references
+        among them, collapses as they do by default."""
         self.path = pathlib.Path(path)
         if not self.path.is_file():
             raise FileNotFoundError(f"shard file not found: {self.path}")
@@ -47,10 +53,12 @@ class ShardModel:
         params = llama_cpp.llama_model_default_params()
         params.n_gpu_layers = n_gpu_layers
         params.use_mmap = True
+        watch = MappingWatch(huge_pages)
         model = llama_cpp.llama_model_load_from_file(str(self.path).encode(), params)
         if not model:
             raise ValueError(f"llama.cpp could not load {self.path}")
         self._model: llama_cpp.llama_model_p | None = model
+        self.huge_pages: Collapse = watch.collapse()
         try:
             self.shape = read_shape(model)
             self.lookahead_layers = read_lookahead_layers(model)  # loaded after the range, never run

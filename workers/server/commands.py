@@ -138,6 +138,7 @@ class Ready(WorkerReply):
     kv_bytes_per_position: int
     context_bytes: int = 0  # a batched worker: what its one context of every sequence took (anonymous memory)
     huge_page_bytes: int = 0  # its anonymous memory in transparent huge pages once loaded (the repacked weights: --huge-pages)
+    huge_pages: str = ""  # what its load asked of the kernel for them (workers.runtime.huge_pages.Collapse.describe)
 
 
 class Opened(WorkerReply):

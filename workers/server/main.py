@@ -77,6 +77,7 @@ def worker_main(connection: Connection, spec: WorkerSpec, cancel_connection: Con
             flash_attn=spec.flash_attn,
             n_gpu_layers=spec.n_gpu_layers,
             verbose=spec.verbose,
+            huge_pages=spec.huge_pages,
         )
     except Exception as error:  # noqa: BLE001 - reported to the supervisor, which refuses to start
         connection.send_bytes(encoder.encode(Failed(code="load_failed", message=str(error))))
@@ -97,6 +98,7 @@ def worker_main(connection: Connection, spec: WorkerSpec, cancel_connection: Con
                 kv_bytes_per_position=model.kv_bytes_per_position(),
                 context_bytes=max(anonymous_bytes() - before, 0) if spec.seqs_per_worker else 0,
                 huge_page_bytes=huge_page_bytes(),
+                huge_pages=model.huge_pages.describe(),
             )
         )
     )

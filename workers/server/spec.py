@@ -26,6 +26,7 @@ class WorkerSpec:
     compute_slots: int = 1
     seqs_per_worker: int = 0  # > 0: a batched worker, one context of this many sequences of max_n_ctx positions each
     frame_deadline_s: float = FRAME_DEADLINE_S  # a direct channel's frame (request or reply) passes whole within this, or its peer is dropped
+    huge_pages: bool = True  # the load's own anonymous memory collapsed into transparent huge pages (workers.runtime.huge_pages)
     # each worker's own
     shm_name: str = ""  # its segment, created by the supervisor
     parent_pid: int = 0

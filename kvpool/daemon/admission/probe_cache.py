@@ -24,8 +24,7 @@ FORMAT = 1
 
 class ProbeKey(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """What the probe's readings depend on: the shard's state identity (its file, layers, the llama.cpp build, the
-    cache's types and layout), the mode, the largest context, the threads a worker computes with, the machine, and
-    whether the workers' buffers sit in huge pages."""
+    cache's types and layout), the mode, the largest context, the threads a worker computes with, and the machine."""
 
     format: int
     identity: StateIdentity
@@ -35,7 +34,6 @@ class ProbeKey(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     n_gpu_layers: int
     machine: str
     kvpool_probe: str  # the probe's own parameters (kvpool.daemon.admission.calibration): another probe, another key
-    huge_pages: bool = False  # the workers' malloc asks for transparent huge pages (--huge-pages): memory rounds differently
 
 
 class CachedProbe(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -13,7 +13,6 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import secrets
-import threading
 from multiprocessing import shared_memory
 from multiprocessing.connection import Connection
 
@@ -28,28 +27,6 @@ from workers.server.entry import worker_entry
 from workers.server.pipe import receive_reply, send_command
 from workers.server.readings import anonymous_bytes
 from workers.server.spec import WorkerSpec
-
-_ENVIRONMENT_LOCK = threading.Lock()  # workers may be spawned from several threads (a replacement beside a start)
-
-
-@contextlib.contextmanager
-def spawn_environment(variables: tuple[tuple[str, str], ...]):
-    """The supervisor's environment with `variables` set while a worker is spawned (a spawned process takes the
-    environment of its start; glibc reads GLIBC_TUNABLES only then), as it was afterwards."""
-    if not variables:
-        yield
-        return
-    with _ENVIRONMENT_LOCK:
-        before = {name: os.environ.get(name) for name, _value in variables}
-        os.environ.update(dict(variables))
-        try:
-            yield
-        finally:
-            for name, value in before.items():
-                if value is None:
-                    os.environ.pop(name, None)
-                else:
-                    os.environ[name] = value
 
 
 class WorkerProcess:
@@ -78,8 +55,7 @@ class WorkerProcess:
         cancel_end, child_cancel_end = context.Pipe(duplex=True)
         self._cancel_connection: Connection = cancel_end
         worker_spec = spec.worker_spec(shm_name=self.segment.name, parent_pid=os.getpid(), direct_address=self.direct_address, worker_index=index)
-        with spawn_environment(spec.environment):
-            self.process = self._start(context, worker_spec, child_end, child_cancel_end)
+        self.process = self._start(context, worker_spec, child_end, child_cancel_end)
         self.ready: Ready | None = None
         self.baseline_uss = 0
         self.lost = False

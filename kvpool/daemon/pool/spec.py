@@ -22,7 +22,6 @@ class PoolSpec:
     request_timeout_s: float  # a call not answered by then: the worker is killed and counts as lost
     direct: bool = True  # each worker also listens on its direct channel
     kinds: tuple[type, type] | None = None  # (process-mode worker, batched worker) classes; None: the real ones
-    environment: tuple[tuple[str, str], ...] = ()  # variables a worker process starts with over the supervisor's (--huge-pages)
 
     def worker_spec(self, **own) -> WorkerSpec:
         """One worker's WorkerSpec: the shared settings and `own` (its segment's name, parent, channel address, index)."""
