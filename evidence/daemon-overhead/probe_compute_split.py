@@ -1,4 +1,4 @@
-"""Where a daemon step goes at ~1B, middle shard: the worker runtime in this process against the daemon on the
+"""Where a daemon step goes at ~1B, middle shard (or the shard the third argument names: 2, the last, stop 43): the worker runtime in this process against the daemon on the
 direct channel, in turns of 5 steps (each turn's first step left out), and, with evidence/daemon-overhead/
 direct_timing.patch applied to workers/server/direct.py (temporary: it writes /tmp/direct_times.<pid>.json when
 the worker stops), the daemon's step split by the worker's own clock: the request's way in, the frame, the checks,
@@ -14,9 +14,12 @@ from workers.runtime.model import ShardModel
 N_CTX = 1024
 model = pathlib.Path(sys.argv[1]); rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 60
 shards = shards_in_parts(model, 3, progress=lambda line: None)
-middle = shards[1]
+middle = shards[int(sys.argv[3]) if len(sys.argv) > 3 else 1]
 with ShardModel(shards[0].path, n_threads=1) as first, first.new_context(N_CTX) as context:
     rows = context.append(0, tokens=np.arange(100, 100 + N_CTX - 10, dtype=np.int32), output_rows="all").copy()
+if middle is shards[2]:
+    with ShardModel(shards[1].path, n_threads=1) as second, second.new_context(N_CTX) as context:
+        rows = context.append(0, hidden=rows, output_rows="all").copy()
 
 def cpu() -> int:
     return int(open("/proc/thread-self/stat").read().rsplit(")", 1)[1].split()[36])
