@@ -12,7 +12,10 @@ whose K and V rows are the digests), so check_cells, the seal, export, import an
 as they treat llama.cpp's. Memory: a context "allocates" n_ctx x kv_bytes_per_position when it opens, as
 llama.cpp does, and the worker reports that as its anonymous memory, so calibration fits real charges; a
 parked context kept as the spare (SaveState.keep, process mode) still holds its n_ctx's memory until an
-open of that n_ctx takes it (Opened.reused / Restored.reused) or another n_ctx or CloseContext frees it.
+open of that n_ctx takes it (Opened.reused / Restored.reused) or another n_ctx or CloseContext frees it;
+it keeps the parked sequence's cells too, and the RestoreState naming that park's token resumes them without
+reading the blob (Restored.in_place), as the real worker does (it never zeroes a spare on its own: as a real
+worker kept busy past IDLE_ZERO_S).
 
 `fake_kinds(...)` gives the (process-mode, batched) classes for PoolSpec.kinds with behaviour knobs: a
 delay per row (so a cancel or a drain meets an append in flight), and a hook to fail a command. One
@@ -155,6 +158,7 @@ class FakeServer:
         self.batched = spec.seqs_per_worker > 0
         self.sequences = [FakeSequence() for _ in range(max(spec.seqs_per_worker, 1))]
         self.spare_n_ctx = 0  # process mode: the n_ctx of the spare context (0: none)
+        self.spare_cells: tuple[int, list[bytes]] | None = None  # the park's token and the cells its spare still holds
         self.running = threading.Event()  # cleared: stopped, as SIGSTOP stops a worker (see `stopped`)
         self.running.set()
         self.killed = threading.Event()  # set by FakeProcess.kill: a stopped worker is killed too
@@ -210,9 +214,9 @@ class FakeServer:
                 return Truncated(length=sequence.length)
             case CloseContext():
                 sequence.open(0)
-                self.spare_n_ctx = 0
+                self.spare_n_ctx, self.spare_cells = 0, None
                 return Closed()
-            case SaveState(keep=keep, head=head, tail=tail):
+            case SaveState(keep=keep, head=head, tail=tail, owner=owner):
                 if not sequence.n_ctx:
                     return Failed(code="no_context", message="no open context")
                 if keep and self.batched:
@@ -221,11 +225,16 @@ class FakeServer:
                 saved = Saved(length=sequence.length, blob=sequence.state(seq), **room)
                 if keep:
                     self.spare_n_ctx = sequence.n_ctx
+                    self.spare_cells = (owner, list(sequence.digests)) if owner else None
                     sequence.open(0)
                 return saved
-            case RestoreState(n_ctx=n_ctx, blob=blob, length=length):
+            case RestoreState(n_ctx=n_ctx, blob=blob, length=length, owner=owner):
+                cells = self.spare_cells
                 reused = self._take_spare(n_ctx)
                 sequence.open(0)
+                if reused and owner and cells is not None and cells[0] == owner and length <= len(cells[1]):
+                    sequence.n_ctx, sequence.digests = n_ctx, cells[1][:length]  # its own park's cells: the blob is not read
+                    return Restored(length=sequence.length, reused=True, in_place=True)
                 try:
                     sequence.restore(bytes(blob), length, n_ctx)
                 except StateFormatError as error:
@@ -244,7 +253,7 @@ class FakeServer:
     def _take_spare(self, n_ctx: int) -> bool:
         """As the real worker: a spare of this n_ctx becomes the context; any other is freed."""
         reused = self.spare_n_ctx == n_ctx
-        self.spare_n_ctx = 0
+        self.spare_n_ctx, self.spare_cells = 0, None
         return reused
 
     def _item(self, item: BatchItem) -> Appended | Failed:

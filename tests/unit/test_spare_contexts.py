@@ -35,6 +35,7 @@ def test_a_park_keeps_the_context_as_a_charged_spare_and_the_restore_takes_it(se
         assert restored.restored and np.array_equal(restored.rows, rows_of(client, [1, 2, 3, 4, 5]))
         stats = client.stats()
         assert stats.counters["restores_into_spare"] == 1 and stats.counters.get("spares_freed", 0) == 0
+        assert stats.counters["restores_in_place"] == 1  # its own park's cells, resumed: the blob not read
         assert (_budget(client).reserved_bytes, _budget(client).spare_bytes) == (charge, 0)
         client.release("s", 1)
         assert (_budget(client).reserved_bytes, _budget(client).spare_bytes) == (0, 0)  # a release frees its context
@@ -54,6 +55,24 @@ def test_one_place_serves_two_sessions_through_each_others_spares_each_its_own_h
                 assert reply.restored and np.array_equal(reply.rows, rows_of(client, history)), (name, step)
         stats = checked(client)
         assert stats.counters["restores_into_spare"] == stats.counters["restores"] == 6 and stats.counters["misses"] == 0
+        assert stats.counters.get("restores_in_place", 0) == 0  # each into the other's spare: loaded from its blob
+
+
+def test_a_session_truncated_while_parked_resumes_its_own_cells_cut_and_a_new_one_of_the_same_key_does_not(serve, fake_model):
+    with serve(fake_model, "--max-sessions", "1").client() as client:
+        client.append("s", 1, 0, tokens=[1, 2, 3, 4, 5])
+        client.park("s", 1)
+        assert client.truncate("s", 1, 3) == 3  # parked: its stored state is resealed at 3
+        reply = client.append("s", 1, 3, tokens=[9])
+        assert reply.restored and np.array_equal(reply.rows, rows_of(client, [1, 2, 3, 9]))
+        assert client.stats().counters["restores_in_place"] == 1
+        client.park("s", 1)
+        client.release("s", 1)  # the spare still holds its cells, but no session names that park any more
+        client.append("s", 1, 0, tokens=[1, 2, 3, 9, 10])
+        client.park("s", 1)
+        reply = client.append("s", 1, 5, tokens=[11])
+        assert reply.restored and np.array_equal(reply.rows, rows_of(client, [1, 2, 3, 9, 10, 11]))
+        assert checked(client).counters["restores_in_place"] == 2  # this park's own cells, not the released one's
 
 
 def test_spares_are_freed_for_room_before_any_session_is_evicted(serve, fake_model):
