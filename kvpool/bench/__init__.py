@@ -62,8 +62,7 @@ Threads: every single-session figure uses 1 llama thread per computing context (
 `--threads 1` each, which alone would allow 3 single threads at once across daemons, so the benchmark's
 router caps the chain at 2 appends in flight (at most 2 llama threads); an uncapped chain row is shown too.
 Flash attention is off everywhere. Greedy decoding continues past end-of-generation tokens (timing only).
-Memory: the daemons run with --huge-pages auto, their default (each worker collapses the memory its load
-allocated, the repacked weights, into transparent huge pages where the kernel offers them), and every in-process
+Memory: the daemons run with --huge-pages auto, their default (workers.runtime.huge_pages), and every in-process
 reference loads its model the same way (workers.runtime.model.ShardModel's default), so neither side of a ratio
 has huge pages the other lacks (JSON "environment": transparent_huge_pages, the bench's huge_page_bytes_at_end).
 

@@ -90,7 +90,7 @@ class ServeConfig:
     threads_per_worker: int = flag('--threads-per-worker', 'process mode: llama threads per worker (default {default}); a batched worker process gets --threads divided by the number of worker processes', default=1, type=int)
     n_ctx: int = flag('--n-ctx', 'largest (and default) context per session (default {default})', default=2048, type=int)  # the largest context a session may ask for, and the default
     flash_attn: bool = flag('--flash-attn', 'use flash attention (all shards of a route must agree)', default=False, action='store_true')
-    huge_pages: str = flag('--huge-pages', "auto: right after loading the shard, each worker asks the kernel to move the memory the load allocated (the weights llama.cpp repacks for this CPU: Q4_0, Q4_K, IQ4_NL, ...) into 2 MiB transparent huge pages (MADV_COLLAPSE, Linux >= 6.1) where it offers them (THP always or madvise), so that a decode step, which reads them all, takes the same time in every process; contexts keep ordinary pages. `kvpool status` shows the bytes each worker got. off: nothing asked (default {default})", default='auto', choices=HUGE_PAGES)
+    huge_pages: str = flag('--huge-pages', "auto: right after loading the shard, each worker asks the kernel to move the memory the load allocated (the weights llama.cpp repacks for this CPU: Q4_0, Q4_K, IQ4_NL, ...) into 2 MiB transparent huge pages (MADV_COLLAPSE, Linux >= 6.1) where it offers them (THP always or madvise), so that a decode step, which reads them all, takes the same time in every process; contexts keep ordinary pages. `kvpool status` shows what the first worker's load asked and the bytes the workers held. off: nothing asked (default {default})", default='auto', choices=HUGE_PAGES)
     max_request_bytes: int = flag('--max-request-bytes', 'largest request frame accepted (default {default})', default=DEFAULT_MAX_REQUEST_BYTES, parse=parse_bytes)
     ready_timeout_s: float = 60.0
     request_timeout_s: float = flag('--request-timeout', 'seconds a worker may take to answer one call (an append of --n-ctx rows included); a worker that does not is killed and replaced, and its request answered worker_lost (default {default})', default=600.0, type=float)  # a worker call not answered by then: worker killed, request worker_lost
@@ -241,6 +241,11 @@ class ServeConfig:
         if self.max_buffered_bytes is not None:
             return self.max_buffered_bytes
         return max(DEFAULT_MAX_BUFFERED_BYTES, self.max_request_bytes)
+
+    @property
+    def loads_in_huge_pages(self) -> bool:
+        """Each worker's load (and the mode probe's) collapses its own memory into huge pages (--huge-pages auto)."""
+        return self.huge_pages == "auto"
 
     @property
     def batched(self) -> bool:

@@ -97,7 +97,7 @@ def build_pool(config: ServeConfig, info: ShardInfo, kinds: tuple[type, type] | 
                 compute_lock_path=str(compute_lock_path(config)) if config.concurrent_workers < config.worker_processes else "",
                 compute_slots=config.concurrent_workers,
                 seqs_per_worker=config.seqs_per_worker if config.batched else 0,
-                huge_pages=config.huge_pages == "auto",
+                huge_pages=config.loads_in_huge_pages,
             ),
             size=config.max_sessions,
             ready_timeout_s=config.ready_timeout_s,
@@ -270,7 +270,7 @@ class Supervisor:
             return None
         key = ProbeKey(
             format=PROBE_CACHE_FORMAT, identity=identity, mode=config.mode, n_ctx=config.n_ctx, worker_threads=config.worker_threads,
-            n_gpu_layers=config.n_gpu_layers, machine=machine_name(), kvpool_probe=PROBE_PARAMETERS,
+            n_gpu_layers=config.n_gpu_layers, machine=machine_name(), kvpool_probe=PROBE_PARAMETERS, huge_pages=config.loads_in_huge_pages,
         )
         return ProbeCache(directory, key)
 
@@ -299,7 +299,8 @@ class Supervisor:
             return ""
         self._announce(f"--mode auto: measuring the process and batched schedules for {self.config.seqs_per_worker} sessions on {self.config.threads} thread(s)")
         choice = await asyncio.to_thread(
-            probe_modes, str(self.config.model), sessions=self.config.seqs_per_worker, threads=self.config.threads, n_ctx=MODE_PROBE_N_CTX
+            probe_modes, str(self.config.model), sessions=self.config.seqs_per_worker, threads=self.config.threads, n_ctx=MODE_PROBE_N_CTX,
+            huge_pages=self.config.loads_in_huge_pages,
         )
         self.config = dataclasses.replace(self.config, mode=choice.mode)
         self._announce(choice.reason)

@@ -14,8 +14,8 @@ llama.cpp does, and the worker reports that as its anonymous memory, so calibrat
 parked context kept as the spare (SaveState.keep, process mode) still holds its n_ctx's memory until an
 open of that n_ctx takes it (Opened.reused / Restored.reused) or another n_ctx or CloseContext frees it;
 it keeps the parked sequence's cells too, and the RestoreState naming that park's token resumes them without
-reading the blob (Restored.in_place), as the real worker does (it never zeroes a spare on its own: as a real
-worker kept busy past IDLE_ZERO_S).
+reading the blob (Restored.in_place), as the real worker does, until IDLE_ZERO_S after the park: from then on the
+spare counts as zeroed (the real worker zeroes it once it has sat idle that long) and the restore loads the blob.
 
 `fake_kinds(...)` gives the (process-mode, batched) classes for PoolSpec.kinds with behaviour knobs: a
 delay per row (so a cancel or a drain meets an append in flight), and a hook to fail a command. One
@@ -31,6 +31,7 @@ import hashlib
 import os
 import socket
 import threading
+import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 
@@ -72,6 +73,7 @@ from workers.server.commands import (
 )
 from workers.server.pipe import received_command, send_reply
 from workers.server.segment import ABORT_FLAG_OFFSET
+from workers.server.single import IDLE_ZERO_S
 from workers.server.spec import WorkerSpec
 
 KV_ROW_BYTES = 32  # one sha256 digest per position, as K and as V of the state's one layer
@@ -159,6 +161,7 @@ class FakeServer:
         self.sequences = [FakeSequence() for _ in range(max(spec.seqs_per_worker, 1))]
         self.spare_n_ctx = 0  # process mode: the n_ctx of the spare context (0: none)
         self.spare_cells: tuple[int, list[bytes]] | None = None  # the park's token and the cells its spare still holds
+        self.spare_zero_due = 0.0  # time.monotonic() from which the spare counts as zeroed (workers.server.single.IDLE_ZERO_S)
         self.running = threading.Event()  # cleared: stopped, as SIGSTOP stops a worker (see `stopped`)
         self.running.set()
         self.killed = threading.Event()  # set by FakeProcess.kill: a stopped worker is killed too
@@ -226,10 +229,11 @@ class FakeServer:
                 if keep:
                     self.spare_n_ctx = sequence.n_ctx
                     self.spare_cells = (owner, list(sequence.digests)) if owner else None
+                    self.spare_zero_due = time.monotonic() + IDLE_ZERO_S
                     sequence.open(0)
                 return saved
             case RestoreState(n_ctx=n_ctx, blob=blob, length=length, owner=owner):
-                cells = self.spare_cells
+                cells = self.spare_cells if time.monotonic() < self.spare_zero_due else None
                 reused = self._take_spare(n_ctx)
                 sequence.open(0)
                 if reused and owner and cells is not None and cells[0] == owner and length <= len(cells[1]):

@@ -12,8 +12,18 @@ import pytest
 
 from kvpool.cli.main import build_parser
 from kvpool.daemon.config import ServeConfig
+from tests.support.fake_daemon import started
 from workers.runtime import huge_pages
-from workers.runtime.huge_pages import HUGE_PAGE_BYTES, Collapse, MappingWatch, anonymous_ranges, new_ranges, transparent_huge_pages, whole_huge_pages
+from workers.runtime.huge_pages import (
+    HUGE_PAGE_BYTES,
+    Collapse,
+    MappingWatch,
+    anonymous_ranges,
+    huge_page_bytes,
+    new_ranges,
+    transparent_huge_pages,
+    whole_huge_pages,
+)
 
 MIB = 1024**2
 
@@ -42,12 +52,27 @@ def test_no_such_file_is_no_mode(tmp_path):
     assert transparent_huge_pages(tmp_path / "absent") == ""
 
 
-def test_only_private_writable_anonymous_mappings_count():
+def test_only_private_writable_anonymous_mappings_count_and_not_the_heap():
     assert anonymous_ranges(MAPS) == [
-        (0x55E7FC597000, 0x55E7FC6EB000),  # the heap
         (0x7F7B1EDA7000, 0x7F7B1FBE0000),  # no name
         (0x7F7B23000000, 0x7F7B23200000),  # a named anonymous mapping
-    ]  # shared, read-only, file-backed and the stack left out
+    ]  # the heap (brk would extend an advised top), shared, read-only, file-backed and the stack left out
+
+
+@pytest.mark.parametrize(("text", "size"), [("2097152\n", 2 * MIB), ("536870912\n", 512 * MIB), ("garbled\n", HUGE_PAGE_BYTES), ("3000000\n", HUGE_PAGE_BYTES)])
+def test_the_huge_page_size_is_the_kernels(tmp_path, text, size):
+    path = tmp_path / "hpage_pmd_size"
+    path.write_text(text)
+    assert huge_page_bytes(path) == size
+    assert huge_page_bytes(tmp_path / "absent") == HUGE_PAGE_BYTES
+    assert whole_huge_pages([(MIB, 1030 * MIB)], 512 * MIB) == [(512 * MIB, 1024 * MIB)]
+
+
+def test_an_unreadable_maps_asks_nothing(monkeypatch, tmp_path):
+    monkeypatch.setattr(huge_pages, "transparent_huge_pages", lambda: "madvise")
+    monkeypatch.setattr(huge_pages, "MAPS_PATH", tmp_path / "absent")
+    collapse = MappingWatch(True).collapse()
+    assert collapse.asked_bytes == 0 and collapse.skipped.startswith("/proc/self/maps unreadable: ")
 
 
 def test_what_was_mapped_before_is_left_out_a_grown_mapping_counts_for_its_new_part():
@@ -151,3 +176,13 @@ def test_the_flag_reaches_every_workers_spec_and_status(serve, fake_model, setti
         assert said == f"--huge-pages {setting}"  # fake workers load nothing, so report nothing of a load
     finally:
         daemon.stop()
+
+
+def test_the_kept_calibration_is_another_key_with_huge_pages(serve, fake_model, tmp_path):
+    """The probe's step time depends on whether the weights sit in huge pages: auto and off keep apart readings."""
+    cache = tmp_path / "calibration"
+    with_them, _ = started(serve, fake_model, "--calibration-cache", str(cache))
+    without, _ = started(serve, fake_model, "--calibration-cache", str(cache), "--huge-pages", "off")
+    again, _ = started(serve, fake_model, "--calibration-cache", str(cache), "--huge-pages", "off")
+    assert [stats.counters["calibrations"] for stats in (with_them, without, again)] == [1, 1, 0]
+    assert len(list(cache.glob("probe-*.json"))) == 2

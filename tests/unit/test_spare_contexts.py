@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import time
 
 import numpy as np
 import pytest
@@ -17,6 +18,7 @@ from kvpool.state.shared import SharedState
 from tests.support.contract import rows_of
 from tests.support.daemons import checked, in_thread, refused, result, wait_until
 from tests.support.fake_worker import fake_kinds
+from workers.server.single import IDLE_ZERO_S
 
 
 def _budget(client):
@@ -73,6 +75,17 @@ def test_a_session_truncated_while_parked_resumes_its_own_cells_cut_and_a_new_on
         reply = client.append("s", 1, 5, tokens=[11])
         assert reply.restored and np.array_equal(reply.rows, rows_of(client, [1, 2, 3, 9, 10, 11]))
         assert checked(client).counters["restores_in_place"] == 2  # this park's own cells, not the released one's
+
+
+def test_a_restore_after_the_spare_was_zeroed_loads_the_state_into_it(serve, fake_model):
+    with serve(fake_model, "--max-sessions", "1").client() as client:
+        client.append("s", 1, 0, tokens=[1, 2, 3])
+        client.park("s", 1)
+        time.sleep(IDLE_ZERO_S + 0.2)  # the worker idle that long zeroes its spare
+        reply = client.append("s", 1, 3, tokens=[4])
+        assert reply.restored and np.array_equal(reply.rows, rows_of(client, [1, 2, 3, 4]))
+        counters = checked(client).counters
+        assert counters["restores_into_spare"] == 1 and counters.get("restores_in_place", 0) == 0  # loaded from the blob
 
 
 def test_spares_are_freed_for_room_before_any_session_is_evicted(serve, fake_model):

@@ -35,10 +35,9 @@ class ShardModel:
         native: NativeLibrary | None = None,
         huge_pages: bool = True,
     ) -> None:
-        """`huge_pages`: the anonymous memory the load creates (the weights llama.cpp repacks) is collapsed into
-        transparent huge pages where the kernel offers them (workers.runtime.huge_pages; `self.huge_pages` says
-        what came of it). A daemon's workers follow --huge-pages; every other load, the bench's references
-        among them, collapses as they do by default."""
+        """`huge_pages`: the load's own memory collapsed into transparent huge pages (workers.runtime.huge_pages;
+        `self.huge_pages` says what came of it). A daemon's workers follow --huge-pages; every other load, the
+        bench's references among them, does as they do by default."""
         self.path = pathlib.Path(path)
         if not self.path.is_file():
             raise FileNotFoundError(f"shard file not found: {self.path}")
@@ -58,8 +57,8 @@ class ShardModel:
         if not model:
             raise ValueError(f"llama.cpp could not load {self.path}")
         self._model: llama_cpp.llama_model_p | None = model
-        self.huge_pages: Collapse = watch.collapse()
         try:
+            self.huge_pages: Collapse = watch.collapse()
             self.shape = read_shape(model)
             self.lookahead_layers = read_lookahead_layers(model)  # loaded after the range, never run
         except Exception:

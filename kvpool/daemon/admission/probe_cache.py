@@ -24,7 +24,8 @@ FORMAT = 1
 
 class ProbeKey(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """What the probe's readings depend on: the shard's state identity (its file, layers, the llama.cpp build, the
-    cache's types and layout), the mode, the largest context, the threads a worker computes with, and the machine."""
+    cache's types and layout), the mode, the largest context, the threads a worker computes with, the machine, and
+    whether the workers' loaded weights sit in huge pages (--huge-pages: the step time differs)."""
 
     format: int
     identity: StateIdentity
@@ -34,6 +35,7 @@ class ProbeKey(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     n_gpu_layers: int
     machine: str
     kvpool_probe: str  # the probe's own parameters (kvpool.daemon.admission.calibration): another probe, another key
+    huge_pages: bool = False  # --huge-pages auto: the weights collapsed into huge pages after the load
 
 
 class CachedProbe(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
