@@ -42,11 +42,11 @@ def _rows(shape, count: int, rng: np.random.Generator):
     return rng.standard_normal((count, shape.n_embd)).astype(np.float32)
 
 
-def _process_share(connection, shard_path: str, n_ctx: int, sessions: int, barrier) -> None:
+def _process_share(connection, shard_path: str, n_ctx: int, sessions: int, barrier, huge_pages: bool) -> None:
     from workers.runtime.model import ShardModel
 
     rng = np.random.default_rng(0)
-    with ShardModel(shard_path, n_threads=1) as model:
+    with ShardModel(shard_path, n_threads=1, huge_pages=huge_pages) as model:
         contexts = [model.new_context(n_ctx) for _ in range(sessions)]
         for context in contexts:
             context.append(0, **_kwargs(model.shape, _rows(model.shape, PROBE_PREFILL_ROWS, rng)))
@@ -60,13 +60,13 @@ def _process_share(connection, shard_path: str, n_ctx: int, sessions: int, barri
         connection.send((started, time.perf_counter()))
 
 
-def _batched_run(connection, shard_path: str, n_ctx: int, sessions: int, threads: int) -> None:
+def _batched_run(connection, shard_path: str, n_ctx: int, sessions: int, threads: int, huge_pages: bool) -> None:
     from workers.runtime.batch_plan import SeqAppend
     from workers.runtime.batched import BatchedShardContext
     from workers.runtime.model import ShardModel
 
     rng = np.random.default_rng(0)
-    with ShardModel(shard_path, n_threads=threads) as model:
+    with ShardModel(shard_path, n_threads=threads, huge_pages=huge_pages) as model:
         with BatchedShardContext(model, n_ctx, sessions, n_batch=512) as context:
             context.append_many([SeqAppend(seq, 0, _rows(model.shape, PROBE_PREFILL_ROWS, rng)) for seq in range(sessions)])
             started = 0.0
@@ -103,13 +103,14 @@ def _run(target, args_per_process: list[tuple]) -> float:
     return max(end for _start, end in spans) - min(start for start, _end in spans)
 
 
-def probe_modes(shard_path: str, *, sessions: int, threads: int, n_ctx: int) -> ModeChoice:
-    """Blocking; a few seconds. n_ctx: per session (small is enough: the probe's sessions stay short)."""
+def probe_modes(shard_path: str, *, sessions: int, threads: int, n_ctx: int, huge_pages: bool = True) -> ModeChoice:
+    """Blocking; a few seconds. n_ctx: per session (small is enough: the probe's sessions stay short); `huge_pages`:
+    the loads as the workers' (--huge-pages)."""
     workers = max(1, min(threads, sessions))
     shares = [len(range(index, sessions, workers)) for index in range(workers)]
     barrier = multiprocessing.get_context("spawn").Barrier(workers)
-    process_s = _run(_process_share, [(shard_path, n_ctx, share, barrier) for share in shares])
-    batched_s = _run(_batched_run, [(shard_path, n_ctx, sessions, threads)])
+    process_s = _run(_process_share, [(shard_path, n_ctx, share, barrier, huge_pages) for share in shares])
+    batched_s = _run(_batched_run, [(shard_path, n_ctx, sessions, threads, huge_pages)])
     tokens = sessions * PROBE_STEPS
     process_tok_s, batched_tok_s = tokens / process_s, tokens / batched_s
     return ModeChoice("batched" if batched_tok_s > process_tok_s else "process", process_tok_s, batched_tok_s)
