@@ -82,7 +82,7 @@ class KvService:
         self.metrics.limit_bytes.set(config.budget_bytes)
         self.vram = VramMeter()
         self.started = time.monotonic()
-        self.huge_pages = f"--huge-pages {config.huge_pages}"  # and what the first worker's load came to (set by the supervisor)
+        self.huge_pages = ""  # --huge-pages and what the first worker's load came to (set by the supervisor)
         self.mode_reason = ""  # --mode auto: why this mode (set by the supervisor)
         self.compute = ComputeSlots(config.concurrent_workers)
         pool.use_compute_slots(self.compute)  # batched workers take one per batch

@@ -194,7 +194,7 @@ class Supervisor:
                 seqs_per_context=config.seqs_per_worker if config.batched else 1,
             )
             self.service = service = KvService(config, pool, shard, ready.kv_bytes_per_position, identity)
-            service.huge_pages += f"; the first worker's load: {ready.huge_pages}" if ready.huge_pages else ""
+            service.huge_pages = f"--huge-pages {config.huge_pages}" + (f"; the first worker's load: {ready.huge_pages}" if ready.huge_pages else "")
             service.mode_reason = mode_reason
             if config.spill_dir is not None:
                 self._announce(service.adopt_saved_states())
