@@ -286,9 +286,10 @@ class AsyncClient:
     async def release(self, session_id: str, epoch: int) -> Done:
         return await self._call(release_call(session_id, epoch))
 
-    async def park(self, session_id: str, epoch: int) -> Done:
-        """Save the idle session's state to the daemon's spill store and free its context now."""
-        return await self._call(park_call(session_id, epoch))
+    async def park(self, session_id: str, epoch: int, *, wait: bool = True) -> Done:
+        """Save the idle session's state to the daemon's spill store and free its context now; without
+        `wait` answered once the save has begun ("parking"; kvpool.wire.protocol.Park)."""
+        return await self._call(park_call(session_id, epoch, wait))
 
     async def fork(self, session_id: str, epoch: int, new_session_id: str, new_epoch: int, length: int) -> Done:
         """A new session holding the source's first `length` positions (parked until its first append)."""

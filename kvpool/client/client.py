@@ -10,9 +10,11 @@ to the daemon that takes over the socket, waiting for one up to `successor_wait_
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
+from collections.abc import Sequence
 from typing import Unpack
 
 from kvpool.client.channels import DirectChannels
@@ -157,10 +159,71 @@ class Client:
         self._channels.forget(session_id, epoch)
         return self._call(release_call(session_id, epoch))
 
-    def park(self, session_id: str, epoch: int) -> Done:
-        """Save the idle session's state to the daemon's spill store and free its context now."""
+    def park(self, session_id: str, epoch: int, *, wait: bool = True) -> Done:
+        """Save the idle session's state to the daemon's spill store and free its context now; without
+        `wait` answered once the save has begun ("parking"; kvpool.wire.protocol.Park)."""
+        return self._call(self.parking(session_id, epoch, wait=wait))
+
+    def parking(self, session_id: str, epoch: int, *, wait: bool = True) -> Call[Done]:
+        """The park's call, for Client.ask_all; the session's direct channel is forgotten here first (a
+        parked session's next append goes to the daemon, which restores it)."""
         self._channels.forget(session_id, epoch)
-        return self._call(park_call(session_id, epoch))
+        return park_call(session_id, epoch, wait)
+
+    @staticmethod
+    def ask_all(calls: Sequence[tuple[Client, Call[Result]]]) -> list[Result | KvpoolError | ConnectionLost]:
+        """Every call's request sent to its client's daemon first, then every reply read, in one thread: the
+        round trips overlap, so requests each daemon answers at once (Park without wait) cost about one
+        round trip together. Each entry is the call's result or the error it met (KvpoolError, ConnectionLost).
+        A request that could not leave, or that a draining daemon asks to be sent again, is then asked alone
+        as every call is (Client._request: the successor wait). Each client's main connection is held, in
+        one order, from its request's send until its reply is read; a client appears once."""
+        if len({id(client) for client, _ in calls}) != len(calls):
+            raise ValueError("ask_all takes each client once")
+        results: list = [None] * len(calls)
+        alone: list[int] = []
+        connections: dict[int, ClientConnection] = {}
+        for index, (client, _) in enumerate(calls):
+            try:
+                connections[index] = client._connection("main")
+            except RequestNotSent:
+                alone.append(index)
+            except ConnectionLost as error:
+                results[index] = error
+        with contextlib.ExitStack() as held:
+            for connection in sorted(connections.values(), key=id):  # one order: two callers never wait on each other
+                held.enter_context(connection.lock)
+            sent: list[tuple[int, ClientConnection, int]] = []
+            for index, connection in connections.items():
+                try:
+                    sent.append((index, connection, connection.send(calls[index][1].request)))
+                except RequestNotSent:
+                    alone.append(index)
+                except ConnectionLost as error:
+                    results[index] = error
+            for index, connection, request_id in sent:
+                client, call = calls[index]
+                try:
+                    reply = connection.receive(request_id)
+                except ConnectionLost as error:
+                    results[index] = error
+                    continue
+                if to_send_again(reply):
+                    client._close_connection("main")
+                    alone.append(index)
+                    continue
+                client._drained = False  # a daemon serves the socket again
+                try:
+                    results[index] = call.outcome(reply)
+                except KvpoolError as error:
+                    results[index] = error
+        for index in sorted(alone):
+            client, call = calls[index]
+            try:
+                results[index] = call.outcome(client._request(call.request))
+            except (KvpoolError, ConnectionLost) as error:
+                results[index] = error
+        return results
 
     def fork(self, session_id: str, epoch: int, new_session_id: str, new_epoch: int, length: int) -> Done:
         """A new session holding the source's first `length` positions (parked until its first append)."""

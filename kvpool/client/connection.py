@@ -66,35 +66,47 @@ class ClientConnection:
         """Send one request (under `request_id`, or the connection's next) and return its reply; the
         connection is closed if anything goes wrong."""
         with self.lock:
-            sock = self.sock
-            if sock is None:
-                raise ConnectionLost("the connection was closed by an earlier failure")
-            request_id = request_id or next(self._request_ids)
-            message.request_id = request_id
-            self._check_still_open(sock)
-            try:
-                sock.sendall(encode(message))
-            except (BrokenPipeError, ConnectionResetError) as error:  # a frame that did not leave whole is never read
-                self.close()
-                raise RequestNotSent(f"connection lost: {error}") from error
-            except BaseException:
-                self.close()
-                raise
-            try:
-                reply = _receive_reply(sock)
-            except (BrokenPipeError, ConnectionResetError) as error:
-                self.close()
-                raise ConnectionLost(f"connection lost: {error}") from error
-            except BaseException:
-                self.close()
-                raise
-            if reply.request_id != request_id:
-                self.close()
-                if is_farewell(reply):
-                    self.farewell_seen = True
-                    raise ConnectionLost(f"the daemon drained while the request was in flight: {reply.message}")
-                raise ConnectionLost(f"the daemon answered request {reply.request_id} where request {request_id} was expected")
-            return reply
+            return self.receive(self.send(message, request_id))
+
+    def send(self, message: RequestMessage, request_id: int = 0) -> int:
+        """The first half of `request`, its caller holding `lock` until `receive` has read the reply: the
+        request sent under `request_id` (or the connection's next), which is returned."""
+        sock = self.sock
+        if sock is None:
+            raise ConnectionLost("the connection was closed by an earlier failure")
+        request_id = request_id or next(self._request_ids)
+        message.request_id = request_id
+        self._check_still_open(sock)
+        try:
+            sock.sendall(encode(message))
+        except (BrokenPipeError, ConnectionResetError) as error:  # a frame that did not leave whole is never read
+            self.close()
+            raise RequestNotSent(f"connection lost: {error}") from error
+        except BaseException:
+            self.close()
+            raise
+        return request_id
+
+    def receive(self, request_id: int) -> Reply:
+        """The second half of `request`: the reply to the request `send` sent as `request_id`."""
+        sock = self.sock
+        if sock is None:
+            raise ConnectionLost("the connection was closed by an earlier failure")
+        try:
+            reply = _receive_reply(sock)
+        except (BrokenPipeError, ConnectionResetError) as error:
+            self.close()
+            raise ConnectionLost(f"connection lost: {error}") from error
+        except BaseException:
+            self.close()
+            raise
+        if reply.request_id != request_id:
+            self.close()
+            if is_farewell(reply):
+                self.farewell_seen = True
+                raise ConnectionLost(f"the daemon drained while the request was in flight: {reply.message}")
+            raise ConnectionLost(f"the daemon answered request {reply.request_id} where request {request_id} was expected")
+        return reply
 
     def _check_still_open(self, sock: socket.socket) -> None:
         """Before a request leaves: nothing may wait on the connection but a daemon's end of it (end of

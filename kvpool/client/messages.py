@@ -176,8 +176,8 @@ def release_call(session_id: str, epoch: int) -> Call[Done]:
     return Call(Release(session_id=session_id, epoch=epoch), Done)
 
 
-def park_call(session_id: str, epoch: int) -> Call[Done]:
-    return Call(Park(session_id=session_id, epoch=epoch), Done)
+def park_call(session_id: str, epoch: int, wait: bool = True) -> Call[Done]:
+    return Call(Park(session_id=session_id, epoch=epoch, wait=wait), Done)
 
 
 def fork_call(session_id: str, epoch: int, new_session_id: str, new_epoch: int, length: int) -> Call[Done]:

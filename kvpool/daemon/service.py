@@ -167,14 +167,18 @@ class KvService:
             self.metrics.count("hits")
             await gate.enter(session, revoke_by_run=True)
         async with gate.holding(session):
-            check_position(request.start_pos, session.length, 0, session.n_ctx)
+            check_position(request.start_pos, session.length, rows.shape[0], session.n_ctx)  # a refused append restores nothing
             restored = not session.hot
+            restoring = None
             if restored:
-                await self.admission.restore(session, self.admission.deadline_of(request.admit_timeout_s))
+                restoring = await self.admission.restore(session, self.admission.deadline_of(request.admit_timeout_s))
                 gate.check_live(session)
-            return await self._append_entered(session, request, rows, admitted, restored)
+            return await self._append_entered(session, request, rows, admitted, restored, restoring)
 
-    async def _append_entered(self, session: Session, request: Append, rows: np.ndarray, admitted: bool, restored: bool) -> AppendReply:
+    async def _append_entered(
+        self, session: Session, request: Append, rows: np.ndarray, admitted: bool, restored: bool, restoring: float | None = None,
+    ) -> AppendReply:
+        """`restoring`: when the restore travels with this append (Admission.restore), the seconds it took the supervisor."""
         n_rows = rows.shape[0]
         check_position(request.start_pos, session.length, n_rows, session.n_ctx)
         worker = self.pool.get(session.worker_name)
@@ -182,8 +186,9 @@ class KvService:
         capture = self.prefixes.capture_wanted(session, request, n_rows)
         worker.set_abort(False)
         session.appending = True
+        refused = functools.partial(self._append_refused, session, restoring is not None)
         try:
-            async with self.lifecycle.worker_call(session, refused=functools.partial(self._append_refused, session)), self.pool.append_slot():
+            async with self.lifecycle.worker_call(session, refused=refused), self.pool.append_slot():
                 self.channels.handed_to_run(session)
                 output = await worker.append(
                     request.start_pos, rows, str(request.output_rows), request.sample, bind=None if capture else binding,
@@ -192,6 +197,8 @@ class KvService:
                     still_wanted=lambda: self.gate.check_live(session),
                 )
                 session.length = output.length
+                if restoring is not None:
+                    self.admission.restored(output.restored, restoring + (output.restored.seconds if output.restored is not None else 0.0))
                 self.prefixes.record(session, request, n_rows)
                 if capture:
                     await self.prefixes.capture(session, worker)
@@ -209,9 +216,12 @@ class KvService:
             token=output.token, top_ids=output.top_ids, top_logprobs=output.top_logprobs, channel=channel,
         )
 
-    def _append_refused(self, session: Session, failure: WorkerFailed) -> RequestFailed:
+    def _append_refused(self, session: Session, restoring: bool, failure: WorkerFailed) -> RequestFailed:
         """The worker's own code (internal where it names none), and the length it rolled back to; a failed
-        open (an admission's, which travels with the first run) is the admission's."""
+        open (an admission's, which travels with the first run) is the admission's, a refused restore that
+        travelled with it the restore's."""
+        if restoring and (refusal := self.admission.restore_refused(session, failure)) is not None:
+            return refusal
         if failure.code == OPEN_FAILED:
             return self.admission.open_refused(session, failure)
         session.length = failure.length

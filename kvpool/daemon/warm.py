@@ -3,6 +3,7 @@ copy it into a new session. Same fencing and typed errors as every other session
 
 from __future__ import annotations
 
+import logging
 import time
 
 from kvpool.daemon.admission.parking import Parking
@@ -16,6 +17,8 @@ from kvpool.daemon.pool.pool import WorkerPool
 from kvpool.wire.checks import check_session_fields
 from kvpool.wire.errors import RequestFailed
 from kvpool.wire.protocol import Done, ErrorCode, Fork, MissReason, Park
+
+log = logging.getLogger("kvpool.serve")
 
 
 class WarmRequests:
@@ -39,6 +42,8 @@ class WarmRequests:
         if session is None:
             raise self.gate.miss(request.session_id, request.epoch, "no state for this session")
         await self.gate.enter(session, revoke_by_run=True)  # the park's SaveState revokes the direct channel (Parking.park)
+        if not request.wait:
+            return await self._park_behind(session)
         async with self.gate.holding(session):
             if not session.hot:
                 return Done(length=session.length, session_id=session.session_id, epoch=session.epoch, detail="already parked")
@@ -47,6 +52,32 @@ class WarmRequests:
                 raise self.gate.miss(session.session_id, session.epoch, "the session's state could not be kept")
             self.metrics.count("parks")
             return Done(length=session.length, session_id=session.session_id, epoch=session.epoch, detail="parked")
+
+    async def _park_behind(self, session: Session) -> Done:
+        """Park without `wait`: checked as the waiting park is, then answered "parking" while a task that
+        holds what this request entered (the session's lock and its count in flight) saves the state and
+        leaves the session after. Every other use of the session takes that lock first, so none sees the
+        session between its reply and its state in the store; a save that fails ends the session as a waiting
+        park's would (its next request: cache_miss), logged here since no reply is left to carry it."""
+        try:
+            self.gate.check_live(session)
+        except BaseException:
+            await self.gate.leave(session)
+            raise
+        if not session.hot:
+            await self.gate.leave(session)
+            return Done(length=session.length, session_id=session.session_id, epoch=session.epoch, detail="already parked")
+        self.lifecycle.spawn(self._finish_park(session))
+        return Done(length=session.length, session_id=session.session_id, epoch=session.epoch, detail="parking")
+
+    async def _finish_park(self, session: Session) -> None:
+        try:
+            async with self.gate.holding(session):
+                await self.parking.park(session, entered=True)
+                if self.books.table.get(session.session_id) is session:
+                    self.metrics.count("parks")
+        except RequestFailed as failure:
+            log.warning("park of session %r epoch %d (answered parking) failed: %s", session.session_id, session.epoch, failure)
 
     async def fork(self, request: Fork) -> Done:
         check_session_fields(request.session_id, request.epoch, self.gate.length_of(request.session_id, request.epoch))

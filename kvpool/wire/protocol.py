@@ -128,10 +128,14 @@ class Cancel(RequestMessage):
 
 class Park(RequestMessage):
     """Save an idle hot session's state to the spill store now and free its context (it is restored,
-    exactly, by its next append)."""
+    exactly, by its next append). With `wait` (the default) the reply comes once the state is in the store
+    (detail "parked"); without, once the save has begun (detail "parking"): the save finishes behind the
+    reply holding the session, so every later request on it (an append that restores it, a release, a Park
+    that waits) waits for the save, and a save that fails ends the session (its next request: cache_miss)."""
 
     session_id: str
     epoch: int
+    wait: bool = True
 
 
 class Fork(RequestMessage):

@@ -400,3 +400,35 @@ def test_a_park_whose_worker_dies_mid_save_answers_worker_lost(model_path, socke
             checked(client)
     finally:
         daemon.stop()
+
+
+def test_a_park_without_wait_is_answered_before_its_save_and_what_follows_waits_for_it(model_path, socket_dir, whole_model, prompt_ids):
+    prompt = prompt_ids[0][:8]
+    daemon = _serve(model_path, socket_dir, "park-behind", "--max-sessions", "2")
+    reference = Reference(whole_model)
+    try:
+        with daemon.client(direct=False) as client, daemon.client() as observer:
+            client.append("s", 1, 0, tokens=prompt)
+            reference.append(0, prompt)
+            worker_pid = observer.stats().sessions[0].worker_pid
+            hits = observer.stats().counters.get("hits", 0)
+            with stopped(worker_pid):  # the save cannot begin before the block ends
+                assert client.park("s", 1, wait=False).detail == "parking"
+                thread, outcome = in_thread(lambda: observer.append("s", 1, len(prompt), tokens=[5]))
+                wait_until(lambda: client.stats().counters.get("hits", 0) == hits + 1, "the append behind the save")
+                assert thread.is_alive()
+            restored = joined(thread, outcome)["result"]
+            assert restored.restored and np.array_equal(restored.rows, reference.append(len(prompt), [5]))
+            # a worker killed while it saves behind the answer: the session ends with it, its next append says so
+            client.append("k", 1, 0, tokens=prompt)
+            worker_pid = next(row.worker_pid for row in observer.stats().sessions if row.session_id == "k")
+            with stopped(worker_pid):
+                assert client.park("k", 1, wait=False).detail == "parking"
+                os.kill(worker_pid, signal.SIGKILL)
+            miss = refused(lambda: client.append("k", 1, len(prompt), tokens=[5]))
+            assert (miss.code, miss.reason) == ("cache_miss", "worker_lost")
+            wait_until(lambda: sorted(row.state for row in observer.stats().workers) == ["bound", "free"], "the lost worker's replacement")
+            checked(client)
+    finally:
+        reference.close()
+        daemon.stop()

@@ -203,9 +203,16 @@ class FakeServer:
             case OpenContext(n_ctx=n_ctx):
                 return self._open(sequence, n_ctx)
             case RunAppend():
-                if command.n_ctx and isinstance(opened := self._open(sequence, command.n_ctx), Failed):
+                restored = None
+                if command.restore is not None:
+                    if isinstance(restored := self._restore(sequence, command.restore), Failed):
+                        return restored
+                elif command.n_ctx and isinstance(opened := self._open(sequence, command.n_ctx), Failed):
                     return opened
-                return self._append(sequence, seq, command.start_pos, command.n_rows, 0, command.output_rows, command.sample, len(self._output), 0)
+                appended = self._append(sequence, seq, command.start_pos, command.n_rows, 0, command.output_rows, command.sample, len(self._output), 0)
+                if isinstance(appended, Appended):
+                    appended.restored = restored
+                return appended
             case RunBatch(items=items):
                 return BatchDone(results=[self._item(item) for item in items])
             case TruncateContext(length=length):
@@ -232,20 +239,25 @@ class FakeServer:
                     self.spare_zero_due = time.monotonic() + IDLE_ZERO_S
                     sequence.open(0)
                 return saved
-            case RestoreState(n_ctx=n_ctx, blob=blob, length=length, owner=owner):
-                cells = self.spare_cells if time.monotonic() < self.spare_zero_due else None
-                reused = self._take_spare(n_ctx)
-                sequence.open(0)
-                if reused and owner and cells is not None and cells[0] == owner and length <= len(cells[1]):
-                    sequence.n_ctx, sequence.digests = n_ctx, cells[1][:length]  # its own park's cells: the blob is not read
-                    return Restored(length=sequence.length, reused=True, in_place=True)
-                try:
-                    sequence.restore(bytes(blob), length, n_ctx)
-                except StateFormatError as error:
-                    sequence.open(0)
-                    return Failed(code="restore_failed", message=str(error), length=0)
-                return Restored(length=sequence.length, reused=reused)
+            case RestoreState():
+                return self._restore(sequence, command)
         return Failed(code="bad_command", message=f"a fake worker does not take {type(command).__name__}")
+
+    def _restore(self, sequence: FakeSequence, command: RestoreState) -> Restored | Failed:
+        """A RestoreState's, alone or carried by a RunAppend."""
+        cells = self.spare_cells if time.monotonic() < self.spare_zero_due else None
+        reused = self._take_spare(command.n_ctx)
+        sequence.open(0)
+        owner, length = command.owner, command.length
+        if reused and owner and cells is not None and cells[0] == owner and length <= len(cells[1]):
+            sequence.n_ctx, sequence.digests = command.n_ctx, cells[1][:length]  # its own park's cells: the blob is not read
+            return Restored(length=sequence.length, reused=True, in_place=True)
+        try:
+            sequence.restore(bytes(command.blob), length, command.n_ctx)
+        except StateFormatError as error:
+            sequence.open(0)
+            return Failed(code="restore_failed", message=str(error), length=0)
+        return Restored(length=sequence.length, reused=reused)
 
     def _open(self, sequence: FakeSequence, n_ctx: int) -> Opened | Failed:
         if self.batched and not 1 <= n_ctx <= self.spec.max_n_ctx:

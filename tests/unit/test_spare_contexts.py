@@ -18,6 +18,7 @@ from kvpool.state.shared import SharedState
 from tests.support.contract import rows_of
 from tests.support.daemons import checked, in_thread, refused, result, wait_until
 from tests.support.fake_worker import fake_kinds
+from workers.server.commands import Failed, RunAppend
 from workers.server.single import IDLE_ZERO_S
 
 
@@ -193,3 +194,32 @@ def test_a_parked_state_stays_in_the_memory_its_worker_wrote_until_the_restore_t
         assert SharedState.open_count() == before + 1
         client.release("b", 1)
         assert SharedState.open_count() == before
+
+
+def test_a_restore_travels_with_its_append_and_a_refusal_of_it_ends_the_session_alone(serve, fake_model):
+    kinds = fake_kinds()
+    daemon = serve(fake_model, "--max-sessions", "2", kinds=kinds)
+    sent: list = []
+
+    def watch(command):
+        sent.append(type(command).__name__ + ("+restore" if getattr(command, "restore", None) is not None else ""))
+        if isinstance(command, RunAppend) and command.restore is not None and command.start_pos == 2:
+            return Failed(code="restore_failed", message="refused by the test")
+        return None
+
+    with daemon.client() as client:
+        client.append("s", 1, 0, tokens=[1, 2, 3])
+        client.append("t", 1, 0, tokens=[1, 2])
+        client.park("s", 1)
+        client.park("t", 1)
+        kinds[0].behaviour.fail = watch
+        back = client.append("s", 1, 3, tokens=[4])
+        assert back.restored and np.array_equal(back.rows, rows_of(client, [1, 2, 3, 4]))
+        assert sent == ["RunAppend+restore"]  # one round trip: no RestoreState of its own
+        missed = refused(lambda: client.append("t", 1, 2, tokens=[9]))
+        assert (missed.code, missed.reason) == ("cache_miss", "restore_failed")
+        kinds[0].behaviour.fail = None
+        stats = checked(client)
+        assert [row.session_id for row in stats.sessions] == ["s"] and stats.counters["restore_failures"] == 1
+        too_long = refused(lambda: client.append("s", 1, 4, tokens=list(range(5000))))  # refused before anything: nothing restored
+        assert too_long.code in ("bad_request", "position_mismatch")

@@ -10,8 +10,8 @@ import msgspec
 import pytest
 
 from tests.support.pipes import open_descriptors
-from workers.server.commands import AnyCommand, AnyWorkerReply, Closed, RestoreState, Saved, SaveState
-from workers.server.pipe import StateTransferError, receive_reply, received_command, send_command, send_reply
+from workers.server.commands import AnyCommand, AnyWorkerReply, Closed, RestoreState, RunAppend, Saved, SaveState
+from workers.server.pipe import StateTransferError, prepared_state, receive_reply, received_command, send_command, send_reply
 
 BLOB = bytes(range(256)) * 4099 + b"tail"  # ~1 MiB, not a multiple of a page
 
@@ -27,6 +27,30 @@ def test_a_restore_blob_reaches_the_worker_as_a_view_and_is_unmapped_after(pipe)
         blob = command.blob
     with pytest.raises(ValueError):  # released with the block: the mapping is gone
         bytes(blob)
+    assert open_descriptors() - before == set()
+
+
+def test_a_restore_carried_by_an_append_crosses_as_one_alone_does_and_a_prepared_one_is_consumed(pipe) -> None:
+    supervisor, worker = pipe
+    encoder, decoder = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(AnyCommand)
+    before = open_descriptors()
+    prepared = prepared_state(BLOB)  # made ready ahead (WorkerHandle.restore_with_append): the bytes may go at once
+    assert len(prepared) == len(BLOB) and str(prepared.fd) in {fd for fd, _ in open_descriptors() - before}
+    send_command(supervisor, encoder, RunAppend(start_pos=5, n_rows=1, restore=RestoreState(n_ctx=64, length=5, blob=prepared, owner=3)))
+    assert prepared.fd == -1  # the send closed its descriptor
+    with received_command(worker, decoder) as command:
+        assert isinstance(command, RunAppend) and (command.start_pos, command.n_rows) == (5, 1)
+        restore = command.restore
+        assert (restore.n_ctx, restore.length, restore.owner, restore.blob_bytes) == (64, 5, 3, 0) and restore.blob == BLOB
+        blob = restore.blob
+    with pytest.raises(ValueError):  # released with the block, as a RestoreState's
+        bytes(blob)
+    send_command(supervisor, encoder, RunAppend(start_pos=0, n_rows=2))  # without one: the message alone
+    with received_command(worker, decoder) as command:
+        assert command == RunAppend(start_pos=0, n_rows=2)
+    unsent = prepared_state(memoryview(BLOB)[:10])
+    unsent.close()
+    unsent.close()  # closing twice is harmless
     assert open_descriptors() - before == set()
 
 

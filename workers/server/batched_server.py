@@ -22,6 +22,7 @@ from workers.runtime.errors import ShardRuntimeError, wire_checks
 from workers.runtime.model import ShardModel
 from workers.runtime.sampling import answer
 from workers.server.commands import (
+    RESTORE_FAILED,
     AnyCommand,
     Appended,
     BatchDone,
@@ -112,7 +113,7 @@ class BatchedWorkerServer:
             self.context.truncate(seq, length)
         except (ShardRuntimeError, ValueError) as error:
             self.context.clear(seq)  # per-sequence KV streams keep a refused restore away from the others
-            return Failed(code="restore_failed", message=str(error), length=0)
+            return Failed(code=RESTORE_FAILED, message=str(error), length=0)
         self._limits[seq] = n_ctx
         return Restored(length=length)
 

@@ -11,6 +11,7 @@ from kvpool.wire.sampling import Sampling
 from kvpool.wire.shape import ShardShape
 
 OPEN_FAILED = "open_failed"  # Failed.code: the context asked for could not be created
+RESTORE_FAILED = "restore_failed"  # Failed.code: the saved state could not be restored (its context freed)
 
 
 class Command(msgspec.Struct, tag=True, forbid_unknown_fields=True, kw_only=True):
@@ -34,7 +35,10 @@ class RunAppend(Command):
     hidden states on any other (the worker knows which shard it runs). One round trip for an append through
     the supervisor: like every command it revokes the direct channel first; with n_ctx > 0 a fresh context
     of n_ctx positions is opened before the rows run (an admission's open; Failed open_failed if it cannot
-    be); with `bind` the direct channel serves that session once the append has succeeded."""
+    be); with `bind` the direct channel serves that session once the append has succeeded. With `restore` (a
+    parked session's restore, its blob beside this command as a RestoreState's travels) the state is restored
+    first, as that command would (its failure is this command's Failed, nothing appended; Appended.restored
+    says how it went): a restoring append is one round trip too."""
 
     start_pos: int
     n_rows: int
@@ -42,6 +46,7 @@ class RunAppend(Command):
     sample: Sampling | None = None  # last shard: pick the next token (rows come back only with sample.logits)
     n_ctx: int = 0
     bind: Binding | None = None
+    restore: RestoreState | None = None
 
 
 class TruncateContext(Command):
@@ -158,6 +163,7 @@ class Appended(WorkerReply):
     token: int = -1
     top_ids: list[int] = msgspec.field(default_factory=list)
     top_logprobs: list[float] = msgspec.field(default_factory=list)
+    restored: Restored | None = None  # the RunAppend's restore, when it carried one
 
 
 class Truncated(WorkerReply):
@@ -180,6 +186,7 @@ class Restored(WorkerReply):
     length: int
     reused: bool = False  # restored into the worker's spare context rather than a new one
     in_place: bool = False  # that spare still held the park's own cells: nothing was loaded (the blob unread)
+    seconds: float = 0.0  # the worker's time for it (RunAppend.restore: the supervisor cannot see it apart from the append's)
 
 
 class ChannelState(WorkerReply):

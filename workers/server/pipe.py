@@ -30,7 +30,7 @@ from multiprocessing.connection import Connection
 import msgspec
 
 from kvpool.state.shared import SharedPayload, SharedState, new_memfd
-from workers.server.commands import AnyCommand, AnyWorkerReply, RestoreState, Saved
+from workers.server.commands import AnyCommand, AnyWorkerReply, RestoreState, RunAppend, Saved
 
 
 class WrittenState:
@@ -89,15 +89,48 @@ def _send(connection: Connection, encoder: msgspec.msgpack.Encoder, message, fd:
         os.close(fd)
 
 
+class StateDescriptor:
+    """A state to restore, made ready to travel (prepared_state): a descriptor of its own (closed by the
+    send, or by `close`) and where in it the bytes lie. A RestoreState's blob may be one."""
+
+    def __init__(self, fd: int, nbytes: int, offset: int) -> None:
+        self.fd, self.nbytes, self.offset = fd, nbytes, offset
+
+    def __len__(self) -> int:
+        return self.nbytes
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    __del__ = close  # one never sent nor closed (its worker lost first) is not left open
+
+
+def prepared_state(blob: bytes | memoryview | SharedPayload | StateDescriptor) -> StateDescriptor:
+    """What travels beside a RestoreState: a SharedPayload's own memfd (a descriptor of it), else a new
+    memfd of the bytes; the caller may close or reuse `blob` at once."""
+    if isinstance(blob, StateDescriptor):
+        return blob
+    if isinstance(blob, SharedPayload):
+        return StateDescriptor(os.dup(blob.state.fd), len(blob), blob.offset)
+    return StateDescriptor(_memfd_of(blob), len(memoryview(blob).cast("B")), 0)
+
+
 def send_command(connection: Connection, encoder: msgspec.msgpack.Encoder, command: AnyCommand) -> None:
-    """The supervisor's end: `command`, and a RestoreState's blob beside it (a SharedPayload's own
-    descriptor, else a memfd of the bytes)."""
-    if not isinstance(command, RestoreState):
+    """The supervisor's end: `command`, and the blob of a RestoreState (or of the one a RunAppend carries)
+    beside it (prepared_state)."""
+    restore = command.restore if isinstance(command, RunAppend) else command if isinstance(command, RestoreState) else None
+    if restore is None:
         connection.send_bytes(encoder.encode(command))
-    elif isinstance(command.blob, SharedPayload):
-        _send(connection, encoder, command, os.dup(command.blob.state.fd), blob_bytes=len(command.blob), blob_offset=command.blob.offset)
-    else:
-        _send(connection, encoder, command, _memfd_of(command.blob), blob_bytes=len(command.blob), blob_offset=0)
+        return
+    state = prepared_state(restore.blob)  # a StateDescriptor handed in is consumed here too
+    try:
+        on_wire = msgspec.structs.replace(restore, blob=b"", blob_bytes=state.nbytes, blob_offset=state.offset)
+        connection.send_bytes(encoder.encode(msgspec.structs.replace(command, restore=on_wire) if isinstance(command, RunAppend) else on_wire))
+        _send_descriptor(connection, state.fd)
+    finally:
+        state.close()
 
 
 def send_reply(connection: Connection, encoder: msgspec.msgpack.Encoder, reply: AnyWorkerReply) -> None:
@@ -135,28 +168,36 @@ def receive_reply(connection: Connection, decoder: msgspec.msgpack.Decoder) -> A
 
 @contextlib.contextmanager
 def received_command(connection: Connection, decoder: msgspec.msgpack.Decoder) -> Iterator[AnyCommand]:
-    """A worker's end: the next command; a RestoreState's blob is a read-only view of the memfd's mapping,
-    valid inside the block (unmapped after it). Raises EOFError or OSError as the pipe does."""
+    """A worker's end: the next command; a RestoreState's blob (or that of the one a RunAppend carries) is a
+    read-only view of the memfd's mapping, valid inside the block (unmapped after it). The mapping is not
+    populated: a restore that resumes its own park's cells reads none of it. Raises EOFError or OSError as
+    the pipe does."""
     command = decoder.decode(connection.recv_bytes())
-    if not isinstance(command, RestoreState):
+    restore = command.restore if isinstance(command, RunAppend) else command if isinstance(command, RestoreState) else None
+    if restore is None:
         yield command
         return
+
+    def carrying(blob: memoryview) -> AnyCommand:
+        received = msgspec.structs.replace(restore, blob=blob, blob_bytes=0, blob_offset=0)
+        return msgspec.structs.replace(command, restore=received) if isinstance(command, RunAppend) else received
+
     fd = _receive_descriptor(connection)
     try:
         size = os.fstat(fd).st_size
-        if command.blob_offset < 0 or size < command.blob_offset + command.blob_bytes:
-            raise StateTransferError(f"a state of {command.blob_bytes} bytes at {command.blob_offset} arrived in {size}")
+        if restore.blob_offset < 0 or size < restore.blob_offset + restore.blob_bytes:
+            raise StateTransferError(f"a state of {restore.blob_bytes} bytes at {restore.blob_offset} arrived in {size}")
         # private: a shared mapping of a write-sealed memfd is refused before Linux 6.7 (a read-only private one copies nothing)
-        mapping = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE | mmap.MAP_POPULATE, prot=mmap.PROT_READ) if command.blob_bytes else None
+        mapping = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ) if restore.blob_bytes else None
     finally:
         os.close(fd)
     if mapping is None:
-        yield msgspec.structs.replace(command, blob=memoryview(b""), blob_bytes=0, blob_offset=0)
+        yield carrying(memoryview(b""))
         return
     view = memoryview(mapping)
-    blob = view[command.blob_offset : command.blob_offset + command.blob_bytes]
+    blob = view[restore.blob_offset : restore.blob_offset + restore.blob_bytes]
     try:
-        yield msgspec.structs.replace(command, blob=blob, blob_bytes=0, blob_offset=0)
+        yield carrying(blob)
     finally:
         with contextlib.suppress(BufferError):  # a view still exported: unmapped when the last one goes
             blob.release()

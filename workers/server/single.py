@@ -16,6 +16,7 @@ from workers.runtime.errors import ShardRuntimeError, wire_checks
 from workers.runtime.model import ShardModel
 from workers.runtime.sampling import answer
 from workers.server.commands import (
+    RESTORE_FAILED,
     AnyCommand,
     Appended,
     BindChannel,
@@ -114,15 +115,24 @@ class WorkerServer:
         return Failed(code="bad_command", message=f"unknown command {type(command).__name__}")
 
     def _run(self, command: RunAppend):
-        """The append, after the fresh context it asks for (n_ctx), then the channel bound if it asks and
-        the append succeeded."""
-        if command.n_ctx:
+        """The append, after the fresh context it asks for (n_ctx) or the restore it carries, then the
+        channel bound if it asks and the append succeeded."""
+        restored = None
+        if command.restore is not None:
+            started = time.perf_counter()
+            restored = self._restore(command.restore)
+            if isinstance(restored, Failed):
+                return restored
+            restored.seconds = time.perf_counter() - started
+        elif command.n_ctx:
             opened = self._open(command.n_ctx)
             if isinstance(opened, Failed):
                 return opened
         appended = self._append(command)
-        if command.bind is not None and isinstance(appended, Appended):
-            self.bound = (command.bind.session_id, command.bind.epoch)
+        if isinstance(appended, Appended):
+            appended.restored = restored
+            if command.bind is not None:
+                self.bound = (command.bind.session_id, command.bind.epoch)
         return appended
 
     def _keep_as_spare(self, owner: int) -> None:
@@ -190,7 +200,7 @@ class WorkerServer:
             return Restored(length=self.context.restore_state(command.blob, command.length), reused=opened.reused)
         except ShardRuntimeError as error:
             self._close_context()  # a refused restore may leave corrupt KV: never reuse this context
-            return Failed(code="restore_failed", message=str(error), length=0)
+            return Failed(code=RESTORE_FAILED, message=str(error), length=0)
 
     def _append(self, command: RunAppend):
         context = self.context

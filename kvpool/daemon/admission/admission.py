@@ -29,6 +29,7 @@ from kvpool.daemon.pool.pool import WorkerPool
 from kvpool.state.shared import close_payload
 from kvpool.wire.errors import RequestFailed
 from kvpool.wire.protocol import Append, ErrorCode, MissReason
+from workers.server.commands import OPEN_FAILED, RESTORE_FAILED, Restored
 
 MAX_ADMIT_WAIT_S = 60.0
 PARK_RETRY_S = 0.01
@@ -136,10 +137,13 @@ class Admission:
         self.metrics.count("admissions")
         return session
 
-    async def restore(self, session: Session, deadline: float) -> None:
+    async def restore(self, session: Session, deadline: float) -> float | None:
         """Make a parked session hot again, its lock held by the caller: a worker and the charge, a fresh
         context loaded with the saved state. A blob that fails its check or that llama.cpp refuses ends
-        the session alone (cache_miss, restore_failed); that context is freed, never reused."""
+        the session alone (cache_miss, restore_failed); that context is freed, never reused. A process-mode
+        worker gets the restore with the append that follows (WorkerHandle.restore_with_append: one round
+        trip): then the seconds it took here are returned, for `restored` once that append's reply says how it
+        went (its refusal: restore_refused), else None (done here)."""
         charge = self.charge_for(session.n_ctx)
         started = time.monotonic()
         try:
@@ -161,21 +165,39 @@ class Admission:
         evicted_workers = self.books.unpark(plan, session, charge)
         self.carry_out(plan, evicted_workers)
         refused = functools.partial(self._restore_failed, session)
+        worker = self.pool.get(session.worker_name)
         try:
+            if worker.restores_with_append:
+                worker.restore_with_append(session.n_ctx, blob, session.length, owner=session.park_token)
+                return time.monotonic() - started
             async with self.lifecycle.worker_call(session, lost="lost while restoring the session", refused=refused):
-                restored = await self.pool.get(session.worker_name).restore_state(session.n_ctx, blob, session.length, owner=session.park_token)
+                restored = await worker.restore_state(session.n_ctx, blob, session.length, owner=session.park_token)
         finally:
             # restored or not, the state is no longer the store's: its memory is freed (0.3 ms at 3.76 MiB) once the
             # loop next waits, beside the worker's compute of the append that follows, not before that append is sent
+            # (a restore that travels with the append holds a descriptor of its own: workers.server.pipe.prepared_state)
             try:
                 asyncio.get_running_loop().call_soon(close_payload, blob)
             except RuntimeError:  # no loop runs this (a coroutine closed at shutdown): freed now
                 close_payload(blob)
-        if restored.reused:
+        self.restored(restored, time.monotonic() - started)
+        return None
+
+    def restored(self, restored: Restored | None, seconds: float) -> None:
+        """A restore done (`restored`: the worker's reply; None if it never said) in `seconds` (a restore that
+        travelled with an append: the supervisor's part, to which the worker's own time is added)."""
+        if restored is not None and restored.reused:
             self.metrics.count("restores_into_spare")
-        if restored.in_place:
+        if restored is not None and restored.in_place:
             self.metrics.count("restores_in_place")
-        self.metrics.observe_restore(time.monotonic() - started)
+        self.metrics.observe_restore(seconds)
+
+    def restore_refused(self, session: Session, failure: WorkerFailed) -> RequestFailed | None:
+        """A refusal of the append a restore travelled with that is the restore's (its context not created, or
+        the state refused): the session ends alone as restore's own refusal ends it; None for the append's own."""
+        if failure.code not in (OPEN_FAILED, RESTORE_FAILED):
+            return None
+        return self._restore_failed(session, failure)
 
     def open_refused(self, session: Session, failure: WorkerFailed) -> RequestFailed:
         """The context could not be created: the session is forgotten, its worker freed."""

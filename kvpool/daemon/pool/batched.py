@@ -67,6 +67,8 @@ class PendingAppend:
 class BatchedWorker(WorkerHandle):
     """One batched worker process; `slots` are what the pool lends."""
 
+    restores_with_append = False  # a sequence's restore is its own command (SequenceSlot.restore_state)
+
     def __init__(self, name: str, spec: PoolSpec, index: int = 0, *, compute: ComputeSlots | None = None) -> None:
         super().__init__(name, spec, index)
         self.compute = compute or ComputeSlots(1)
@@ -235,6 +237,8 @@ def _fail(future: asyncio.Future, error: BaseException) -> None:
 class SequenceSlot:
     """One sequence of a batched worker, lent by the pool as a worker: the WorkerHandle calls, on its
     sequence only. Its process's life (lost, exited, stopped) is the slot's."""
+
+    restores_with_append = False  # its restore is a command of its own, answered before the batch runs
 
     def __init__(self, process: BatchedWorker, seq: int) -> None:
         self.process = process

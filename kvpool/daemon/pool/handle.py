@@ -39,6 +39,7 @@ from workers.server.commands import (
     TruncateContext,
     Truncated,
 )
+from workers.server.pipe import prepared_state
 
 __all__ = ["PoolSpec", "WorkerFailed", "WorkerHandle", "WorkerLost", "WorkerOutput", "WorkerStartFailed"]
 
@@ -52,6 +53,7 @@ class WorkerOutput:
     token: int = -1  # with sampling: the token picked on the last shard
     top_ids: list[int] = dataclasses.field(default_factory=list)
     top_logprobs: list[float] = dataclasses.field(default_factory=list)
+    restored: Restored | None = None  # the restore the append carried (WorkerHandle.restore_with_append)
 
 
 class WorkerHandle(WorkerProcess):
@@ -59,15 +61,26 @@ class WorkerHandle(WorkerProcess):
     values or raise WorkerFailed (the worker refused: code, length) or WorkerLost.
 
     An append is one pipe round trip: the open asked for before it travels with it (RunAppend.n_ctx), and
-    so does the direct channel's binding (RunAppend.bind); the worker revokes the channel on every command."""
+    so do a parked session's restore (RunAppend.restore) and the direct channel's binding (RunAppend.bind);
+    the worker revokes the channel on every command."""
+
+    restores_with_append = True  # restore_with_append: a parked session's restore travels with its next append
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._opening = 0  # open() asked for a context of this many positions, not sent yet
+        self._restoring: RestoreState | None = None  # restore_with_append asked for it, not sent yet (its blob a StateDescriptor)
 
     async def _expect(self, command: AnyCommand, expected: type):
         if isinstance(command, RestoreState | CloseContext):
             self._opening = 0  # superseded: a fresh context of its own, or none
+            self._drop_restoring()
+        elif self._restoring is not None and not isinstance(command, RunAppend):
+            restoring = self._take_restoring()
+            try:
+                await self._reply_to(restoring, Restored)  # as it would have been sent alone: its failure is this call's
+            finally:
+                restoring.blob.close()
         elif self._opening and not isinstance(command, RunAppend):
             await self._reply_to(OpenContext(n_ctx=self._take_opening()), Opened)
         return await self._reply_to(command, expected)
@@ -75,6 +88,15 @@ class WorkerHandle(WorkerProcess):
     def _take_opening(self) -> int:
         n_ctx, self._opening = self._opening, 0
         return n_ctx
+
+    def _take_restoring(self) -> RestoreState | None:
+        restoring, self._restoring = self._restoring, None
+        return restoring
+
+    def _drop_restoring(self) -> None:
+        restoring = self._take_restoring()
+        if restoring is not None:
+            restoring.blob.close()
 
     async def _reply_to(self, command: AnyCommand, expected: type):
         reply = await self.call(command)
@@ -100,11 +122,18 @@ class WorkerHandle(WorkerProcess):
         if still_wanted is not None:
             still_wanted()
         self.shared.write_input(rows)
-        command = RunAppend(start_pos=start_pos, n_rows=len(rows), output_rows=output_rows, sample=sample, n_ctx=self._take_opening(), bind=bind)
-        appended = await self._expect(command, Appended)
+        restoring = self._take_restoring()
+        command = RunAppend(
+            start_pos=start_pos, n_rows=len(rows), output_rows=output_rows, sample=sample, n_ctx=self._take_opening(), bind=bind, restore=restoring,
+        )
+        try:
+            appended = await self._expect(command, Appended)
+        finally:
+            if restoring is not None:
+                restoring.blob.close()  # sent (the pipe closed it) or not: never left open
         return WorkerOutput(
             length=appended.length, rows=appended.rows, width=appended.width, data=self.shared.read_output(appended),
-            token=appended.token, top_ids=appended.top_ids, top_logprobs=appended.top_logprobs,
+            token=appended.token, top_ids=appended.top_ids, top_logprobs=appended.top_logprobs, restored=appended.restored,
         )
 
     async def truncate(self, length: int) -> int:
@@ -126,6 +155,16 @@ class WorkerHandle(WorkerProcess):
         WorkerFailed code restore_failed if refused. `owner`: the park token of the state restored (the spare
         that park left, unzeroed, resumes its cells and the blob is not read: Restored.in_place)."""
         return await self._expect(RestoreState(n_ctx=n_ctx, blob=blob, length=length, owner=owner), Restored)
+
+    def restore_with_append(self, n_ctx: int, blob: bytes | memoryview | SharedPayload, length: int, owner: int = 0) -> None:
+        """restore_state's command, sent with the next append (RunAppend.restore: one round trip for both;
+        WorkerOutput.restored then says how it went, and a refusal is that append's WorkerFailed, code
+        restore_failed or open_failed), or alone before any other command; a CloseContext or another restore
+        drops it. The blob is made ready to travel here (workers.server.pipe.prepared_state): the caller may
+        close it at once."""
+        self._drop_restoring()
+        self._opening = 0
+        self._restoring = RestoreState(n_ctx=n_ctx, blob=prepared_state(blob), length=length, owner=owner)
 
     async def bind_channel(self, bind: Binding) -> int:
         """Serve `bind`'s session from the direct channel again (after a command that revoked it); returns the length."""

@@ -57,6 +57,7 @@ class WorkerProcess:
         worker_spec = spec.worker_spec(shm_name=self.segment.name, parent_pid=os.getpid(), direct_address=self.direct_address, worker_index=index)
         self.process = self._start(context, worker_spec, child_end, child_cancel_end)
         self.ready: Ready | None = None
+        self._ps: psutil.Process | None = None
         self.baseline_uss = 0
         self.lost = False
 
@@ -87,7 +88,9 @@ class WorkerProcess:
         if self.process.exitcode is not None or multiprocessing.connection.wait([self.process.sentinel], timeout=0):
             return True
         try:
-            return psutil.Process(self.pid).status() == psutil.STATUS_ZOMBIE
+            if self._ps is None:  # made once: each new psutil.Process reads /proc for the pid's start time (asked on every admission)
+                self._ps = psutil.Process(self.pid)
+            return self._ps.status() == psutil.STATUS_ZOMBIE  # a zombie's pid is not reused: the object names this worker
         except psutil.NoSuchProcess:
             return True
 
