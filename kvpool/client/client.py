@@ -10,8 +10,8 @@ to the daemon that takes over the socket, waiting for one up to `successor_wait_
 
 from __future__ import annotations
 
-import contextlib
 import os
+import selectors
 import threading
 import time
 from collections.abc import Sequence
@@ -120,20 +120,32 @@ class Client:
             try:
                 reply = self._connection(which).request(message)
             except RequestNotSent as lost:
-                self._drained = self._drained or lost.drained
-                if not self._drained or self._closed:
+                if not self._to_send_again(lost):
                     raise
                 wait = wait or SuccessorWait(self.socket_path, self.successor_wait_s, self.on_successor_wait)
                 time.sleep(wait.pause_s(lost))
                 continue
-            if not to_send_again(reply):
-                self._drained = False  # a daemon serves the socket again
+            if self._answered(reply, which):
                 return reply
             assert isinstance(reply, ErrorReply)
-            self._drained = True
-            self._close_connection(which)  # the draining daemon's connection: the next try opens a new one
             wait = wait or SuccessorWait(self.socket_path, self.successor_wait_s, self.on_successor_wait)
             time.sleep(wait.pause_s(KvpoolError(reply), reply.retry_after_s))
+
+    def _to_send_again(self, lost: RequestNotSent) -> bool:
+        """Whether a request that never left (`lost`) is sent again: once its daemon has drained, to the one
+        that follows (within the successor wait)."""
+        self._drained = self._drained or lost.drained
+        return self._drained and not self._closed
+
+    def _answered(self, reply: Reply, which: str) -> bool:
+        """True for a reply to keep; False for a draining daemon's answer that the request is to be sent
+        again (that daemon's connection closed: the next try opens a new one)."""
+        if not to_send_again(reply):
+            self._drained = False  # a daemon serves the socket again
+            return True
+        self._drained = True
+        self._close_connection(which)
+        return False
 
     def _close_connection(self, which: str) -> None:
         with self._connect_lock:
@@ -171,13 +183,15 @@ class Client:
         return park_call(session_id, epoch, wait)
 
     @staticmethod
-    def ask_all(calls: Sequence[tuple[Client, Call[Result]]]) -> list[Result | KvpoolError | ConnectionLost]:
-        """Every call's request sent to its client's daemon first, then every reply read, in one thread: the
-        round trips overlap, so requests each daemon answers at once (Park without wait) cost about one
-        round trip together. Each entry is the call's result or the error it met (KvpoolError, ConnectionLost).
-        A request that could not leave, or that a draining daemon asks to be sent again, is then asked alone
-        as every call is (Client._request: the successor wait). Each client's main connection is held, in
-        one order, from its request's send until its reply is read; a client appears once."""
+    def ask_all(calls: Sequence[tuple[Client, Call[Result]]]) -> list[Result | Exception]:
+        """Every call's request sent to its client's daemon first, then every reply read as it comes, in one
+        thread: the round trips overlap, so requests each daemon answers at once (Park without wait) cost
+        about one round trip together. Each entry is the call's result or the error it met (KvpoolError,
+        ConnectionLost, a socket timeout). A request that could not leave, or that a draining daemon asks to
+        be sent again, is then asked alone as every call is (Client._request: the successor wait). Each
+        client's main connection is held from its request's send until its reply is read (taken in one
+        order, so two callers never wait on each other); a reply left unread by an interruption closes its
+        connection. A client appears once."""
         if len({id(client) for client, _ in calls}) != len(calls):
             raise ValueError("ask_all takes each client once")
         results: list = [None] * len(calls)
@@ -186,37 +200,58 @@ class Client:
         for index, (client, _) in enumerate(calls):
             try:
                 connections[index] = client._connection("main")
-            except RequestNotSent:
-                alone.append(index)
+            except RequestNotSent as lost:
+                if client._to_send_again(lost):
+                    alone.append(index)
+                else:
+                    results[index] = lost
             except ConnectionLost as error:
                 results[index] = error
-        with contextlib.ExitStack() as held:
-            for connection in sorted(connections.values(), key=id):  # one order: two callers never wait on each other
-                held.enter_context(connection.lock)
-            sent: list[tuple[int, ClientConnection, int]] = []
+        for connection in sorted(connections.values(), key=id):
+            connection.lock.acquire()
+        held = dict(connections)  # locks held, by call index
+        sent: dict[int, int] = {}  # request ids sent, by call index: replies still to read
+        try:
             for index, connection in connections.items():
                 try:
-                    sent.append((index, connection, connection.send(calls[index][1].request)))
-                except RequestNotSent:
-                    alone.append(index)
-                except ConnectionLost as error:
+                    sent[index] = connection.send(calls[index][1].request)
+                except RequestNotSent as lost:
+                    if calls[index][0]._to_send_again(lost):
+                        alone.append(index)
+                    else:
+                        results[index] = lost
+                except Exception as error:  # noqa: BLE001 - this entry's error; the others are still answered
                     results[index] = error
-            for index, connection, request_id in sent:
-                client, call = calls[index]
-                try:
-                    reply = connection.receive(request_id)
-                except ConnectionLost as error:
-                    results[index] = error
-                    continue
-                if to_send_again(reply):
-                    client._close_connection("main")
-                    alone.append(index)
-                    continue
-                client._drained = False  # a daemon serves the socket again
-                try:
-                    results[index] = call.outcome(reply)
-                except KvpoolError as error:
-                    results[index] = error
+                if index not in sent:
+                    held.pop(index).lock.release()
+            with selectors.DefaultSelector() as selector:
+                for index in sent:
+                    selector.register(connections[index].sock, selectors.EVENT_READ, index)
+                while sent:
+                    ready = [key.data for key, _ in selector.select(_shortest_timeout(connections[index] for index in sent))]
+                    for index in ready or [next(iter(sent))]:  # none ready in time: the first one's own read times out
+                        connection = connections[index]
+                        selector.unregister(connection.sock)
+                        try:
+                            reply = connection.receive(sent.pop(index))
+                        except Exception as error:  # noqa: BLE001 - as above
+                            results[index] = error
+                            continue
+                        finally:
+                            held.pop(index).lock.release()
+                        client, call = calls[index]
+                        if not client._answered(reply, "main"):
+                            alone.append(index)
+                            continue
+                        try:
+                            results[index] = call.outcome(reply)
+                        except KvpoolError as error:
+                            results[index] = error
+        finally:
+            for index in sent:  # interrupted (KeyboardInterrupt): a reply left unread must never answer a later request
+                connections[index].close()
+            for connection in held.values():
+                connection.lock.release()
         for index in sorted(alone):
             client, call = calls[index]
             try:
@@ -281,3 +316,10 @@ class Client:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def _shortest_timeout(connections) -> float | None:
+    """The shortest read timeout of `connections`' sockets (None: they wait as long as it takes)."""
+    timeouts = [connection.sock.gettimeout() for connection in connections if connection.sock is not None]
+    timeouts = [timeout for timeout in timeouts if timeout is not None]
+    return min(timeouts) if timeouts else None

@@ -186,7 +186,7 @@ class KvService:
         capture = self.prefixes.capture_wanted(session, request, n_rows)
         worker.set_abort(False)
         session.appending = True
-        refused = functools.partial(self._append_refused, session, restoring is not None)
+        refused = functools.partial(self._append_refused, session, restoring)
         try:
             async with self.lifecycle.worker_call(session, refused=refused), self.pool.append_slot():
                 self.channels.handed_to_run(session)
@@ -216,12 +216,14 @@ class KvService:
             token=output.token, top_ids=output.top_ids, top_logprobs=output.top_logprobs, channel=channel,
         )
 
-    def _append_refused(self, session: Session, restoring: bool, failure: WorkerFailed) -> RequestFailed:
+    def _append_refused(self, session: Session, restoring: float | None, failure: WorkerFailed) -> RequestFailed:
         """The worker's own code (internal where it names none), and the length it rolled back to; a failed
         open (an admission's, which travels with the first run) is the admission's, a refused restore that
         travelled with it the restore's."""
-        if restoring and (refusal := self.admission.restore_refused(session, failure)) is not None:
-            return refusal
+        if restoring is not None:
+            if (refusal := self.admission.restore_refused(session, failure)) is not None:
+                return refusal
+            self.admission.restored(None, restoring)  # restored, then the append failed (cancelled, ...): the worker's part unknown
         if failure.code == OPEN_FAILED:
             return self.admission.open_refused(session, failure)
         session.length = failure.length

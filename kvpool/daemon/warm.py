@@ -29,6 +29,7 @@ class WarmRequests:
         self.pool = pool
         self.lifecycle = lifecycle
         self.metrics = metrics
+        self.parking_behind: set[Session] = set()  # saves of parks answered before them (Park.wait false), not done yet
 
     def require_tier(self, what: str) -> None:
         if not self.books.spill.enabled:
@@ -46,19 +47,26 @@ class WarmRequests:
             return await self._park_behind(session)
         async with self.gate.holding(session):
             if not session.hot:
-                return Done(length=session.length, session_id=session.session_id, epoch=session.epoch, detail="already parked")
-            await self.parking.park(session, entered=True)
-            if self.books.table.get(session.session_id) is not session:
+                return _done(session, "already parked")
+            if not await self._save(session):
                 raise self.gate.miss(session.session_id, session.epoch, "the session's state could not be kept")
+            return _done(session, "parked")
+
+    async def _save(self, session: Session) -> bool:
+        """The entered session's park (Parking.park); True if its state is in the store."""
+        await self.parking.park(session, entered=True)
+        kept = self.books.table.get(session.session_id) is session
+        if kept:
             self.metrics.count("parks")
-            return Done(length=session.length, session_id=session.session_id, epoch=session.epoch, detail="parked")
+        return kept
 
     async def _park_behind(self, session: Session) -> Done:
         """Park without `wait`: checked as the waiting park is, then answered "parking" while a task that
         holds what this request entered (the session's lock and its count in flight) saves the state and
         leaves the session after. Every other use of the session takes that lock first, so none sees the
-        session between its reply and its state in the store; a save that fails ends the session as a waiting
-        park's would (its next request: cache_miss), logged here since no reply is left to carry it."""
+        session between its reply and its state in the store, and a drain waits for `parking_behind` to
+        empty; a save that fails ends the session as a waiting park's would (its next request: cache_miss),
+        logged here since no reply is left to carry it."""
         try:
             self.gate.check_live(session)
         except BaseException:
@@ -66,18 +74,22 @@ class WarmRequests:
             raise
         if not session.hot:
             await self.gate.leave(session)
-            return Done(length=session.length, session_id=session.session_id, epoch=session.epoch, detail="already parked")
+            return _done(session, "already parked")
+        self.parking_behind.add(session)
         self.lifecycle.spawn(self._finish_park(session))
-        return Done(length=session.length, session_id=session.session_id, epoch=session.epoch, detail="parking")
+        return _done(session, "parking")
 
     async def _finish_park(self, session: Session) -> None:
         try:
             async with self.gate.holding(session):
-                await self.parking.park(session, entered=True)
-                if self.books.table.get(session.session_id) is session:
-                    self.metrics.count("parks")
-        except RequestFailed as failure:
-            log.warning("park of session %r epoch %d (answered parking) failed: %s", session.session_id, session.epoch, failure)
+                if not await self._save(session):
+                    log.warning("park of session %r epoch %d (answered parking): its state could not be kept; its next request: cache_miss",
+                                session.session_id, session.epoch)
+        except RequestFailed as failure:  # its worker lost (the session with it), or the session ended or was fenced first
+            level = logging.WARNING if failure.code is ErrorCode.WORKER_LOST else logging.INFO
+            log.log(level, "park of session %r epoch %d (answered parking) ended without a save: %s", session.session_id, session.epoch, failure)
+        finally:
+            self.parking_behind.discard(session)
 
     async def fork(self, request: Fork) -> Done:
         check_session_fields(request.session_id, request.epoch, self.gate.length_of(request.session_id, request.epoch))
@@ -136,3 +148,7 @@ class WarmRequests:
                     raise RequestFailed(ErrorCode.CACHE_MISS, f"the source's saved state is damaged: {error}", reason=MissReason.RESTORE_FAILED) from None
             async with self.lifecycle.worker_call(source, lost="the worker serving the source session was lost", refused="saving the source's state failed"):
                 return (await self.pool.get(source.worker_name).save_state()).blob, source.length
+
+
+def _done(session: Session, detail: str) -> Done:
+    return Done(length=session.length, session_id=session.session_id, epoch=session.epoch, detail=detail)

@@ -47,6 +47,8 @@ from kvpool.wire.shape import ShardShape
 from workers.runtime.errors import ShardRuntimeError, wire_checks
 from workers.runtime.sampling import answer
 from workers.server.commands import (
+    OPEN_FAILED,
+    RESTORE_FAILED,
     AnyCommand,
     AnyWorkerReply,
     Appended,
@@ -256,12 +258,12 @@ class FakeServer:
             sequence.restore(bytes(command.blob), length, command.n_ctx)
         except StateFormatError as error:
             sequence.open(0)
-            return Failed(code="restore_failed", message=str(error), length=0)
+            return Failed(code=RESTORE_FAILED, message=str(error), length=0)
         return Restored(length=sequence.length, reused=reused)
 
     def _open(self, sequence: FakeSequence, n_ctx: int) -> Opened | Failed:
         if self.batched and not 1 <= n_ctx <= self.spec.max_n_ctx:
-            return Failed(code="open_failed", message=f"n_ctx {n_ctx} is beyond this worker's {self.spec.max_n_ctx} per sequence")
+            return Failed(code=OPEN_FAILED, message=f"n_ctx {n_ctx} is beyond this worker's {self.spec.max_n_ctx} per sequence")
         reused = self._take_spare(n_ctx)
         sequence.open(n_ctx)
         return Opened(n_ctx=n_ctx, reused=reused)

@@ -15,12 +15,14 @@ import asyncio
 import logging
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
 
 from kvpool.client.aio import AsyncClient
 from kvpool.client.client import Client, ConnectionLost, KvpoolError
+from kvpool.client.messages import park_call
 from kvpool.daemon.books import spill
 from kvpool.daemon.config import ServeConfig
 from tests.support.daemons import HANG_GUARD_S, in_thread, joined, result, wait_until
@@ -282,3 +284,31 @@ def test_a_request_that_may_have_run_is_never_sent_again(serve, fake_model):
         with pytest.raises(ConnectionLost):  # no daemon, and none was announced: at once, as before
             client.stats()
     daemon.joined()
+
+
+def test_a_drain_waits_for_the_save_of_a_park_answered_before_it(serve, fake_model, tmp_path):
+    spill_dir = tmp_path / "spill"
+    daemon = _serve(serve, fake_model, spill_dir, "--drain-timeout", "600")
+    with daemon.client() as client:
+        client.append("s", 1, 0, tokens=PROMPT)
+        with daemon.stopped("s"):  # the save cannot complete inside the block
+            assert client.park("s", 1, wait=False).detail == "parking"
+            daemon.request_drain()
+            _in_log(daemon, "drain started")
+            time.sleep(0.5)  # longer than the drain's tries at a busy session (3 x 50 ms): it must wait for the save itself
+    assert daemon.joined() == 0
+    assert "drain done: parked 1 sessions on disk, dropped 0" in daemon.log()
+    assert len(_own_files(spill_dir)) == 1
+
+
+def test_ask_all_sends_a_request_its_drained_daemon_never_took_to_the_daemon_after_it(serve, fake_model, tmp_path):
+    spill_dir = tmp_path / "spill"
+    old = _serve(serve, fake_model, spill_dir, name="fan")
+    with old.client() as client:
+        client.append("a", 1, 0, tokens=PROMPT)
+        client.shutdown(drain=True)
+        assert old.joined() == 0  # "a" parked on disk; no daemon on the socket now
+        thread, outcome = in_thread(lambda: Client.ask_all([(client, park_call("a", 1))]))
+        _serve(serve, fake_model, spill_dir, name="fan")  # the next daemon, which adopts "a"
+        (answer,) = result(thread, outcome)
+        assert answer.detail == "already parked" and answer.length == PROMPT_TOKENS

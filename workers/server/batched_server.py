@@ -22,6 +22,7 @@ from workers.runtime.errors import ShardRuntimeError, wire_checks
 from workers.runtime.model import ShardModel
 from workers.runtime.sampling import answer
 from workers.server.commands import (
+    OPEN_FAILED,
     RESTORE_FAILED,
     AnyCommand,
     Appended,
@@ -78,7 +79,7 @@ class BatchedWorkerServer:
                 return ChannelState(length=0)
             case OpenContext(n_ctx=n_ctx):
                 if not 1 <= n_ctx <= self.context.n_ctx_per_seq:
-                    return Failed(code="open_failed", message=f"n_ctx {n_ctx} is beyond this worker's {self.context.n_ctx_per_seq} per sequence")
+                    return Failed(code=OPEN_FAILED, message=f"n_ctx {n_ctx} is beyond this worker's {self.context.n_ctx_per_seq} per sequence")
                 self.context.clear(seq)
                 self._limits[seq] = n_ctx
                 return Opened(n_ctx=n_ctx)

@@ -16,6 +16,7 @@ from workers.runtime.errors import ShardRuntimeError, wire_checks
 from workers.runtime.model import ShardModel
 from workers.runtime.sampling import answer
 from workers.server.commands import (
+    OPEN_FAILED,
     RESTORE_FAILED,
     AnyCommand,
     Appended,
@@ -180,7 +181,7 @@ class WorkerServer:
         try:
             self.context = self.model.new_context(n_ctx, abort_flag_address=self._abort_flag_address)
         except (MemoryError, ValueError) as error:
-            return Failed(code="open_failed", message=str(error))
+            return Failed(code=OPEN_FAILED, message=str(error))
         return Opened(n_ctx=n_ctx)
 
     def _restore(self, command: RestoreState):

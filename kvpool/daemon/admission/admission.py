@@ -174,8 +174,8 @@ class Admission:
                 restored = await worker.restore_state(session.n_ctx, blob, session.length, owner=session.park_token)
         finally:
             # restored or not, the state is no longer the store's: its memory is freed (0.3 ms at 3.76 MiB) once the
-            # loop next waits, beside the worker's compute of the append that follows, not before that append is sent
-            # (a restore that travels with the append holds a descriptor of its own: workers.server.pipe.prepared_state)
+            # loop next waits, beside the worker's compute of the append that follows (a restore that travels with that
+            # append holds a descriptor of its own, made before this: workers.server.pipe.prepared_state)
             try:
                 asyncio.get_running_loop().call_soon(close_payload, blob)
             except RuntimeError:  # no loop runs this (a coroutine closed at shutdown): freed now

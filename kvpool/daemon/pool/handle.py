@@ -109,6 +109,7 @@ class WorkerHandle(WorkerProcess):
     async def open(self, n_ctx: int) -> None:
         """A fresh context of n_ctx positions (the previous one, if any, is freed first), opened by the worker
         with the next append, or before any other command; a failure is that command's (code open_failed)."""
+        self._drop_restoring()  # superseded, as a CloseContext supersedes it
         self._opening = n_ctx
 
     async def append(
