@@ -196,15 +196,19 @@ class Client:
             raise ValueError("ask_all takes each client once")
         results: list = [None] * len(calls)
         alone: list[int] = []
+
+        def not_sent(index: int, lost: RequestNotSent) -> None:
+            if calls[index][0]._to_send_again(lost):
+                alone.append(index)
+            else:
+                results[index] = lost
+
         connections: dict[int, ClientConnection] = {}
         for index, (client, _) in enumerate(calls):
             try:
                 connections[index] = client._connection("main")
             except RequestNotSent as lost:
-                if client._to_send_again(lost):
-                    alone.append(index)
-                else:
-                    results[index] = lost
+                not_sent(index, lost)
             except ConnectionLost as error:
                 results[index] = error
         for connection in sorted(connections.values(), key=id):
@@ -216,10 +220,7 @@ class Client:
                 try:
                     sent[index] = connection.send(calls[index][1].request)
                 except RequestNotSent as lost:
-                    if calls[index][0]._to_send_again(lost):
-                        alone.append(index)
-                    else:
-                        results[index] = lost
+                    not_sent(index, lost)
                 except Exception as error:  # noqa: BLE001 - this entry's error; the others are still answered
                     results[index] = error
                 if index not in sent:

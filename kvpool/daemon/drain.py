@@ -124,10 +124,11 @@ class Drain:
         return outcome
 
     def _quiet(self) -> bool:
-        """Nothing taken is unanswered, no append computes on a direct channel and no park answered before its
-        save is still saving (kvpool.daemon.warm.WarmRequests.parking_behind)."""
-        service = self.service
-        return self._settled.is_set() and not service.warm.parking_behind and not any(service.channels.busy(session) for session in service.books.table.sessions())
+        """Nothing taken is unanswered, no append computes on a direct channel and no session is still in use
+        past its request's answer (a park answered before its save holds the session until the save is done:
+        kvpool.daemon.warm; housekeeping's own parks and copies too)."""
+        channels = self.service.channels
+        return self._settled.is_set() and not any(session.in_flight or channels.busy(session) for session in self.service.books.table.sessions())
 
     async def _until(self, condition: Callable[[], bool], timeout_s: float) -> bool:
         """Waits for `condition` (polled: direct appends end in the workers) up to `timeout_s`; False if

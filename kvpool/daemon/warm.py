@@ -29,7 +29,6 @@ class WarmRequests:
         self.pool = pool
         self.lifecycle = lifecycle
         self.metrics = metrics
-        self.parking_behind: set[Session] = set()  # saves of parks answered before them (Park.wait false), not done yet
 
     def require_tier(self, what: str) -> None:
         if not self.books.spill.enabled:
@@ -64,8 +63,8 @@ class WarmRequests:
         """Park without `wait`: checked as the waiting park is, then answered "parking" while a task that
         holds what this request entered (the session's lock and its count in flight) saves the state and
         leaves the session after. Every other use of the session takes that lock first, so none sees the
-        session between its reply and its state in the store, and a drain waits for `parking_behind` to
-        empty; a save that fails ends the session as a waiting park's would (its next request: cache_miss),
+        session between its reply and its state in the store, and a drain waits for the count to drop (kvpool.
+        daemon.drain); a save that fails ends the session as a waiting park's would (its next request: cache_miss),
         logged here since no reply is left to carry it."""
         try:
             self.gate.check_live(session)
@@ -75,7 +74,6 @@ class WarmRequests:
         if not session.hot:
             await self.gate.leave(session)
             return _done(session, "already parked")
-        self.parking_behind.add(session)
         self.lifecycle.spawn(self._finish_park(session))
         return _done(session, "parking")
 
@@ -88,8 +86,6 @@ class WarmRequests:
         except RequestFailed as failure:  # its worker lost (the session with it), or the session ended or was fenced first
             level = logging.WARNING if failure.code is ErrorCode.WORKER_LOST else logging.INFO
             log.log(level, "park of session %r epoch %d (answered parking) ended without a save: %s", session.session_id, session.epoch, failure)
-        finally:
-            self.parking_behind.discard(session)
 
     async def fork(self, request: Fork) -> Done:
         check_session_fields(request.session_id, request.epoch, self.gate.length_of(request.session_id, request.epoch))

@@ -3,7 +3,6 @@ through the daemons that serve them (no recovery: kvpool.router.router decides w
 
 from __future__ import annotations
 
-import threading
 import typing
 from collections.abc import Sequence
 
@@ -72,38 +71,17 @@ class Route:
                 raise StageFailed(stage, error) from None
 
     def park(self, session_id: str, epoch: int, *, wait: bool = True) -> list[Done]:
-        """Park on every daemon at once (a thread per daemon: they are other processes, usually other hosts,
-        so the route's park takes as long as its slowest daemon's), each daemon's reply in route order; the
-        first failure, by stage, is raised once every daemon has answered. Without `wait` each daemon answers
-        once its save has begun (kvpool.wire.protocol.Park): every request sent first, then every answer read
-        (Client.ask_all), in this thread: about one round trip for the route (evidence/warm-tier/README.md, "Stop 44")."""
-        replies: list[Done | None] = [None] * len(self.clients)
-        failures: list[Exception | None] = [None] * len(self.clients)
-
-        def park_at(stage: int) -> None:
-            try:
-                replies[stage] = self.clients[stage].park(session_id, epoch, wait=wait)
-            except KvpoolError as error:
-                failures[stage] = StageFailed(stage, error)
-            except BaseException as error:  # noqa: BLE001 - raised in the caller's thread below, never lost in this one
-                failures[stage] = error
-
-        if wait:
-            threads = [threading.Thread(target=park_at, args=(stage,), name=f"kvpool-park-{stage}") for stage in range(len(self.clients))]
-            for thread in threads:
-                thread.start()
-            for thread in threads:
-                thread.join()
-        else:
-            for stage, outcome in enumerate(Client.ask_all([(client, client.parking(session_id, epoch, wait=False)) for client in self.clients])):
-                if isinstance(outcome, Done):
-                    replies[stage] = outcome
-                else:
-                    failures[stage] = StageFailed(stage, outcome) if isinstance(outcome, KvpoolError) else outcome
-        first_failure = next((failure for failure in failures if failure is not None), None)
-        if first_failure is not None:
-            raise first_failure
-        return typing.cast(list[Done], replies)  # no failure: every stage answered
+        """Park on every daemon at once: every request sent before any answer is read, the answers read as they
+        come (Client.ask_all, in this thread), so the route's park takes as long as its slowest daemon's; each
+        daemon's reply in route order; the first failure, by stage, is raised once every daemon has answered.
+        Without `wait` each daemon answers once its save has begun (kvpool.wire.protocol.Park): about one round
+        trip for the route (evidence/warm-tier/README.md, "Stop 44")."""
+        outcomes = Client.ask_all([(client, client.parking(session_id, epoch, wait=wait)) for client in self.clients])
+        failures = [StageFailed(stage, outcome) if isinstance(outcome, KvpoolError) else outcome
+                    for stage, outcome in enumerate(outcomes) if not isinstance(outcome, Done)]
+        if failures:
+            raise failures[0]
+        return typing.cast(list[Done], outcomes)
 
     def release(self, session_id: str, epoch: int) -> None:
         """Release on every daemon, also past one that fails; then raise the first failure, if any."""

@@ -80,13 +80,20 @@ def _receive_descriptor(connection: Connection) -> int:
     return fds[0]
 
 
-def _send(connection: Connection, encoder: msgspec.msgpack.Encoder, message, fd: int, **fields) -> None:
-    """`message` with `fields` in place of its blob, then `fd` (closed here)."""
+def _send(connection: Connection, encoder: msgspec.msgpack.Encoder, message, fd: int) -> None:
+    """`message` (its blob's place emptied by the caller), then `fd` (closed here)."""
     try:
-        connection.send_bytes(encoder.encode(msgspec.structs.replace(message, blob=b"", **fields)))
+        connection.send_bytes(encoder.encode(message))
         _send_descriptor(connection, fd)
     finally:
         os.close(fd)
+
+
+def _restore_of(command: AnyCommand) -> RestoreState | None:
+    """The restore a command carries a blob for: a RestoreState's own, or the one a RunAppend travels with."""
+    if isinstance(command, RunAppend):
+        return command.restore
+    return command if isinstance(command, RestoreState) else None
 
 
 class StateDescriptor:
@@ -120,17 +127,14 @@ def prepared_state(blob: bytes | memoryview | SharedPayload | StateDescriptor) -
 def send_command(connection: Connection, encoder: msgspec.msgpack.Encoder, command: AnyCommand) -> None:
     """The supervisor's end: `command`, and the blob of a RestoreState (or of the one a RunAppend carries)
     beside it (prepared_state)."""
-    restore = command.restore if isinstance(command, RunAppend) else command if isinstance(command, RestoreState) else None
+    restore = _restore_of(command)
     if restore is None:
         connection.send_bytes(encoder.encode(command))
         return
     state = prepared_state(restore.blob)  # a StateDescriptor handed in is consumed here too
-    try:
-        on_wire = msgspec.structs.replace(restore, blob=b"", blob_bytes=state.nbytes, blob_offset=state.offset)
-        connection.send_bytes(encoder.encode(msgspec.structs.replace(command, restore=on_wire) if isinstance(command, RunAppend) else on_wire))
-        _send_descriptor(connection, state.fd)
-    finally:
-        state.close()
+    fd, state.fd = state.fd, -1  # _send closes it
+    on_wire = msgspec.structs.replace(restore, blob=b"", blob_bytes=state.nbytes, blob_offset=state.offset)
+    _send(connection, encoder, msgspec.structs.replace(command, restore=on_wire) if isinstance(command, RunAppend) else on_wire, fd)
 
 
 def send_reply(connection: Connection, encoder: msgspec.msgpack.Encoder, reply: AnyWorkerReply) -> None:
@@ -139,7 +143,7 @@ def send_reply(connection: Connection, encoder: msgspec.msgpack.Encoder, reply: 
         connection.send_bytes(encoder.encode(reply))
         return
     fd = reply.blob.fd if isinstance(reply.blob, WrittenState) else _memfd_of(reply.blob, reply.head, reply.tail)
-    _send(connection, encoder, reply, fd, blob_bytes=len(reply.blob))
+    _send(connection, encoder, msgspec.structs.replace(reply, blob=b"", blob_bytes=len(reply.blob)), fd)
 
 
 def receive_reply(connection: Connection, decoder: msgspec.msgpack.Decoder) -> AnyWorkerReply:
@@ -173,7 +177,7 @@ def received_command(connection: Connection, decoder: msgspec.msgpack.Decoder) -
     populated: a restore that resumes its own park's cells reads none of it. Raises EOFError or OSError as
     the pipe does."""
     command = decoder.decode(connection.recv_bytes())
-    restore = command.restore if isinstance(command, RunAppend) else command if isinstance(command, RestoreState) else None
+    restore = _restore_of(command)
     if restore is None:
         yield command
         return

@@ -67,8 +67,6 @@ class PendingAppend:
 class BatchedWorker(WorkerHandle):
     """One batched worker process; `slots` are what the pool lends."""
 
-    restores_with_append = False  # a sequence's restore is its own command (SequenceSlot.restore_state)
-
     def __init__(self, name: str, spec: PoolSpec, index: int = 0, *, compute: ComputeSlots | None = None) -> None:
         super().__init__(name, spec, index)
         self.compute = compute or ComputeSlots(1)
