@@ -51,9 +51,9 @@ class WarmRequests:
                 raise self.gate.miss(session.session_id, session.epoch, "the session's state could not be kept")
             return _done(session, "parked")
 
-    async def _save(self, session: Session) -> bool:
+    async def _save(self, session: Session, *, behind: bool = False) -> bool:
         """The entered session's park (Parking.park); True if its state is in the store."""
-        await self.parking.park(session, entered=True)
+        await self.parking.park(session, entered=True, behind=behind)
         kept = self.books.table.get(session.session_id) is session
         if kept:
             self.metrics.count("parks")
@@ -65,7 +65,9 @@ class WarmRequests:
         leaves the session after. Every other use of the session takes that lock first, so none sees the
         session between its reply and its state in the store, and a drain waits for the count to drop (kvpool.
         daemon.drain); a save that fails ends the session as a waiting park's would (its next request: cache_miss),
-        logged here since no reply is left to carry it."""
+        logged here since no reply is left to carry it. No caller waits for that save: a single worker runs it at a
+        lower CPU priority (SaveState.behind, workers.server.background), so the parks a route's other daemons are
+        answering at the same moment take the cores first."""
         try:
             self.gate.check_live(session)
         except BaseException:
@@ -80,7 +82,7 @@ class WarmRequests:
     async def _finish_park(self, session: Session) -> None:
         try:
             async with self.gate.holding(session):
-                if not await self._save(session):
+                if not await self._save(session, behind=True):
                     log.warning("park of session %r epoch %d (answered parking): its state could not be kept; its next request: cache_miss",
                                 session.session_id, session.epoch)
         except RequestFailed as failure:  # its worker lost (the session with it), or the session ended or was fenced first

@@ -7,6 +7,7 @@ what a fresh context computes."""
 from __future__ import annotations
 
 import math
+import threading
 from multiprocessing import shared_memory
 
 import llama_cpp
@@ -15,6 +16,7 @@ import pytest
 
 from tests.conftest import EVEN_SPLIT
 from tests.support.worker_server import worker_server
+from workers.runtime.context import ShardContext
 from workers.runtime.model import ShardModel
 from workers.server.commands import Failed, OpenContext, Opened, Restored, RestoreState, RunAppend, Saved, SaveState, TruncateContext
 from workers.server.segment import SegmentRegions
@@ -135,6 +137,29 @@ def test_a_parks_own_restore_loads_nothing_keeps_the_cells_and_continues_bit_for
     llama_cpp.llama_memory_seq_rm(server.spare._memory, 0, 2, -1)
     restored = server.handle(RestoreState(n_ctx=N_CTX, length=5, blob=memoryview(resaved.blob), owner=13))
     assert restored == Restored(length=5, reused=True, in_place=False)  # loaded from the blob: the cells were not the park's
+    with first_model.new_context(N_CTX) as fresh:
+        fresh.append(0, tokens=PROMPT[:5])
+        assert np.array_equal(_append(server, 5, PROMPT[5:]).reshape(1, -1), fresh.append(5, tokens=PROMPT[5:]))
+
+
+def test_a_save_no_caller_waits_for_runs_at_a_lower_priority_and_saves_the_same_state(server, first_model, monkeypatch):
+    """SaveState.behind (a park answered before its save): the save runs in the worker's background thread
+    (workers.server.background), its bytes those of a save in the loop's own thread, its own restore in place."""
+    threads = []
+    save = ShardContext.save_state
+
+    def recording(context):
+        threads.append(threading.get_native_id())
+        return save(context)
+
+    monkeypatch.setattr(ShardContext, "save_state", recording)
+    _append(server, 0, PROMPT[:5], n_ctx=N_CTX)
+    waited = server.handle(SaveState(keep=True, owner=21))
+    assert server.handle(RestoreState(n_ctx=N_CTX, length=5, blob=memoryview(waited.blob), owner=21)).in_place
+    behind = server.handle(SaveState(keep=True, owner=22, behind=True))
+    assert isinstance(behind, Saved) and behind.length == 5 and bytes(behind.blob) == bytes(waited.blob)
+    assert threads[0] == threading.get_native_id() and threads[1] != threads[0]
+    assert server.handle(RestoreState(n_ctx=N_CTX, length=5, blob=memoryview(behind.blob), owner=22)) == Restored(length=5, reused=True, in_place=True)
     with first_model.new_context(N_CTX) as fresh:
         fresh.append(0, tokens=PROMPT[:5])
         assert np.array_equal(_append(server, 5, PROMPT[5:]).reshape(1, -1), fresh.append(5, tokens=PROMPT[5:]))

@@ -16,6 +16,7 @@ import pytest
 
 from kvpool.client.client import Client, ConnectionLost, KvpoolError
 from kvpool.client.messages import park_call, release_call
+from kvpool.daemon.pool.handle import WorkerHandle
 from kvpool.router.route import Route, StageFailed
 from tests.support.contract import rows_of
 from tests.support.daemons import checked, in_thread, refused, result, wait_until
@@ -143,3 +144,26 @@ def test_ask_all_gives_each_call_its_own_result_or_error_and_a_gone_daemon_costs
         assert isinstance(outcomes[2], ConnectionLost)  # its daemon gone: that entry alone
         with pytest.raises(ValueError):
             Client.ask_all([(clients[0], park_call("s", 1)), (clients[0], park_call("s", 1))])
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_only_the_save_behind_an_answer_asks_its_worker_for_a_lower_priority(serve, fake_model, mode, monkeypatch):
+    """A single worker saves a park answered "parking" at a lower CPU priority (SaveState.behind: workers.server.
+    background), a waiting park's as before; a batched worker never (the other sequences' batches wait for its saves)."""
+    sent = []
+    expect = WorkerHandle._expect
+
+    async def recording(handle, command, expected):
+        if isinstance(command, SaveState):
+            sent.append(command.behind)
+        return await expect(handle, command, expected)
+
+    monkeypatch.setattr(WorkerHandle, "_expect", recording)
+    daemon = serve(fake_model, "--max-sessions", "2", *MODES[mode])
+    with daemon.client() as client:
+        client.append("behind", 1, 0, tokens=[1, 2])
+        client.append("waiting", 1, 0, tokens=[3, 4])
+        assert client.park("behind", 1, wait=False).detail == "parking"
+        assert client.park("behind", 1).detail == "already parked"  # once the save behind is done
+        assert client.park("waiting", 1).detail == "parked"
+    assert sent == ([True, False] if mode == "process" else [False, False])

@@ -15,6 +15,7 @@ from workers.runtime.context import ShardContext
 from workers.runtime.errors import ShardRuntimeError, wire_checks
 from workers.runtime.model import ShardModel
 from workers.runtime.sampling import answer
+from workers.server.background import Background, in_this_thread
 from workers.server.commands import (
     OPEN_FAILED,
     RESTORE_FAILED,
@@ -64,6 +65,7 @@ class WorkerServer:
         libc_name = ctypes.util.find_library("c")
         self._malloc_trim = getattr(ctypes.CDLL(libc_name), "malloc_trim", None) if libc_name else None
         self.bound: tuple[str, int] | None = None  # the session the direct channel serves
+        self.background = Background()  # saves no caller waits for (SaveState.behind)
         self.compute = (
             ComputeLocks(spec.compute_lock_path, spec.compute_slots, spec.worker_index) if spec.compute_lock_path else contextlib.nullcontext()
         )
@@ -100,13 +102,14 @@ class WorkerServer:
                 self._close_context()
                 self._close_spare()
                 return Closed()
-            case SaveState(keep=keep, head=head, tail=tail, owner=owner):
+            case SaveState(keep=keep, head=head, tail=tail, owner=owner, behind=behind):
                 if self.context is None:
                     return Failed(code="no_context", message="no open context")
+                run = self.background.run if behind else in_this_thread
                 if head or tail:  # room asked for: llama.cpp writes straight into the memfd that travels
-                    blob = WrittenState(*self.context.save_state_to_memfd(head, tail))
+                    blob = WrittenState(*run(self.context.save_state_to_memfd, head, tail))
                 else:
-                    blob = self.context.save_state()
+                    blob = run(self.context.save_state)
                 saved = Saved(length=self.context.length, blob=blob, head=head, tail=tail)
                 if keep:
                     self._keep_as_spare(owner)
@@ -246,6 +249,7 @@ class WorkerServer:
             self.release_free_heap()
 
     def close(self) -> None:
+        self.background.close()
         self._close_context()
         self._close_spare()
         self._input.release()  # the segment closes next: no view of it may outlive this

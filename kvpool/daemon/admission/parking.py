@@ -35,13 +35,13 @@ class Parking:
         session.park_token = next(self._tokens)
         return session.park_token
 
-    async def park(self, session: Session, *, entered: bool = False, keep: bool = True) -> bool:
+    async def park(self, session: Session, *, entered: bool = False, keep: bool = True, behind: bool = False) -> bool:
         """Park `session` if it is (still) a live, idle hot session; True if its place was freed (parked,
         or lost on the way). With `entered` the caller (a Park request) holds the session's lock and counts
         its request, and a worker lost on the way raises RequestFailed(worker_lost): the request's answer.
         `keep`: the worker keeps the context as its spare (process mode; for a Park request and for room,
         where a restore or an admission is to take it), else frees it (--park-after, a drain: the memory
-        goes back)."""
+        goes back). `behind`: no caller waits for the save (a Park answered before it: kvpool.daemon.warm)."""
         if not entered:
             if not session.idle or session.lock.locked() or not self._live_hot(session):
                 return False
@@ -62,7 +62,7 @@ class Parking:
             head, tail = self.books.sealing.room(session)
             self.channels.handed_to_run(session)
             try:
-                saved = await self.pool.get(session.worker_name).save_state(keep=keep, head=head, tail=tail, owner=self._new_token(session))
+                saved = await self.pool.get(session.worker_name).save_state(keep=keep, head=head, tail=tail, owner=self._new_token(session), behind=behind)
             except WorkerLost as lost:
                 self.lifecycle.lost(session)
                 if entered:

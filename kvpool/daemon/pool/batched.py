@@ -302,8 +302,10 @@ class SequenceSlot:
         self.process.forget_seq(self.seq)
         await self.process._expect(CloseContext(seq=self.seq), Closed)
 
-    async def save_state(self, *, keep: bool = False, head: int = 0, tail: int = 0, owner: int = 0) -> Saved:
-        return await self.process._expect(SaveState(seq=self.seq, keep=keep), Saved)  # the bytes: a batched worker leaves no room
+    async def save_state(self, *, keep: bool = False, head: int = 0, tail: int = 0, owner: int = 0, behind: bool = False) -> Saved:
+        # the bytes: a batched worker leaves no room; and saves at its own priority even `behind`: the other sequences'
+        # batches wait for the save, so a lower priority would hold them back too
+        return await self.process._expect(SaveState(seq=self.seq, keep=keep), Saved)
 
     async def restore_state(self, n_ctx: int, blob: bytes | memoryview | SharedPayload, length: int, owner: int = 0) -> Restored:
         return await self.process._expect(RestoreState(n_ctx=n_ctx, blob=blob, length=length, seq=self.seq), Restored)

@@ -143,13 +143,14 @@ class WorkerHandle(WorkerProcess):
     async def close_context(self) -> None:
         await self._expect(CloseContext(), Closed)
 
-    async def save_state(self, *, keep: bool = False, head: int = 0, tail: int = 0, owner: int = 0) -> Saved:
+    async def save_state(self, *, keep: bool = False, head: int = 0, tail: int = 0, owner: int = 0, behind: bool = False) -> Saved:
         """The open context's sequence state (positions [0, Saved.length): the worker's length, a direct append
         that reached it first included) in Saved.blob; with `keep` the context is then kept as the worker's
         spare, its cells in it, for the restore that names the park token `owner` (workers.server.commands.SaveState):
         none is open afterwards. With room asked for around the bytes (`head`, `tail`), the blob is a SharedState
-        of the worker's memfd when this process may keep one more (workers.server.pipe), else the bytes."""
-        return await self._expect(SaveState(keep=keep, head=head, tail=tail, owner=owner), Saved)
+        of the worker's memfd when this process may keep one more (workers.server.pipe), else the bytes. `behind`:
+        no caller waits for it; the worker saves at a lower CPU priority (workers.server.background)."""
+        return await self._expect(SaveState(keep=keep, head=head, tail=tail, owner=owner, behind=behind), Saved)
 
     async def restore_state(self, n_ctx: int, blob: bytes | memoryview | SharedPayload, length: int, owner: int = 0) -> Restored:
         """A fresh context (the spare if it has n_ctx: Restored.reused) loaded with `blob`, cut to `length`;
