@@ -40,7 +40,7 @@ class Housekeeper:
             return
         self.channels.refresh()
         for session in self.books.table.expired(time.monotonic(), self.config.park_after_s):
-            if session.hot and await self.parking.park(session, keep=False):  # idle: its memory goes back
+            if session.hot and await self.parking.park(session, keep=False, behind=True):  # idle: its memory goes back; nobody waits for the save
                 self.metrics.count("parks")
 
     async def persist_idle(self) -> None:

@@ -7,6 +7,8 @@ what a fresh context computes."""
 from __future__ import annotations
 
 import math
+import mmap
+import os
 import threading
 from multiprocessing import shared_memory
 
@@ -18,7 +20,9 @@ from tests.conftest import EVEN_SPLIT
 from tests.support.worker_server import worker_server
 from workers.runtime.context import ShardContext
 from workers.runtime.model import ShardModel
+from workers.server.background import BACKGROUND_NICE
 from workers.server.commands import Failed, OpenContext, Opened, Restored, RestoreState, RunAppend, Saved, SaveState, TruncateContext
+from workers.server.pipe import WrittenState
 from workers.server.segment import SegmentRegions
 
 N_CTX = 32
@@ -143,23 +147,34 @@ def test_a_parks_own_restore_loads_nothing_keeps_the_cells_and_continues_bit_for
 
 
 def test_a_save_no_caller_waits_for_runs_at_a_lower_priority_and_saves_the_same_state(server, first_model, monkeypatch):
-    """SaveState.behind (a park answered before its save): the save runs in the worker's background thread
-    (workers.server.background), its bytes those of a save in the loop's own thread, its own restore in place."""
-    threads = []
-    save = ShardContext.save_state
+    """SaveState.behind (a park answered before its save): the save runs in the worker's background thread at a
+    lower priority (workers.server.background), its bytes those of a save in the loop's own thread, into the
+    memfd that travels (room asked for around them, as the supervisor always asks) as into bytes; its own restore
+    resumes in place."""
+    saves = []
+    for name in ("save_state", "save_state_to_memfd"):
+        save = getattr(ShardContext, name)
 
-    def recording(context):
-        threads.append(threading.get_native_id())
-        return save(context)
+        def recording(context, *args, _save=save):
+            thread = threading.get_native_id()
+            saves.append((thread, os.getpriority(os.PRIO_PROCESS, thread)))
+            return _save(context, *args)
 
-    monkeypatch.setattr(ShardContext, "save_state", recording)
+        monkeypatch.setattr(ShardContext, name, recording)
     _append(server, 0, PROMPT[:5], n_ctx=N_CTX)
     waited = server.handle(SaveState(keep=True, owner=21))
     assert server.handle(RestoreState(n_ctx=N_CTX, length=5, blob=memoryview(waited.blob), owner=21)).in_place
     behind = server.handle(SaveState(keep=True, owner=22, behind=True))
     assert isinstance(behind, Saved) and behind.length == 5 and bytes(behind.blob) == bytes(waited.blob)
-    assert threads[0] == threading.get_native_id() and threads[1] != threads[0]
     assert server.handle(RestoreState(n_ctx=N_CTX, length=5, blob=memoryview(behind.blob), owner=22)) == Restored(length=5, reused=True, in_place=True)
+    with_room = server.handle(SaveState(keep=True, owner=23, head=16, tail=4, behind=True))
+    assert isinstance(with_room.blob, WrittenState) and with_room.blob.nbytes == len(waited.blob)
+    with mmap.mmap(with_room.blob.fd, 16 + len(waited.blob) + 4, access=mmap.ACCESS_READ) as written:
+        assert written[16 : 16 + len(waited.blob)] == bytes(waited.blob) and written[:16] == bytes(16) and written[-4:] == bytes(4)
+    os.close(with_room.blob.fd)
+    caller = (threading.get_native_id(), os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+    assert saves[0] == caller and saves[1] == saves[2] and saves[1][0] != caller[0] and saves[1][1] == min(19, caller[1] + BACKGROUND_NICE)
+    assert server.handle(RestoreState(n_ctx=N_CTX, length=5, blob=memoryview(waited.blob), owner=23)).in_place
     with first_model.new_context(N_CTX) as fresh:
         fresh.append(0, tokens=PROMPT[:5])
         assert np.array_equal(_append(server, 5, PROMPT[5:]).reshape(1, -1), fresh.append(5, tokens=PROMPT[5:]))

@@ -19,13 +19,20 @@ def _where() -> tuple[int, int]:
     return threading.get_native_id(), _nice()
 
 
-def test_the_work_runs_in_one_thread_of_its_own_at_a_lower_priority_and_the_caller_keeps_its_own():
+def _background_threads() -> list[threading.Thread]:
+    return [thread for thread in threading.enumerate() if thread.name.startswith("kvpool-background")]
+
+
+def test_the_work_runs_in_one_thread_of_its_own_started_with_it_at_a_lower_priority_and_the_caller_keeps_its_own():
+    before = len(_background_threads())
     background = Background()
     caller = _nice()
     try:
+        assert len(_background_threads()) == before + 1  # started before any work: the worker reports ready after
         first, second = background.run(_where), background.run(_where)
     finally:
         background.close()
+    assert len(_background_threads()) == before
     assert first == second  # one thread, kept
     assert first[0] != threading.get_native_id() and first[1] == min(19, caller + BACKGROUND_NICE)
     assert _nice() == caller

@@ -146,10 +146,9 @@ def test_ask_all_gives_each_call_its_own_result_or_error_and_a_gone_daemon_costs
             Client.ask_all([(clients[0], park_call("s", 1)), (clients[0], park_call("s", 1))])
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_only_the_save_behind_an_answer_asks_its_worker_for_a_lower_priority(serve, fake_model, mode, monkeypatch):
-    """A single worker saves a park answered "parking" at a lower CPU priority (SaveState.behind: workers.server.
-    background), a waiting park's as before; a batched worker never (the other sequences' batches wait for its saves)."""
+@pytest.fixture
+def saves_sent(monkeypatch):
+    """SaveState.behind of every save the supervisor asks a worker process for, in order."""
     sent = []
     expect = WorkerHandle._expect
 
@@ -159,6 +158,13 @@ def test_only_the_save_behind_an_answer_asks_its_worker_for_a_lower_priority(ser
         return await expect(handle, command, expected)
 
     monkeypatch.setattr(WorkerHandle, "_expect", recording)
+    return sent
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_only_the_save_behind_an_answer_asks_its_worker_for_a_lower_priority(serve, fake_model, mode, saves_sent):
+    """A single worker saves a park answered "parking" at a lower CPU priority (SaveState.behind: workers.server.
+    background), a waiting park's as before; a batched worker never (the other sequences' batches wait for its saves)."""
     daemon = serve(fake_model, "--max-sessions", "2", *MODES[mode])
     with daemon.client() as client:
         client.append("behind", 1, 0, tokens=[1, 2])
@@ -166,4 +172,21 @@ def test_only_the_save_behind_an_answer_asks_its_worker_for_a_lower_priority(ser
         assert client.park("behind", 1, wait=False).detail == "parking"
         assert client.park("behind", 1).detail == "already parked"  # once the save behind is done
         assert client.park("waiting", 1).detail == "parked"
-    assert sent == ([True, False] if mode == "process" else [False, False])
+    assert saves_sent == ([True, False] if mode == "process" else [False, False])
+
+
+def test_the_saves_of_park_after_and_of_a_copy_written_behind_ask_for_a_lower_priority_too(serve, fake_model, tmp_path, saves_sent):
+    """--persist-after's copy and --park-after's park: saves nobody waits for, as a park answered before its save
+    (a daemon each: housekeeping parks before it copies, so one daemon late to its pass would park first)."""
+    copying = serve(fake_model, "--spill-dir", str(tmp_path / "spill"), "--spill-disk-budget", "16MiB", "--persist-after", "0.05", name="copying")
+    with copying.client() as client:
+        client.append("idle", 1, 0, tokens=[1, 2, 3])
+        wait_until(lambda: client.stats().counters.get("persisted", 0) >= 1, "the copy written behind")
+        assert _row(client, "idle").tier == "hot"
+    assert saves_sent == [True]
+    parking = serve(fake_model, "--park-after", "0.05", name="parking")
+    with parking.client() as client:
+        client.append("idle", 1, 0, tokens=[1, 2, 3])
+        wait_until(lambda: _row(client, "idle").tier != "hot", "the park for --park-after")
+        assert checked(client).counters["parks"] == 1
+    assert saves_sent == [True, True]

@@ -1,15 +1,21 @@
-"""Work no caller waits for, run at a lower CPU priority: a park's save behind its answer (Park.wait false,
-kvpool.daemon.warm), which would otherwise take a core from the requests other processes are answering at that
-moment. A route parks on all its daemons at once; on a machine with fewer cores than daemons the first daemon's
-save began while the last had not yet answered, and the route's park waited for it (evidence/warm-tier/README.md,
-"Stop 45": the median park of 3 daemons on 2 cores 2.7 ms as the save ran, 1.8 ms with it at nice +10).
+"""Work no caller waits for, run at a lower CPU priority: the save of a park answered before it (Park.wait false,
+kvpool.daemon.warm), of a park for --park-after and of a copy written behind for --persist-after (kvpool.daemon.
+admission.parking), which would otherwise take a core from the requests being answered at that moment. A route
+parks on all its daemons at once; on a machine with fewer cores than daemons the first daemon's save began while
+the last had not yet answered, and the route's park waited for it (evidence/warm-tier/README.md, "Stop 45": the
+median park of 3 daemons on 2 cores 2.7 ms before, 1.3-2.2 ms in five runs with the save at nice +10).
 
-The work runs in one thread of the worker's own whose nice value is BACKGROUND_NICE above the worker's (Linux:
-a nice value is a thread's; a thread may lower its priority but not raise it again, hence a thread kept for it). The
-worker's loop waits for the work as it would for its own call: nothing else uses the context meanwhile, and the
-worker serves nothing else, as before. The lower priority is a preference: where it cannot be set the work runs as it
-would have, and under full load such work gets a smaller share of a core (at +10, about a tenth against one busy
-process at the worker's priority), so what waits for it (the session's next request) waits longer."""
+The work runs in one thread of the worker's own, started with the worker, whose nice value is BACKGROUND_NICE above
+the worker's (Linux: a nice value is a thread's; without CAP_SYS_NICE a thread may lower its priority but not raise
+it again, hence a thread kept for it). The worker's loop waits for the work as it would for its own call: nothing
+else uses the context meanwhile, and the worker serves nothing else, as before. A nice value ranks threads only
+against those of the same scheduling group (the same autogroup, i.e. session, or CPU cgroup): it helps where a
+route's daemons share cores and a group, as daemons started together do; daemons on separate hosts, or in separate
+services or containers, gain nothing from it and keep its cost. That cost: under full load such work gets a smaller
+share of a core (at +10, about a tenth against one busy thread at the worker's priority), and what waits for it
+waits longer - the session's next request, a drain (it waits for the sessions' requests in flight), an admission or
+a restore that wants this worker. The lower priority is a preference: where it cannot be set the work runs as it
+would have."""
 
 from __future__ import annotations
 
@@ -40,15 +46,22 @@ def in_this_thread(work: Callable[..., T], *args: object) -> T:
 
 
 class Background:
-    """One thread at a lower priority, started at its first use; run() waits for the work's result (or raises its error)."""
+    """One thread at a lower priority, started here (its stack and malloc arena then exist before the worker reports
+    ready, not after its first save); run() waits for the work's result (or raises its error)."""
 
     def __init__(self) -> None:
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._start()
 
     def run(self, work: Callable[..., T], *args: object) -> T:
         if self._executor is None:
-            self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvpool-background", initializer=lower_this_thread)
+            self._start()
+        assert self._executor is not None
         return self._executor.submit(work, *args).result()
+
+    def _start(self) -> None:
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvpool-background", initializer=lower_this_thread)
+        self._executor.submit(int).result()  # the thread started and lowered
 
     def close(self) -> None:
         if self._executor is not None:

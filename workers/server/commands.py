@@ -91,7 +91,7 @@ class SaveState(Command):
     owner: int = 0  # with keep: the park's token (the supervisor's, one per park; 0: none) the spare's KV belongs to
     head: int = 0  # bytes the reply's memfd leaves before the state's (the supervisor's header: workers.server.pipe)
     tail: int = 0  # and after them (its CRC)
-    behind: bool = False  # no caller waits for it (a park answered before its save): a single worker saves at a lower CPU priority (workers.server.background)
+    behind: bool = False  # no caller waits for it (a park answered before its save, --park-after, --persist-after): a single worker saves at a lower CPU priority (workers.server.background)
 
 
 class RestoreState(Command):

@@ -41,7 +41,8 @@ class Parking:
         its request, and a worker lost on the way raises RequestFailed(worker_lost): the request's answer.
         `keep`: the worker keeps the context as its spare (process mode; for a Park request and for room,
         where a restore or an admission is to take it), else frees it (--park-after, a drain: the memory
-        goes back). `behind`: no caller waits for the save (a Park answered before it: kvpool.daemon.warm)."""
+        goes back). `behind`: no caller waits for the save (a Park answered before it, --park-after): the worker saves at
+        a lower CPU priority (workers.server.background)."""
         if not entered:
             if not session.idle or session.lock.locked() or not self._live_hot(session):
                 return False
@@ -106,7 +107,7 @@ class Parking:
                 rebind = self.channels.binding(session) if session.channel else None
                 self.channels.handed_to_run(session)
                 try:
-                    saved = await self.pool.get(session.worker_name).save_state()
+                    saved = await self.pool.get(session.worker_name).save_state(behind=True)  # a copy nobody waits for
                     if rebind is not None and self._live_hot(session) and await self.channels.bind_again(session, rebind):
                         self.channels.bound(session)
                 except WorkerLost:
