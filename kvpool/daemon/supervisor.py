@@ -98,6 +98,7 @@ def build_pool(config: ServeConfig, info: ShardInfo, kinds: tuple[type, type] | 
                 compute_slots=config.concurrent_workers,
                 seqs_per_worker=config.seqs_per_worker if config.batched else 0,
                 huge_pages=config.loads_in_huge_pages,
+                background_nice=config.background_nice,
             ),
             size=config.max_sessions,
             ready_timeout_s=config.ready_timeout_s,

@@ -178,3 +178,24 @@ def test_a_save_no_caller_waits_for_runs_at_a_lower_priority_and_saves_the_same_
     with first_model.new_context(N_CTX) as fresh:
         fresh.append(0, tokens=PROMPT[:5])
         assert np.array_equal(_append(server, 5, PROMPT[5:]).reshape(1, -1), fresh.append(5, tokens=PROMPT[5:]))
+
+
+def test_with_background_nice_0_a_save_no_caller_waits_for_runs_in_the_loops_own_thread(first_model, resource_tracker_running, monkeypatch):
+    """--background-nice 0: no background thread; a behind save is the loop's own call, its bytes the same."""
+    shape = first_model.shape
+    segment = shared_memory.SharedMemory(create=True, size=SegmentRegions(N_CTX * 4, N_CTX * shape.n_embd * 4).total_bytes)
+    server = worker_server(first_model, segment, N_CTX, shape.n_embd, N_CTX, background_nice=0)
+    try:
+        assert server.background is None
+        threads = []
+        save = ShardContext.save_state
+        monkeypatch.setattr(ShardContext, "save_state", lambda context: (threads.append(threading.get_native_id()), save(context))[1])
+        _append(server, 0, PROMPT[:5], n_ctx=N_CTX)
+        waited = server.handle(SaveState(keep=True, owner=31))
+        assert server.handle(RestoreState(n_ctx=N_CTX, length=5, blob=memoryview(waited.blob), owner=31)).in_place
+        behind = server.handle(SaveState(keep=True, owner=32, behind=True))
+        assert threads == [threading.get_native_id()] * 2 and bytes(behind.blob) == bytes(waited.blob)
+    finally:
+        server.close()
+        segment.close()
+        segment.unlink()

@@ -8,6 +8,7 @@ import threading
 
 import pytest
 
+from kvpool.daemon.config import ServeConfig
 from workers.server.background import BACKGROUND_NICE, Background, in_this_thread, lower_this_thread
 
 
@@ -65,3 +66,14 @@ def test_a_thread_already_nice_goes_no_further_than_19():
     thread.start()
     thread.join()
     assert outcome == [(19, 19)]
+
+
+def test_the_flag_takes_0_to_19_and_reaches_every_workers_spec(serve, fake_model):
+    assert ServeConfig(model="m", socket="/tmp/s").background_nice == BACKGROUND_NICE  # the default
+    for edge in (0, 19):
+        assert ServeConfig(model="m", socket="/tmp/s", background_nice=edge).background_nice == edge
+    for wrong in (-1, 20):
+        with pytest.raises(ValueError, match=r"--background-nice must be in \[0, 19\]"):
+            ServeConfig(model="m", socket="/tmp/s", background_nice=wrong)
+    daemon = serve(fake_model, "--background-nice", "3")
+    assert daemon.supervisor.service.pool.spec.worker.background_nice == 3

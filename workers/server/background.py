@@ -5,8 +5,8 @@ parks on all its daemons at once; on a machine with fewer cores than daemons the
 the last had not yet answered, and the route's park waited for it (evidence/warm-tier/README.md, "Stop 45": the
 median park of 3 daemons on 2 cores 2.7 ms before, 1.3-2.2 ms in five runs with the save at nice +10).
 
-The work runs in one thread of the worker's own, started with the worker, whose nice value is BACKGROUND_NICE above
-the worker's (Linux: a nice value is a thread's; without CAP_SYS_NICE a thread may lower its priority but not raise
+The work runs in one thread of the worker's own, started with the worker, whose nice value is --background-nice
+(BACKGROUND_NICE by default; 0: no thread, the work runs in the loop's own) above the worker's (Linux: a nice value is a thread's; without CAP_SYS_NICE a thread may lower its priority but not raise
 it again, hence a thread kept for it). The worker's loop waits for the work as it would for its own call: nothing
 else uses the context meanwhile, and the worker serves nothing else, as before. A nice value ranks threads only
 against those of the same scheduling group (the same autogroup, i.e. session, or CPU cgroup): it helps where a
@@ -46,10 +46,11 @@ def in_this_thread(work: Callable[..., T], *args: object) -> T:
 
 
 class Background:
-    """One thread at a lower priority, started here (its stack and malloc arena then exist before the worker reports
-    ready, not after its first save); run() waits for the work's result (or raises its error)."""
+    """One thread `by` nice values lower (--background-nice), started here (its stack and malloc arena then exist
+    before the worker reports ready, not after its first save); run() waits for the work's result (or raises its error)."""
 
-    def __init__(self) -> None:
+    def __init__(self, by: int = BACKGROUND_NICE) -> None:
+        self._by = by
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._start()
 
@@ -60,7 +61,7 @@ class Background:
         return self._executor.submit(work, *args).result()
 
     def _start(self) -> None:
-        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvpool-background", initializer=lower_this_thread)
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvpool-background", initializer=lower_this_thread, initargs=(self._by,))
         self._executor.submit(int).result()  # the thread started and lowered
 
     def close(self) -> None:

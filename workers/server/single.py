@@ -65,7 +65,7 @@ class WorkerServer:
         libc_name = ctypes.util.find_library("c")
         self._malloc_trim = getattr(ctypes.CDLL(libc_name), "malloc_trim", None) if libc_name else None
         self.bound: tuple[str, int] | None = None  # the session the direct channel serves
-        self.background = Background()  # saves no caller waits for (SaveState.behind)
+        self.background = Background(spec.background_nice) if spec.background_nice else None  # saves no caller waits for (SaveState.behind)
         self.compute = (
             ComputeLocks(spec.compute_lock_path, spec.compute_slots, spec.worker_index) if spec.compute_lock_path else contextlib.nullcontext()
         )
@@ -105,7 +105,7 @@ class WorkerServer:
             case SaveState(keep=keep, head=head, tail=tail, owner=owner, behind=behind):
                 if self.context is None:
                     return Failed(code="no_context", message="no open context")
-                run = self.background.run if behind else in_this_thread
+                run = self.background.run if behind and self.background is not None else in_this_thread
                 if head or tail:  # room asked for: llama.cpp writes straight into the memfd that travels
                     blob = WrittenState(*run(self.context.save_state_to_memfd, head, tail))
                 else:
@@ -249,7 +249,8 @@ class WorkerServer:
             self.release_free_heap()
 
     def close(self) -> None:
-        self.background.close()
+        if self.background is not None:
+            self.background.close()
         self._close_context()
         self._close_spare()
         self._input.release()  # the segment closes next: no view of it may outlive this
