@@ -17,6 +17,7 @@ from kvpool.daemon.books.prefixes import SUBDIR as PREFIX_SUBDIR
 from kvpool.daemon.books.spill import SpillDirRefused, check_disk_dir
 from kvpool.host import available_cores, format_bytes, parse_bytes, user_cache_dir
 from kvpool.wire.protocol import DEFAULT_MAX_REQUEST_BYTES
+from workers.server.background import BACKGROUND_NICE, MOST_NICE
 
 DEFAULT_MAX_BUFFERED_BYTES = 256 * 1024**2
 DEFAULT_EXPORT_CHUNK_BYTES = 1024**2  # an Exported reply's state bytes: far below any reply frame limit
@@ -91,7 +92,7 @@ class ServeConfig:
     n_ctx: int = flag('--n-ctx', 'largest (and default) context per session (default {default})', default=2048, type=int)  # the largest context a session may ask for, and the default
     flash_attn: bool = flag('--flash-attn', 'use flash attention (all shards of a route must agree)', default=False, action='store_true')
     huge_pages: str = flag('--huge-pages', "auto: right after loading the shard, each worker asks the kernel to move the memory the load allocated (the weights llama.cpp repacks for this CPU: Q4_0, Q4_K, IQ4_NL, ...) into transparent huge pages (2 MiB on x86-64; MADV_COLLAPSE, Linux >= 6.1) where it offers them (THP always or madvise), so that a decode step, which reads them all, takes the same time in every process; contexts keep ordinary pages. `kvpool status` shows what the first worker's load asked and the bytes the workers held. off: nothing asked (default {default})", default='auto', choices=HUGE_PAGES)
-    background_nice: int = flag('--background-nice', 'process mode: how much lower a worker runs the saves no caller waits for (a park answered before its save, --park-after, --persist-after), as a nice value over its own, so that the requests being answered take the cores first; it helps daemons that share cores and a scheduling group (started together on one host), and under full load such a save, and what waits for it, takes longer. 0: at the worker\'s own priority (0-19, default {default})', default=10, type=int)
+    background_nice: int = flag('--background-nice', 'process mode: how much lower a worker runs the saves no caller waits for (a park answered before its save, --park-after, --persist-after), as a nice value over its own, so that the requests being answered take the cores first; it helps daemons that share cores and a scheduling group (started together on one host), and under full load such a save, and what waits for it, takes longer. 0: at the worker\'s own priority (0-19, default {default})', default=BACKGROUND_NICE, type=int)
     max_request_bytes: int = flag('--max-request-bytes', 'largest request frame accepted (default {default})', default=DEFAULT_MAX_REQUEST_BYTES, parse=parse_bytes)
     ready_timeout_s: float = 60.0
     request_timeout_s: float = flag('--request-timeout', 'seconds a worker may take to answer one call (an append of --n-ctx rows included); a worker that does not is killed and replaced, and its request answered worker_lost (default {default})', default=600.0, type=float)  # a worker call not answered by then: worker killed, request worker_lost
@@ -159,8 +160,8 @@ class ServeConfig:
             problems.append("--n-ctx must be at least 16")
         if self.max_request_bytes < 1024:
             problems.append("--max-request-bytes must be at least 1024")
-        if not 0 <= self.background_nice <= 19:
-            problems.append("--background-nice must be in [0, 19]")
+        if not 0 <= self.background_nice <= MOST_NICE:
+            problems.append(f"--background-nice must be in [0, {MOST_NICE}]")
         if self.spill_budget_bytes is not None and self.spill_budget_bytes < 0:
             problems.append("--spill-budget must be >= 0")
         if self.park_after_s < 0:

@@ -6,13 +6,14 @@ from __future__ import annotations
 from multiprocessing import shared_memory
 
 from workers.runtime.model import ShardModel
+from workers.server.background import BACKGROUND_NICE
 from workers.server.segment import SegmentRegions
 from workers.server.single import WorkerServer
 from workers.server.spec import WorkerSpec
 
 
 def worker_server(
-    model: ShardModel, segment: shared_memory.SharedMemory, input_rows: int, n_embd: int, max_n_ctx: int, *, background_nice: int = 10
+    model: ShardModel, segment: shared_memory.SharedMemory, input_rows: int, n_embd: int, max_n_ctx: int, *, background_nice: int = BACKGROUND_NICE
 ) -> WorkerServer:
     spec = WorkerSpec(
         shard_path=str(model.path), shm_name=segment.name,

@@ -6,8 +6,9 @@ the last had not yet answered, and the route's park waited for it (evidence/warm
 median park of 3 daemons on 2 cores 2.7 ms before, 1.3-2.2 ms in five runs with the save at nice +10).
 
 The work runs in one thread of the worker's own, started with the worker, whose nice value is --background-nice
-(BACKGROUND_NICE by default; 0: no thread, the work runs in the loop's own) above the worker's (Linux: a nice value is a thread's; without CAP_SYS_NICE a thread may lower its priority but not raise
-it again, hence a thread kept for it). The worker's loop waits for the work as it would for its own call: nothing
+(BACKGROUND_NICE by default; 0: no thread, the work runs in the loop's own) above the worker's (Linux: a nice value
+is a thread's; without CAP_SYS_NICE a thread may lower its priority but not raise it again, hence a thread kept for
+it). The worker's loop waits for the work as it would for its own call: nothing
 else uses the context meanwhile, and the worker serves nothing else, as before. A nice value ranks threads only
 against those of the same scheduling group (the same autogroup, i.e. session, or CPU cgroup): it helps where a
 route's daemons share cores and a group, as daemons started together do; daemons on separate hosts, or in separate
@@ -26,7 +27,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 BACKGROUND_NICE = 10
-_MOST_NICE = 19
+MOST_NICE = 19  # the largest nice value Linux gives
 
 T = TypeVar("T")
 
@@ -35,7 +36,7 @@ def lower_this_thread(by: int = BACKGROUND_NICE) -> None:
     """The calling thread's nice value raised by `by` (at most 19); an OSError is left unraised."""
     thread = threading.get_native_id()
     try:
-        os.setpriority(os.PRIO_PROCESS, thread, min(_MOST_NICE, os.getpriority(os.PRIO_PROCESS, thread) + by))
+        os.setpriority(os.PRIO_PROCESS, thread, min(MOST_NICE, os.getpriority(os.PRIO_PROCESS, thread) + by))
     except OSError:
         pass
 

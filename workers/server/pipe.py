@@ -132,9 +132,10 @@ def send_command(connection: Connection, encoder: msgspec.msgpack.Encoder, comma
         connection.send_bytes(encoder.encode(command))
         return
     state = prepared_state(restore.blob)  # a StateDescriptor handed in is consumed here too
-    fd, state.fd = state.fd, -1  # _send closes it
     on_wire = msgspec.structs.replace(restore, blob=b"", blob_bytes=state.nbytes, blob_offset=state.offset)
-    _send(connection, encoder, msgspec.structs.replace(command, restore=on_wire) if isinstance(command, RunAppend) else on_wire, fd)
+    message = msgspec.structs.replace(command, restore=on_wire) if isinstance(command, RunAppend) else on_wire
+    fd, state.fd = state.fd, -1  # from here _send closes it (before, the descriptor's own close would)
+    _send(connection, encoder, message, fd)
 
 
 def send_reply(connection: Connection, encoder: msgspec.msgpack.Encoder, reply: AnyWorkerReply) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from workers.server.background import BACKGROUND_NICE
 from workers.server.segment import SegmentRegions
 
 FRAME_DEADLINE_S = 30.0  # the default of WorkerSpec.frame_deadline_s
@@ -27,7 +28,7 @@ class WorkerSpec:
     seqs_per_worker: int = 0  # > 0: a batched worker, one context of this many sequences of max_n_ctx positions each
     frame_deadline_s: float = FRAME_DEADLINE_S  # a direct channel's frame (request or reply) passes whole within this, or its peer is dropped
     huge_pages: bool = True  # the load's own anonymous memory collapsed into transparent huge pages (workers.runtime.huge_pages)
-    background_nice: int = 10  # saves no caller waits for run this much nicer (workers.server.background; 0: in the loop's thread)
+    background_nice: int = BACKGROUND_NICE  # saves no caller waits for run this much nicer (workers.server.background; 0: in the loop's thread)
     # each worker's own
     shm_name: str = ""  # its segment, created by the supervisor
     parent_pid: int = 0
