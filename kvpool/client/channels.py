@@ -4,10 +4,13 @@ connection lost) is not an error: the client asks the daemon instead, and its an
 
 from __future__ import annotations
 
+import itertools
 import secrets
 import threading
 
 from kvpool.wire.protocol import Append, ErrorCode, ErrorReply, Reply
+
+REQUEST_ID_MASK = 2**62 - 1
 
 
 class DirectChannels:
@@ -19,6 +22,7 @@ class DirectChannels:
         self._connections: dict[str, object] = {}
         self._in_flight: dict[tuple[str, int], int] = {}  # the request id of a session's append on its channel
         self._closed = False
+        self._request_ids = itertools.count(secrets.randbits(62) | 1, 2)  # from a random odd start: no syscall a request
 
     def remember(self, session_id: str, epoch: int, address: str) -> None:
         if address:
@@ -45,7 +49,7 @@ class DirectChannels:
                 return None
             with self._lock:
                 self._connections[address] = connection
-        request_id = secrets.randbits(62) | 1  # unique across connections: a cancel names it
+        request_id = next(self._request_ids) & REQUEST_ID_MASK  # odd, so never 0; unique across connections: a cancel names it
         with self._lock:
             self._in_flight[key] = request_id
         try:

@@ -45,6 +45,8 @@ class ClientConnection:
         except OSError as error:
             self.close()
             raise RequestNotSent(f"cannot connect to {path!r}: {error.strerror or error}") from error
+        self._poller = select.poll()  # _check_still_open's, made once: it asks before every request
+        self._poller.register(self.sock, select.POLLIN)
         self.hello: HelloReply | None = None
         if not handshake:
             return  # a worker's direct channel: no handshake (the daemon's Hello vouched for the protocol)
@@ -111,9 +113,7 @@ class ClientConnection:
     def _check_still_open(self, sock: socket.socket) -> None:
         """Before a request leaves: nothing may wait on the connection but a daemon's end of it (end of
         file, or its farewell after a drain); either closes it and raises RequestNotSent."""
-        poller = select.poll()
-        poller.register(sock, select.POLLIN)
-        if not poller.poll(0):
+        if not self._poller.poll(0):
             return  # nothing there: the usual case (a socket with a timeout would wait in recv, poll does not)
         try:
             waiting = sock.recv(1, socket.MSG_PEEK)

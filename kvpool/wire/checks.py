@@ -15,6 +15,7 @@ from kvpool.wire.shape import ShardShape
 MAX_SESSION_ID_BYTES = 256
 TOKEN_BYTES = 4  # an int32 token id
 FLOAT_BYTES = 4  # a float32 of a hidden state
+SHORT_TOKEN_LIST = 64  # token ids up to this many in a list are checked without numpy (token_ids)
 
 
 def _bad(message: str, length: int) -> RequestFailed:
@@ -51,13 +52,22 @@ def check_input_kind(shape: ShardShape, tokens: object, hidden: object, *, lengt
 
 
 def token_ids(tokens: object, n_vocab: int, *, length: int) -> np.ndarray:
-    """`tokens` as int32 ids: a 1-D sequence of integers in [0, n_vocab)."""
+    """`tokens` as int32 ids: a 1-D sequence of integers in [0, n_vocab). A short list of ints (a decode step's
+    id, as a request decodes) is checked in Python, without numpy's reductions; anything else as an array."""
+    if type(tokens) is list and len(tokens) <= SHORT_TOKEN_LIST and all(type(token) is int for token in tokens):
+        if tokens and (min(tokens) < 0 or max(tokens) >= n_vocab):
+            raise _out_of_vocabulary(n_vocab, length)
+        return np.array(tokens, dtype=np.int32)
     ids = np.asarray(tokens)
     if ids.ndim != 1 or (ids.size and ids.dtype.kind not in "iu"):
         raise _bad("token ids must be a 1-D sequence of integers", length)
     if ids.size and (ids.min() < 0 or ids.max() >= n_vocab):
-        raise _bad(f"token ids must be in [0, {n_vocab})", length)
+        raise _out_of_vocabulary(n_vocab, length)
     return ids.astype(np.int32, copy=False)
+
+
+def _out_of_vocabulary(n_vocab: int, length: int) -> RequestFailed:
+    return _bad(f"token ids must be in [0, {n_vocab})", length)
 
 
 def hidden_states(hidden: object, n_embd: int, *, length: int) -> np.ndarray:

@@ -120,3 +120,37 @@ def test_the_model_closes_every_context_made_on_it(shard_sets):
         closed_first = model.new_context(N_CTX)
         closed_first.close()
     assert direct.closed and made.closed and batched.closed and closed_first.closed
+
+
+def test_append_checked_is_append_on_rows_the_wire_checked(shard_sets):
+    """The direct channel's path (issue 29, item 4): rows checked once by kvpool.wire.checks, then
+    ShardContext.append_checked, one output array written again at every decode step (what the channel keeps),
+    gives a first shard's hidden states and a last shard's logits bit-identical to append() into fresh arrays."""
+    first_path, last_path = shard_sets[EVEN_SPLIT][0].path, shard_sets[EVEN_SPLIT][-1].path
+    prompt = [1, 9, 31, 77, 120, 5]
+    with ShardModel(first_path) as first, ShardModel(last_path) as last:
+        with first.new_context(N_CTX) as plain_first, first.new_context(N_CTX) as checked_first, \
+             last.new_context(N_CTX) as plain_last, last.new_context(N_CTX) as checked_last:
+            hidden = plain_first.append(0, tokens=prompt, output_rows="all")
+            request = Append(session_id="s", epoch=1, start_pos=0, tokens=prompt)
+            rows = append_rows(request, first.shape, max_rows=N_CTX, length=0)
+            assert np.array_equal(checked_first.append_checked(0, rows), hidden)
+            expected_logits = plain_last.append(0, hidden=hidden)
+            assert np.array_equal(checked_last.append_checked(0, hidden), expected_logits)
+            kept_hidden = np.empty((1, first.shape.n_embd), np.float32)
+            kept_logits = np.empty((1, last.shape.n_vocab), np.float32)
+            seen = []
+            for step, token in enumerate((40, 41, 42)):
+                position = len(prompt) + step
+                expected_hidden = plain_first.append(position, tokens=[token])
+                request = Append(session_id="s", epoch=1, start_pos=position, tokens=[token])
+                rows = append_rows(request, first.shape, max_rows=N_CTX, length=checked_first.length)
+                check_position(position, checked_first.length, 1, N_CTX)
+                got_hidden = checked_first.append_checked(position, rows, out=kept_hidden)
+                assert got_hidden is kept_hidden and np.array_equal(got_hidden, expected_hidden)
+                expected = plain_last.append(position, hidden=expected_hidden)
+                got = checked_last.append_checked(position, kept_hidden, out=kept_logits)
+                assert got is kept_logits and np.array_equal(got, expected)
+                seen.append(got.copy())
+            assert checked_first.length == checked_last.length == len(prompt) + 3
+            assert not np.array_equal(seen[0], seen[1])  # each step wrote its own logits there

@@ -69,6 +69,14 @@ class ShardContext:
     def _handle(self) -> llama_cpp.llama_context_p:
         return self._llama.handle
 
+    def output_shape(self, n_rows: int, output_rows: OutputRows) -> tuple[int, int]:
+        """What an append of `n_rows` returns: hidden states of every row (a non-final shard), else logits
+        of the last row or of every row."""
+        shape = self.shape
+        if shape.is_last:
+            return (n_rows if output_rows == "all" else 1, shape.n_vocab)
+        return (n_rows, shape.n_embd)
+
     def _checked_rows(self, start_pos: int, tokens: object, hidden: object, output_rows: object) -> np.ndarray:
         """The append's rows, checked by kvpool.wire.checks as the daemon checks them (BadInput,
         PositionMismatch, ContextFull)."""
@@ -95,15 +103,19 @@ class ShardContext:
 
         On any failure the context is rolled back to its length before this call.
         """
-        ctx = self._handle()
+        self._handle()  # a closed context says so before anything about the rows
         rows = self._checked_rows(start_pos, tokens, hidden, output_rows)
+        return self.append_checked(start_pos, rows, output_rows=output_rows, out=out)
+
+    def append_checked(self, start_pos: int, rows: np.ndarray, *, output_rows: OutputRows = "last", out: np.ndarray | None = None) -> np.ndarray:
+        """append() of rows that kvpool.wire.checks has already checked against this context as append() would
+        (append_rows, check_position: the worker's direct channel, whose request those checks took apart):
+        the same append without checking them a second time on a decode step's path."""
+        ctx = self._handle()
         n_rows = rows.shape[0]
 
         shape = self.shape
-        if shape.is_last:
-            out_shape = (n_rows if output_rows == "all" else 1, shape.n_vocab)
-        else:
-            out_shape = (n_rows, shape.n_embd)
+        out_shape = self.output_shape(n_rows, output_rows)
         if out is None:
             out = np.empty(out_shape, dtype=np.float32)
         elif out.shape != out_shape or out.dtype != np.float32 or not out.flags.c_contiguous:
@@ -117,9 +129,10 @@ class ShardContext:
                 self._batch_tokens[:chunk_rows] = rows[chunk_start:chunk_stop]
             else:
                 self._batch_embd[:chunk_rows] = rows[chunk_start:chunk_stop]
-            self._batch_pos[:chunk_rows] = np.arange(
-                start_pos + chunk_start, start_pos + chunk_stop, dtype=np.int32
-            )
+            if chunk_rows == 1:  # a decode step: no array made for one position
+                self._batch_pos[0] = start_pos + chunk_start
+            else:
+                self._batch_pos[:chunk_rows] = np.arange(start_pos + chunk_start, start_pos + chunk_stop, dtype=np.int32)
             if shape.is_last and output_rows == "last":
                 self._batch_outputs[:chunk_rows] = 0
                 if chunk_stop == n_rows:

@@ -20,6 +20,7 @@ import time
 from typing import TYPE_CHECKING
 
 import msgspec
+import numpy as np
 
 from kvpool.wire.checks import append_rows, check_position
 from kvpool.wire.errors import RequestFailed
@@ -174,6 +175,7 @@ class DirectChannel:
         self.frame_deadline_s = frame_deadline_s
         self._selector = selector
         self._peers: set[Peer] = set()
+        self._kept_output: np.ndarray | None = None
         buffer = segment.buf
         self._abort = ctypes.c_int32.from_buffer(buffer, ABORT_FLAG_OFFSET)
         self.cancels = DirectCancels(cancel_connection, self._abort)
@@ -254,7 +256,8 @@ class DirectChannel:
             check_position(request.start_pos, context.length, rows.shape[0], context.n_ctx)
         except RequestFailed as failure:
             return ErrorReply(code=failure.code, message=str(failure), length=failure.length, **ids)
-        inputs = {"tokens": rows} if shape.is_first else {"hidden": rows}
+        output_rows = str(request.output_rows)
+        out = self._output(context.output_shape(rows.shape[0], output_rows))
         key = (request.session_id, request.epoch)
         if not self.cancels.begin(key, request.request_id):
             return ErrorReply(code=ErrorCode.CANCELLED, message="append cancelled", length=context.length, **ids)
@@ -263,7 +266,7 @@ class DirectChannel:
         words.busy.value = 1
         try:
             with server.compute:
-                output = context.append(request.start_pos, output_rows=str(request.output_rows), **inputs)
+                output = context.append_checked(request.start_pos, rows, output_rows=output_rows, out=out)
         except ShardRuntimeError as error:
             code = error.code if error.code in set(ErrorCode) else ErrorCode.INTERNAL
             return ErrorReply(code=code, message=str(error), length=error.length, **ids)
@@ -279,6 +282,18 @@ class DirectChannel:
             length=context.length, rows=reply.rows.shape[0], width=output.shape[1], data=reply.rows.tobytes(),
             **reply.reply_fields, **ids,
         )
+
+    def _output(self, shape: tuple[int, int]) -> np.ndarray:
+        """Where an append's rows are written: one array kept for a decode step's shape (one row; its reply
+        is encoded, a copy, before the next append can write there: a last shard's logits, above glibc's
+        mmap threshold in a worker, are not mapped and faulted in afresh on every step), a new one else."""
+        kept = self._kept_output
+        if kept is not None and kept.shape == shape:
+            return kept
+        out = np.empty(shape, dtype=np.float32)
+        if shape[0] == 1:
+            self._kept_output = out
+        return out
 
     def close(self) -> None:
         """Drop every peer and the views of the segment (it closes next)."""
