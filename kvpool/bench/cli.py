@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import functools
 import json
 import os
 import pathlib
@@ -30,6 +31,7 @@ from kvpool.bench.parallel import measure_parallel
 from kvpool.bench.prefix import measure_prefix
 from kvpool.bench.report import summarize
 from kvpool.bench.rig import PROMPTS, Rig, long_history
+from kvpool.bench.rigs import MAX_RIGS, check_rigs, run_rigs
 from kvpool.bench.startup import measure_startup
 from kvpool.bench.table import render_table
 from kvpool.bench.warm import measure_warm
@@ -142,8 +144,7 @@ def run_bench(options: BenchOptions) -> tuple[dict, str]:
     results["spread"] = _spreads(results)
     _say_checks(results)
     options.out_dir.mkdir(parents=True, exist_ok=True)
-    stem = "bench-quick" if options.quick else "bench"
-    json_path = options.out_dir / f"{stem}.json"
+    json_path = options.out_dir / whole_run_json(options)
     json_path.write_text(json.dumps(results, indent=1, allow_nan=False) + "\n")
     bench_say(f"wrote {json_path}")
     if options.json_path is not None:
@@ -151,10 +152,18 @@ def run_bench(options: BenchOptions) -> tuple[dict, str]:
         options.json_path.write_text(json_path.read_text())
         bench_say(f"wrote {options.json_path}")
     if options.chart:
-        chart_path = options.out_dir / f"{stem}.png"
+        chart_path = (options.out_dir / whole_run_json(options)).with_suffix(".png")
         write_chart(results, summary, chart_path)
         bench_say(f"wrote {chart_path}")
     return results, table
+
+
+def whole_run_json(options: BenchOptions) -> str:
+    return "bench-quick.json" if options.quick else "bench.json"
+
+
+def only_run_json(names: list[str]) -> str:
+    return f"bench-{'-'.join(names)}.json"
 
 
 # the parts of the results that are the bench's own records, not a section's measurements
@@ -274,7 +283,7 @@ def run_only(options: BenchOptions, names: list[str]) -> tuple[dict, str]:
     results["spread"] = _spreads(results)
     _say_checks(results)
     options.out_dir.mkdir(parents=True, exist_ok=True)
-    json_path = options.out_dir / f"bench-{'-'.join(names)}.json"
+    json_path = options.out_dir / only_run_json(names)
     json_path.write_text(json.dumps(results, indent=1, allow_nan=False) + "\n")
     bench_say(f"wrote {json_path}")
     return results, table
@@ -310,6 +319,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        f"{', '.join(f'{name} ({section})' for name, (section, _what, _how) in OWN_DAEMON_SECTIONS.items())}; writes <out>/bench-<names>.json")
     alone.add_argument("--overload-only", action="store_true", help="run only section 8 (overload) on its own daemons (as --only overload)")
     parser.add_argument("--no-chart", action="store_true", help="skip the PNG chart")
+    parser.add_argument("--rigs", type=int, default=1, metavar="N", help=f"run it all N times (1-{MAX_RIGS}, default 1), each in a fresh process with "
+                        "daemons and references of its own, one after another (results in <out>/rig-K/), and take every headline "
+                        "ratio's verdict on its median across them (<out>/bench-...-rigs.json): where a model's weights land in "
+                        "memory moves its decode speed by a few percent per process, which one run's rounds cannot average out")
     parser.add_argument("--json", type=pathlib.Path, metavar="PATH", help="also write the results (raw figures, summary, and the headline \"ratios\" with their targets) to PATH")
 
 
@@ -333,7 +346,11 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
 def run(args: argparse.Namespace) -> int:
     options = options_from_args(args)
     only = ["overload"] if args.overload_only else args.only
-    _, table = run_only(options, only) if only else run_bench(options)
+    if check_rigs(args.rigs) > 1:
+        runner, json_name = (functools.partial(run_only, names=only), only_run_json(only)) if only else (run_bench, whole_run_json(options))
+        _, table = run_rigs(runner, options, args.rigs, json_name)
+    else:
+        _, table = run_only(options, only) if only else run_bench(options)
     print(table)
     return 0
 

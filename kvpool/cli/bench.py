@@ -7,6 +7,7 @@ import sys
 
 import kvpool.bench
 from kvpool.bench import cli as bench
+from kvpool.bench.rigs import RigFailed
 from kvpool.launcher import DaemonStartFailed
 from kvpool.shard.bundled import BundledModelMissing
 from kvpool.shard.errors import ShardError
@@ -26,6 +27,6 @@ def add_parser(subcommands: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         return bench.run(args)
-    except (ShardError, BundledModelMissing, DaemonStartFailed, ValueError) as error:
+    except (ShardError, BundledModelMissing, DaemonStartFailed, RigFailed, ValueError) as error:
         print(f"kvpool bench: error: {error}", file=sys.stderr)
         return 2
