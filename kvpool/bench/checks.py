@@ -46,11 +46,15 @@ def withhold(ratio: dict, reason: str) -> dict:
     return {**ratio, "met": None, "verdict": verdict}
 
 
+MET, MISSED, NO_TARGET = "met", "MISSED", "no target"  # a ratio's verdict where nothing withheld it
+VERDICTS = (MET, MISSED, NO_TARGET)
+
+
 def with_verdict(ratio: dict) -> dict:
     """A "ratios" entry with its "verdict": the reason it was withheld, or met / MISSED / no target."""
     if "verdict" in ratio:
         return ratio
-    verdict = "no target" if ratio["met"] is None else ("met" if ratio["met"] else "MISSED")
+    verdict = NO_TARGET if ratio["met"] is None else (MET if ratio["met"] else MISSED)
     return {**ratio, "verdict": verdict}
 
 

@@ -286,6 +286,10 @@ def run_only(options: BenchOptions, names: list[str]) -> tuple[dict, str]:
     json_path = options.out_dir / only_run_json(names)
     json_path.write_text(json.dumps(results, indent=1, allow_nan=False) + "\n")
     bench_say(f"wrote {json_path}")
+    if options.json_path is not None:
+        options.json_path.parent.mkdir(parents=True, exist_ok=True)
+        options.json_path.write_text(json_path.read_text())
+        bench_say(f"wrote {options.json_path}")
     return results, table
 
 
@@ -296,6 +300,17 @@ def _only(text: str) -> list[str]:
     if not names or unknown:
         raise argparse.ArgumentTypeError(f"--only takes a comma-separated list of {', '.join(known)} (got {text!r})")
     return list(dict.fromkeys(names))
+
+
+def _rigs(text: str) -> int:
+    try:
+        count = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--rigs takes a whole number (got {text!r})") from None
+    try:
+        return check_rigs(count)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -319,11 +334,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        f"{', '.join(f'{name} ({section})' for name, (section, _what, _how) in OWN_DAEMON_SECTIONS.items())}; writes <out>/bench-<names>.json")
     alone.add_argument("--overload-only", action="store_true", help="run only section 8 (overload) on its own daemons (as --only overload)")
     parser.add_argument("--no-chart", action="store_true", help="skip the PNG chart")
-    parser.add_argument("--rigs", type=int, default=1, metavar="N", help=f"run it all N times (1-{MAX_RIGS}, default 1), each in a fresh process with "
+    parser.add_argument("--rigs", type=_rigs, default=1, metavar="N", help=f"run it all N times (1-{MAX_RIGS}, default 1), each in a fresh process with "
                         "daemons and references of its own, one after another (results in <out>/rig-K/), and take every headline "
                         "ratio's verdict on its median across them (<out>/bench-...-rigs.json): where a model's weights land in "
                         "memory moves its decode speed by a few percent per process, which one run's rounds cannot average out")
-    parser.add_argument("--json", type=pathlib.Path, metavar="PATH", help="also write the results (raw figures, summary, and the headline \"ratios\" with their targets) to PATH")
+    parser.add_argument("--json", type=pathlib.Path, metavar="PATH", help="also write the results (raw figures, summary, and the headline \"ratios\" with their targets; with --rigs, the rigs' combined results) to PATH")
 
 
 def options_from_args(args: argparse.Namespace) -> BenchOptions:
@@ -346,7 +361,7 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
 def run(args: argparse.Namespace) -> int:
     options = options_from_args(args)
     only = ["overload"] if args.overload_only else args.only
-    if check_rigs(args.rigs) > 1:
+    if args.rigs > 1:
         runner, json_name = (functools.partial(run_only, names=only), only_run_json(only)) if only else (run_bench, whole_run_json(options))
         _, table = run_rigs(runner, options, args.rigs, json_name)
     else:

@@ -1,13 +1,13 @@
 """`kvpool bench --rigs N`: the same run N times, each in a fresh process with daemons and in-process references of
 its own (a rig), every headline ratio's verdict taken on its median across the rigs.
 
-Why: where a model's weights land in memory sets its decode speed within a few percent, process by process. The ~1B
-model's whole-model step (one thread) took 69.7-71.3 ms in five fresh processes, the same within each (three loads
-apiece), and the bench's own in-process reference 68.9 and 72.7 ms in two runs an hour apart, so one run read the
-route at 0.941x of the whole model and the next at 0.999x (evidence/daemon-overhead/README.md, "Stop 46"). Within a
-run every variant keeps the memory it got, so its interleaved rounds average out the machine's moments, not that
-draw; a ratio within a few percent of its target reads met or missed by the draw of one run. Each rig draws again
-(a spawned interpreter: a reload in the same process was measured to land where the last one did)."""
+Why: the same model decodes a few percent faster or slower from one process to the next. The ~1B model's whole-model
+step (one thread) took 69.7-71.3 ms in five fresh processes, and the bench's own in-process reference 68.9 and 72.7
+ms in two runs twenty minutes apart, so one run read the route at 0.941x of the whole model and the next at 0.999x
+(evidence/daemon-overhead/README.md, "Stop 46"; where each process's memory lands is the likely cause, not shown).
+Within a run every variant keeps the process, and the memory, it started with, so the interleaved rounds average
+out the machine's moments, not that draw: a ratio within a few percent of its target reads met or missed by the
+draw of one run. Each rig draws again, in a spawned interpreter with daemons of its own."""
 
 from __future__ import annotations
 
@@ -18,12 +18,11 @@ import pathlib
 import statistics
 from collections.abc import Callable, Sequence
 
-from kvpool.bench.checks import with_verdict
+from kvpool.bench.checks import VERDICTS, with_verdict
 from kvpool.bench.options import BenchOptions, bench_say
 from kvpool.bench.table import headline
 
 MAX_RIGS = 9
-VERDICTS = ("met", "MISSED", "no target")  # what a rig's ratio says when nothing withheld it
 
 
 class RigFailed(Exception):
@@ -47,6 +46,9 @@ def combine(runs: Sequence[dict]) -> dict:
     if not runs:
         raise ValueError("no runs to combine")
     names = [name for name in runs[0]["ratios"] if all(name in run["ratios"] for run in runs)]
+    missing = sorted({name for run in runs for name in run["ratios"]} - set(names))
+    if missing:
+        bench_say(f"not in every rig, so not combined: {', '.join(missing)}")
     ratios = {}
     for name in names:
         entries = [run["ratios"][name] for run in runs]
@@ -88,7 +90,12 @@ def run_rigs(run: Callable[[BenchOptions], object], options: BenchOptions, count
         bench_say(f"rig {index}/{count}: a fresh process, its own daemons and references (results in {rig.out_dir})")
         process = context.Process(target=_run_rig, args=(run, rig), name=f"kvpool-bench-rig-{index}")
         process.start()
-        process.join()
+        try:
+            process.join()
+        finally:
+            if process.is_alive():  # interrupted here: the rig ends too (its daemons follow it: kvpool.launcher's lifeline)
+                process.terminate()
+                process.join()
         if process.exitcode != 0:
             raise RigFailed(f"rig {index} of {count} failed (exit code {process.exitcode}); the rigs before it are in {options.out_dir}")
         path = rig.out_dir / json_name

@@ -49,7 +49,7 @@ class DirectChannels:
                 return None
             with self._lock:
                 self._connections[address] = connection
-        request_id = next(self._request_ids) & REQUEST_ID_MASK  # odd, so never 0; unique across connections: a cancel names it
+        request_id = self._next_request_id()
         with self._lock:
             self._in_flight[key] = request_id
         try:
@@ -64,6 +64,11 @@ class DirectChannels:
             self.forget(*key)
             return None
         return reply
+
+    def _next_request_id(self) -> int:
+        """Odd, so never 0, within the wire's 62 bits, and not repeated by this client for 2^61 requests: a cancel
+        names a direct append by it, across this client's connections."""
+        return next(self._request_ids) & REQUEST_ID_MASK
 
     def in_flight(self, session_id: str, epoch: int) -> int:
         """The request id of the session's append in flight on its channel (0: none)."""

@@ -40,5 +40,10 @@ class ShardShape(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
         """Floats per output row: logits on the last shard, hidden states elsewhere."""
         return self.n_vocab if self.is_last else self.n_embd
 
+    def output_shape(self, n_rows: int, output_rows: str) -> tuple[int, int]:
+        """What an append of `n_rows` returns: every row's hidden states (a non-final shard), else the logits of the
+        last row, or of every row with output_rows "all"."""
+        return (n_rows if output_rows == "all" or not self.is_last else 1, self.output_width)
+
     def __str__(self) -> str:
         return f"layers [{self.layer_start}, {self.layer_stop}) of {self.total_layers}"

@@ -43,7 +43,7 @@ def test_the_verdict_is_taken_on_the_median_across_the_rigs():
     assert "| first_admission_vs_bare | 1.200 | 1.200 | 1.200 | 1.200 (1.200-1.200) | <= 1.50 | met |" in table
 
 
-def test_a_rig_that_withheld_a_verdict_withholds_the_combined_one():
+def test_a_rig_that_withheld_a_verdict_withholds_the_combined_one(capsys):
     runs = [_results(value) for value in ROUTE]
     runs[1]["ratios"]["route_vs_whole"] = _ratio(0.999, verdict="contended: not a ratio (other processes used 0.30 cores)")
     del runs[2]["ratios"]["plain"]
@@ -51,7 +51,8 @@ def test_a_rig_that_withheld_a_verdict_withholds_the_combined_one():
     route = combined["route_vs_whole"]
     assert route["met"] is None and route["verdict"] == "rig 2: contended: not a ratio (other processes used 0.30 cores)"
     assert route["value"] == 0.962  # the median is kept beside the reason
-    assert "plain" not in combined  # a ratio is combined only where every rig has it
+    assert "plain" not in combined  # a ratio is combined only where every rig has it, and the run says so
+    assert "not in every rig, so not combined: plain" in capsys.readouterr().err
 
 
 def test_rigs_are_counted_from_one_to_the_limit():
@@ -64,12 +65,18 @@ def test_rigs_are_counted_from_one_to_the_limit():
 
 
 def test_the_command_line_refuses_a_count_out_of_range(capsys):
+    """Refused as the arguments are read (exit 2), before any model is looked for."""
     from kvpool.cli.main import main as kvpool_main
 
-    assert kvpool_main(["bench", "--only", "decode", "--rigs", "0"]) == 2
-    assert "--rigs takes 1 to 9 runs (got 0)" in capsys.readouterr().err
-    with pytest.raises(ValueError, match="got 10"):
-        bench_main(["--only", "decode", "--rigs", "10"])
+    for argv, said in ((["bench", "--only", "decode", "--rigs", "0"], "--rigs takes 1 to 9 runs (got 0)"),
+                       (["bench", "--rigs", "10", "--model", "/nonexistent.gguf"], "--rigs takes 1 to 9 runs (got 10)"),
+                       (["bench", "--rigs", "two"], "--rigs takes a whole number (got 'two')")):
+        with pytest.raises(SystemExit) as exited:
+            kvpool_main(argv)
+        assert exited.value.code == 2 and said in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench_main(["--only", "decode", "--rigs", "-1"])
+    assert "(got -1)" in capsys.readouterr().err
 
 
 SET_IN_THE_PARENT = {"set": False}  # a spawned interpreter imports this module afresh: it never sees the parent's change

@@ -120,11 +120,7 @@ class BatchedShardContext:
         shape = self.shape
         outputs = []
         for item, item_rows in zip(items, rows):
-            n_rows = item_rows.shape[0]
-            if shape.is_last:
-                outputs.append(np.empty((n_rows if item.output_rows == "all" else 1, shape.n_vocab), np.float32))
-            else:
-                outputs.append(np.empty((n_rows, shape.n_embd), np.float32))
+            outputs.append(np.empty(shape.output_shape(item_rows.shape[0], item.output_rows), np.float32))
         plan = plan_ubatches([item.seq for item in items], [r.shape[0] for r in rows], self.n_batch)
         for ubatch in plan:
             failure = self._decoder.decode(ctx, ubatch, items, rows, outputs)

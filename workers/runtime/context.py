@@ -69,14 +69,6 @@ class ShardContext:
     def _handle(self) -> llama_cpp.llama_context_p:
         return self._llama.handle
 
-    def output_shape(self, n_rows: int, output_rows: OutputRows) -> tuple[int, int]:
-        """What an append of `n_rows` returns: hidden states of every row (a non-final shard), else logits
-        of the last row or of every row."""
-        shape = self.shape
-        if shape.is_last:
-            return (n_rows if output_rows == "all" else 1, shape.n_vocab)
-        return (n_rows, shape.n_embd)
-
     def _checked_rows(self, start_pos: int, tokens: object, hidden: object, output_rows: object) -> np.ndarray:
         """The append's rows, checked by kvpool.wire.checks as the daemon checks them (BadInput,
         PositionMismatch, ContextFull)."""
@@ -110,12 +102,13 @@ class ShardContext:
     def append_checked(self, start_pos: int, rows: np.ndarray, *, output_rows: OutputRows = "last", out: np.ndarray | None = None) -> np.ndarray:
         """append() of rows that kvpool.wire.checks has already checked against this context as append() would
         (append_rows, check_position: the worker's direct channel, whose request those checks took apart):
-        the same append without checking them a second time on a decode step's path."""
+        the same append without checking them a second time on a decode step's path (`output_rows` too must be
+        "last" or "all": the request's, as msgspec decoded it)."""
         ctx = self._handle()
         n_rows = rows.shape[0]
 
         shape = self.shape
-        out_shape = self.output_shape(n_rows, output_rows)
+        out_shape = shape.output_shape(n_rows, output_rows)
         if out is None:
             out = np.empty(out_shape, dtype=np.float32)
         elif out.shape != out_shape or out.dtype != np.float32 or not out.flags.c_contiguous:

@@ -257,7 +257,7 @@ class DirectChannel:
         except RequestFailed as failure:
             return ErrorReply(code=failure.code, message=str(failure), length=failure.length, **ids)
         output_rows = str(request.output_rows)
-        out = self._output(context.output_shape(rows.shape[0], output_rows))
+        out = self._output(shape.output_shape(rows.shape[0], output_rows))
         key = (request.session_id, request.epoch)
         if not self.cancels.begin(key, request.request_id):
             return ErrorReply(code=ErrorCode.CANCELLED, message="append cancelled", length=context.length, **ids)

@@ -216,8 +216,7 @@ class WorkerServer:
             with wire_checks():
                 rows = input_rows(self._input, shape, n_rows, 0, length=context.length)
             kwargs = {"tokens": rows} if shape.is_first else {"hidden": rows}
-            out_rows = 1 if shape.is_last and command.output_rows != "all" else n_rows
-            width = shape.output_width
+            out_rows, width = shape.output_shape(n_rows, command.output_rows)
             inline = out_rows * width * 4 > self.spec.output_bytes
             if inline:
                 out = np.empty((out_rows, width), np.float32)

@@ -151,7 +151,7 @@ class BatchedWorker(WorkerHandle):
                     self._queue.remove(pending)
                     _fail(pending.future, refusal)
                     continue
-            out_rows = pending.rows.shape[0] if pending.output_rows == "all" or not (self.ready and self.ready.shape.is_last) else 1
+            out_rows = self.ready.shape.output_shape(pending.rows.shape[0], pending.output_rows)[0] if self.ready else pending.rows.shape[0]
             out_bytes = out_rows * width * 4
             room = out_bytes if output_used + out_bytes <= self.output_bytes else 0
             self._queue.remove(pending)
