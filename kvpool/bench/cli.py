@@ -336,8 +336,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-chart", action="store_true", help="skip the PNG chart")
     parser.add_argument("--rigs", type=_rigs, default=1, metavar="N", help=f"run it all N times (1-{MAX_RIGS}, default 1), each in a fresh process with "
                         "daemons and references of its own, one after another (results in <out>/rig-K/), and take every headline "
-                        "ratio's verdict on its median across them (<out>/bench-...-rigs.json): where a model's weights land in "
-                        "memory moves its decode speed by a few percent per process, which one run's rounds cannot average out")
+                        "ratio's verdict on its median across them (<out>/bench-...-rigs.json): the same model decodes a few percent "
+                        "faster or slower from one process to the next, which one run's rounds cannot average out")
     parser.add_argument("--json", type=pathlib.Path, metavar="PATH", help="also write the results (raw figures, summary, and the headline \"ratios\" with their targets; with --rigs, the rigs' combined results) to PATH")
 
 
