@@ -6,7 +6,6 @@ import argparse
 import dataclasses
 import datetime
 import functools
-import json
 import os
 import pathlib
 import platform
@@ -25,7 +24,7 @@ from kvpool.bench.checks import LoadMeter, contended_lines, round_spreads
 from kvpool.bench.durable import measure_durable, tokens_needed
 from kvpool.bench.move import measure_move, moved_split
 from kvpool.bench.one_session import measure_mid_shard, measure_route
-from kvpool.bench.options import BenchOptions, bench_say
+from kvpool.bench.options import BenchOptions, bench_say, write_results
 from kvpool.bench.overload import measure_overload
 from kvpool.bench.parallel import measure_parallel
 from kvpool.bench.prefix import measure_prefix
@@ -143,14 +142,7 @@ def run_bench(options: BenchOptions) -> tuple[dict, str]:
     results["table"] = table
     results["spread"] = _spreads(results)
     _say_checks(results)
-    options.out_dir.mkdir(parents=True, exist_ok=True)
-    json_path = options.out_dir / whole_run_json(options)
-    json_path.write_text(json.dumps(results, indent=1, allow_nan=False) + "\n")
-    bench_say(f"wrote {json_path}")
-    if options.json_path is not None:
-        options.json_path.parent.mkdir(parents=True, exist_ok=True)
-        options.json_path.write_text(json_path.read_text())
-        bench_say(f"wrote {options.json_path}")
+    write_results(results, options.out_dir / whole_run_json(options), options.json_path)
     if options.chart:
         chart_path = (options.out_dir / whole_run_json(options)).with_suffix(".png")
         write_chart(results, summary, chart_path)
@@ -282,14 +274,7 @@ def run_only(options: BenchOptions, names: list[str]) -> tuple[dict, str]:
                          **measured, "load": meter.loads, "summary": summary, "ratios": ratios, "table": table})
     results["spread"] = _spreads(results)
     _say_checks(results)
-    options.out_dir.mkdir(parents=True, exist_ok=True)
-    json_path = options.out_dir / only_run_json(names)
-    json_path.write_text(json.dumps(results, indent=1, allow_nan=False) + "\n")
-    bench_say(f"wrote {json_path}")
-    if options.json_path is not None:
-        options.json_path.parent.mkdir(parents=True, exist_ok=True)
-        options.json_path.write_text(json_path.read_text())
-        bench_say(f"wrote {options.json_path}")
+    write_results(results, options.out_dir / only_run_json(names), options.json_path)
     return results, table
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import pathlib
 import statistics
@@ -25,6 +26,17 @@ EPOCH = 1
 
 def bench_say(message: str) -> None:
     print(f"kvpool bench: {time.strftime('%H:%M:%S', time.gmtime())} {message}", file=sys.stderr, flush=True)
+
+
+def write_results(results: dict, path: pathlib.Path, copy_to: pathlib.Path | None) -> None:
+    """A run's results as JSON at `path`, and a copy at `copy_to` (--json) when given; each said."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(results, indent=1, allow_nan=False) + "\n")
+    bench_say(f"wrote {path}")
+    if copy_to is not None:
+        copy_to.parent.mkdir(parents=True, exist_ok=True)
+        copy_to.write_text(path.read_text())
+        bench_say(f"wrote {copy_to}")
 
 
 def median_of(values: Sequence[float]) -> float:

@@ -19,7 +19,7 @@ import statistics
 from collections.abc import Callable, Sequence
 
 from kvpool.bench.checks import VERDICTS, with_verdict
-from kvpool.bench.options import BenchOptions, bench_say
+from kvpool.bench.options import BenchOptions, bench_say, write_results
 from kvpool.bench.table import headline
 
 MAX_RIGS = 9
@@ -108,14 +108,7 @@ def run_rigs(run: Callable[[BenchOptions], object], options: BenchOptions, count
         "environments": [done["environment"] for done in runs],
         "tables": [done["table"] for done in runs],
     }
-    options.out_dir.mkdir(parents=True, exist_ok=True)
-    path = options.out_dir / f"{pathlib.Path(json_name).stem}-rigs.json"
-    path.write_text(json.dumps(results, indent=1, allow_nan=False) + "\n")
-    bench_say(f"wrote {path}")
-    if options.json_path is not None:
-        options.json_path.parent.mkdir(parents=True, exist_ok=True)
-        options.json_path.write_text(path.read_text())
-        bench_say(f"wrote {options.json_path}")
+    write_results(results, options.out_dir / f"{pathlib.Path(json_name).stem}-rigs.json", options.json_path)
     for index, run_table in enumerate(results["tables"], start=1):
         print(f"rig {index}:\n{run_table}\n")
     return results, table
