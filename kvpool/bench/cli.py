@@ -142,9 +142,10 @@ def run_bench(options: BenchOptions) -> tuple[dict, str]:
     results["table"] = table
     results["spread"] = _spreads(results)
     _say_checks(results)
-    write_results(results, options.out_dir / whole_run_json(options), options.json_path)
+    json_path = options.out_dir / whole_run_json(options)
+    write_results(results, json_path, options.json_path)
     if options.chart:
-        chart_path = (options.out_dir / whole_run_json(options)).with_suffix(".png")
+        chart_path = json_path.with_suffix(".png")
         write_chart(results, summary, chart_path)
         bench_say(f"wrote {chart_path}")
     return results, table

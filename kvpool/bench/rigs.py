@@ -74,10 +74,6 @@ def render(ratios: dict) -> str:
     return "\n".join(lines)
 
 
-def _run_rig(run: Callable[[BenchOptions], object], options: BenchOptions) -> None:
-    run(options)
-
-
 def run_rigs(run: Callable[[BenchOptions], object], options: BenchOptions, count: int, json_name: str) -> tuple[dict, str]:
     """`run` (a module-level function taking BenchOptions: kvpool.bench.cli's whole run or its --only run) `count`
     times, each in a spawned process of its own, one after another; each writes <out>/rig-K/`json_name`. Writes
@@ -88,7 +84,7 @@ def run_rigs(run: Callable[[BenchOptions], object], options: BenchOptions, count
     for index in range(1, count + 1):
         rig = rig_options(options, index)
         bench_say(f"rig {index}/{count}: a fresh process, its own daemons and references (results in {rig.out_dir})")
-        process = context.Process(target=_run_rig, args=(run, rig), name=f"kvpool-bench-rig-{index}")
+        process = context.Process(target=run, args=(rig,), name=f"kvpool-bench-rig-{index}")
         process.start()
         try:
             process.join()
