@@ -19,6 +19,8 @@ import time
 
 import numpy as np
 
+from workers.server.spin import DEFAULT_IDLE_SPIN, set_idle_spin
+
 PROBE_PREFILL_ROWS = 8
 PROBE_WARMUP_STEPS = 2
 PROBE_STEPS = 12
@@ -42,7 +44,8 @@ def _rows(shape, count: int, rng: np.random.Generator):
     return rng.standard_normal((count, shape.n_embd)).astype(np.float32)
 
 
-def _process_share(connection, shard_path: str, n_ctx: int, sessions: int, barrier, huge_pages: bool) -> None:
+def _process_share(connection, shard_path: str, n_ctx: int, sessions: int, barrier, huge_pages: bool, idle_spin: int) -> None:
+    set_idle_spin(idle_spin)  # as a worker's (workers.server.entry), before llama.cpp loads
     from workers.runtime.model import ShardModel
 
     rng = np.random.default_rng(0)
@@ -60,7 +63,8 @@ def _process_share(connection, shard_path: str, n_ctx: int, sessions: int, barri
         connection.send((started, time.perf_counter()))
 
 
-def _batched_run(connection, shard_path: str, n_ctx: int, sessions: int, threads: int, huge_pages: bool) -> None:
+def _batched_run(connection, shard_path: str, n_ctx: int, sessions: int, threads: int, huge_pages: bool, idle_spin: int) -> None:
+    set_idle_spin(idle_spin)  # as a worker's (workers.server.entry), before llama.cpp loads
     from workers.runtime.batch_plan import SeqAppend
     from workers.runtime.batched import BatchedShardContext
     from workers.runtime.model import ShardModel
@@ -103,14 +107,14 @@ def _run(target, args_per_process: list[tuple]) -> float:
     return max(end for _start, end in spans) - min(start for start, _end in spans)
 
 
-def probe_modes(shard_path: str, *, sessions: int, threads: int, n_ctx: int, huge_pages: bool = True) -> ModeChoice:
-    """Blocking; a few seconds. n_ctx: per session (small is enough: the probe's sessions stay short); `huge_pages`:
-    the loads as the workers' (--huge-pages)."""
+def probe_modes(shard_path: str, *, sessions: int, threads: int, n_ctx: int, huge_pages: bool = True, idle_spin: int = DEFAULT_IDLE_SPIN) -> ModeChoice:
+    """Blocking; a few seconds. n_ctx: per session (small is enough: the probe's sessions stay short); `huge_pages`
+    and `idle_spin`: the loads and threads as the workers' (--huge-pages, --idle-spin)."""
     workers = max(1, min(threads, sessions))
     shares = [len(range(index, sessions, workers)) for index in range(workers)]
     barrier = multiprocessing.get_context("spawn").Barrier(workers)
-    process_s = _run(_process_share, [(shard_path, n_ctx, share, barrier, huge_pages) for share in shares])
-    batched_s = _run(_batched_run, [(shard_path, n_ctx, sessions, threads, huge_pages)])
+    process_s = _run(_process_share, [(shard_path, n_ctx, share, barrier, huge_pages, idle_spin) for share in shares])
+    batched_s = _run(_batched_run, [(shard_path, n_ctx, sessions, threads, huge_pages, idle_spin)])
     tokens = sessions * PROBE_STEPS
     process_tok_s, batched_tok_s = tokens / process_s, tokens / batched_s
     return ModeChoice("batched" if batched_tok_s > process_tok_s else "process", process_tok_s, batched_tok_s)

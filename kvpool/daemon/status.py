@@ -29,6 +29,7 @@ def build_stats(
     mode: str = "process",
     mode_detail: str = "",
     huge_pages: str = "",
+    threads: str = "",
 ) -> StatsReply:
     """`usses` are the measured USS of `workers`, in that order."""
     now = time.monotonic()
@@ -75,4 +76,5 @@ def build_stats(
         mode=mode,
         mode_detail=mode_detail,
         huge_pages=huge_pages,
+        threads=threads,
     )

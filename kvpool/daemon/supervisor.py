@@ -99,6 +99,7 @@ def build_pool(config: ServeConfig, info: ShardInfo, kinds: tuple[type, type] | 
                 seqs_per_worker=config.seqs_per_worker if config.batched else 0,
                 huge_pages=config.loads_in_huge_pages,
                 background_nice=config.background_nice,
+                idle_spin=config.idle_spin,
             ),
             size=config.max_sessions,
             ready_timeout_s=config.ready_timeout_s,
@@ -196,6 +197,7 @@ class Supervisor:
             )
             self.service = service = KvService(config, pool, shard, ready.kv_bytes_per_position, identity)
             service.huge_pages = f"--huge-pages {config.huge_pages}" + (f"; the first worker's load: {ready.huge_pages}" if ready.huge_pages else "")
+            service.threads = f"{config.worker_threads} llama thread(s) a worker; idle threads spin {ready.idle_spin or 'n/a'} (--idle-spin {config.idle_spin})"
             service.mode_reason = mode_reason
             if config.spill_dir is not None:
                 self._announce(service.adopt_saved_states())
@@ -301,7 +303,7 @@ class Supervisor:
         self._announce(f"--mode auto: measuring the process and batched schedules for {self.config.seqs_per_worker} sessions on {self.config.threads} thread(s)")
         choice = await asyncio.to_thread(
             probe_modes, str(self.config.model), sessions=self.config.seqs_per_worker, threads=self.config.threads, n_ctx=MODE_PROBE_N_CTX,
-            huge_pages=self.config.loads_in_huge_pages,
+            huge_pages=self.config.loads_in_huge_pages, idle_spin=self.config.idle_spin,
         )
         self.config = dataclasses.replace(self.config, mode=choice.mode)
         self._announce(choice.reason)

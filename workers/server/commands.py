@@ -145,6 +145,7 @@ class Ready(WorkerReply):
     context_bytes: int = 0  # a batched worker: what its one context of every sequence took (anonymous memory)
     huge_page_bytes: int = 0  # its anonymous memory in transparent huge pages once loaded (the repacked weights: --huge-pages)
     huge_pages: str = ""  # what its load asked of the kernel for them (workers.runtime.huge_pages.Collapse.describe)
+    idle_spin: str = ""  # how long its idle llama.cpp threads spin (workers.server.spin.set_idle_spin)
 
 
 class Opened(WorkerReply):

@@ -61,7 +61,8 @@ def fix_allocator() -> bool:
     return mallopt is not None and mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) == 1
 
 
-def worker_main(connection: Connection, spec: WorkerSpec, cancel_connection: Connection | None = None) -> None:
+def worker_main(connection: Connection, spec: WorkerSpec, cancel_connection: Connection | None = None, *, idle_spin: str = "") -> None:
+    """`idle_spin`: what workers.server.spin.set_idle_spin set before llama.cpp loaded, reported in Ready."""
     fix_allocator()
     _exit_with_parent(spec.parent_pid)
     # The supervisor owns shutdown: a terminal's Ctrl-C reaches the whole process group.
@@ -99,6 +100,7 @@ def worker_main(connection: Connection, spec: WorkerSpec, cancel_connection: Con
                 context_bytes=max(anonymous_bytes() - before, 0) if spec.seqs_per_worker else 0,
                 huge_page_bytes=huge_page_bytes(),
                 huge_pages=model.huge_pages.describe(),
+                idle_spin=idle_spin,
             )
         )
     )

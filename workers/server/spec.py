@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from workers.server.background import BACKGROUND_NICE
 from workers.server.segment import SegmentRegions
+from workers.server.spin import DEFAULT_IDLE_SPIN
 
 FRAME_DEADLINE_S = 30.0  # the default of WorkerSpec.frame_deadline_s
 
@@ -29,6 +30,7 @@ class WorkerSpec:
     frame_deadline_s: float = FRAME_DEADLINE_S  # a direct channel's frame (request or reply) passes whole within this, or its peer is dropped
     huge_pages: bool = True  # the load's own anonymous memory collapsed into transparent huge pages (workers.runtime.huge_pages)
     background_nice: int = BACKGROUND_NICE  # saves no caller waits for run this much nicer (workers.server.background; 0: in the loop's thread)
+    idle_spin: int = DEFAULT_IDLE_SPIN  # how long llama.cpp's idle threads spin before they sleep (workers.server.spin)
     # each worker's own
     shm_name: str = ""  # its segment, created by the supervisor
     parent_pid: int = 0
