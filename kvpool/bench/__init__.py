@@ -57,7 +57,10 @@ and noisy: compare the ratios, not the absolute times; every figure is a median)
                                    --prefix-rounds); `--only prefix` runs this section alone
 
 Threads: every single-session figure uses 1 llama thread per computing context (kvpool's default
---threads-per-worker). Four sessions: llama.cpp batched uses 2 threads; the whole-model daemon runs
+--threads-per-worker); `--only decode --threads N` runs sections 1, 2 and 4 at N on both sides (the daemons'
+--threads and --threads-per-worker, the in-process references'), where llama.cpp may decode one session faster
+(1.7x at 2 threads on a 2-core Xeon at ~1B). The daemons' idle threads spin as their --idle-spin default says
+(workers.server.spin); the in-process references keep libgomp's own default, no slower alone. Four sessions: llama.cpp batched uses 2 threads; the whole-model daemon runs
 `--threads 2 --threads-per-worker 1` (at most 2 workers compute at once); the chain's three daemons run
 `--threads 1` each, which alone would allow 3 single threads at once across daemons, so the benchmark's
 router caps the chain at 2 appends in flight (at most 2 llama threads); an uncapped chain row is shown too.

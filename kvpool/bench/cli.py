@@ -24,7 +24,7 @@ from kvpool.bench.checks import LoadMeter, contended_lines, round_spreads
 from kvpool.bench.durable import measure_durable, tokens_needed
 from kvpool.bench.move import measure_move, moved_split
 from kvpool.bench.one_session import measure_mid_shard, measure_route
-from kvpool.bench.options import BenchOptions, bench_say, write_results
+from kvpool.bench.options import MAX_THREADS, BenchOptions, bench_say, write_results
 from kvpool.bench.overload import measure_overload
 from kvpool.bench.parallel import measure_parallel
 from kvpool.bench.prefix import measure_prefix
@@ -299,6 +299,16 @@ def _rigs(text: str) -> int:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
+def _threads(text: str) -> int:
+    try:
+        count = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--threads takes a whole number (got {text!r})") from None
+    if not 1 <= count <= MAX_THREADS:
+        raise argparse.ArgumentTypeError(f"--threads takes 1 to {MAX_THREADS} (got {count})")
+    return count
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="a short run (about 6 minutes on 2 idle cores with the bundled model): few rounds and steps, every section")
     parser.add_argument("--model", type=pathlib.Path, help="source GGUF (default: the bundled model)")
@@ -319,6 +329,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     alone.add_argument("--only", type=_only, metavar="NAME[,NAME]", help=f"run only these sections, each on daemons of its own: {ONE_SESSION} ({ONE_SESSION_WHAT}: one session, the middle shard and the route), "
                        f"{', '.join(f'{name} ({section})' for name, (section, _what, _how) in OWN_DAEMON_SECTIONS.items())}; writes <out>/bench-<names>.json")
     alone.add_argument("--overload-only", action="store_true", help="run only section 8 (overload) on its own daemons (as --only overload)")
+    parser.add_argument("--threads", type=_threads, metavar="N", help=f"with --only {ONE_SESSION}: llama threads of every computing context in sections {ONE_SESSION_WHAT}, "
+                        "on both sides of each ratio (the daemons' --threads and --threads-per-worker, the in-process references'); default 1, "
+                        "kvpool's default --threads-per-worker. llama.cpp may decode one session faster with more (the cores, on an idle machine): "
+                        "a run at N shows the daemon's and the route's cost against llama.cpp at that setting")
     parser.add_argument("--no-chart", action="store_true", help="skip the PNG chart")
     parser.add_argument("--rigs", type=_rigs, default=1, metavar="N", help=f"run it all N times (1-{MAX_RIGS}, default 1), each in a fresh process with "
                         "daemons and references of its own, one after another (results in <out>/rig-K/), and take every headline "
@@ -328,6 +342,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def options_from_args(args: argparse.Namespace) -> BenchOptions:
+    only = ["overload"] if args.overload_only else args.only
+    if args.threads is not None and only != [ONE_SESSION]:
+        raise ValueError(f"--threads applies to sections {ONE_SESSION_WHAT} alone: give it with --only {ONE_SESSION}")
     model = (args.model or bundled_model_path()).resolve()
     out_dir = (args.out or work_dir() / "bench").resolve()
     base = BenchOptions.quick_run(out_dir, model) if args.quick else BenchOptions(out_dir=out_dir, model=model)
@@ -337,7 +354,7 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
                              ("parallel_steps", args.parallel_steps), ("repeats", args.repeats),
                              ("warm_repeats", args.warm_repeats), ("overload_rounds", args.overload_rounds), ("overload_steps", args.overload_steps),
                              ("durable_sessions", args.durable_sessions), ("durable_rounds", args.durable_rounds),
-                             ("move_rounds", args.move_rounds), ("prefix_rounds", args.prefix_rounds))
+                             ("move_rounds", args.move_rounds), ("prefix_rounds", args.prefix_rounds), ("threads", args.threads))
         if value is not None
     }
     json_path = args.json.resolve() if args.json is not None else None

@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from kvpool.bench.options import EPOCH, ROUTE_N_CTX, SINGLE_THREADS, bench_say
+from kvpool.bench.options import EPOCH, ROUTE_N_CTX, bench_say
 from kvpool.bench.reference import PlainContext
 from kvpool.bench.rig import Rig, Variant, payload_seconds, round_trips, run_interleaved, time_call
 from kvpool.client.client import Client
@@ -36,7 +36,7 @@ def mid_shard_variants(rig: Rig, client: Client) -> tuple[dict[str, Variant], Ca
         return client.append(session, EPOCH, start, hidden=rows).rows
 
     runtime = rig.mid_model.new_context(ROUTE_N_CTX)
-    plain = PlainContext(rig.mid_model, ROUTE_N_CTX, n_threads=SINGLE_THREADS)
+    plain = PlainContext(rig.mid_model, ROUTE_N_CTX, n_threads=rig.threads)
 
     def close() -> None:
         runtime.close()
@@ -103,7 +103,7 @@ def measure_mid_shard(rig: Rig) -> dict:
 
 
 def route_variants(rig: Rig, chain_clients: list[Client], whole_client: Client) -> tuple[dict[str, Variant], Callable[[], None]]:
-    whole = PlainContext(rig.whole_model, ROUTE_N_CTX, n_threads=SINGLE_THREADS)
+    whole = PlainContext(rig.whole_model, ROUTE_N_CTX, n_threads=rig.threads)
     local = rig.chain.new_session(ROUTE_N_CTX)
     chain_session, whole_session = "bench-route-chain", "bench-route-whole"
     routed = Router(chain_clients).session(chain_session, epoch=EPOCH)

@@ -13,7 +13,8 @@ from collections.abc import Sequence
 
 SESSIONS = 4
 PARALLEL_THREADS = 2  # llama threads computing at once in section 3 (the machine's cores)
-SINGLE_THREADS = 1  # llama threads of a single-session context
+SINGLE_THREADS = 1  # llama threads of a single-session context (sections 1, 2 and 4: BenchOptions.threads, --threads)
+MAX_THREADS = 64  # --threads at most
 ROUTE_N_CTX = 1024  # context of the decode and prefill sessions
 WARM_N_CTX = 2048 + 64  # section 7's daemons: a 2048-token session and its decodes fit
 DURABLE_N_CTX = 2048 + 64  # section 10's daemon: a 2048-token session and its next token fit
@@ -77,6 +78,7 @@ class BenchOptions:
     move_rounds: int = 3  # section 11: interleaved rounds per length (each variant once per round)
     prefix_rounds: int = 7  # section 12: interleaved rounds of its time-to-first-token variants (a new session each)
     prefix_system_tokens: int = 1024  # section 12: the system prompt every session shares
+    threads: int = SINGLE_THREADS  # sections 1, 2 and 4: llama threads of every computing context, daemons' and references' alike (--threads; only with --only decode)
     chart: bool = True
     json_path: pathlib.Path | None = None  # --json: a copy of the results JSON
 
@@ -84,6 +86,8 @@ class BenchOptions:
         if min(self.rounds, self.decode_steps, self.history, self.prefill_rows, self.parallel_rounds, self.parallel_steps, self.repeats,
                self.warm_repeats, *self.warm_lengths, self.overload_rounds, self.overload_steps, self.durable_sessions, self.durable_rounds, self.move_rounds, self.prefix_rounds) < 1:
             raise ValueError("rounds, steps, history, prefill rows, repeats, warm lengths and durable sessions must be at least 1")
+        if not 1 <= self.threads <= MAX_THREADS:
+            raise ValueError(f"threads must be 1 to {MAX_THREADS}")
         if self.chunk_steps < 1:
             raise ValueError("chunk steps must be at least 1")
         if self.prefill_rows > ROUTE_N_CTX or self.history + self.decode_steps + self.cold_steps + 8 > ROUTE_N_CTX:

@@ -61,14 +61,18 @@ class Rig:
         common = ["--ttl", "600", "--threads-per-worker", "1"]
         batched = ["--mode", "batched", "--seqs-per-worker", str(SESSIONS), "--max-sessions", str(SESSIONS)]
         route = [*common, "--n-ctx", str(ROUTE_N_CTX)]
+        # sections 1, 2 and 4 alone (--only decode) at options.threads a context; a whole run's chain daemons are
+        # section 3's too, at 1 thread (options refuse --threads there)
+        threads = options.threads if self.one_session else SINGLE_THREADS
+        single = ["--threads", str(threads), "--threads-per-worker", str(threads)]
         plan = {
-            "mid": (self.middle.path, [*route, "--threads", str(SINGLE_THREADS), "--max-sessions", "1"]),
-            **{f"chain{index}": (shard.path, [*route, "--threads", "1", "--max-sessions", str(SESSIONS)]) for index, shard in enumerate(self.shards)},
+            "mid": (self.middle.path, [*route, *single, "--max-sessions", "1"]),
+            **{f"chain{index}": (shard.path, [*route, *single, "--max-sessions", str(SESSIONS)]) for index, shard in enumerate(self.shards)},
             # section 3's batched mode: one worker process per daemon holds the four sessions as sequences
             **{f"chainb{index}": (shard.path, [*route, *batched, "--threads", "1"]) for index, shard in enumerate(self.shards)},
             "wholeb": (source, [*route, *batched, "--threads", str(PARALLEL_THREADS), "--threads-per-worker", str(PARALLEL_THREADS)]),
             # section 5 measures eviction itself: no warm tier, no residency wait for the sessions it has just admitted
-            "whole": (source, [*common, "--threads", str(PARALLEL_THREADS), "--max-sessions", str(SESSIONS),
+            "whole": (source, [*common, "--threads", str(max(PARALLEL_THREADS, threads)), "--threads-per-worker", str(threads), "--max-sessions", str(SESSIONS),
                               "--n-ctx", str(options.max_n_ctx), "--budget", "2GiB", "--spill-budget", "0", "--min-residency", "0"]),
         }
         if self.one_session:
@@ -83,9 +87,10 @@ class Rig:
 
         self.tokenizer = self._stack.enter_context(Tokenizer(source))
         self.prompts = [self.tokenizer.encode(self.tokenizer.chat_prompt(text)) for text in PROMPTS]
-        self.whole_model = self._stack.enter_context(ShardModel(source, n_threads=SINGLE_THREADS))
-        self.mid_model = self._stack.enter_context(ShardModel(self.middle.path, n_threads=SINGLE_THREADS))
-        self.chain = self._stack.enter_context(LocalChain([shard.path for shard in self.shards], n_threads=SINGLE_THREADS))
+        self.threads = threads
+        self.whole_model = self._stack.enter_context(ShardModel(source, n_threads=threads))
+        self.mid_model = self._stack.enter_context(ShardModel(self.middle.path, n_threads=threads))
+        self.chain = self._stack.enter_context(LocalChain([shard.path for shard in self.shards], n_threads=threads))
         needed = max(options.prefill_rows, options.history + options.decode_steps + options.cold_steps + 8)
         filler = self.tokenizer.encode(FILLER_TEXT)[:needed]
         if len(filler) < needed:

@@ -319,12 +319,15 @@ def test_only_takes_known_sections_and_the_durable_move_and_prefix_flags_overrid
 
 
 @pytest.mark.timeout(BENCH_HANG_GUARD_S + 300)
-def test_only_decode_runs_sections_1_2_and_4_on_their_own_daemons(tmp_path) -> None:
+@pytest.mark.parametrize("threads", [None, 2])
+def test_only_decode_runs_sections_1_2_and_4_on_their_own_daemons(tmp_path, threads) -> None:
     """`--only decode`: the one-session sections alone, on the mid, chain and whole daemons only (not section 3's
-    batched ones), with their rows, ratios and spreads, and nothing of the other sections."""
+    batched ones), with their rows, ratios and spreads, and nothing of the other sections; with --threads 2 every
+    daemon's worker and every in-process reference at 2 llama threads, and the rows say so."""
     out = tmp_path / "bench"
     completed = run_to_completion(
-        [sys.executable, "-m", "kvpool", "bench", "--only", "decode", "--quick", "--rounds", "1", "--decode-steps", "3", "--no-chart", "--out", str(out)],
+        [sys.executable, "-m", "kvpool", "bench", "--only", "decode", "--quick", "--rounds", "1", "--decode-steps", "3", "--no-chart", "--out", str(out),
+         *(["--threads", str(threads)] if threads else [])],
         cwd=REPOSITORY, timeout_s=BENCH_HANG_GUARD_S,
     )
     assert completed.returncode == 0, completed.stderr[-4000:]
@@ -336,3 +339,10 @@ def test_only_decode_runs_sections_1_2_and_4_on_their_own_daemons(tmp_path) -> N
     assert {"daemon_vs_inprocess", "route_vs_whole"} <= results["ratios"].keys()
     assert all(results["ratios"][name]["value"] > 0 for name in ("daemon_vs_inprocess", "route_vs_whole"))
     assert results["summary"]["s2_tokens_identical"] and set(results["load"]) == {"mid_shard", "route"}
+    expected = threads or 1
+    assert results["options"]["threads"] == expected
+    for name, options in results["daemons"]["options"].items():
+        per_worker = [options[index + 1] for index, flag in enumerate(options) if flag == "--threads-per-worker"]
+        assert per_worker[-1] == str(expected), (name, options)  # the last given is what the daemon takes
+    said = f"{expected} llama thread{'s' if expected > 1 else ''} a context, both sides"
+    assert sum(said in line for line in completed.stdout.splitlines()) == 2  # section 1's headline row and section 2's
