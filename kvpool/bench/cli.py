@@ -24,7 +24,7 @@ from kvpool.bench.checks import LoadMeter, contended_lines, round_spreads
 from kvpool.bench.durable import measure_durable, tokens_needed
 from kvpool.bench.move import measure_move, moved_split
 from kvpool.bench.one_session import measure_mid_shard, measure_route
-from kvpool.bench.options import MAX_THREADS, BenchOptions, bench_say, write_results
+from kvpool.bench.options import BenchOptions, bench_say, check_threads, write_results
 from kvpool.bench.overload import measure_overload
 from kvpool.bench.parallel import measure_parallel
 from kvpool.bench.prefix import measure_prefix
@@ -304,9 +304,10 @@ def _threads(text: str) -> int:
         count = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"--threads takes a whole number (got {text!r})") from None
-    if not 1 <= count <= MAX_THREADS:
-        raise argparse.ArgumentTypeError(f"--threads takes 1 to {MAX_THREADS} (got {count})")
-    return count
+    try:
+        return check_threads(count)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -341,8 +342,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", type=pathlib.Path, metavar="PATH", help="also write the results (raw figures, summary, and the headline \"ratios\" with their targets; with --rigs, the rigs' combined results) to PATH")
 
 
+def _sections(args: argparse.Namespace) -> list[str] | None:
+    """The sections run alone (--only, --overload-only), or None: a whole run."""
+    return ["overload"] if args.overload_only else args.only
+
+
 def options_from_args(args: argparse.Namespace) -> BenchOptions:
-    only = ["overload"] if args.overload_only else args.only
+    only = _sections(args)
     if args.threads is not None and only != [ONE_SESSION]:
         raise ValueError(f"--threads applies to sections {ONE_SESSION_WHAT} alone: give it with --only {ONE_SESSION}")
     model = (args.model or bundled_model_path()).resolve()
@@ -363,7 +369,7 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
 
 def run(args: argparse.Namespace) -> int:
     options = options_from_args(args)
-    only = ["overload"] if args.overload_only else args.only
+    only = _sections(args)
     if args.rigs > 1:
         runner, json_name = (functools.partial(run_only, names=only), only_run_json(only)) if only else (run_bench, whole_run_json(options))
         _, table = run_rigs(runner, options, args.rigs, json_name)

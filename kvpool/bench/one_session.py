@@ -96,7 +96,8 @@ def measure_mid_shard(rig: Rig) -> dict:
     finally:
         close()
     payload = payload_seconds(hidden[:1], rig.middle.shape.n_embd, count=200)
-    return {"decode_s": decode, "cold_decode_s": cold, "chunk_steps": chunk, "prefill_s": prefill, "round_trip_s": trips, "payload_s": payload}
+    return {"decode_s": decode, "cold_decode_s": cold, "chunk_steps": chunk, "prefill_s": prefill, "round_trip_s": trips, "payload_s": payload,
+            "threads": rig.threads}
 
 
 # ---- section 2: one session through the whole route -------------------------------------------------
@@ -197,4 +198,5 @@ def measure_route(rig: Rig, chain_clients: list[Client], whole_client: Client) -
         "round_trip_s": trips,
         "payload_s_per_hop": payload,
         "tokens_identical": {name: generated == reference for name, generated in tokens.items()},
+        "threads": rig.threads,
     }

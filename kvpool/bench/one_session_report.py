@@ -14,9 +14,9 @@ def _rate(seconds: float) -> str:
     return f"{1 / seconds:.0f} tok/s ({ms(seconds)})"
 
 
-def _threads(results: dict) -> str:
-    """How many llama threads every computing context of sections 1, 2 and 4 ran (BenchOptions.threads)."""
-    threads = results.get("options", {}).get("threads", 1)
+def _threads(section: dict) -> str:
+    """How many llama threads every computing context of a section ran, as its measurement recorded (kvpool.bench.rig)."""
+    threads = section.get("threads", 1)
     return f"{threads} llama thread{'s' if threads != 1 else ''} a context, both sides"
 
 
@@ -47,7 +47,7 @@ def summarize_mid_shard(results: dict) -> tuple[dict, dict, list[Row]]:
     })
     summary.update({f"s1_{name.replace('.', '')}_cold_decode_s": seconds for name, seconds in cold.items()})
     rows += [
-        Row("1", f"middle shard decode ({_threads(results)}): daemon vs the same shard in-process (worker runtime)", _rate(decode["daemon"]), _rate(decode["runtime"]),
+        Row("1", f"middle shard decode ({_threads(mid)}): daemon vs the same shard in-process (worker runtime)", _rate(decode["daemon"]), _rate(decode["runtime"]),
             f"{daemon_vs_runtime:.3f}x tok/s", verdict(daemon_vs_runtime, DAEMON_OVERHEAD_TARGET)),
         Row("1", "middle shard decode: daemon vs llama.cpp in-process, no capture", _rate(decode["daemon"]), _rate(decode["llama.cpp"]),
             f"{decode['llama.cpp'] / decode['daemon']:.3f}x tok/s"),
@@ -92,7 +92,7 @@ def summarize_route(results: dict) -> tuple[dict, dict, list[Row]]:
     summary.update({"s2_sampled_chain_decode_s": sampled, "s2_sampled_chain_vs_whole": whole / sampled})
     ratios["route_vs_whole"] = headline(whole / sampled, HOT_PATH_TARGETS["route_vs_whole"])
     rows += [
-        Row("2", f"greedy decode, one session ({_threads(results)}): 3 shard daemons, the token picked on the last (sampling) vs the whole model in one context",
+        Row("2", f"greedy decode, one session ({_threads(route)}): 3 shard daemons, the token picked on the last (sampling) vs the whole model in one context",
             _rate(sampled), _rate(whole), f"{whole / sampled:.3f}x tok/s", verdict(whole / sampled, HOT_PATH_TARGETS["route_vs_whole"])),
         Row("2", "greedy decode, one session: 3 shard daemons vs the whole model in one llama.cpp context", _rate(chain), _rate(whole), f"{whole / chain:.3f}x tok/s"),
         Row("2", "greedy decode: whole model through 1 daemon vs in one llama.cpp context", _rate(greedy["daemon whole"]), _rate(whole),

@@ -40,6 +40,13 @@ def write_results(results: dict, path: pathlib.Path, copy_to: pathlib.Path | Non
         bench_say(f"wrote {copy_to}")
 
 
+def check_threads(count: int) -> int:
+    """The one rule of --threads (BenchOptions.threads): 1 to MAX_THREADS llama threads a context."""
+    if not 1 <= count <= MAX_THREADS:
+        raise ValueError(f"--threads takes 1 to {MAX_THREADS} (got {count})")
+    return count
+
+
 def median_of(values: Sequence[float]) -> float:
     return statistics.median(values) if values else math.nan
 
@@ -78,7 +85,7 @@ class BenchOptions:
     move_rounds: int = 3  # section 11: interleaved rounds per length (each variant once per round)
     prefix_rounds: int = 7  # section 12: interleaved rounds of its time-to-first-token variants (a new session each)
     prefix_system_tokens: int = 1024  # section 12: the system prompt every session shares
-    threads: int = SINGLE_THREADS  # sections 1, 2 and 4: llama threads of every computing context, daemons' and references' alike (--threads; only with --only decode)
+    threads: int = SINGLE_THREADS  # sections 1, 2 and 4 alone (--only decode): llama threads of every computing context, daemons' and references' alike (--threads; a whole run's are 1: section 3 shares the chain)
     chart: bool = True
     json_path: pathlib.Path | None = None  # --json: a copy of the results JSON
 
@@ -86,8 +93,7 @@ class BenchOptions:
         if min(self.rounds, self.decode_steps, self.history, self.prefill_rows, self.parallel_rounds, self.parallel_steps, self.repeats,
                self.warm_repeats, *self.warm_lengths, self.overload_rounds, self.overload_steps, self.durable_sessions, self.durable_rounds, self.move_rounds, self.prefix_rounds) < 1:
             raise ValueError("rounds, steps, history, prefill rows, repeats, warm lengths and durable sessions must be at least 1")
-        if not 1 <= self.threads <= MAX_THREADS:
-            raise ValueError(f"threads must be 1 to {MAX_THREADS}")
+        check_threads(self.threads)
         if self.chunk_steps < 1:
             raise ValueError("chunk steps must be at least 1")
         if self.prefill_rows > ROUTE_N_CTX or self.history + self.decode_steps + self.cold_steps + 8 > ROUTE_N_CTX:

@@ -58,18 +58,18 @@ class Rig:
         source = options.model
         self.shards: list[ShardInfo] = shards_in_parts(source, 3, progress=bench_say)
         self.middle = self.shards[1]
-        common = ["--ttl", "600", "--threads-per-worker", "1"]
+        common = ["--ttl", "600"]  # each daemon's --threads and --threads-per-worker below, once
         batched = ["--mode", "batched", "--seqs-per-worker", str(SESSIONS), "--max-sessions", str(SESSIONS)]
         route = [*common, "--n-ctx", str(ROUTE_N_CTX)]
         # sections 1, 2 and 4 alone (--only decode) at options.threads a context; a whole run's chain daemons are
-        # section 3's too, at 1 thread (options refuse --threads there)
+        # section 3's too, at 1 thread (the command line refuses --threads there); the measurements record what ran
         threads = options.threads if self.one_session else SINGLE_THREADS
         single = ["--threads", str(threads), "--threads-per-worker", str(threads)]
         plan = {
             "mid": (self.middle.path, [*route, *single, "--max-sessions", "1"]),
             **{f"chain{index}": (shard.path, [*route, *single, "--max-sessions", str(SESSIONS)]) for index, shard in enumerate(self.shards)},
             # section 3's batched mode: one worker process per daemon holds the four sessions as sequences
-            **{f"chainb{index}": (shard.path, [*route, *batched, "--threads", "1"]) for index, shard in enumerate(self.shards)},
+            **{f"chainb{index}": (shard.path, [*route, *batched, "--threads", "1", "--threads-per-worker", "1"]) for index, shard in enumerate(self.shards)},
             "wholeb": (source, [*route, *batched, "--threads", str(PARALLEL_THREADS), "--threads-per-worker", str(PARALLEL_THREADS)]),
             # section 5 measures eviction itself: no warm tier, no residency wait for the sessions it has just admitted
             "whole": (source, [*common, "--threads", str(max(PARALLEL_THREADS, threads)), "--threads-per-worker", str(threads), "--max-sessions", str(SESSIONS),

@@ -18,7 +18,7 @@ from kvpool.daemon.books.spill import SpillDirRefused, check_disk_dir
 from kvpool.host import available_cores, format_bytes, parse_bytes, user_cache_dir
 from kvpool.wire.protocol import DEFAULT_MAX_REQUEST_BYTES
 from workers.server.background import BACKGROUND_NICE, MOST_NICE
-from workers.server.spin import DEFAULT_IDLE_SPIN
+from workers.server.spin import DEFAULT_IDLE_SPIN, check_idle_spin
 
 DEFAULT_MAX_BUFFERED_BYTES = 256 * 1024**2
 DEFAULT_EXPORT_CHUNK_BYTES = 1024**2  # an Exported reply's state bytes: far below any reply frame limit
@@ -91,7 +91,7 @@ class ServeConfig:
     threads: int = flag('--threads', 'llama threads computing at once across all workers (default: cores available, {default})', default_factory=available_cores, type=int)  # llama threads computing at once, all workers
     threads_per_worker: int = flag('--threads-per-worker', 'process mode: llama threads per worker (default {default}); a batched worker process gets --threads divided by the number of worker processes', default=1, type=int)
     n_ctx: int = flag('--n-ctx', 'largest (and default) context per session (default {default})', default=2048, type=int)  # the largest context a session may ask for, and the default
-    idle_spin: int = flag('--idle-spin', "how long a worker's llama.cpp threads, with more than one to a worker, spin waiting before they sleep, in libgomp's spin iterations (GOMP_SPINCOUNT): they wait so at every step's barriers and between steps. Short enough that a worker done with its step leaves the cores to the next shard's worker, the client and the supervisor (libgomp's own default, 300000, kept them spinning for milliseconds: a 3-daemon route at --threads-per-worker 2 on 2 cores decoded 1.2x slower at ~1B, 1.5x at the bundled model); 0 sleeps at once, which makes every barrier a trip through the kernel. A GOMP_SPINCOUNT or OMP_WAIT_POLICY in the daemon's environment is kept instead; `kvpool status` says which applies (default {default})", default=DEFAULT_IDLE_SPIN, type=int)
+    idle_spin: int = flag('--idle-spin', "how long a worker's llama.cpp threads, with more than one to a worker, spin waiting before they sleep, in libgomp's spin iterations (GOMP_SPINCOUNT): they wait so at every step's barriers and between steps. Short enough that a worker done with its step leaves the cores to the next shard's worker, the client and the supervisor (libgomp's own default, 300000, kept them spinning for milliseconds: a 3-daemon route at --threads-per-worker 2 on 2 cores decoded 1.14-1.21x slower at ~1B, 1.5x at the bundled model); 0 sleeps at once, which makes every barrier a trip through the kernel. A GOMP_SPINCOUNT or OMP_WAIT_POLICY in the daemon's environment is kept instead; `kvpool status` says which applies (default {default})", default=DEFAULT_IDLE_SPIN, type=int)
     flash_attn: bool = flag('--flash-attn', 'use flash attention (all shards of a route must agree)', default=False, action='store_true')
     huge_pages: str = flag('--huge-pages', "auto: right after loading the shard, each worker asks the kernel to move the memory the load allocated (the weights llama.cpp repacks for this CPU: Q4_0, Q4_K, IQ4_NL, ...) into transparent huge pages (2 MiB on x86-64; MADV_COLLAPSE, Linux >= 6.1) where it offers them (THP always or madvise), so that a decode step, which reads them all, takes the same time in every process; contexts keep ordinary pages. `kvpool status` shows what the first worker's load asked and the bytes the workers held. off: nothing asked (default {default})", default='auto', choices=HUGE_PAGES)
     background_nice: int = flag('--background-nice', 'process mode: how much lower a worker runs the saves no caller waits for (a park answered before its save, --park-after, --persist-after), as a nice value over its own, so that the requests being answered take the cores first; it helps daemons that share cores and a scheduling group (started together on one host), and under full load such a save, and what waits for it, takes longer. 0: at the worker\'s own priority (0-19, default {default})', default=BACKGROUND_NICE, type=int)
@@ -148,8 +148,10 @@ class ServeConfig:
             problems.append("--ttl must be positive")
         if self.threads_per_worker < 1 or self.threads < self.threads_per_worker:
             problems.append("--threads must be at least --threads-per-worker (>= 1)")
-        if self.idle_spin < 0:
-            problems.append("--idle-spin must be >= 0")
+        try:
+            check_idle_spin(self.idle_spin)
+        except ValueError as error:
+            problems.append(str(error))
         if self.request_timeout_s <= 0:
             problems.append("--request-timeout must be positive")
         if self.housekeeping_interval_s <= 0:

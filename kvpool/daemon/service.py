@@ -83,7 +83,7 @@ class KvService:
         self.vram = VramMeter()
         self.started = time.monotonic()
         self.huge_pages = ""  # --huge-pages and what the first worker's load came to (set by the supervisor)
-        self.threads = ""  # a worker's llama threads and how long they spin idle (set by the supervisor)
+        self.threads_detail = ""  # a worker's llama threads and how its idle ones spin (set by the supervisor)
         self.mode_reason = ""  # --mode auto: why this mode (set by the supervisor)
         self.compute = ComputeSlots(config.concurrent_workers)
         pool.use_compute_slots(self.compute)  # batched workers take one per batch
@@ -301,7 +301,7 @@ class KvService:
             counters=self.metrics.snapshot() | self.channels.counts() | self.pool.batch_counts() | {"peak_concurrent_compute_threads": self.compute.peak * self.config.worker_threads}
             | self.books.table.fence_counts() | {"admissions_waiting": len(self.admission.queue)},
             calibration=self.calibrator.rows(),
-            mode=self.config.mode, mode_detail=self.mode_detail(), huge_pages=self.huge_pages, threads=self.threads,
+            mode=self.config.mode, mode_detail=self.mode_detail(), huge_pages=self.huge_pages, threads_detail=self.threads_detail,
         )
 
     def mode_detail(self) -> str:

@@ -13,6 +13,14 @@ from kvpool.daemon.pool.pool import WorkerPool
 from kvpool.wire.protocol import BudgetRow, CalibrationRow, PrefixStoreRow, SessionRow, ShardDescription, StatsReply, WorkerRow
 
 
+def threads_detail(worker_threads: int, idle_spin: str) -> str:
+    """The status line of a worker's llama threads and, with more than one (an OpenMP team), how the idle ones
+    spin as the first worker reported it (Ready.idle_spin: workers.server.spin)."""
+    if worker_threads == 1:
+        return "1 llama thread a worker: no OpenMP team, nothing spins idle (--idle-spin has no effect)"
+    return f"{worker_threads} llama threads a worker; idle threads spin {idle_spin or 'n/a (not reported)'}"
+
+
 def integrity_of(check) -> str:
     try:
         check()
@@ -29,7 +37,7 @@ def build_stats(
     mode: str = "process",
     mode_detail: str = "",
     huge_pages: str = "",
-    threads: str = "",
+    threads_detail: str = "",
 ) -> StatsReply:
     """`usses` are the measured USS of `workers`, in that order."""
     now = time.monotonic()
@@ -76,5 +84,5 @@ def build_stats(
         mode=mode,
         mode_detail=mode_detail,
         huge_pages=huge_pages,
-        threads=threads,
+        threads_detail=threads_detail,
     )

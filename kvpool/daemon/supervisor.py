@@ -42,6 +42,7 @@ from kvpool.daemon.pool.pool import WorkerPool
 from kvpool.daemon.pool.shm_room import check_room_for
 from kvpool.daemon.pool.spec import shared_settings
 from kvpool.daemon.service import KvService
+from kvpool.daemon.status import threads_detail
 from kvpool.daemon.transport.frames import ConnectionLimits, SocketTransport
 from kvpool.daemon.transport.listener import prepare_socket_path
 from kvpool.host import format_bytes
@@ -73,6 +74,7 @@ from kvpool.wire.protocol import (
     Truncate,
 )
 from workers.server.segment import SegmentRegions
+from workers.server.spin import ENVIRONMENT_KEPT
 
 MEMORY_CHECK_EVERY = 4
 MODE_PROBE_N_CTX = 64  # per probe session: its sessions hold a few rows  # housekeeping ticks between measured-memory checks
@@ -197,13 +199,15 @@ class Supervisor:
             )
             self.service = service = KvService(config, pool, shard, ready.kv_bytes_per_position, identity)
             service.huge_pages = f"--huge-pages {config.huge_pages}" + (f"; the first worker's load: {ready.huge_pages}" if ready.huge_pages else "")
-            service.threads = f"{config.worker_threads} llama thread(s) a worker; idle threads spin {ready.idle_spin or 'n/a'} (--idle-spin {config.idle_spin})"
+            service.threads_detail = threads_detail(config.worker_threads, ready.idle_spin)
+            if ready.idle_spin.startswith(ENVIRONMENT_KEPT) and config.worker_threads > 1:
+                self._announce(f"workers' idle llama threads spin {ready.idle_spin}")
             service.mode_reason = mode_reason
             if config.spill_dir is not None:
                 self._announce(service.adopt_saved_states())
             self.drain = Drain(service, config.drain_timeout_s, self._announce)  # before the socket: every request is seen
             service.admission.refuse_new = self.drain.refuse_new
-            fit = await service.calibrator.calibrate(config.n_ctx, self._probe_cache(identity))
+            fit = await service.calibrator.calibrate(config.n_ctx, self._probe_cache(identity, ready.idle_spin))
             if self._stop.is_set():
                 return
             self.notifier.status(f"charges probed ({fit.probe.filled[-1][0]} cells); opening {config.socket}")
@@ -266,7 +270,9 @@ class Supervisor:
                 self.service.close(keep_spill_files=True)  # every stop: what is on disk stays for the next daemon
             self._announce("stopped")
 
-    def _probe_cache(self, identity: StateIdentity) -> ProbeCache | None:
+    def _probe_cache(self, identity: StateIdentity, idle_spin: str) -> ProbeCache | None:
+        """`idle_spin`: how the first worker's idle threads spin (Ready.idle_spin), part of the key where a worker
+        has more than one thread (the probe's step time depends on it); nothing for one thread."""
         config = self.config
         directory = config.calibration_cache_dir
         if directory is None:
@@ -274,6 +280,7 @@ class Supervisor:
         key = ProbeKey(
             format=PROBE_CACHE_FORMAT, identity=identity, mode=config.mode, n_ctx=config.n_ctx, worker_threads=config.worker_threads,
             n_gpu_layers=config.n_gpu_layers, machine=machine_name(), kvpool_probe=PROBE_PARAMETERS, huge_pages=config.loads_in_huge_pages,
+            idle_spin=idle_spin if config.worker_threads > 1 else "",
         )
         return ProbeCache(directory, key)
 

@@ -357,7 +357,7 @@ class StatsReply(ReplyMessage):
     mode: str = "process"  # how workers hold sessions: "process" (one each) or "batched" (sequences of one context)
     mode_detail: str = ""  # why this mode, and its shape (sessions per worker process)
     huge_pages: str = ""  # --huge-pages and what the first worker's load asked for (workers.runtime.huge_pages.Collapse.describe)
-    threads: str = ""  # a worker's llama threads and how long they spin idle (--idle-spin; workers.server.spin)
+    threads_detail: str = ""  # a worker's llama threads and how its idle ones spin (--idle-spin; workers.server.spin): prose for `kvpool status`
     prefixes: PrefixStoreRow | None = None  # None: no prefix store
 
 

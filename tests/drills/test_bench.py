@@ -340,9 +340,9 @@ def test_only_decode_runs_sections_1_2_and_4_on_their_own_daemons(tmp_path, thre
     assert all(results["ratios"][name]["value"] > 0 for name in ("daemon_vs_inprocess", "route_vs_whole"))
     assert results["summary"]["s2_tokens_identical"] and set(results["load"]) == {"mid_shard", "route"}
     expected = threads or 1
-    assert results["options"]["threads"] == expected
+    assert results["options"]["threads"] == expected and results["mid_shard"]["threads"] == results["route"]["threads"] == expected
     for name, options in results["daemons"]["options"].items():
         per_worker = [options[index + 1] for index, flag in enumerate(options) if flag == "--threads-per-worker"]
-        assert per_worker[-1] == str(expected), (name, options)  # the last given is what the daemon takes
+        assert per_worker == [str(expected)], (name, options)
     said = f"{expected} llama thread{'s' if expected > 1 else ''} a context, both sides"
     assert sum(said in line for line in completed.stdout.splitlines()) == 2  # section 1's headline row and section 2's

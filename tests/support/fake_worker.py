@@ -366,7 +366,8 @@ class FakeWorkerMixin:
         server = FakeServer(shape, worker_spec, self.shared.memory.buf, self.behaviour)
         self.fake_server = server
         ready = Ready(pid=os.getpid(), shape=shape, kv_bytes_per_position=kv_bytes_per_position(shape),
-                      context_bytes=server.memory_bytes() - BASE_MEMORY_BYTES if server.batched else 0)
+                      context_bytes=server.memory_bytes() - BASE_MEMORY_BYTES if server.batched else 0,
+                      idle_spin=f"{worker_spec.idle_spin} times (a fake worker: no libgomp)")
 
         def serve() -> None:
             encoder, decoder = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(AnyCommand)

@@ -29,6 +29,18 @@ def test_a_second_start_takes_the_kept_readings_and_charges_the_same(serve, fake
     assert len(list(cache.glob("probe-*.json"))) == 2
 
 
+def test_the_idle_spin_is_part_of_the_key_only_where_a_worker_has_more_than_one_thread(serve, fake_model, tmp_path):
+    """The probe's step time depends on how a team's idle threads spin (--idle-spin): readings kept at one count are
+    not taken at another where a worker has 2 threads; at 1 thread nothing spins, and they are."""
+    cache = tmp_path / "calibration"
+    two = ("--threads", "2", "--threads-per-worker", "2", "--calibration-cache", str(cache))
+    counts = [started(serve, fake_model, *two, *spin)[0].counters for spin in ((), (), ("--idle-spin", "500"))]
+    assert [(c["calibrations"], c["calibrations_cached"]) for c in counts] == [(1, 0), (0, 1), (1, 0)]
+    one = ("--threads", "1", "--calibration-cache", str(cache))
+    counts = [started(serve, fake_model, *one, *spin)[0].counters for spin in ((), ("--idle-spin", "500"))]
+    assert [(c["calibrations"], c["calibrations_cached"]) for c in counts] == [(1, 0), (0, 1)]
+
+
 def test_off_never_keeps_and_a_damaged_file_is_measured_again(serve, fake_model, tmp_path):
     cache = tmp_path / "calibration"
     started(serve, fake_model, "--calibration-cache", str(cache))

@@ -24,8 +24,9 @@ FORMAT = 1
 
 class ProbeKey(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """What the probe's readings depend on: the shard's state identity (its file, layers, the llama.cpp build, the
-    cache's types and layout), the mode, the largest context, the threads a worker computes with, the machine, and
-    whether the workers' loaded weights sit in huge pages (--huge-pages: the step time differs)."""
+    cache's types and layout), the mode, the largest context, the threads a worker computes with, the machine,
+    whether the workers' loaded weights sit in huge pages (--huge-pages: the step time differs) and, for workers of
+    more than one thread, how their idle threads spin (--idle-spin or the environment: the step time differs)."""
 
     format: int
     identity: StateIdentity
@@ -36,6 +37,7 @@ class ProbeKey(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     machine: str
     kvpool_probe: str  # the probe's own parameters (kvpool.daemon.admission.calibration): another probe, another key
     huge_pages: bool = False  # --huge-pages auto: the weights collapsed into huge pages after the load
+    idle_spin: str = ""  # a worker's idle spin as it reported it (workers.server.spin.set_idle_spin); "" at 1 thread
 
 
 class CachedProbe(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
