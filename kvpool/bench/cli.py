@@ -13,6 +13,7 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 
 import llama_cpp
 import numpy as np
@@ -288,26 +289,20 @@ def _only(text: str) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def _rigs(text: str) -> int:
-    try:
-        count = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--rigs takes a whole number (got {text!r})") from None
-    try:
-        return check_rigs(count)
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
+def _whole_number(flag: str, check: Callable[[int], int]) -> Callable[[str], int]:
+    """An argparse type: a whole number that `check` takes (its ValueError, the flag's refusal: exit 2)."""
 
+    def parse(text: str) -> int:
+        try:
+            count = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} takes a whole number (got {text!r})") from None
+        try:
+            return check(count)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
 
-def _threads(text: str) -> int:
-    try:
-        count = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--threads takes a whole number (got {text!r})") from None
-    try:
-        return check_threads(count)
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
+    return parse
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -330,12 +325,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     alone.add_argument("--only", type=_only, metavar="NAME[,NAME]", help=f"run only these sections, each on daemons of its own: {ONE_SESSION} ({ONE_SESSION_WHAT}: one session, the middle shard and the route), "
                        f"{', '.join(f'{name} ({section})' for name, (section, _what, _how) in OWN_DAEMON_SECTIONS.items())}; writes <out>/bench-<names>.json")
     alone.add_argument("--overload-only", action="store_true", help="run only section 8 (overload) on its own daemons (as --only overload)")
-    parser.add_argument("--threads", type=_threads, metavar="N", help=f"with --only {ONE_SESSION}: llama threads of every computing context in sections {ONE_SESSION_WHAT}, "
+    parser.add_argument("--threads", type=_whole_number("--threads", check_threads), metavar="N", help=f"with --only {ONE_SESSION}: llama threads of every computing context in sections {ONE_SESSION_WHAT}, "
                         "on both sides of each ratio (the daemons' --threads and --threads-per-worker, the in-process references'); default 1, "
                         "kvpool's default --threads-per-worker. llama.cpp may decode one session faster with more (the cores, on an idle machine): "
                         "a run at N shows the daemon's and the route's cost against llama.cpp at that setting")
     parser.add_argument("--no-chart", action="store_true", help="skip the PNG chart")
-    parser.add_argument("--rigs", type=_rigs, default=1, metavar="N", help=f"run it all N times (1-{MAX_RIGS}, default 1), each in a fresh process with "
+    parser.add_argument("--rigs", type=_whole_number("--rigs", check_rigs), default=1, metavar="N", help=f"run it all N times (1-{MAX_RIGS}, default 1), each in a fresh process with "
                         "daemons and references of its own, one after another (results in <out>/rig-K/), and take every headline "
                         "ratio's verdict on its median across them (<out>/bench-...-rigs.json): the same model decodes a few percent "
                         "faster or slower from one process to the next, which one run's rounds cannot average out")
