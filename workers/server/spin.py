@@ -24,8 +24,6 @@ SPIN_COUNT = "GOMP_SPINCOUNT"
 WAIT_POLICY = "OMP_WAIT_POLICY"
 DEFAULT_IDLE_SPIN = 10_000
 LLAMA_MODULE = "llama_cpp"  # importing it loads libgomp, which has then read its environment
-
-
 ENVIRONMENT_KEPT = "as the environment says"  # how set_idle_spin's answer begins where the user's setting was kept
 
 
