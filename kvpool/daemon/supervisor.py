@@ -74,7 +74,7 @@ from kvpool.wire.protocol import (
     Truncate,
 )
 from workers.server.segment import SegmentRegions
-from workers.server.spin import ENVIRONMENT_KEPT
+from workers.server.spin import kept_said, kept_setting
 
 MEMORY_CHECK_EVERY = 4
 MODE_PROBE_N_CTX = 64  # per probe session: its sessions hold a few rows  # housekeeping ticks between measured-memory checks
@@ -200,8 +200,8 @@ class Supervisor:
             self.service = service = KvService(config, pool, shard, ready.kv_bytes_per_position, identity)
             service.huge_pages = f"--huge-pages {config.huge_pages}" + (f"; the first worker's load: {ready.huge_pages}" if ready.huge_pages else "")
             service.threads_detail = threads_detail(config.worker_threads, ready.idle_spin)
-            if ready.idle_spin.startswith(ENVIRONMENT_KEPT) and config.worker_threads > 1:
-                self._announce(f"workers' idle llama threads spin {ready.idle_spin}")
+            if config.worker_threads > 1 and (kept := kept_setting()):
+                self._announce(f"workers' idle llama threads spin {kept_said(kept)}")
             service.mode_reason = mode_reason
             if config.spill_dir is not None:
                 self._announce(service.adopt_saved_states())

@@ -11,7 +11,7 @@ import re
 import numpy as np
 import pytest
 
-from tests.support.daemons import DaemonProcess
+from tests.support.daemons import START_HANG_GUARD_S, DaemonProcess
 from workers.server.spin import DEFAULT_IDLE_SPIN, SPIN_COUNT
 
 TWO_THREADS = ("--threads", "2", "--threads-per-worker", "2", "--n-ctx", "64", "--max-sessions", "1", "--calibration-cache", "off")
@@ -62,6 +62,6 @@ def test_a_bad_idle_spin_stops_the_daemon_with_exit_2(model_path, socket_dir, va
     from kvpool.launcher import Daemon
 
     daemon = Daemon(model_path, socket_dir / "spin-bad.sock", [*TWO_THREADS, "--idle-spin", value])
-    assert daemon.process.wait(timeout=60) == 2
+    assert daemon.process.wait(timeout=START_HANG_GUARD_S) == 2  # a hang guard: the arguments are refused as they are read
     daemon.stop()
     assert "idle-spin" in daemon.log_path.read_text()

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Container, MutableMapping
+from collections.abc import Container, Mapping, MutableMapping
 
 SPIN_COUNT = "GOMP_SPINCOUNT"
 WAIT_POLICY = "OMP_WAIT_POLICY"
@@ -34,14 +34,25 @@ def check_idle_spin(count: int) -> int:
     return count
 
 
+def kept_setting(environ: Mapping[str, str] = os.environ) -> str:
+    """The user's own OpenMP wait setting in `environ` (GOMP_SPINCOUNT, OMP_WAIT_POLICY), which is kept; "" where none.
+    A daemon's workers inherit its environment: the supervisor asks this of its own."""
+    return " ".join(f"{name}={environ[name]}" for name in (SPIN_COUNT, WAIT_POLICY) if name in environ)
+
+
+def kept_said(kept: str) -> str:
+    """How the idle threads spin where the user's setting `kept` (kept_setting) is kept, as status and start-up say it."""
+    return f"{ENVIRONMENT_KEPT} ({kept}; --idle-spin not applied)"
+
+
 def set_idle_spin(count: int, environ: MutableMapping[str, str] = os.environ, loaded: Container[str] = sys.modules) -> str:
     """Have llama.cpp's threads in this process spin `count` times before they sleep; how they spin, said for
     a status line ("idle threads spin ..."). Call before llama.cpp is imported: after, it changes nothing, and
     says so."""
     check_idle_spin(count)
-    given = {name: environ[name] for name in (SPIN_COUNT, WAIT_POLICY) if name in environ}
-    if given:
-        return f"{ENVIRONMENT_KEPT} ({' '.join(f'{name}={value}' for name, value in given.items())}; --idle-spin not applied)"
+    kept = kept_setting(environ)
+    if kept:
+        return kept_said(kept)
     if LLAMA_MODULE in loaded:
         return f"as libgomp's default says ({SPIN_COUNT} not set: llama.cpp was loaded first)"
     environ[SPIN_COUNT] = str(count)
