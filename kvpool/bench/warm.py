@@ -32,12 +32,19 @@ PARKED_N_CTX = 2048
 RESTORE_TARGET = 100.0  # (prefill + decode of a fresh session) / (Park answered + the decode that restores): issue 29's
 RESTORE_TARGET_LENGTH = 512
 # park + restore cycles per round, on the one session: three parks at once share 2 cores, and their time spreads
-# from 10 to 31 ms at 512 tokens (evidence/warm-tier/README.md, "Stop 38"): a median of 3 rounds did not pin it
+# from 10 to 31 ms at 512 tokens (evidence/warm-tier/README.md, "Stop 38"): a median of 3 rounds did not pin it.
+# Each restores as a router that parked the route does: Restore on every daemon at once, then the decode
+# (kvpool.router.route.Route.restore; the Restore answered, each daemon's channel bound: the decode goes direct)
 PARK_CYCLES = 5
-# then cycles whose restore comes after the workers sat idle past IDLE_ZERO_S: their spares zeroed, so the state is
-# loaded from the store (a session that comes back later than that), where the first PARK_CYCLES resume the cells
-# their park left (Restored.in_place)
+# then as many whose decode restores on each daemon in turn (no Restore first: a caller that does not know the route
+# was parked, e.g. after --park-after), the way every restore went before Restore (stop 48)
+APPEND_CYCLES = PARK_CYCLES
+# then cycles whose restore (Restore first) comes after the workers sat idle past IDLE_ZERO_S: their spares zeroed, so
+# the state is loaded from the store (a session that comes back later than that), where the first cycles resume the
+# cells their park left (Restored.in_place)
 LOADED_CYCLES = 2
+FIRST_LOADED = PARK_CYCLES + APPEND_CYCLES  # the cycle whose restoring decode's logits the re-prefill's are compared with (`loaded_logits`)
+CYCLE_KINDS = ("", "append_", "loaded_")  # the prefixes of each kind's keys: Restore first, the append restores, Restore first after the idle
 SETTLE_S = IDLE_ZERO_S + 0.3
 PARKED_TARGET = 20.0  # parked sessions per GiB / hot sessions per GiB
 GIB = 1024**3
@@ -54,44 +61,54 @@ def _row(stats: StatsReply, session: str):
     return next(row for row in stats.sessions if row.session_id == session)
 
 
+def _cycle_kind(cycle: int) -> str:
+    return "" if cycle < PARK_CYCLES else "append_" if cycle < FIRST_LOADED else "loaded_"
+
+
 def _restore_once(route: Route, session: str, tokens: list[int], length: int) -> dict:
-    """Prefill (not timed), then PARK_CYCLES + LOADED_CYCLES times: time Park on every daemon at once
-    (kvpool.router.route.Route.park) answered once each save has begun (Park.wait false: the save finishes behind
-    the reply), then a waiting Park on every daemon (answered "already parked" once that daemon's state is in its
-    store: the time from the first park's start to its answer bounds when the saves were done), then the 1-token
-    decode that restores on each (in the last LOADED_CYCLES after SETTLE_S idle, untimed), then one more decode (hot
-    again). So the restore is timed with every save done, as when a session comes back. Lists of the cycles'
-    times, and per cycle whether each daemon's restore resumed its spare's cells; `logits` the first restoring
-    decode's and `loaded_logits` the first loaded one's (the re-prefill decodes the same tokens at the same positions)."""
+    """Prefill (not timed), then PARK_CYCLES + APPEND_CYCLES + LOADED_CYCLES times: time Park on every daemon at
+    once (kvpool.router.route.Route.park) answered once each save has begun (Park.wait false: the save finishes
+    behind the reply), then a waiting Park on every daemon (answered "already parked" once that daemon's state is
+    in its store: the time from the first park's start to its answer bounds when the saves were done), then the
+    restore and the 1-token decode: Restore on every daemon at once, then the decode (`restore_call_s` the Restore
+    alone), or in the APPEND_CYCLES the decode that restores on each daemon in turn; in the last LOADED_CYCLES after
+    SETTLE_S idle, untimed; then one more decode (hot again). So the restore is timed with every save done, as when
+    a session comes back. Lists of the cycles' times by kind (CYCLE_KINDS: the keys' prefix), and per cycle whether
+    each daemon's restore resumed its spare's cells; `logits` the first restoring decode's and `loaded_logits` the
+    first loaded one's (the re-prefill decodes the same tokens at the same positions)."""
     clients = route.clients
     route.append(session, EPOCH, 0, tokens[:length])
-    got: dict = {"park_s": [], "saved_s": [], "restore_s": [], "hot_decode_s": [], "loaded_park_s": [], "loaded_saved_s": [],
-                 "loaded_restore_s": [], "in_place": [], "loaded_in_place": [], "restored_everywhere": True}
-    for cycle in range(PARK_CYCLES + LOADED_CYCLES):
-        loaded = "loaded_" if cycle >= PARK_CYCLES else ""
+    got: dict = {f"{kind}{name}": [] for kind in CYCLE_KINDS for name in ("park_s", "saved_s", "restore_s", "in_place")}
+    got |= {"restore_call_s": [], "loaded_restore_call_s": [], "hot_decode_s": [], "restored_everywhere": True}
+    for cycle in range(FIRST_LOADED + LOADED_CYCLES):
+        kind = _cycle_kind(cycle)
         at = length + 2 * cycle
         started = time.perf_counter()
         answered = route.park(session, EPOCH, wait=False)  # every daemon at once, as a router parks a route
-        got[f"{loaded}park_s"].append(time.perf_counter() - started)
+        got[f"{kind}park_s"].append(time.perf_counter() - started)
         stored = route.park(session, EPOCH)
-        got[f"{loaded}saved_s"].append(time.perf_counter() - started)
+        got[f"{kind}saved_s"].append(time.perf_counter() - started)
         parked = all(_row(client.stats(), session).tier != "hot" for client in clients)
         parked = parked and [done.detail for done in answered] == ["parking"] * len(clients)
         parked = parked and [done.detail for done in stored] == ["already parked"] * len(clients)
         restores, misses, in_place = (_counters(clients, name) for name in ("restores", "misses", "restores_in_place"))
-        if loaded:
+        if kind == "loaded_":
             time.sleep(SETTLE_S)
         started = time.perf_counter()
+        if kind != "append_":
+            restored_answers = route.restore(session, EPOCH)  # every daemon at once, as a router restores a route it parked
+            got[f"{kind}restore_call_s"].append(time.perf_counter() - started)
+            parked = parked and [done.detail for done in restored_answers] == ["restored"] * len(clients)
         logits = route.append(session, EPOCH, at, tokens[at : at + 1])
-        got[f"{loaded}restore_s"].append(time.perf_counter() - started)
+        got[f"{kind}restore_s"].append(time.perf_counter() - started)
         restored = [after - before for after, before in zip(_counters(clients, "restores"), restores)] == [1] * len(clients)
-        got[f"{loaded}in_place"].append([after - before == 1 for after, before in zip(_counters(clients, "restores_in_place"), in_place)])
+        got[f"{kind}in_place"].append([after - before == 1 for after, before in zip(_counters(clients, "restores_in_place"), in_place)])
         got["restored_everywhere"] = got["restored_everywhere"] and parked and restored and _counters(clients, "misses") == misses
         hot = time_call(lambda at=at: route.append(session, EPOCH, at + 1, tokens[at + 1 : at + 2]))
-        if not loaded:
+        if not kind:
             got["hot_decode_s"].append(hot)
-        if cycle in (0, PARK_CYCLES):
-            got["loaded_logits" if loaded else "logits"] = logits
+        if cycle in (0, FIRST_LOADED):
+            got["loaded_logits" if kind == "loaded_" else "logits"] = logits
     route.release(session, EPOCH)
     return got
 
@@ -105,25 +122,26 @@ def _reprefill_once(route: Route, session: str, tokens: list[int], length: int) 
     prefill_s = time.perf_counter() - started
     logits = route.append(session, EPOCH, length, tokens[length : length + 1])
     total_s = time.perf_counter() - started
-    loaded_at = length + 2 * PARK_CYCLES
+    loaded_at = length + 2 * FIRST_LOADED
     for at in range(length + 1, loaded_at + 1):
         loaded_logits = route.append(session, EPOCH, at, tokens[at : at + 1])
     route.release(session, EPOCH)
     return {"prefill_s": prefill_s, "total_s": total_s, "logits": logits, "loaded_logits": loaded_logits}
 
 
+CYCLE_KEYS = tuple(f"{kind}{name}" for kind in CYCLE_KINDS for name in ("park_s", "saved_s", "restore_s", "in_place")) + (
+    "restore_call_s", "loaded_restore_call_s", "hot_decode_s")
+
+
 def _measure_length(route: Route, tokens: list[int], length: int, repeats: int) -> dict:
-    runs: dict[str, list] = {"park_s": [], "saved_s": [], "restore_s": [], "hot_decode_s": [], "loaded_park_s": [], "loaded_saved_s": [],
-                             "loaded_restore_s": [], "in_place": [], "loaded_in_place": [], "reprefill_prefill_s": [], "reprefill_s": [],
-                             "restored_everywhere": [], "logits_identical": []}
+    runs: dict[str, list] = {key: [] for key in (*CYCLE_KEYS, "reprefill_prefill_s", "reprefill_s", "restored_everywhere", "logits_identical")}
     for round_index, order in run_interleaved(repeats, ["restore", "re-prefill"]):
         logits = {}
         for name in order:
             session = f"bench-warm-{length}-{round_index}-{name}"
             if name == "restore":
                 got = _restore_once(route, session, tokens, length)
-                for key in ("park_s", "saved_s", "restore_s", "hot_decode_s", "loaded_park_s", "loaded_saved_s", "loaded_restore_s", "in_place",
-                            "loaded_in_place"):
+                for key in CYCLE_KEYS:
                     runs[key].extend(got[key])
                 runs["restored_everywhere"].append(got["restored_everywhere"])
             else:
@@ -160,7 +178,7 @@ def measure_warm(shards: Sequence[ShardInfo], tokenizer: Tokenizer, socket_dir: 
               "--n-ctx", str(WARM_N_CTX), "--budget", "1GiB", "--spill-budget", "1GiB"]
     plan = {f"warm{index}": (shard.path, common) for index, shard in enumerate(shards)}
     prompt = tokenizer.encode(tokenizer.chat_prompt(PROMPTS[0]))
-    tokens = long_history(tokenizer, prompt, max(*options.warm_lengths, PARKED_TOKENS) + 2 * (PARK_CYCLES + LOADED_CYCLES))
+    tokens = long_history(tokenizer, prompt, max(*options.warm_lengths, PARKED_TOKENS) + 2 * (FIRST_LOADED + LOADED_CYCLES))
     with contextlib.ExitStack() as stack:
         bench_say(f"warm tier: starting {len(plan)} daemons (--n-ctx {WARM_N_CTX}, --max-sessions {WARM_SESSIONS})")
         started = time.perf_counter()
@@ -197,20 +215,26 @@ def summarize_warm(warm: dict) -> tuple[dict, dict, list[Row]]:
     for key, runs in warm["lengths"].items():
         length = int(key)
         park, restore, hot = (median_of(runs[name]) for name in ("park_s", "restore_s", "hot_decode_s"))
+        restore_call = median_of(runs["restore_call_s"])
         parked_and_restored = median_of([a + b for a, b in zip(runs["park_s"], runs["restore_s"])])
         # what a caller that waited for the saves would have paid: the saves done (bounded by the waiting Park's
-        # answer, one round trip over) + the restoring decode
+        # answer, one round trip over) + the restore and its decode
         saved = median_of(runs["saved_s"])
         saved_and_restored = median_of([a + b for a, b in zip(runs["saved_s"], runs["restore_s"])])
         loaded_park, loaded_restore = median_of(runs["loaded_park_s"]), median_of(runs["loaded_restore_s"])
         loaded = median_of([a + b for a, b in zip(runs["loaded_park_s"], runs["loaded_restore_s"])])
+        append_park, append_restore = median_of(runs["append_park_s"]), median_of(runs["append_restore_s"])
+        append_total = median_of([a + b for a, b in zip(runs["append_park_s"], runs["append_restore_s"])])
         reprefill = median_of(runs["reprefill_s"])
         ratio = reprefill / parked_and_restored
         target = RESTORE_TARGET if length == RESTORE_TARGET_LENGTH else None
         ratios[f"restore_vs_reprefill_{length}"] = headline(ratio, target)
         summary.update({f"s7_park_{length}_s": park, f"s7_restore_decode_{length}_s": restore, f"s7_hot_decode_{length}_s": hot,
+                        f"s7_restore_call_{length}_s": restore_call,
                         f"s7_park_and_restore_{length}_s": parked_and_restored, f"s7_reprefill_{length}_s": reprefill,
                         f"s7_restore_vs_reprefill_{length}": ratio, f"s7_restore_decode_vs_reprefill_{length}": reprefill / restore,
+                        f"s7_append_park_{length}_s": append_park, f"s7_append_restore_decode_{length}_s": append_restore,
+                        f"s7_append_park_and_restore_{length}_s": append_total, f"s7_append_restore_vs_reprefill_{length}": reprefill / append_total,
                         f"s7_loaded_park_{length}_s": loaded_park, f"s7_loaded_restore_decode_{length}_s": loaded_restore,
                         f"s7_loaded_park_and_restore_{length}_s": loaded, f"s7_loaded_restore_vs_reprefill_{length}": reprefill / loaded,
                         f"s7_loaded_restore_decode_vs_reprefill_{length}": reprefill / loaded_restore,
@@ -219,23 +243,29 @@ def summarize_warm(warm: dict) -> tuple[dict, dict, list[Row]]:
                         f"s7_loaded_saved_{length}_s": median_of(runs["loaded_saved_s"])})
         checks = checks and all(runs["restored_everywhere"]) and all(runs["logits_identical"])
         # the path each daemon's restore took: its own park's cells resumed (right after), the state loaded (after the idle)
-        in_place, cycles = in_place + sum(map(sum, runs["in_place"])), cycles + sum(map(len, runs["in_place"]))
+        right_after = runs["in_place"] + runs["append_in_place"]
+        in_place, cycles = in_place + sum(map(sum, right_after)), cycles + sum(map(len, right_after))
         loaded_in_place, loaded_cycles = loaded_in_place + sum(map(sum, runs["loaded_in_place"])), loaded_cycles + sum(map(len, runs["loaded_in_place"]))
         counted = f"{len(runs['park_s'])} cycles, {PARK_CYCLES} per round"
         rows.append(Row("7", f"{length}-token session, 3 daemons: Park on all at once, answered once each save has begun (Park.wait false), + "
-                             f"the 1-token decode that restores on each once the saves are done (in place: the cells each park left; medians of "
-                             f"{counted}) vs a fresh session's prefill + the same decode (re-prefill: a cache miss)",
-                        f"{ms(parked_and_restored)} (park {ms(park)}; restoring decode {ms(restore)}, {reprefill / restore:.1f}x faster alone; "
-                        f"then a hot decode {ms(hot)})",
+                             "Restore on all at once once the saves are done (kvpool.router.route.Route.restore: answered once each daemon holds "
+                             "the session hot again, its direct channel bound; in place: the cells each park left) + the 1-token decode "
+                             f"(medians of {counted}) vs a fresh session's prefill + the same decode (re-prefill: a cache miss)",
+                        f"{ms(parked_and_restored)} (park {ms(park)}; Restore {ms(restore_call)} + decode: {ms(restore)}, "
+                        f"{reprefill / restore:.1f}x faster alone; then a hot decode {ms(hot)})",
                         f"{ms(reprefill)} (prefill {ms(median_of(runs['reprefill_prefill_s']))})", f"{ratio:.1f}x faster",
                         "" if target is None else verdict(ratio, target)))
+        rows.append(Row("7", f"{length}-token session, the same without Restore: the 1-token decode restores on each daemon in turn (the restore "
+                             f"travels with the append through each supervisor; medians of {len(runs['append_park_s'])} cycles, {APPEND_CYCLES} per round)",
+                        f"{ms(append_total)} (park {ms(append_park)}; restoring decode {ms(append_restore)}, {reprefill / append_restore:.1f}x faster alone)",
+                        f"{ms(reprefill)}", f"{reprefill / append_total:.1f}x faster", ""))
         rows.append(Row("7", f"{length}-token session, the same for a caller that waits for the saves: from the park's start until a waiting Park "
-                             "on every daemon answered (its state in the store), + the restoring decode",
+                             "on every daemon answered (its state in the store), + Restore + the decode",
                         f"{ms(saved_and_restored)} (saves done within {ms(saved)})", f"{ms(reprefill)}",
                         f"{reprefill / saved_and_restored:.1f}x faster", ""))
         rows.append(Row("7", f"{length}-token session, the same with the restore {SETTLE_S:.1f} s after the park (the workers idle: their "
                              f"spares zeroed, the state loaded from the store; medians of {len(runs['loaded_park_s'])} cycles, {LOADED_CYCLES} per round)",
-                        f"{ms(loaded)} (park {ms(loaded_park)}; restoring decode {ms(loaded_restore)}, {reprefill / loaded_restore:.1f}x faster alone)",
+                        f"{ms(loaded)} (park {ms(loaded_park)}; Restore + decode {ms(loaded_restore)}, {reprefill / loaded_restore:.1f}x faster alone)",
                         f"{ms(reprefill)}", f"{reprefill / loaded:.1f}x faster", ""))
     summary["s7_restored_exactly"] = checks
     summary.update({"s7_restores_in_place": in_place, "s7_restores_right_after": cycles,
@@ -243,8 +273,8 @@ def summarize_warm(warm: dict) -> tuple[dict, dict, list[Row]]:
     rows.append(Row("7", f"restores that resumed their own park's cells (Restored.in_place), of the daemons' restores right after the park / "
                          f"{SETTLE_S:.1f} s after it (a worker busy past IDLE_ZERO_S may still resume in place)",
                     f"{in_place} of {cycles}", f"{loaded_in_place} of {loaded_cycles}", "", ""))
-    rows.append(Row("7", "every timed decode restored on all 3 daemons (no miss); the first restoring decode's logits, in place and loaded, "
-                         "bit-identical to the re-prefilled session's at the same position",
+    rows.append(Row("7", "every timed cycle restored on all 3 daemons (no miss; every Restore answered \"restored\"); the first decode's logits "
+                         "after a restore, in place and loaded, bit-identical to the re-prefilled session's at the same position",
                     "yes" if checks else "NO", "", ""))
 
     memory = warm["parked_vs_hot"]
@@ -265,7 +295,7 @@ def summarize_warm(warm: dict) -> tuple[dict, dict, list[Row]]:
 def draw_warm(restore_axis, memory_axis, summary: dict, lengths: Sequence[int]) -> None:
     """Section 7's two panels of the chart (matplotlib axes)."""
     positions = np.arange(len(lengths))
-    for offset, (key, label, color) in enumerate([("s7_park_and_restore_{}_s", "park + restoring decode", "#4472c4"),
+    for offset, (key, label, color) in enumerate([("s7_park_and_restore_{}_s", "park + restore + decode", "#4472c4"),
                                                   ("s7_reprefill_{}_s", "re-prefill + decode", "#a5a5a5")]):
         restore_axis.bar(positions + (offset - 0.5) * 0.4, [summary[key.format(n)] * 1e3 for n in lengths], 0.4, label=label, color=color)
     restore_axis.set_yscale("log")

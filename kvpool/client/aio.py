@@ -44,6 +44,7 @@ from kvpool.client.messages import (
     park_call,
     prefix_lookup_call,
     release_call,
+    restore_call,
     shutdown_call,
     stats_call,
     to_send_again,
@@ -290,6 +291,11 @@ class AsyncClient:
         """Save the idle session's state to the daemon's spill store and free its context now; without
         `wait` answered once the save has begun ("parking"; kvpool.wire.protocol.Park)."""
         return await self._call(park_call(session_id, epoch, wait))
+
+    async def restore(self, session_id: str, epoch: int, *, admit_timeout_s: float = 0.0) -> Done:
+        """Make the parked session hot again now ("restored"; "hot": it was not parked), so its next append
+        computes at once (kvpool.wire.protocol.Restore; this client has no direct channels)."""
+        return await self._call(restore_call(session_id, epoch, admit_timeout_s=admit_timeout_s))
 
     async def fork(self, session_id: str, epoch: int, new_session_id: str, new_epoch: int, length: int) -> Done:
         """A new session holding the source's first `length` positions (parked until its first append)."""

@@ -39,6 +39,7 @@ from kvpool.client.messages import (
     park_call,
     prefix_lookup_call,
     release_call,
+    restore_call,
     shutdown_call,
     stats_call,
     to_send_again,
@@ -181,6 +182,22 @@ class Client:
         parked session's next append goes to the daemon, which restores it)."""
         self._channels.forget(session_id, epoch)
         return park_call(session_id, epoch, wait)
+
+    def restore(self, session_id: str, epoch: int, *, admit_timeout_s: float = 0.0) -> Done:
+        """Make the parked session hot again now ("restored"; "hot": it was not parked), so its next append
+        computes at once (kvpool.wire.protocol.Restore); room waited for up to `admit_timeout_s`."""
+        return self._call(self.restoring(session_id, epoch, admit_timeout_s=admit_timeout_s))
+
+    def restoring(self, session_id: str, epoch: int, *, admit_timeout_s: float = 0.0) -> Call[Done]:
+        """The restore's call, for Client.ask_all: with `direct` (the client's) the daemon binds the session to
+        its worker's direct channel, remembered here as an append's reply binds it."""
+        call = restore_call(session_id, epoch, direct=self.direct, admit_timeout_s=admit_timeout_s)
+
+        def done(reply: Done) -> Done:
+            self._channels.remember(session_id, epoch, reply.channel)
+            return reply
+
+        return Call(call.request, call.expects, done)
 
     @staticmethod
     def ask_all(calls: Sequence[tuple[Client, Call[Result]]]) -> list[Result | Exception]:

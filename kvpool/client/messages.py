@@ -36,6 +36,7 @@ from kvpool.wire.protocol import (
     Release,
     Reply,
     RequestMessage,
+    Restore,
     Shutdown,
     Stats,
     StatsReply,
@@ -178,6 +179,10 @@ def release_call(session_id: str, epoch: int) -> Call[Done]:
 
 def park_call(session_id: str, epoch: int, wait: bool = True) -> Call[Done]:
     return Call(Park(session_id=session_id, epoch=epoch, wait=wait), Done)
+
+
+def restore_call(session_id: str, epoch: int, *, direct: bool = False, admit_timeout_s: float = 0.0) -> Call[Done]:
+    return Call(Restore(session_id=session_id, epoch=epoch, direct=direct, admit_timeout_s=admit_timeout_s), Done)
 
 
 def fork_call(session_id: str, epoch: int, new_session_id: str, new_epoch: int, length: int) -> Call[Done]:

@@ -30,6 +30,7 @@ COUNTERS = (
     "restores_in_place",  # of those, into the spare of the session's own park, unzeroed: its cells kept, nothing loaded
     "spares_freed",  # spare contexts freed to make room for an admission
     "restore_failures",
+    "restore_requests",  # parked sessions made hot by a Restore request (before their next append; counted in restores too)
     "parks",
     "forks",
     "exports",  # exports started (Export at offset 0: a state saved)

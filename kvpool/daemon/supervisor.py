@@ -68,6 +68,7 @@ from kvpool.wire.protocol import (
     PrefixLookup,
     Release,
     Request,
+    Restore,
     ShardDescription,
     Shutdown,
     Stats,
@@ -363,6 +364,8 @@ class Supervisor:
                 return await service.cancel(request)
             case Park():
                 return await service.park(request)
+            case Restore():
+                return await service.restore(request)
             case Fork():
                 return await service.fork(request)
             case PrefixLookup():

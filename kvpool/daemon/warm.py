@@ -1,11 +1,13 @@
-"""Park and Fork: the requests that move a session's state into the spill store (see kvpool.daemon.admission.parking) or
-copy it into a new session. Same fencing and typed errors as every other session request."""
+"""Park, Restore and Fork: the requests that move a session's state into the spill store (see kvpool.daemon.admission.parking),
+back out of it before its next append, or copy it into a new session. Same fencing and typed errors as every other session
+request."""
 
 from __future__ import annotations
 
 import logging
 import time
 
+from kvpool.daemon.admission.admission import Admission
 from kvpool.daemon.admission.parking import Parking
 from kvpool.daemon.books.books import Books
 from kvpool.daemon.books.sessions import Session
@@ -16,14 +18,18 @@ from kvpool.daemon.pool.lifecycle import WorkerLifecycle
 from kvpool.daemon.pool.pool import WorkerPool
 from kvpool.wire.checks import check_session_fields
 from kvpool.wire.errors import RequestFailed
-from kvpool.wire.protocol import Done, ErrorCode, Fork, MissReason, Park
+from kvpool.wire.protocol import Done, ErrorCode, Fork, MissReason, Park, Restore
 
 log = logging.getLogger("kvpool.serve")
 
 
 class WarmRequests:
-    def __init__(self, books: Books, gate: Gate, parking: Parking, pool: WorkerPool, lifecycle: WorkerLifecycle, metrics: Metrics) -> None:
+    def __init__(
+        self, books: Books, gate: Gate, parking: Parking, admission: Admission, pool: WorkerPool, lifecycle: WorkerLifecycle, metrics: Metrics,
+    ) -> None:
         self.books = books
+        self.admission = admission
+        self.channels = admission.channels
         self.gate = gate
         self.parking = parking
         self.pool = pool
@@ -89,6 +95,36 @@ class WarmRequests:
             level = logging.WARNING if failure.code is ErrorCode.WORKER_LOST else logging.INFO
             log.log(level, "park of session %r epoch %d (answered parking) ended without a save: %s", session.session_id, session.epoch, failure)
 
+    async def restore(self, request: Restore) -> Done:
+        """A parked session hot again now (Admission.restore_now: what the append that restores it would do, done
+        before it, so the restores of a route's daemons overlap), "restored"; a hot one as it is, "hot". With
+        `direct` the reply names the direct channel the session is bound to (a hot one's bound again)."""
+        check_session_fields(request.session_id, request.epoch, self.gate.length_of(request.session_id, request.epoch))
+        if request.admit_timeout_s < 0:
+            raise RequestFailed(ErrorCode.BAD_REQUEST, "admit_timeout_s must be >= 0", length=self.gate.length_of(request.session_id, request.epoch))
+        await self.gate.fence(request.session_id, request.epoch)
+        session = self.books.table.get(request.session_id)
+        if session is None:
+            raise self.gate.miss(request.session_id, request.epoch, "no state for this session")
+        await self.gate.enter(session)
+        async with self.gate.holding(session):
+            if session.hot:
+                channel = await self._bound_again(session) if request.direct else ""
+                return _done(session, "hot", channel)
+            channel = await self.admission.restore_now(session, self.admission.deadline_of(request.admit_timeout_s), bind=request.direct)
+            self.gate.check_live(session)
+            self.metrics.count("restore_requests")
+            return _done(session, "restored", channel)
+
+    async def _bound_again(self, session: Session) -> str:
+        """A hot session's direct channel (entering revoked it) bound again: its name, "" where there is none."""
+        binding = self.channels.binding(session)
+        if binding is None:
+            return ""
+        async with self.lifecycle.worker_call(session, refused="binding the direct channel failed"):
+            bound = await self.channels.bind_again(session, binding)
+        return self.channels.bound(session) if bound else ""
+
     async def fork(self, request: Fork) -> Done:
         check_session_fields(request.session_id, request.epoch, self.gate.length_of(request.session_id, request.epoch))
         check_session_fields(request.new_session_id, request.new_epoch, 0)
@@ -148,5 +184,5 @@ class WarmRequests:
                 return (await self.pool.get(source.worker_name).save_state()).blob, source.length
 
 
-def _done(session: Session, detail: str) -> Done:
-    return Done(length=session.length, session_id=session.session_id, epoch=session.epoch, detail=detail)
+def _done(session: Session, detail: str, channel: str = "") -> Done:
+    return Done(length=session.length, session_id=session.session_id, epoch=session.epoch, detail=detail, channel=channel)

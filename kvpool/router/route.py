@@ -9,6 +9,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from kvpool.client.client import AppendResult, Client, ConnectionLost, KvpoolError
+from kvpool.client.messages import Call
 from kvpool.shard.route import check_route
 from kvpool.wire.protocol import Done
 from kvpool.wire.sampling import Sampling
@@ -76,7 +77,19 @@ class Route:
         daemon's reply in route order; the first failure, by stage, is raised once every daemon has answered.
         Without `wait` each daemon answers once its save has begun (kvpool.wire.protocol.Park): about one round
         trip for the route (evidence/warm-tier/README.md, "Stop 44")."""
-        outcomes = Client.ask_all([(client, client.parking(session_id, epoch, wait=wait)) for client in self.clients])
+        return self._at_once([client.parking(session_id, epoch, wait=wait) for client in self.clients])
+
+    def restore(self, session_id: str, epoch: int, *, admit_timeout_s: float = 0.0) -> list[Done]:
+        """Restore on every daemon at once (kvpool.wire.protocol.Restore, as park: Client.ask_all), so the restores
+        overlap where a restoring append would run them one daemon after another; each daemon's reply in route
+        order ("restored", or "hot" where it was not parked), the first failure by stage raised once every daemon
+        has answered. A client with direct channels gets the session's bound by the reply: the next append skips
+        the supervisors."""
+        return self._at_once([client.restoring(session_id, epoch, admit_timeout_s=admit_timeout_s) for client in self.clients])
+
+    def _at_once(self, calls: list[Call[Done]]) -> list[Done]:
+        """One call per daemon, in route order, through Client.ask_all; the first failure by stage raised."""
+        outcomes = Client.ask_all(list(zip(self.clients, calls, strict=True)))
         failures = [StageFailed(stage, outcome) if isinstance(outcome, KvpoolError) else outcome
                     for stage, outcome in enumerate(outcomes) if not isinstance(outcome, Done)]
         if failures:

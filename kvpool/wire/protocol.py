@@ -21,7 +21,7 @@ from kvpool.wire.sampling import Sampling
 from kvpool.wire.shape import ShardShape
 
 PROTOCOL_VERSION = 3  # 2: request_id on every request and reply; 3: ShardDescription.shape, Park, Fork, tiers, sampling, Export, Import
-# (later additions are fields with defaults and requests an older daemon answers bad_request: PrefixLookup, AdmitPrefix)
+# (later additions are fields with defaults and requests an older daemon answers bad_request: PrefixLookup, AdmitPrefix, Restore)
 DEFAULT_MAX_REQUEST_BYTES = 64 * 1024 * 1024
 MAX_REPLY_BYTES = 2 * 1024 * 1024 * 1024 - 1  # a client's frame limit: larger than any valid reply
 
@@ -138,6 +138,19 @@ class Park(RequestMessage):
     wait: bool = True
 
 
+class Restore(RequestMessage):
+    """Make a parked session hot again now, before its next append, so that append computes at once (a route
+    restores on all its daemons at once: kvpool.router.route.Route.restore); answered Done "restored", or "hot"
+    for a session that was not parked (left as it is). Room is made as for an append that restores (waiting up to
+    `admit_timeout_s`); a state that cannot be restored ends the session (cache_miss, as that append's would).
+    With `direct` the session is bound to its worker's direct channel and Done.channel names it."""
+
+    session_id: str
+    epoch: int
+    direct: bool = False
+    admit_timeout_s: float = 0.0
+
+
 class Fork(RequestMessage):
     """A new session (new_session_id, new_epoch) holding the source's first `length` positions, parked;
     independent of the source afterwards."""
@@ -203,7 +216,7 @@ class Shutdown(RequestMessage):
     drain: bool = False
 
 
-Request = Hello | Append | Truncate | Release | Cancel | Park | Fork | Export | Import | PrefixLookup | AdmitPrefix | Stats | Shutdown
+Request = Hello | Append | Truncate | Release | Cancel | Park | Restore | Fork | Export | Import | PrefixLookup | AdmitPrefix | Stats | Shutdown
 
 
 # ---- replies --------------------------------------------------------------------------------------
@@ -246,12 +259,13 @@ class AppendReply(ReplyMessage):
 
 
 class Done(ReplyMessage):
-    """Reply to truncate, release, cancel and shutdown."""
+    """Reply to truncate, release, cancel, park, restore, fork, admit-prefix, import and shutdown."""
 
     length: int
     session_id: str = ""
     epoch: int = 0
     detail: str = ""
+    channel: str = ""  # Restore with `direct`: the worker's direct channel (as AppendReply.channel)
 
 
 class PrefixHeld(ReplyMessage):

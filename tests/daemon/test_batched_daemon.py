@@ -189,6 +189,14 @@ def test_a_parked_session_is_restored_exactly_into_a_sequence(daemons, local_cha
         logits = session.append_at(len(prompt), [expected[0][0]])
         assert float(np.abs(logits[-1] - expected[1][1]).max()) <= PROCESS_MODE_TOLERANCE
         assert all(client.stats().counters["restores"] == 1 for client in clients)
+        # parked again, then restored by a Restore on every daemon at once: a sequence again before the append
+        session.route.park("parked", 1)
+        restored = session.route.restore("parked", 1)
+        assert [(done.detail, done.channel) for done in restored] == [("restored", "")] * 3  # batched workers have no direct channel
+        assert all(client.stats().sessions[0].tier == "hot" for client in clients)
+        logits = session.append_at(len(prompt) + 1, [expected[0][1]])
+        assert float(np.abs(logits[-1] - expected[1][2]).max()) <= PROCESS_MODE_TOLERANCE
+        assert all((client.stats().counters["restores"], client.stats().counters["restore_requests"]) == (2, 1) for client in clients)
     finally:
         for client in clients:
             client.close()

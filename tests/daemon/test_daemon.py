@@ -143,6 +143,42 @@ def test_truncate_then_continue_equals_a_fresh_run(route, local_chain, chain_dae
     release_all(chain_daemons)
 
 
+def _counts(daemons, *names: str) -> list[tuple[int, ...]]:
+    stats = []
+    for daemon in daemons:
+        with daemon.client() as client:
+            counters = client.stats().counters
+        stats.append(tuple(counters.get(name, 0) for name in names))
+    return stats
+
+
+def test_a_parked_route_restored_on_every_daemon_at_once_continues_exactly(route, local_chain, chain_daemons, prompt_ids):
+    prompt = prompt_ids[1]
+    with local_chain.new_session(N_CTX) as alone:
+        expected = [alone.append(0, prompt), alone.append(len(prompt), [100]), alone.append(len(prompt) + 1, [101])]
+    assert np.abs(route.append("restore", 1, 0, prompt) - expected[0]).max() == 0.0
+    assert [done.detail for done in route.park("restore", 1, wait=False)] == ["parking"] * 3
+    before = _counts(chain_daemons, "restores", "restore_requests", "direct_appends")
+    restored = route.restore("restore", 1)  # each waits for its save behind the park's answer, then restores
+    assert [(done.detail, done.length) for done in restored] == [("restored", len(prompt))] * 3
+    assert [bool(done.channel) for done in restored] == [route.name == "direct"] * 3  # bound only for a client that asks
+    result = route.append_at(0, "restore", 1, len(prompt), [100])
+    assert not result.restored  # hot already: the append computed at once
+    rows = result.rows
+    for stage in (1, 2):
+        result = route.append_at(stage, "restore", 1, len(prompt), rows)
+        assert not result.restored
+        rows = result.rows
+    assert np.abs(rows - expected[1]).max() == 0.0
+    after = _counts(chain_daemons, "restores", "restore_requests", "direct_appends")
+    direct = int(route.name == "direct")
+    assert [tuple(a - b for a, b in zip(later, earlier)) for later, earlier in zip(after, before)] == [(1, 1, direct)] * 3
+    assert [done.detail for done in route.restore("restore", 1)] == ["hot"] * 3  # as it is, its channel bound again
+    assert np.abs(route.append("restore", 1, len(prompt) + 1, [101]) - expected[2]).max() == 0.0
+    assert [tuple(a - b for a, b in zip(later, earlier)) for later, earlier in zip(_counts(chain_daemons, "restores", "restore_requests", "direct_appends"), after)] == [(0, 0, direct)] * 3
+    release_all(chain_daemons)
+
+
 def test_release_is_idempotent_returns_bytes_and_later_appends_miss(route, local_chain, chain_daemons, prompt_ids):
     other_prompt = prompt_ids[0]
     expected_tokens, expected_logits = _alone(local_chain, other_prompt)

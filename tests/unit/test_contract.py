@@ -116,6 +116,41 @@ def test_a_parked_session_restores_its_own_history_and_a_fork_continues_apart(se
 
 
 @pytest.mark.parametrize("mode", MODES)
+def test_a_restore_request_makes_a_parked_session_hot_before_its_append_and_is_fenced_as_any(serve, fake_model, mode):
+    with serve(fake_model, *mode_flags(mode), "--max-sessions", "2", "--min-residency", "0").client() as client:
+        client.append("t", 1, 0, tokens=[7])
+        client.append("s", 1, 0, tokens=[1, 2, 3])
+        assert client.park("s", 1).detail == "parked"
+        client.fork("s", 1, "f", 1, 2)  # parked from birth
+        restored = client.restore("s", 1)
+        assert (restored.detail, restored.length, restored.session_id, restored.epoch) == ("restored", 3, "s", 1)
+        stats = client.stats()
+        assert {row.session_id: row.tier for row in stats.sessions} == {"t": "hot", "s": "hot", "f": "ram"}
+        assert (stats.counters["restores"], stats.counters["restore_requests"]) == (1, 1)
+        step = client.append("s", 1, 3, tokens=[4])  # computes at once: nothing left to restore
+        assert not step.restored and np.array_equal(step.rows, rows_of(client, [1, 2, 3, 4]))
+        assert (client.restore("s", 1).detail, client.stats().counters["restores"]) == ("hot", 1)  # a hot one as it is
+        # both places taken: the fork's restore parks the least recently used idle session for room, as an append would
+        assert client.restore("f", 1).detail == "restored"
+        assert {row.session_id: row.tier for row in client.stats().sessions} == {"t": "ram", "s": "hot", "f": "hot"}
+        assert np.array_equal(client.append("f", 1, 2, tokens=[9]).rows, rows_of(client, [1, 2, 9]))
+        assert np.array_equal(client.append("t", 1, 1, tokens=[8]).rows, rows_of(client, [7, 8]))  # restored by its append
+        # the contract's errors; a refused restore touches nothing
+        tiers = {row.session_id: row.tier for row in client.stats().sessions}
+        missed = refused(lambda: client.restore("nobody", 1))
+        assert (missed.code, missed.reason) == ("cache_miss", "unknown")
+        assert refused(lambda: client.restore("s", 0)).code == "stale_epoch"
+        assert refused(lambda: client.restore("s", 1, admit_timeout_s=-1.0)).code == "bad_request"
+        assert {row.session_id: row.tier for row in client.stats().sessions} == tiers
+        client.release("s", 1)
+        released = refused(lambda: client.restore("s", 1))
+        assert (released.code, released.reason) == ("cache_miss", "released")
+        newer = refused(lambda: client.restore("f", 2))  # a newer epoch releases the old one's state, and admits nothing
+        assert (newer.code, newer.reason) == ("cache_miss", "new_epoch")
+        assert [row.session_id for row in client.stats().sessions] == ["t"]
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_more_sessions_than_places_park_and_come_back_exactly(serve, fake_model, mode):
     with serve(fake_model, *mode_flags(mode), "--max-sessions", "2", "--min-residency", "0").client() as client:
         histories = {f"s{index}": [index + 1] for index in range(5)}

@@ -107,12 +107,14 @@ class RestoreState(Command):
     blob_bytes: int = 0  # on the wire: the size of the blob that travels beside the command
     blob_offset: int = 0  # on the wire: where in that memfd the blob begins
     owner: int = 0  # the restored state's park token: the spare that park left is taken without zeroing, its cells resumed
+    bind: Binding | None = None  # alone (a Restore request): the direct channel serves this session once restored (RunAppend.restore: its run's bind)
 
 
 class BindChannel(Command):
     """Serve (session_id, epoch)'s appends from the worker's direct channel too, until any other
     command from the supervisor (every one of them revokes the channel first). The supervisor binds with
-    RunAppend.bind; this stands alone for tools (scripts/probe_direct_path.py)."""
+    RunAppend.bind or RestoreState.bind; this stands alone for tools (scripts/probe_direct_path.py) and a
+    binding that a save revoked (a prefix capture's)."""
 
     session_id: str
     epoch: int

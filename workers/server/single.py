@@ -114,8 +114,11 @@ class WorkerServer:
                 if keep:
                     self._keep_as_spare(owner)
                 return saved
-            case RestoreState():
-                return self._restore(command)
+            case RestoreState(bind=bind):
+                restored = self._restore(command)
+                if bind is not None and isinstance(restored, Restored):
+                    self.bound = (bind.session_id, bind.epoch)
+                return restored
         return Failed(code="bad_command", message=f"unknown command {type(command).__name__}")
 
     def _run(self, command: RunAppend):

@@ -29,7 +29,7 @@ from kvpool.daemon.pool.pool import WorkerPool
 from kvpool.state.shared import close_payload
 from kvpool.wire.errors import RequestFailed
 from kvpool.wire.protocol import Append, ErrorCode, MissReason
-from workers.server.commands import OPEN_FAILED, RESTORE_FAILED, Restored
+from workers.server.commands import OPEN_FAILED, RESTORE_FAILED, Binding, Restored
 
 MAX_ADMIT_WAIT_S = 60.0
 PARK_RETRY_S = 0.01
@@ -144,8 +144,32 @@ class Admission:
         worker gets the restore with the append that follows (WorkerHandle.restore_with_append: one round
         trip): then the seconds it took here are returned, for `restored` once that append's reply says how it
         went (its refusal: restore_refused), else None (done here)."""
-        charge = self.charge_for(session.n_ctx)
         started = time.monotonic()
+        blob = await self._unpark(session, deadline)
+        worker = self.pool.get(session.worker_name)
+        if worker.restores_with_append:
+            try:
+                worker.restore_with_append(session.n_ctx, blob, session.length, owner=session.park_token)
+            finally:
+                self._close_soon(blob)
+            return time.monotonic() - started
+        await self._restore_in_worker(session, blob, started, None)
+        return None
+
+    async def restore_now(self, session: Session, deadline: float, *, bind: bool) -> str:
+        """restore(), done now in the worker whatever its kind (kvpool.wire.protocol.Restore: no append follows
+        in this request); with `bind` the restore binds the session to the worker's direct channel as it
+        succeeds (RestoreState.bind, one round trip) where the daemon has them: its name is returned ("": none)."""
+        started = time.monotonic()
+        blob = await self._unpark(session, deadline)
+        binding = self.channels.binding(session) if bind else None
+        await self._restore_in_worker(session, blob, started, binding)
+        return self.channels.bound(session) if binding is not None else ""
+
+    async def _unpark(self, session: Session, deadline: float):
+        """The session's blob out of the store and the session hot in the books on a worker with its charge
+        (room made as an admission's); a damaged blob ends the session (cache_miss)."""
+        charge = self.charge_for(session.n_ctx)
         try:
             blob = self.books.take_blob(session)
         except CorruptBlob as error:
@@ -164,24 +188,29 @@ class Admission:
             raise
         evicted_workers = self.books.unpark(plan, session, charge)
         self.carry_out(plan, evicted_workers)
+        return blob
+
+    async def _restore_in_worker(self, session: Session, blob, started: float, binding: Binding | None) -> None:
+        """The worker's restore of `blob` (and the channel bound with it); its reply counted by `restored`."""
         refused = functools.partial(self._restore_failed, session)
-        worker = self.pool.get(session.worker_name)
         try:
-            if worker.restores_with_append:
-                worker.restore_with_append(session.n_ctx, blob, session.length, owner=session.park_token)
-                return time.monotonic() - started
             async with self.lifecycle.worker_call(session, lost="lost while restoring the session", refused=refused):
-                restored = await worker.restore_state(session.n_ctx, blob, session.length, owner=session.park_token)
+                restored = await self.pool.get(session.worker_name).restore_state(
+                    session.n_ctx, blob, session.length, owner=session.park_token, bind=binding,
+                )
         finally:
-            # restored or not, the state is no longer the store's: its memory is freed (0.3 ms at 3.76 MiB) once the
-            # loop next waits, beside the worker's compute of the append that follows (a restore that travels with that
-            # append holds a descriptor of its own, made before this: workers.server.pipe.prepared_state)
-            try:
-                asyncio.get_running_loop().call_soon(close_payload, blob)
-            except RuntimeError:  # no loop runs this (a coroutine closed at shutdown): freed now
-                close_payload(blob)
+            self._close_soon(blob)
         self.restored(restored, time.monotonic() - started)
-        return None
+
+    @staticmethod
+    def _close_soon(blob) -> None:
+        """Restored or not, the state is no longer the store's: its memory is freed (0.3 ms at 3.76 MiB) once the
+        loop next waits, beside the worker's compute of the append that follows (a restore that travels with that
+        append holds a descriptor of its own, made before this: workers.server.pipe.prepared_state)."""
+        try:
+            asyncio.get_running_loop().call_soon(close_payload, blob)
+        except RuntimeError:  # no loop runs this (a coroutine closed at shutdown): freed now
+            close_payload(blob)
 
     def restored(self, restored: Restored | None, seconds: float) -> None:
         """A restore done (`restored`: the worker's reply; None if it never said) in `seconds` (a restore that

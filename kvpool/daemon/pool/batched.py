@@ -64,6 +64,9 @@ class PendingAppend:
     still_wanted: Callable[[], None] | None = None  # raises when the append may no longer run (its epoch is stale)
 
 
+NO_CHANNEL = "a batched worker has no direct channel"
+
+
 class BatchedWorker(WorkerHandle):
     """One batched worker process; `slots` are what the pool lends."""
 
@@ -292,7 +295,7 @@ class SequenceSlot:
         still_wanted: Callable[[], None] | None = None,
     ) -> WorkerOutput:
         if bind is not None:
-            raise WorkerFailed("internal", "a batched worker has no direct channel", 0)
+            raise WorkerFailed("internal", NO_CHANNEL, 0)
         return await self.process.append_seq(self.seq, start_pos, rows, output_rows, sample, still_wanted)
 
     async def truncate(self, length: int) -> int:
@@ -307,11 +310,15 @@ class SequenceSlot:
         # batches wait for the save, so a lower priority would hold them back too
         return await self.process._expect(SaveState(seq=self.seq, keep=keep), Saved)
 
-    async def restore_state(self, n_ctx: int, blob: bytes | memoryview | SharedPayload, length: int, owner: int = 0) -> Restored:
+    async def restore_state(
+        self, n_ctx: int, blob: bytes | memoryview | SharedPayload, length: int, owner: int = 0, *, bind: Binding | None = None,
+    ) -> Restored:
+        if bind is not None:
+            raise WorkerFailed("internal", NO_CHANNEL, 0)
         return await self.process._expect(RestoreState(n_ctx=n_ctx, blob=blob, length=length, seq=self.seq), Restored)
 
     async def revoke_channel(self) -> int:
-        raise WorkerFailed("internal", "a batched worker has no direct channel", 0)
+        raise WorkerFailed("internal", NO_CHANNEL, 0)
 
     def cancel_direct(self, session_id: str, epoch: int, request_id: int) -> None:
         pass  # no direct channel: nothing is in flight there

@@ -152,11 +152,14 @@ class WorkerHandle(WorkerProcess):
         no caller waits for it; the worker saves at a lower CPU priority (workers.server.background)."""
         return await self._expect(SaveState(keep=keep, head=head, tail=tail, owner=owner, behind=behind), Saved)
 
-    async def restore_state(self, n_ctx: int, blob: bytes | memoryview | SharedPayload, length: int, owner: int = 0) -> Restored:
+    async def restore_state(
+        self, n_ctx: int, blob: bytes | memoryview | SharedPayload, length: int, owner: int = 0, *, bind: Binding | None = None,
+    ) -> Restored:
         """A fresh context (the spare if it has n_ctx: Restored.reused) loaded with `blob`, cut to `length`;
         WorkerFailed code restore_failed if refused. `owner`: the park token of the state restored (the spare
-        that park left, unzeroed, resumes its cells and the blob is not read: Restored.in_place)."""
-        return await self._expect(RestoreState(n_ctx=n_ctx, blob=blob, length=length, owner=owner), Restored)
+        that park left, unzeroed, resumes its cells and the blob is not read: Restored.in_place). With `bind` the
+        direct channel serves that session afterwards, if the restore succeeded."""
+        return await self._expect(RestoreState(n_ctx=n_ctx, blob=blob, length=length, owner=owner, bind=bind), Restored)
 
     def restore_with_append(self, n_ctx: int, blob: bytes | memoryview | SharedPayload, length: int, owner: int = 0) -> None:
         """restore_state's command, sent with the next append (RunAppend.restore: one round trip for both;
