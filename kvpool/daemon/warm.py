@@ -16,7 +16,7 @@ from kvpool.daemon.gate import Gate
 from kvpool.daemon.metrics import Metrics
 from kvpool.daemon.pool.lifecycle import WorkerLifecycle
 from kvpool.daemon.pool.pool import WorkerPool
-from kvpool.wire.checks import check_session_fields
+from kvpool.wire.checks import check_admit_timeout, check_session_fields
 from kvpool.wire.errors import RequestFailed
 from kvpool.wire.protocol import Done, ErrorCode, Fork, MissReason, Park, Restore
 
@@ -99,9 +99,9 @@ class WarmRequests:
         """A parked session hot again now (Admission.restore_now: what the append that restores it would do, done
         before it, so the restores of a route's daemons overlap), "restored"; a hot one as it is, "hot". With
         `direct` the reply names the direct channel the session is bound to (a hot one's bound again)."""
-        check_session_fields(request.session_id, request.epoch, self.gate.length_of(request.session_id, request.epoch))
-        if request.admit_timeout_s < 0:
-            raise RequestFailed(ErrorCode.BAD_REQUEST, "admit_timeout_s must be >= 0", length=self.gate.length_of(request.session_id, request.epoch))
+        length = self.gate.length_of(request.session_id, request.epoch)
+        check_session_fields(request.session_id, request.epoch, length)
+        check_admit_timeout(request.admit_timeout_s, length)
         await self.gate.fence(request.session_id, request.epoch)
         session = self.books.table.get(request.session_id)
         if session is None:

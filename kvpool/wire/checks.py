@@ -5,6 +5,8 @@ Every refusal carries `length`, the length of the session (or sequence) it is ab
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from kvpool.wire.errors import RequestFailed
@@ -28,6 +30,13 @@ def check_session_fields(session_id: str, epoch: int, length: int) -> None:
         raise _bad(f"session_id must be 1..{MAX_SESSION_ID_BYTES} bytes", length)
     if epoch < 0 or epoch >= 2**63:
         raise _bad("epoch must be in [0, 2^63)", length)
+
+
+def check_admit_timeout(admit_timeout_s: float, length: int) -> None:
+    """bad_request (with the session's `length`) for a wait for room that is negative or not a number (0: none;
+    the daemon caps it at kvpool.daemon.admission.admission.MAX_ADMIT_WAIT_S)."""
+    if not admit_timeout_s >= 0 or math.isinf(admit_timeout_s):
+        raise _bad("admit_timeout_s must be a finite number of seconds >= 0", length)
 
 
 def check_prefix_names(scope: str, digests: list[bytes], max_digests: int, *, length: int = 0) -> None:
@@ -113,6 +122,7 @@ def append_rows(request: Append, shape: ShardShape, *, max_rows: int, length: in
     [rows, n_embd] hidden states; RequestFailed (bad_request, with `length`) for anything malformed."""
     if request.start_pos < 0:
         raise _bad("start_pos must be >= 0", length)
+    check_admit_timeout(request.admit_timeout_s, length)
     check_input_kind(shape, request.tokens, request.hidden, length=length)
     if shape.is_first:
         rows = shard_rows(shape, request.tokens, length=length)

@@ -86,6 +86,8 @@ def test_the_context_bounds_a_session_and_bad_input_is_a_typed_error(serve, fake
         assert client.append("s", 1, 30, tokens=[1, 2]).length == 32
         assert refused(lambda: client.append("t", 1, 0, tokens=[1], n_ctx=33)).code == "bad_request"
         assert refused(lambda: client.append("t", 1, 0, tokens=[10_000])).code == "bad_request"  # beyond the vocabulary
+        for wait in (-1.0, float("nan"), float("inf")):  # a wait for room: a finite number of seconds >= 0
+            assert refused(lambda wait=wait: client.append("t", 1, 0, tokens=[1], admit_timeout_s=wait)).code == "bad_request"
         assert refused(lambda: client.truncate("s", 1, 33)).code == "position_mismatch"
         assert [row.session_id for row in client.stats().sessions] == ["s"]
 
@@ -140,7 +142,8 @@ def test_a_restore_request_makes_a_parked_session_hot_before_its_append_and_is_f
         missed = refused(lambda: client.restore("nobody", 1))
         assert (missed.code, missed.reason) == ("cache_miss", "unknown")
         assert refused(lambda: client.restore("s", 0)).code == "stale_epoch"
-        assert refused(lambda: client.restore("s", 1, admit_timeout_s=-1.0)).code == "bad_request"
+        for wait in (-1.0, float("nan")):
+            assert refused(lambda wait=wait: client.restore("s", 1, admit_timeout_s=wait)).code == "bad_request"
         assert {row.session_id: row.tier for row in client.stats().sessions} == tiers
         client.release("s", 1)
         released = refused(lambda: client.restore("s", 1))
