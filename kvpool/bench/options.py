@@ -17,6 +17,18 @@ SINGLE_THREADS = 1  # llama threads of a single-session context (sections 1, 2 a
 MAX_THREADS = 64  # --threads at most
 ROUTE_N_CTX = 1024  # context of the decode and prefill sessions
 WARM_N_CTX = 2048 + 64  # section 7's daemons: a 2048-token session and its decodes fit
+# section 7's park + restore cycles per round, on the one session (kvpool.bench.warm): three parks at once share 2 cores,
+# and their time spreads from 10 to 31 ms at 512 tokens (evidence/warm-tier/README.md, "Stop 38"): a median of 3 rounds
+# did not pin it. PARK_CYCLES restore as a router that parked the route does: Restore on every daemon at once, then the
+# decode (kvpool.router.route.Route.restore: the Restore answered, each daemon's channel bound, the decode goes direct);
+# APPEND_CYCLES, taking turns with them, restore with the decode on each daemon in turn (no Restore first: a caller
+# that does not know the route was parked, e.g. after --park-after; every restore before stop 48); then LOADED_CYCLES
+# restore (Restore first) after the workers sat idle past workers.server.single.IDLE_ZERO_S: their spares zeroed, the
+# state is loaded from the store, where the others resume the cells their park left (Restored.in_place)
+PARK_CYCLES = 5
+APPEND_CYCLES = PARK_CYCLES
+LOADED_CYCLES = 2
+WARM_DECODE_POSITIONS = 2 * (PARK_CYCLES + APPEND_CYCLES + LOADED_CYCLES)  # each cycle's decode and the hot one after it
 DURABLE_N_CTX = 2048 + 64  # section 10's daemon: a 2048-token session and its next token fit
 MOVE_N_CTX = 2048 + 64  # section 11's daemons: the same
 # section 12's daemons and llama.cpp reference: a 1,056-token prompt in a chat-sized context, the size of sections 7,
@@ -98,8 +110,8 @@ class BenchOptions:
             raise ValueError("chunk steps must be at least 1")
         if self.prefill_rows > ROUTE_N_CTX or self.history + self.decode_steps + self.cold_steps + 8 > ROUTE_N_CTX:
             raise ValueError(f"prefill rows and history + decode steps (timed and cold) must fit in n_ctx {ROUTE_N_CTX}")
-        if not self.warm_lengths or max(self.warm_lengths) + 2 > WARM_N_CTX:
-            raise ValueError(f"warm lengths (at least one) and two decodes must fit in n_ctx {WARM_N_CTX}")
+        if not self.warm_lengths or max(self.warm_lengths) + WARM_DECODE_POSITIONS > WARM_N_CTX:
+            raise ValueError(f"warm lengths (at least one) and their {WARM_DECODE_POSITIONS} decodes must fit in n_ctx {WARM_N_CTX}")
         if not self.durable_lengths or min(self.durable_lengths) < 1 or max(self.durable_lengths) + 1 > DURABLE_N_CTX:
             raise ValueError(f"durable lengths (at least one, each at least 1) and their next token must fit in n_ctx {DURABLE_N_CTX}")
         if not 1 <= self.prefix_system_tokens <= PREFIX_N_CTX - 64:

@@ -16,7 +16,18 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvpool.bench.options import EPOCH, WARM_N_CTX, BenchOptions, as_mib, bench_say, median_of
+from kvpool.bench.options import (
+    APPEND_CYCLES,
+    EPOCH,
+    LOADED_CYCLES,
+    PARK_CYCLES,
+    WARM_DECODE_POSITIONS,
+    WARM_N_CTX,
+    BenchOptions,
+    as_mib,
+    bench_say,
+    median_of,
+)
 from kvpool.bench.rig import PROMPTS, long_history, run_interleaved, start_daemons, time_call
 from kvpool.bench.table import Row, headline, ms, verdict
 from kvpool.client.client import Client
@@ -29,22 +40,10 @@ from workers.server.single import IDLE_ZERO_S
 WARM_SESSIONS = 2  # workers per daemon: the parked session's restore and a fresh session never wait for one
 PARKED_TOKENS = 256
 PARKED_N_CTX = 2048
-RESTORE_TARGET = 100.0  # (prefill + decode of a fresh session) / (Park answered + the decode that restores): issue 29's
+RESTORE_TARGET = 100.0  # (prefill + decode of a fresh session) / (Park answered + Restore + the decode): issue 29's
 RESTORE_TARGET_LENGTH = 512
-# park + restore cycles per round, on the one session: three parks at once share 2 cores, and their time spreads
-# from 10 to 31 ms at 512 tokens (evidence/warm-tier/README.md, "Stop 38"): a median of 3 rounds did not pin it.
-# Each restores as a router that parked the route does: Restore on every daemon at once, then the decode
-# (kvpool.router.route.Route.restore; the Restore answered, each daemon's channel bound: the decode goes direct)
-PARK_CYCLES = 5
-# then as many whose decode restores on each daemon in turn (no Restore first: a caller that does not know the route
-# was parked, e.g. after --park-after), the way every restore went before Restore (stop 48)
-APPEND_CYCLES = PARK_CYCLES
-# then cycles whose restore (Restore first) comes after the workers sat idle past IDLE_ZERO_S: their spares zeroed, so
-# the state is loaded from the store (a session that comes back later than that), where the first cycles resume the
-# cells their park left (Restored.in_place)
-LOADED_CYCLES = 2
-FIRST_LOADED = PARK_CYCLES + APPEND_CYCLES  # the cycle whose restoring decode's logits the re-prefill's are compared with (`loaded_logits`)
-CYCLE_KINDS = ("", "append_", "loaded_")  # the prefixes of each kind's keys: Restore first, the append restores, Restore first after the idle
+CYCLE_KINDS = ("", "append_", "loaded_")  # the prefixes of each kind's keys (options.PARK_CYCLES and the two after it)
+FIRST_LOADED = PARK_CYCLES + APPEND_CYCLES  # the cycle whose decode's logits the re-prefill's are compared with (`loaded_logits`)
 SETTLE_S = IDLE_ZERO_S + 0.3
 PARKED_TARGET = 20.0  # parked sessions per GiB / hot sessions per GiB
 GIB = 1024**3
@@ -62,17 +61,22 @@ def _row(stats: StatsReply, session: str):
 
 
 def _cycle_kind(cycle: int) -> str:
-    return "" if cycle < PARK_CYCLES else "append_" if cycle < FIRST_LOADED else "loaded_"
+    """Restore first ("") and the append restoring ("append_") take turns, so the two kinds share the round's
+    drift (a store that grows, the host's hour); then the LOADED_CYCLES ("loaded_")."""
+    if cycle >= FIRST_LOADED:
+        return "loaded_"
+    return "" if cycle % 2 == 0 else "append_"
 
 
 def _restore_once(route: Route, session: str, tokens: list[int], length: int) -> dict:
-    """Prefill (not timed), then PARK_CYCLES + APPEND_CYCLES + LOADED_CYCLES times: time Park on every daemon at
-    once (kvpool.router.route.Route.park) answered once each save has begun (Park.wait false: the save finishes
-    behind the reply), then a waiting Park on every daemon (answered "already parked" once that daemon's state is
-    in its store: the time from the first park's start to its answer bounds when the saves were done), then the
-    restore and the 1-token decode: Restore on every daemon at once, then the decode (`restore_call_s` the Restore
-    alone), or in the APPEND_CYCLES the decode that restores on each daemon in turn; in the last LOADED_CYCLES after
-    SETTLE_S idle, untimed; then one more decode (hot again). So the restore is timed with every save done, as when
+    """Prefill (not timed), then PARK_CYCLES + APPEND_CYCLES + LOADED_CYCLES times (_cycle_kind): time Park on every
+    daemon at once (kvpool.router.route.Route.park) answered once each save has begun (Park.wait false: the save
+    finishes behind the reply), then a waiting Park on every daemon (answered "already parked" once that daemon's
+    state is in its store: the time from the first park's start to its answer bounds when the saves were done), then
+    the restore and the 1-token decode: Restore on every daemon at once, then the decode (`restore_call_s` the Restore
+    alone; each daemon must answer "restored" with its direct channel), or in the APPEND_CYCLES the decode that
+    restores on each daemon in turn; in the last LOADED_CYCLES after SETTLE_S idle, untimed; then one more decode (hot
+    again). So the restore is timed with every save done, as when
     a session comes back. Lists of the cycles' times by kind (CYCLE_KINDS: the keys' prefix), and per cycle whether
     each daemon's restore resumed its spare's cells; `logits` the first restoring decode's and `loaded_logits` the
     first loaded one's (the re-prefill decodes the same tokens at the same positions)."""
@@ -98,7 +102,7 @@ def _restore_once(route: Route, session: str, tokens: list[int], length: int) ->
         if kind != "append_":
             restored_answers = route.restore(session, EPOCH)  # every daemon at once, as a router restores a route it parked
             got[f"{kind}restore_call_s"].append(time.perf_counter() - started)
-            parked = parked and [done.detail for done in restored_answers] == ["restored"] * len(clients)
+            parked = parked and all(done.detail == "restored" and done.channel for done in restored_answers)
         logits = route.append(session, EPOCH, at, tokens[at : at + 1])
         got[f"{kind}restore_s"].append(time.perf_counter() - started)
         restored = [after - before for after, before in zip(_counters(clients, "restores"), restores)] == [1] * len(clients)
@@ -178,7 +182,7 @@ def measure_warm(shards: Sequence[ShardInfo], tokenizer: Tokenizer, socket_dir: 
               "--n-ctx", str(WARM_N_CTX), "--budget", "1GiB", "--spill-budget", "1GiB"]
     plan = {f"warm{index}": (shard.path, common) for index, shard in enumerate(shards)}
     prompt = tokenizer.encode(tokenizer.chat_prompt(PROMPTS[0]))
-    tokens = long_history(tokenizer, prompt, max(*options.warm_lengths, PARKED_TOKENS) + 2 * (FIRST_LOADED + LOADED_CYCLES))
+    tokens = long_history(tokenizer, prompt, max(*options.warm_lengths, PARKED_TOKENS) + WARM_DECODE_POSITIONS)
     with contextlib.ExitStack() as stack:
         bench_say(f"warm tier: starting {len(plan)} daemons (--n-ctx {WARM_N_CTX}, --max-sessions {WARM_SESSIONS})")
         started = time.perf_counter()
@@ -215,7 +219,7 @@ def summarize_warm(warm: dict) -> tuple[dict, dict, list[Row]]:
     for key, runs in warm["lengths"].items():
         length = int(key)
         park, restore, hot = (median_of(runs[name]) for name in ("park_s", "restore_s", "hot_decode_s"))
-        restore_call = median_of(runs["restore_call_s"])
+        restore_call, loaded_restore_call = median_of(runs["restore_call_s"]), median_of(runs["loaded_restore_call_s"])
         parked_and_restored = median_of([a + b for a, b in zip(runs["park_s"], runs["restore_s"])])
         # what a caller that waited for the saves would have paid: the saves done (bounded by the waiting Park's
         # answer, one round trip over) + the restore and its decode
@@ -230,7 +234,7 @@ def summarize_warm(warm: dict) -> tuple[dict, dict, list[Row]]:
         target = RESTORE_TARGET if length == RESTORE_TARGET_LENGTH else None
         ratios[f"restore_vs_reprefill_{length}"] = headline(ratio, target)
         summary.update({f"s7_park_{length}_s": park, f"s7_restore_decode_{length}_s": restore, f"s7_hot_decode_{length}_s": hot,
-                        f"s7_restore_call_{length}_s": restore_call,
+                        f"s7_restore_call_{length}_s": restore_call, f"s7_loaded_restore_call_{length}_s": loaded_restore_call,
                         f"s7_park_and_restore_{length}_s": parked_and_restored, f"s7_reprefill_{length}_s": reprefill,
                         f"s7_restore_vs_reprefill_{length}": ratio, f"s7_restore_decode_vs_reprefill_{length}": reprefill / restore,
                         f"s7_append_park_{length}_s": append_park, f"s7_append_restore_decode_{length}_s": append_restore,
@@ -246,12 +250,12 @@ def summarize_warm(warm: dict) -> tuple[dict, dict, list[Row]]:
         right_after = runs["in_place"] + runs["append_in_place"]
         in_place, cycles = in_place + sum(map(sum, right_after)), cycles + sum(map(len, right_after))
         loaded_in_place, loaded_cycles = loaded_in_place + sum(map(sum, runs["loaded_in_place"])), loaded_cycles + sum(map(len, runs["loaded_in_place"]))
-        counted = f"{len(runs['park_s'])} cycles, {PARK_CYCLES} per round"
+        counted = f"{len(runs['park_s'])} cycles, {PARK_CYCLES} per round, taking turns with the next row's"
         rows.append(Row("7", f"{length}-token session, 3 daemons: Park on all at once, answered once each save has begun (Park.wait false), + "
                              "Restore on all at once once the saves are done (kvpool.router.route.Route.restore: answered once each daemon holds "
                              "the session hot again, its direct channel bound; in place: the cells each park left) + the 1-token decode "
                              f"(medians of {counted}) vs a fresh session's prefill + the same decode (re-prefill: a cache miss)",
-                        f"{ms(parked_and_restored)} (park {ms(park)}; Restore {ms(restore_call)} + decode: {ms(restore)}, "
+                        f"{ms(parked_and_restored)} (park {ms(park)}; Restore {ms(restore_call)}; Restore + decode {ms(restore)}, "
                         f"{reprefill / restore:.1f}x faster alone; then a hot decode {ms(hot)})",
                         f"{ms(reprefill)} (prefill {ms(median_of(runs['reprefill_prefill_s']))})", f"{ratio:.1f}x faster",
                         "" if target is None else verdict(ratio, target)))
@@ -265,7 +269,8 @@ def summarize_warm(warm: dict) -> tuple[dict, dict, list[Row]]:
                         f"{reprefill / saved_and_restored:.1f}x faster", ""))
         rows.append(Row("7", f"{length}-token session, the same with the restore {SETTLE_S:.1f} s after the park (the workers idle: their "
                              f"spares zeroed, the state loaded from the store; medians of {len(runs['loaded_park_s'])} cycles, {LOADED_CYCLES} per round)",
-                        f"{ms(loaded)} (park {ms(loaded_park)}; Restore + decode {ms(loaded_restore)}, {reprefill / loaded_restore:.1f}x faster alone)",
+                        f"{ms(loaded)} (park {ms(loaded_park)}; Restore {ms(loaded_restore_call)}; Restore + decode {ms(loaded_restore)}, "
+                        f"{reprefill / loaded_restore:.1f}x faster alone)",
                         f"{ms(reprefill)}", f"{reprefill / loaded:.1f}x faster", ""))
     summary["s7_restored_exactly"] = checks
     summary.update({"s7_restores_in_place": in_place, "s7_restores_right_after": cycles,

@@ -191,6 +191,7 @@ class Client:
     def restoring(self, session_id: str, epoch: int, *, admit_timeout_s: float = 0.0) -> Call[Done]:
         """The restore's call, for Client.ask_all: with `direct` (the client's) the daemon binds the session to
         its worker's direct channel, remembered here as an append's reply binds it."""
+        self._channels.forget(session_id, epoch)  # a failed Restore, or one answered without a channel, leaves none behind
         call = restore_call(session_id, epoch, direct=self.direct, admit_timeout_s=admit_timeout_s)
 
         def done(reply: Done) -> Done:

@@ -97,7 +97,7 @@ class KvService:
         self.parking = Parking(self.books, pool, self.lifecycle, self.channels, self.metrics)
         self.gate = Gate(self.books, self.channels, self.lifecycle, self.metrics)
         self.admission = Admission(config, self.books, pool, self.lifecycle, self.calibrator, self.parking, self.channels, self.gate, self.metrics)
-        self.warm = WarmRequests(self.books, self.gate, self.parking, self.admission, pool, self.lifecycle, self.metrics)
+        self.warm = WarmRequests(self.books, self.gate, self.parking, self.admission, self.channels, pool, self.lifecycle, self.metrics)
         self.transfers = Transfers(config, self.books, self.gate, self.warm, self.metrics)
         self.prefixes = PrefixRequests(config, self.books, self.gate, self.warm, pool, self.metrics)
         self.housekeeper = Housekeeper(config, self.books, pool, self.lifecycle, self.parking, self.channels, self.metrics)

@@ -14,6 +14,8 @@ from kvpool.daemon.books.sessions import Session
 from kvpool.daemon.books.spill import CorruptBlob
 from kvpool.daemon.gate import Gate
 from kvpool.daemon.metrics import Metrics
+from kvpool.daemon.pool.channels import Channels
+from kvpool.daemon.pool.errors import WorkerFailed
 from kvpool.daemon.pool.lifecycle import WorkerLifecycle
 from kvpool.daemon.pool.pool import WorkerPool
 from kvpool.wire.checks import check_admit_timeout, check_session_fields
@@ -25,11 +27,12 @@ log = logging.getLogger("kvpool.serve")
 
 class WarmRequests:
     def __init__(
-        self, books: Books, gate: Gate, parking: Parking, admission: Admission, pool: WorkerPool, lifecycle: WorkerLifecycle, metrics: Metrics,
+        self, books: Books, gate: Gate, parking: Parking, admission: Admission, channels: Channels, pool: WorkerPool, lifecycle: WorkerLifecycle,
+        metrics: Metrics,
     ) -> None:
         self.books = books
         self.admission = admission
-        self.channels = admission.channels
+        self.channels = channels
         self.gate = gate
         self.parking = parking
         self.pool = pool
@@ -97,8 +100,9 @@ class WarmRequests:
 
     async def restore(self, request: Restore) -> Done:
         """A parked session hot again now (Admission.restore_now: what the append that restores it would do, done
-        before it, so the restores of a route's daemons overlap), "restored"; a hot one as it is, "hot". With
-        `direct` the reply names the direct channel the session is bound to (a hot one's bound again)."""
+        before it, so the restores of a route's daemons overlap), "restored"; a hot one stays hot, "hot". Entering
+        the session revokes its direct channel, as every request that enters one does; with `direct` the reply names
+        the channel the session is bound to (a hot one's bound again: a second worker round trip)."""
         length = self.gate.length_of(request.session_id, request.epoch)
         check_session_fields(request.session_id, request.epoch, length)
         check_admit_timeout(request.admit_timeout_s, length)
@@ -110,20 +114,29 @@ class WarmRequests:
         async with self.gate.holding(session):
             if session.hot:
                 channel = await self._bound_again(session) if request.direct else ""
-                return _done(session, "hot", channel)
-            channel = await self.admission.restore_now(session, self.admission.deadline_of(request.admit_timeout_s), bind=request.direct)
-            self.gate.check_live(session)
-            self.metrics.count("restore_requests")
-            return _done(session, "restored", channel)
+                detail = "hot"
+            else:
+                channel = await self.admission.restore_now(session, self.admission.deadline_of(request.admit_timeout_s), bind=request.direct)
+                self.metrics.count("restore_requests")
+                detail = "restored"
+            self.gate.check_live(session)  # after the worker's answer: a newer epoch seen meanwhile revokes what was bound (holding)
+            return _done(session, detail, channel)
 
     async def _bound_again(self, session: Session) -> str:
-        """A hot session's direct channel (entering revoked it) bound again: its name, "" where there is none."""
+        """A hot session's direct channel (entering revoked it) bound again: its name, "" where the daemon has none.
+        A refusal is the restore's where it is one (a restore that travelled with a cancelled append, sent first:
+        the session ends, cache_miss), else internal."""
         binding = self.channels.binding(session)
         if binding is None:
             return ""
-        async with self.lifecycle.worker_call(session, refused="binding the direct channel failed"):
-            bound = await self.channels.bind_again(session, binding)
-        return self.channels.bound(session) if bound else ""
+
+        def refused(failure: WorkerFailed) -> RequestFailed:
+            restore = self.admission.restore_refused(session, failure)
+            return restore or RequestFailed(ErrorCode.INTERNAL, f"binding the direct channel failed: {failure}", length=session.length)
+
+        async with self.lifecycle.worker_call(session, refused=refused):
+            await self.pool.get(session.worker_name).bind_channel(binding)
+        return self.channels.bound(session)
 
     async def fork(self, request: Fork) -> Done:
         check_session_fields(request.session_id, request.epoch, self.gate.length_of(request.session_id, request.epoch))

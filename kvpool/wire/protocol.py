@@ -141,9 +141,10 @@ class Park(RequestMessage):
 class Restore(RequestMessage):
     """Make a parked session hot again now, before its next append, so that append computes at once (a route
     restores on all its daemons at once: kvpool.router.route.Route.restore); answered Done "restored", or "hot"
-    for a session that was not parked (left as it is). Room is made as for an append that restores (waiting up to
+    for a session that was not parked (it stays hot). Room is made as for an append that restores (waiting up to
     `admit_timeout_s`); a state that cannot be restored ends the session (cache_miss, as that append's would).
-    With `direct` the session is bound to its worker's direct channel and Done.channel names it."""
+    Like every request that enters a session it revokes the session's direct channel; with `direct` the session
+    is bound to its worker's direct channel again and Done.channel names it."""
 
     session_id: str
     epoch: int

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import signal
 import stat
-import time
 
 import numpy as np
 import pytest
@@ -16,7 +15,6 @@ from kvpool.daemon.books.spill import MAGIC
 from tests.support.daemons import DaemonProcess, checked, in_thread, joined, refused, refused_start, stopped, wait_until
 from tests.support.disks import OLD_MAGIC, failing_writes, own_files
 from workers.runtime.model import ShardModel
-from workers.server.single import IDLE_ZERO_S
 
 N_CTX = 256
 pytestmark = pytest.mark.timeout(3600)
@@ -436,20 +434,21 @@ def test_a_park_without_wait_is_answered_before_its_save_and_what_follows_waits_
         daemon.stop()
 
 
-def test_a_restore_request_after_the_spare_was_zeroed_loads_the_state_and_binds_the_channel(model_path, socket_dir, whole_model, prompt_ids):
+def test_a_restore_request_that_loads_the_state_binds_the_channel_and_continues_exactly(model_path, socket_dir, whole_model, prompt_ids):
     prompt = prompt_ids[0][:8]
-    daemon = _serve(model_path, socket_dir, "restore-loaded", "--max-sessions", "2")
+    daemon = _serve(model_path, socket_dir, "restore-loaded", "--max-sessions", "1", "--min-residency", "0")
     reference = Reference(whole_model)
     try:
         with daemon.client() as client:
             client.append("s", 1, 0, tokens=prompt)
             reference.append(0, prompt)
             assert client.park("s", 1).detail == "parked"
-            time.sleep(IDLE_ZERO_S + 0.3)  # the worker idle past it: its spare zeroed, so the state is loaded from the store
-            restored = client.restore("s", 1)
+            client.append("t", 1, 0, tokens=prompt[:3])  # takes the spare "s"'s park left (zeroed first: another session's)
+            restored = client.restore("s", 1)  # parks "t" for the one place; its spare is zeroed, and "s"'s state loaded
             assert (restored.detail, restored.length) == ("restored", len(prompt)) and restored.channel
             stats = checked(client)
-            assert stats.counters.get("restores_in_place", 0) == 0 and stats.counters["restores_into_spare"] == 1
+            assert {row.session_id: row.tier for row in stats.sessions} == {"s": "hot", "t": "ram"}
+            assert stats.counters.get("restores_in_place", 0) == 0 and stats.counters["restore_requests"] == 1
             direct = stats.counters.get("direct_appends", 0)
             step = client.append("s", 1, len(prompt), tokens=[5])  # on the channel the Restore bound
             assert not step.restored and np.array_equal(step.rows, reference.append(len(prompt), [5]))

@@ -126,6 +126,7 @@ def test_a_restore_request_makes_a_parked_session_hot_before_its_append_and_is_f
         client.fork("s", 1, "f", 1, 2)  # parked from birth
         restored = client.restore("s", 1)
         assert (restored.detail, restored.length, restored.session_id, restored.epoch) == ("restored", 3, "s", 1)
+        assert restored.channel == ""  # fake workers serve no direct channel (a batched one never does): none named
         stats = client.stats()
         assert {row.session_id: row.tier for row in stats.sessions} == {"t": "hot", "s": "hot", "f": "ram"}
         assert (stats.counters["restores"], stats.counters["restore_requests"]) == (1, 1)

@@ -113,8 +113,8 @@ class RestoreState(Command):
 class BindChannel(Command):
     """Serve (session_id, epoch)'s appends from the worker's direct channel too, until any other
     command from the supervisor (every one of them revokes the channel first). The supervisor binds with
-    RunAppend.bind or RestoreState.bind; this stands alone for tools (scripts/probe_direct_path.py) and a
-    binding that a save revoked (a prefix capture's)."""
+    RunAppend.bind or RestoreState.bind; this stands alone for tools (scripts/probe_direct_path.py), a binding
+    that a save revoked (a prefix capture's) and a hot session's Restore (entering the session revoked it)."""
 
     session_id: str
     epoch: int

@@ -26,7 +26,7 @@ from kvpool.daemon.pool.channels import Channels
 from kvpool.daemon.pool.handle import WorkerFailed
 from kvpool.daemon.pool.lifecycle import WorkerLifecycle
 from kvpool.daemon.pool.pool import WorkerPool
-from kvpool.state.shared import close_payload
+from kvpool.state.shared import SharedPayload, close_payload
 from kvpool.wire.errors import RequestFailed
 from kvpool.wire.protocol import Append, ErrorCode, MissReason
 from workers.server.commands import OPEN_FAILED, RESTORE_FAILED, Binding, Restored
@@ -74,7 +74,7 @@ class Admission:
 
     @staticmethod
     def deadline_of(admit_timeout_s: float) -> float:
-        return time.monotonic() + min(max(admit_timeout_s, 0.0), MAX_ADMIT_WAIT_S)
+        return time.monotonic() + min(admit_timeout_s, MAX_ADMIT_WAIT_S)  # checked >= 0 with the request (kvpool.wire.checks.check_admit_timeout)
 
     async def make_room(self, charge: int, n_ctx: int, deadline: float, *, still_wanted=lambda: None) -> AdmissionPlan:
         """A plan that places `charge` bytes on a worker for a context of `n_ctx` positions, taken in turn (kvpool.daemon.admission.queue: over_budget
@@ -166,7 +166,7 @@ class Admission:
         await self._restore_in_worker(session, blob, started, binding)
         return self.channels.bound(session) if binding is not None else ""
 
-    async def _unpark(self, session: Session, deadline: float):
+    async def _unpark(self, session: Session, deadline: float) -> memoryview | SharedPayload:
         """The session's blob out of the store and the session hot in the books on a worker with its charge
         (room made as an admission's); a damaged blob ends the session (cache_miss)."""
         charge = self.charge_for(session.n_ctx)
@@ -180,9 +180,11 @@ class Admission:
 
         try:
             plan = await self.make_room(charge, session.n_ctx, deadline, still_wanted=still_parked)
-        except BaseException:  # a cancelled request too: the blob never stays out of the store
+        except BaseException as error:  # a cancelled request too: the blob never stays out of the store
             if self.books.table.get(session.session_id) is session:
                 self.metrics.count("spill_drops", len(self.books.put_back_blob(session, blob)))
+                if isinstance(error, RequestFailed):
+                    error.length = session.length  # over_budget, draining: about this session, still parked at its length
             else:
                 close_payload(blob)
             raise
@@ -190,7 +192,7 @@ class Admission:
         self.carry_out(plan, evicted_workers)
         return blob
 
-    async def _restore_in_worker(self, session: Session, blob, started: float, binding: Binding | None) -> None:
+    async def _restore_in_worker(self, session: Session, blob: memoryview | SharedPayload, started: float, binding: Binding | None) -> None:
         """The worker's restore of `blob` (and the channel bound with it); its reply counted by `restored`."""
         refused = functools.partial(self._restore_failed, session)
         try:
@@ -203,7 +205,7 @@ class Admission:
         self.restored(restored, time.monotonic() - started)
 
     @staticmethod
-    def _close_soon(blob) -> None:
+    def _close_soon(blob: memoryview | SharedPayload) -> None:
         """Restored or not, the state is no longer the store's: its memory is freed (0.3 ms at 3.76 MiB) once the
         loop next waits, beside the worker's compute of the append that follows (a restore that travels with that
         append holds a descriptor of its own, made before this: workers.server.pipe.prepared_state)."""
