@@ -19,16 +19,15 @@ ROUTE_N_CTX = 1024  # context of the decode and prefill sessions
 WARM_N_CTX = 2048 + 64  # section 7's daemons: a 2048-token session and its decodes fit
 # section 7's park + restore cycles per round, on the one session (kvpool.bench.warm): three parks at once share 2 cores,
 # and their time spreads from 10 to 31 ms at 512 tokens (evidence/warm-tier/README.md, "Stop 38"): a median of 3 rounds
-# did not pin it. PARK_CYCLES restore as a router that parked the route does: Restore on every daemon at once, then the
-# decode (kvpool.router.route.Route.restore: the Restore answered, each daemon's channel bound, the decode goes direct);
-# APPEND_CYCLES, taking turns with them, restore with the decode on each daemon in turn (no Restore first: a caller
-# that does not know the route was parked, e.g. after --park-after; every restore before stop 48); then LOADED_CYCLES
-# restore (Restore first) after the workers sat idle past workers.server.single.IDLE_ZERO_S: their spares zeroed, the
-# state is loaded from the store, where the others resume the cells their park left (Restored.in_place)
+# did not pin it. PARK_CYCLES restore with the decode, on each daemon in turn (the restore travels with the append);
+# REQUEST_CYCLES, taking turns with them, with Restore on every daemon at once first (kvpool.router.route.Route.restore:
+# answered with each daemon's channel bound, the decode goes direct); then LOADED_CYCLES restore with the decode after
+# the workers sat idle past workers.server.single.IDLE_ZERO_S: their spares zeroed, the state is loaded from the store,
+# where the others resume the cells their park left (Restored.in_place)
 PARK_CYCLES = 5
-APPEND_CYCLES = PARK_CYCLES
+REQUEST_CYCLES = PARK_CYCLES
 LOADED_CYCLES = 2
-WARM_DECODE_POSITIONS = 2 * (PARK_CYCLES + APPEND_CYCLES + LOADED_CYCLES)  # each cycle's decode and the hot one after it
+WARM_DECODE_POSITIONS = 2 * (PARK_CYCLES + REQUEST_CYCLES + LOADED_CYCLES)  # each cycle's decode and the hot one after it
 DURABLE_N_CTX = 2048 + 64  # section 10's daemon: a 2048-token session and its next token fit
 MOVE_N_CTX = 2048 + 64  # section 11's daemons: the same
 # section 12's daemons and llama.cpp reference: a 1,056-token prompt in a chat-sized context, the size of sections 7,

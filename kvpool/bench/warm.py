@@ -17,10 +17,10 @@ from collections.abc import Sequence
 import numpy as np
 
 from kvpool.bench.options import (
-    APPEND_CYCLES,
     EPOCH,
     LOADED_CYCLES,
     PARK_CYCLES,
+    REQUEST_CYCLES,
     WARM_DECODE_POSITIONS,
     WARM_N_CTX,
     BenchOptions,
@@ -40,10 +40,10 @@ from workers.server.single import IDLE_ZERO_S
 WARM_SESSIONS = 2  # workers per daemon: the parked session's restore and a fresh session never wait for one
 PARKED_TOKENS = 256
 PARKED_N_CTX = 2048
-RESTORE_TARGET = 100.0  # (prefill + decode of a fresh session) / (Park answered + Restore + the decode): issue 29's
+RESTORE_TARGET = 100.0  # (prefill + decode of a fresh session) / (Park answered + the decode that restores): issue 29's
 RESTORE_TARGET_LENGTH = 512
-CYCLE_KINDS = ("", "append_", "loaded_")  # the prefixes of each kind's keys (options.PARK_CYCLES and the two after it)
-FIRST_LOADED = PARK_CYCLES + APPEND_CYCLES  # the cycle whose decode's logits the re-prefill's are compared with (`loaded_logits`)
+CYCLE_KINDS = ("", "request_", "loaded_")  # the prefixes of each kind's keys (options.PARK_CYCLES, REQUEST_CYCLES, LOADED_CYCLES)
+FIRST_LOADED = PARK_CYCLES + REQUEST_CYCLES  # the cycle whose decode's logits the re-prefill's are compared with (`loaded_logits`)
 SETTLE_S = IDLE_ZERO_S + 0.3
 PARKED_TARGET = 20.0  # parked sessions per GiB / hot sessions per GiB
 GIB = 1024**3
@@ -61,29 +61,29 @@ def _row(stats: StatsReply, session: str):
 
 
 def _cycle_kind(cycle: int) -> str:
-    """Restore first ("") and the append restoring ("append_") take turns, so the two kinds share the round's
+    """The decode restoring ("") and Restore first ("request_") take turns, so the two kinds share the round's
     drift (a store that grows, the host's hour); then the LOADED_CYCLES ("loaded_")."""
     if cycle >= FIRST_LOADED:
         return "loaded_"
-    return "" if cycle % 2 == 0 else "append_"
+    return "" if cycle % 2 == 0 else "request_"
 
 
 def _restore_once(route: Route, session: str, tokens: list[int], length: int) -> dict:
-    """Prefill (not timed), then PARK_CYCLES + APPEND_CYCLES + LOADED_CYCLES times (_cycle_kind): time Park on every
+    """Prefill (not timed), then PARK_CYCLES + REQUEST_CYCLES + LOADED_CYCLES times (_cycle_kind): time Park on every
     daemon at once (kvpool.router.route.Route.park) answered once each save has begun (Park.wait false: the save
     finishes behind the reply), then a waiting Park on every daemon (answered "already parked" once that daemon's
     state is in its store: the time from the first park's start to its answer bounds when the saves were done), then
-    the restore and the 1-token decode: Restore on every daemon at once, then the decode (`restore_call_s` the Restore
-    alone; each daemon must answer "restored" with its direct channel), or in the APPEND_CYCLES the decode that
-    restores on each daemon in turn; in the last LOADED_CYCLES after SETTLE_S idle, untimed; then one more decode (hot
-    again). So the restore is timed with every save done, as when
-    a session comes back. Lists of the cycles' times by kind (CYCLE_KINDS: the keys' prefix), and per cycle whether
-    each daemon's restore resumed its spare's cells; `logits` the first restoring decode's and `loaded_logits` the
-    first loaded one's (the re-prefill decodes the same tokens at the same positions)."""
+    the 1-token decode that restores on each daemon in turn (in the last LOADED_CYCLES after SETTLE_S idle, untimed),
+    or in the REQUEST_CYCLES Restore on every daemon at once (kvpool.router.route.Route.restore; `request_call_s` the
+    Restore alone; each daemon must answer "restored" with its direct channel) and then the decode; then one more
+    decode (hot again). So the restore is timed with every save done, as when a session comes back. Lists of the
+    cycles' times by kind (CYCLE_KINDS: the keys' prefix), and per cycle whether each daemon's restore resumed its
+    spare's cells; `logits` the first restoring decode's and `loaded_logits` the first loaded one's (the re-prefill
+    decodes the same tokens at the same positions)."""
     clients = route.clients
     route.append(session, EPOCH, 0, tokens[:length])
     got: dict = {f"{kind}{name}": [] for kind in CYCLE_KINDS for name in ("park_s", "saved_s", "restore_s", "in_place")}
-    got |= {"restore_call_s": [], "loaded_restore_call_s": [], "hot_decode_s": [], "restored_everywhere": True}
+    got |= {"request_call_s": [], "hot_decode_s": [], "restored_everywhere": True}
     for cycle in range(FIRST_LOADED + LOADED_CYCLES):
         kind = _cycle_kind(cycle)
         at = length + 2 * cycle
@@ -99,9 +99,9 @@ def _restore_once(route: Route, session: str, tokens: list[int], length: int) ->
         if kind == "loaded_":
             time.sleep(SETTLE_S)
         started = time.perf_counter()
-        if kind != "append_":
+        if kind == "request_":
             restored_answers = route.restore(session, EPOCH)  # every daemon at once, as a router restores a route it parked
-            got[f"{kind}restore_call_s"].append(time.perf_counter() - started)
+            got["request_call_s"].append(time.perf_counter() - started)
             parked = parked and all(done.detail == "restored" and done.channel for done in restored_answers)
         logits = route.append(session, EPOCH, at, tokens[at : at + 1])
         got[f"{kind}restore_s"].append(time.perf_counter() - started)
@@ -134,7 +134,7 @@ def _reprefill_once(route: Route, session: str, tokens: list[int], length: int) 
 
 
 CYCLE_KEYS = tuple(f"{kind}{name}" for kind in CYCLE_KINDS for name in ("park_s", "saved_s", "restore_s", "in_place")) + (
-    "restore_call_s", "loaded_restore_call_s", "hot_decode_s")
+    "request_call_s", "hot_decode_s")
 
 
 def _measure_length(route: Route, tokens: list[int], length: int, repeats: int) -> dict:
@@ -219,26 +219,25 @@ def summarize_warm(warm: dict) -> tuple[dict, dict, list[Row]]:
     for key, runs in warm["lengths"].items():
         length = int(key)
         park, restore, hot = (median_of(runs[name]) for name in ("park_s", "restore_s", "hot_decode_s"))
-        restore_call, loaded_restore_call = median_of(runs["restore_call_s"]), median_of(runs["loaded_restore_call_s"])
         parked_and_restored = median_of([a + b for a, b in zip(runs["park_s"], runs["restore_s"])])
         # what a caller that waited for the saves would have paid: the saves done (bounded by the waiting Park's
-        # answer, one round trip over) + the restore and its decode
+        # answer, one round trip over) + the restoring decode
         saved = median_of(runs["saved_s"])
         saved_and_restored = median_of([a + b for a, b in zip(runs["saved_s"], runs["restore_s"])])
         loaded_park, loaded_restore = median_of(runs["loaded_park_s"]), median_of(runs["loaded_restore_s"])
         loaded = median_of([a + b for a, b in zip(runs["loaded_park_s"], runs["loaded_restore_s"])])
-        append_park, append_restore = median_of(runs["append_park_s"]), median_of(runs["append_restore_s"])
-        append_total = median_of([a + b for a, b in zip(runs["append_park_s"], runs["append_restore_s"])])
+        request_park, request_call, request_restore = (median_of(runs[name]) for name in ("request_park_s", "request_call_s", "request_restore_s"))
+        request_total = median_of([a + b for a, b in zip(runs["request_park_s"], runs["request_restore_s"])])
         reprefill = median_of(runs["reprefill_s"])
         ratio = reprefill / parked_and_restored
         target = RESTORE_TARGET if length == RESTORE_TARGET_LENGTH else None
         ratios[f"restore_vs_reprefill_{length}"] = headline(ratio, target)
         summary.update({f"s7_park_{length}_s": park, f"s7_restore_decode_{length}_s": restore, f"s7_hot_decode_{length}_s": hot,
-                        f"s7_restore_call_{length}_s": restore_call, f"s7_loaded_restore_call_{length}_s": loaded_restore_call,
                         f"s7_park_and_restore_{length}_s": parked_and_restored, f"s7_reprefill_{length}_s": reprefill,
                         f"s7_restore_vs_reprefill_{length}": ratio, f"s7_restore_decode_vs_reprefill_{length}": reprefill / restore,
-                        f"s7_append_park_{length}_s": append_park, f"s7_append_restore_decode_{length}_s": append_restore,
-                        f"s7_append_park_and_restore_{length}_s": append_total, f"s7_append_restore_vs_reprefill_{length}": reprefill / append_total,
+                        f"s7_request_park_{length}_s": request_park, f"s7_request_call_{length}_s": request_call,
+                        f"s7_request_restore_decode_{length}_s": request_restore, f"s7_request_park_and_restore_{length}_s": request_total,
+                        f"s7_request_restore_vs_reprefill_{length}": reprefill / request_total,
                         f"s7_loaded_park_{length}_s": loaded_park, f"s7_loaded_restore_decode_{length}_s": loaded_restore,
                         f"s7_loaded_park_and_restore_{length}_s": loaded, f"s7_loaded_restore_vs_reprefill_{length}": reprefill / loaded,
                         f"s7_loaded_restore_decode_vs_reprefill_{length}": reprefill / loaded_restore,
@@ -247,30 +246,30 @@ def summarize_warm(warm: dict) -> tuple[dict, dict, list[Row]]:
                         f"s7_loaded_saved_{length}_s": median_of(runs["loaded_saved_s"])})
         checks = checks and all(runs["restored_everywhere"]) and all(runs["logits_identical"])
         # the path each daemon's restore took: its own park's cells resumed (right after), the state loaded (after the idle)
-        right_after = runs["in_place"] + runs["append_in_place"]
+        right_after = runs["in_place"] + runs["request_in_place"]
         in_place, cycles = in_place + sum(map(sum, right_after)), cycles + sum(map(len, right_after))
         loaded_in_place, loaded_cycles = loaded_in_place + sum(map(sum, runs["loaded_in_place"])), loaded_cycles + sum(map(len, runs["loaded_in_place"]))
         counted = f"{len(runs['park_s'])} cycles, {PARK_CYCLES} per round, taking turns with the next row's"
         rows.append(Row("7", f"{length}-token session, 3 daemons: Park on all at once, answered once each save has begun (Park.wait false), + "
-                             "Restore on all at once once the saves are done (kvpool.router.route.Route.restore: answered once each daemon holds "
-                             "the session hot again, its direct channel bound; in place: the cells each park left) + the 1-token decode "
-                             f"(medians of {counted}) vs a fresh session's prefill + the same decode (re-prefill: a cache miss)",
-                        f"{ms(parked_and_restored)} (park {ms(park)}; Restore {ms(restore_call)}; Restore + decode {ms(restore)}, "
-                        f"{reprefill / restore:.1f}x faster alone; then a hot decode {ms(hot)})",
+                             f"the 1-token decode that restores on each once the saves are done (in place: the cells each park left; medians of "
+                             f"{counted}) vs a fresh session's prefill + the same decode (re-prefill: a cache miss)",
+                        f"{ms(parked_and_restored)} (park {ms(park)}; restoring decode {ms(restore)}, {reprefill / restore:.1f}x faster alone; "
+                        f"then a hot decode {ms(hot)})",
                         f"{ms(reprefill)} (prefill {ms(median_of(runs['reprefill_prefill_s']))})", f"{ratio:.1f}x faster",
                         "" if target is None else verdict(ratio, target)))
-        rows.append(Row("7", f"{length}-token session, the same without Restore: the 1-token decode restores on each daemon in turn (the restore "
-                             f"travels with the append through each supervisor; medians of {len(runs['append_park_s'])} cycles, {APPEND_CYCLES} per round)",
-                        f"{ms(append_total)} (park {ms(append_park)}; restoring decode {ms(append_restore)}, {reprefill / append_restore:.1f}x faster alone)",
-                        f"{ms(reprefill)}", f"{reprefill / append_total:.1f}x faster", ""))
+        rows.append(Row("7", f"{length}-token session, the same with Restore on all at once before the decode (kvpool.router.route.Route.restore: "
+                             f"answered once each daemon holds the session hot again, its direct channel bound; medians of "
+                             f"{len(runs['request_park_s'])} cycles, {REQUEST_CYCLES} per round)",
+                        f"{ms(request_total)} (park {ms(request_park)}; Restore {ms(request_call)}; Restore + decode {ms(request_restore)}, "
+                        f"{reprefill / request_restore:.1f}x faster alone)",
+                        f"{ms(reprefill)}", f"{reprefill / request_total:.1f}x faster", ""))
         rows.append(Row("7", f"{length}-token session, the same for a caller that waits for the saves: from the park's start until a waiting Park "
-                             "on every daemon answered (its state in the store), + Restore + the decode",
+                             "on every daemon answered (its state in the store), + the restoring decode",
                         f"{ms(saved_and_restored)} (saves done within {ms(saved)})", f"{ms(reprefill)}",
                         f"{reprefill / saved_and_restored:.1f}x faster", ""))
         rows.append(Row("7", f"{length}-token session, the same with the restore {SETTLE_S:.1f} s after the park (the workers idle: their "
                              f"spares zeroed, the state loaded from the store; medians of {len(runs['loaded_park_s'])} cycles, {LOADED_CYCLES} per round)",
-                        f"{ms(loaded)} (park {ms(loaded_park)}; Restore {ms(loaded_restore_call)}; Restore + decode {ms(loaded_restore)}, "
-                        f"{reprefill / loaded_restore:.1f}x faster alone)",
+                        f"{ms(loaded)} (park {ms(loaded_park)}; restoring decode {ms(loaded_restore)}, {reprefill / loaded_restore:.1f}x faster alone)",
                         f"{ms(reprefill)}", f"{reprefill / loaded:.1f}x faster", ""))
     summary["s7_restored_exactly"] = checks
     summary.update({"s7_restores_in_place": in_place, "s7_restores_right_after": cycles,
@@ -300,7 +299,7 @@ def summarize_warm(warm: dict) -> tuple[dict, dict, list[Row]]:
 def draw_warm(restore_axis, memory_axis, summary: dict, lengths: Sequence[int]) -> None:
     """Section 7's two panels of the chart (matplotlib axes)."""
     positions = np.arange(len(lengths))
-    for offset, (key, label, color) in enumerate([("s7_park_and_restore_{}_s", "park + restore + decode", "#4472c4"),
+    for offset, (key, label, color) in enumerate([("s7_park_and_restore_{}_s", "park + restoring decode", "#4472c4"),
                                                   ("s7_reprefill_{}_s", "re-prefill + decode", "#a5a5a5")]):
         restore_axis.bar(positions + (offset - 0.5) * 0.4, [summary[key.format(n)] * 1e3 for n in lengths], 0.4, label=label, color=color)
     restore_axis.set_yscale("log")

@@ -70,7 +70,7 @@ def test_quick_bench_prints_every_section_and_writes_json_and_png(quick_bench) -
     for expected in ("daemon vs the same shard in-process", "3 shard daemons vs the whole model", "four sessions: kvpool whole model",
                      "prefill 512 rows", "admit n_ctx 8192", "release -> bytes available", "LRU eviction + admission",
                      "one session n_ctx 2048: charged", "whole-model daemon USS", "128-token session, 3 daemons: Park on all at once",
-                     "512-token session, 3 daemons: Park on all at once", "512-token session, the same without Restore", "sessions per GiB, 256 tokens at n_ctx 2048",
+                     "512-token session, 3 daemons: Park on all at once", "512-token session, the same with Restore on all at once before the decode", "sessions per GiB, 256 tokens at n_ctx 2048",
                      "overload, warm tier on", "overload, warm tier off",
                      "four sessions: kvpool whole model, 1 daemon, --mode batched", "four sessions: kvpool 3-shard chain, --mode batched",
                      "--mode batched vs --mode process", "--mode auto picks",
