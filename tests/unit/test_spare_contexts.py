@@ -134,27 +134,8 @@ def test_a_route_parks_on_every_daemon_at_once_and_a_failing_stage_is_raised_aft
             client.__exit__(None, None, None)
 
 
-def test_a_restore_that_finds_no_room_puts_the_state_back_and_comes_back_later(serve, fake_model):
-    kinds = fake_kinds()
-    daemon = serve(fake_model, "--max-sessions", "1", kinds=kinds)
-    with daemon.client() as client, daemon.client() as other:
-        client.append("parked", 1, 0, tokens=[1, 2, 3])
-        client.park("parked", 1)
-        client.append("busy", 1, 0, tokens=[4])  # into the parked session's spare: the one place
-        kinds[0].behaviour.row_delay_s = 0.05  # from now on a 40-row append takes 2 s: the place stays busy
-        busy = in_thread(lambda: other.append("busy", 1, 1, tokens=list(range(40))))
-        wait_until(lambda: any(row.in_flight for row in client.stats().sessions), "the busy session's append in flight")
-        full = refused(lambda: client.append("parked", 1, 3, tokens=[5], admit_timeout_s=0.0))
-        assert (full.code, full.length) == ("over_budget", 3)  # the session's length, as every reply carries it
-        stats = checked(client)  # the state went back to the store: the session is still parked, whole
-        assert {row.session_id: row.tier for row in stats.sessions} == {"parked": "ram", "busy": "hot"}
-        kinds[0].behaviour.row_delay_s = 0.0
-        assert result(*busy).length == 41
-        back = client.append("parked", 1, 3, tokens=[5], admit_timeout_s=10.0)
-        assert back.restored and np.array_equal(back.rows, rows_of(client, [1, 2, 3, 5]))
-
-
-def test_a_restore_request_that_finds_no_room_is_over_budget_and_leaves_the_state_in_the_store(serve, fake_model):
+@pytest.mark.parametrize("by", ["append", "restore"])
+def test_a_restore_that_finds_no_room_puts_the_state_back_and_comes_back_later(serve, fake_model, by):
     kinds = fake_kinds()
     daemon = serve(fake_model, "--max-sessions", "1", kinds=kinds)
     with daemon.client() as client, daemon.client() as other:
@@ -165,17 +146,23 @@ def test_a_restore_request_that_finds_no_room_is_over_budget_and_leaves_the_stat
         kinds[0].behaviour.row_delay_s = 0.05  # from now on a 40-row append takes 2 s: the place stays busy
         busy = in_thread(lambda: other.append("busy", 1, 1, tokens=list(range(40))))
         wait_until(lambda: any(row.in_flight for row in client.stats().sessions), "the busy session's append in flight")
-        full = refused(lambda: client.restore("parked", 1))
-        assert (full.code, full.length) == ("over_budget", 3)
+
+        def restore(wait_s: float):  # the append that restores it, or a Restore before that append
+            if by == "append":
+                return client.append("parked", 1, 3, tokens=[5], admit_timeout_s=wait_s)
+            return client.restore("parked", 1, admit_timeout_s=wait_s)
+
+        full = refused(lambda: restore(0.0))
+        assert (full.code, full.length) == ("over_budget", 3)  # the session's length, as every reply carries it
         stats = checked(client)  # the state went back to the store: the session is still parked, whole
         assert {row.session_id: row.tier for row in stats.sessions} == {"parked": "ram", "busy": "hot"}
-        assert stats.budget.spill_bytes == spill and stats.counters.get("restore_requests", 0) == 0
+        assert stats.budget.spill_bytes == spill and stats.counters.get("restores", 0) == 0
         kinds[0].behaviour.row_delay_s = 0.0
         assert result(*busy).length == 41
-        assert client.restore("parked", 1, admit_timeout_s=10.0).detail == "restored"  # parks "busy", idle now, for the place
+        came_back = restore(10.0)  # parks "busy", idle now, for the place
         assert {row.session_id: row.tier for row in checked(client).sessions} == {"parked": "hot", "busy": "ram"}
-        back = client.append("parked", 1, 3, tokens=[5])
-        assert not back.restored and np.array_equal(back.rows, rows_of(client, [1, 2, 3, 5]))
+        back = came_back if by == "append" else client.append("parked", 1, 3, tokens=[5])
+        assert back.restored == (by == "append") and np.array_equal(back.rows, rows_of(client, [1, 2, 3, 5]))
 
 
 def test_a_park_after_idle_time_frees_the_context_and_keeps_no_spare(serve, fake_model):
