@@ -62,6 +62,7 @@ def render(stats: StatsReply) -> str:
         f"mode    {stats.mode_detail or stats.mode}",
         _huge_pages_line(stats),
         f"threads {stats.threads_detail or 'n/a'}",
+        f"keep warm {stats.keep_warm or 'n/a'}",
         f"budget  reserved {format_bytes(budget.reserved_bytes)} / limit {format_bytes(budget.limit_bytes)}   "
         + (f"spare contexts {format_bytes(budget.spare_bytes)}   " if budget.spare_bytes else "")
         + f"measured USS {format_bytes(budget.measured_uss_bytes)}"

@@ -27,6 +27,7 @@ DEFAULT_MAX_IMPORT_BYTES = 256 * 1024**2
 DEFAULT_PREFIX_BLOCK = 32
 MAX_PREFIX_BLOCK = 4096
 DEFAULT_PREFIX_CACHE_BYTES = 256 * 1024**2
+MAX_KEEP_WARM_S = 3600.0  # --keep-warm: an hour of spinning after a request is surely a typo
 
 
 HUGE_PAGES = ("auto", "off")  # auto: each worker collapses its load's own memory into transparent huge pages where the kernel offers them
@@ -94,6 +95,7 @@ class ServeConfig:
     idle_spin: int = flag('--idle-spin', "how long a worker's llama.cpp threads, with more than one to a worker, spin waiting before they sleep, in libgomp's spin iterations (GOMP_SPINCOUNT): they wait so at every step's barriers and between steps. Short enough that a worker done with its step leaves the cores to the next shard's worker, the client and the supervisor (libgomp's own default, 300000, kept them spinning well past their step: a 3-daemon route at --threads-per-worker 2 on 2 cores decoded 1.14-1.21x slower at ~1B, 1.5x at the bundled model); 0 sleeps at once, which makes every barrier a trip through the kernel. A GOMP_SPINCOUNT or OMP_WAIT_POLICY in the daemon's environment is kept instead; `kvpool status` says which applies (default {default})", default=DEFAULT_IDLE_SPIN, type=int)
     flash_attn: bool = flag('--flash-attn', 'use flash attention (all shards of a route must agree)', default=False, action='store_true')
     huge_pages: str = flag('--huge-pages', "auto: right after loading the shard, each worker asks the kernel to move the memory the load allocated (the weights llama.cpp repacks for this CPU: Q4_0, Q4_K, IQ4_NL, ...) into transparent huge pages (2 MiB on x86-64; MADV_COLLAPSE, Linux >= 6.1) where it offers them (THP always or madvise), so that a decode step, which reads them all, takes the same time in every process; contexts keep ordinary pages. `kvpool status` shows what the first worker's load asked and the bytes the workers held. off: nothing asked (default {default})", default='auto', choices=HUGE_PAGES)
+    keep_warm_s: float = flag('--keep-warm', "seconds after each session request during which the daemon keeps every CPU it may run on busy with an idle-priority spinner (SCHED_IDLE: it runs only when nothing else wants the CPU and yields to any task at once; one spinner a CPU for every kvpool daemon of the machine), so that the next request's worker, and the client, wake on a running CPU rather than a halted one: a route's hops otherwise pay a halted CPU's wake-up on every token, more the longer the other shards compute (kvpool.daemon.keep_warm). The CPUs then show busy while sessions are active. 0 turns it off (default {default})", default=1.0, type=float, metavar='SECONDS')
     background_nice: int = flag('--background-nice', 'process mode: how much lower a worker runs the saves no caller waits for (a park answered before its save, --park-after, --persist-after), as a nice value over its own, so that the requests being answered take the cores first; it helps daemons that share cores and a scheduling group (started together on one host), and under full load such a save, and what waits for it, takes longer. 0: at the worker\'s own priority (0-19, default {default})', default=BACKGROUND_NICE, type=int)
     max_request_bytes: int = flag('--max-request-bytes', 'largest request frame accepted (default {default})', default=DEFAULT_MAX_REQUEST_BYTES, parse=parse_bytes)
     ready_timeout_s: float = 60.0
@@ -156,6 +158,8 @@ class ServeConfig:
             problems.append("--request-timeout must be positive")
         if self.housekeeping_interval_s <= 0:
             problems.append("--housekeeping-interval must be positive")
+        if not 0 <= self.keep_warm_s <= MAX_KEEP_WARM_S:  # NaN fails both comparisons
+            problems.append(f"--keep-warm must be in [0, {MAX_KEEP_WARM_S:g}] seconds")
         if self.min_residency_s is not None and self.min_residency_s < 0:
             problems.append("--min-residency must be >= 0")
         if self.fence_ids < 1:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from kvpool.daemon.books.books import Books
 from kvpool.daemon.books.sessions import EpochCheck, Session
@@ -25,8 +25,12 @@ ENDED_WHILE_WAITING = "the session ended while this request waited"
 
 
 class Gate:
-    def __init__(self, books: Books, channels: Channels, lifecycle: WorkerLifecycle, metrics: Metrics) -> None:
+    def __init__(
+        self, books: Books, channels: Channels, lifecycle: WorkerLifecycle, metrics: Metrics, *, on_leave: Callable[[], None] | None = None,
+    ) -> None:
+        """`on_leave`: called as every session request leaves (the daemon's --keep-warm stamp)."""
         self.books = books
+        self.on_leave = on_leave or (lambda: None)
         self.channels = channels
         self.lifecycle = lifecycle
         self.metrics = metrics
@@ -107,6 +111,7 @@ class Gate:
         session.lock.release()
         session.in_flight -= 1
         session.last_used = time.monotonic()
+        self.on_leave()
         if session.in_flight == 0:
             await self.lifecycle.notify_capacity()  # idle now, so evictable: wake admissions waiting for room
 

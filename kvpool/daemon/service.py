@@ -25,6 +25,7 @@ from kvpool.daemon.config import ServeConfig
 from kvpool.daemon.gate import Gate
 from kvpool.daemon.gpu import VramMeter
 from kvpool.daemon.housekeeping import Housekeeper
+from kvpool.daemon.keep_warm import KeepWarm
 from kvpool.daemon.metrics import Metrics
 from kvpool.daemon.pool.channels import Channels
 from kvpool.daemon.pool.compute import ComputeSlots
@@ -65,8 +66,11 @@ from workers.server.commands import OPEN_FAILED
 class KvService:
     def __init__(
         self, config: ServeConfig, pool: WorkerPool, shard: ShardDescription, kv_bytes_per_position: int, identity: StateIdentity = UNBOUND,
+        *, keep_warm: KeepWarm | None = None,
     ) -> None:
+        """`keep_warm`: the daemon's spinners (--keep-warm), told of every session request's end."""
         self.config = config
+        self.keep_warm = keep_warm
         self.pool = pool
         self.shard = shard
         self.metrics = Metrics()
@@ -95,7 +99,7 @@ class KvService:
         )
         self.channels = Channels(self.books, pool, self.lifecycle, enabled=config.uses_direct_channels)
         self.parking = Parking(self.books, pool, self.lifecycle, self.channels, self.metrics)
-        self.gate = Gate(self.books, self.channels, self.lifecycle, self.metrics)
+        self.gate = Gate(self.books, self.channels, self.lifecycle, self.metrics, on_leave=keep_warm.touch if keep_warm is not None else None)
         self.admission = Admission(config, self.books, pool, self.lifecycle, self.calibrator, self.parking, self.channels, self.gate, self.metrics)
         self.warm = WarmRequests(self.books, self.gate, self.parking, self.admission, self.channels, pool, self.lifecycle, self.metrics)
         self.transfers = Transfers(config, self.books, self.gate, self.warm, self.metrics)
@@ -303,6 +307,7 @@ class KvService:
             | self.books.table.fence_counts() | {"admissions_waiting": len(self.admission.queue)},
             calibration=self.calibrator.rows(),
             mode=self.config.mode, mode_detail=self.mode_detail(), huge_pages=self.huge_pages, threads_detail=self.threads_detail,
+            keep_warm=self.keep_warm.describe() if self.keep_warm is not None else "",
         )
 
     def mode_detail(self) -> str:

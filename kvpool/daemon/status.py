@@ -38,6 +38,7 @@ def build_stats(
     mode_detail: str = "",
     huge_pages: str = "",
     threads_detail: str = "",
+    keep_warm: str = "",
 ) -> StatsReply:
     """`usses` are the measured USS of `workers`, in that order."""
     now = time.monotonic()
@@ -85,4 +86,5 @@ def build_stats(
         mode_detail=mode_detail,
         huge_pages=huge_pages,
         threads_detail=threads_detail,
+        keep_warm=keep_warm,
     )

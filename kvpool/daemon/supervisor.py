@@ -35,6 +35,7 @@ from kvpool.daemon.books.sealing import shard_identity
 from kvpool.daemon.books.spill import wait_for_disk_dir
 from kvpool.daemon.config import ServeConfig
 from kvpool.daemon.drain import Drain, DrainOutcome
+from kvpool.daemon.keep_warm import KeepWarm
 from kvpool.daemon.mode_probe import probe_modes
 from kvpool.daemon.notify import Notifier
 from kvpool.daemon.pool.handle import PoolSpec
@@ -83,8 +84,9 @@ MODE_PROBE_N_CTX = 64  # per probe session: its sessions hold a few rows  # hous
 log = logging.getLogger("kvpool.serve")
 
 
-def build_pool(config: ServeConfig, info: ShardInfo, kinds: tuple[type, type] | None = None) -> WorkerPool:
-    """The daemon's worker pool (not started): one worker per session place, segments sized for the shard."""
+def build_pool(config: ServeConfig, info: ShardInfo, kinds: tuple[type, type] | None = None, *, keep_warm_block: str = "") -> WorkerPool:
+    """The daemon's worker pool (not started): one worker per session place, segments sized for the shard;
+    `keep_warm_block`: the --keep-warm stamp its workers' direct channels touch ("": none)."""
     segment = SegmentRegions.for_shard(info.shape, n_ctx=config.n_ctx, max_request_bytes=config.max_request_bytes)
     return WorkerPool(
         PoolSpec(
@@ -103,6 +105,7 @@ def build_pool(config: ServeConfig, info: ShardInfo, kinds: tuple[type, type] | 
                 huge_pages=config.loads_in_huge_pages,
                 background_nice=config.background_nice,
                 idle_spin=config.idle_spin,
+                keep_warm_block=keep_warm_block,
             ),
             size=config.max_sessions,
             ready_timeout_s=config.ready_timeout_s,
@@ -174,8 +177,13 @@ class Supervisor:
         config = self.config
         info = read_shard_info(config.model)
         block_sha256 = verified_block_digests(info)  # WeightsMismatch: refused before any worker starts
-        pool = build_pool(config, info, self._worker_kinds)
-        check_room_for(config.worker_processes, pool.spec.worker.segment)
+        keep_warm = KeepWarm(config.keep_warm_s)
+        try:
+            pool = build_pool(config, info, self._worker_kinds, keep_warm_block=keep_warm.name)
+            check_room_for(config.worker_processes, pool.spec.worker.segment)
+        except BaseException:
+            keep_warm.close()
+            raise
         self._announce(
             f"starting {config.worker_processes} workers on {config.model.name} "
             + (f"(batched: {config.seqs_per_worker} sessions each, one context of {config.seqs_per_worker} x {config.n_ctx} positions; " if config.batched else "(")
@@ -198,7 +206,7 @@ class Supervisor:
                 info, block_sha256=block_sha256, flash_attn=config.flash_attn, kv_bytes_per_position=ready.kv_bytes_per_position,
                 seqs_per_context=config.seqs_per_worker if config.batched else 1,
             )
-            self.service = service = KvService(config, pool, shard, ready.kv_bytes_per_position, identity)
+            self.service = service = KvService(config, pool, shard, ready.kv_bytes_per_position, identity, keep_warm=keep_warm)
             service.huge_pages = f"--huge-pages {config.huge_pages}" + (f"; the first worker's load: {ready.huge_pages}" if ready.huge_pages else "")
             service.threads_detail = threads_detail(config.worker_threads, ready.idle_spin)
             if config.worker_threads > 1 and (kept := kept_setting()):
@@ -238,6 +246,7 @@ class Supervisor:
                 buffered_request_bytes=config.buffered_request_limit_bytes, max_connections=config.max_connections,
             )
             server = SocketTransport(config.socket, hello, self.dispatch, max_request_bytes=config.max_request_bytes, limits=limits)
+            keep_warm.start()  # asleep until the first session request
             await server.start()
             if config.metrics_port is not None:
                 port = service.metrics.serve_http(config.metrics_port)
@@ -267,6 +276,7 @@ class Supervisor:
             for worker in pool.workers():
                 worker.set_abort(True)  # interrupt in-flight appends so workers can exit promptly
             await asyncio.to_thread(pool.close)
+            keep_warm.close()
             if self.service is not None:
                 self.service.close(keep_spill_files=True)  # every stop: what is on disk stays for the next daemon
             self._announce("stopped")

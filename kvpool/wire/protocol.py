@@ -373,6 +373,7 @@ class StatsReply(ReplyMessage):
     mode_detail: str = ""  # why this mode, and its shape (sessions per worker process)
     huge_pages: str = ""  # --huge-pages and what the first worker's load asked for (workers.runtime.huge_pages.Collapse.describe)
     threads_detail: str = ""  # a worker's llama threads and how its idle ones spin (--idle-spin; workers.server.spin): prose for `kvpool status`
+    keep_warm: str = ""  # --keep-warm and what each spinner does now (kvpool.daemon.keep_warm.KeepWarm.describe): prose for `kvpool status`
     prefixes: PrefixStoreRow | None = None  # None: no prefix store
 
 

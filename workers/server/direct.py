@@ -31,6 +31,7 @@ from workers.runtime.errors import ShardRuntimeError
 from workers.runtime.sampling import answer
 from workers.server.direct_cancels import DirectCancels
 from workers.server.direct_words import DirectWords
+from workers.server.keep_warm_stamp import Stamp
 from workers.server.segment import ABORT_FLAG_OFFSET
 from workers.server.spec import FRAME_DEADLINE_S
 
@@ -169,8 +170,10 @@ class DirectChannel:
     registered in the worker's selector: the listener with this channel as data, each peer with itself."""
 
     def __init__(self, address: str, server: WorkerServer, segment, cancel_connection, selector: selectors.BaseSelector,
-                 frame_deadline_s: float = FRAME_DEADLINE_S) -> None:
+                 frame_deadline_s: float = FRAME_DEADLINE_S, *, keep_warm: Stamp | None = None) -> None:
+        """`keep_warm`: the daemon's --keep-warm stamp, touched as each append ends (None: off)."""
         self.listener = listen(address)
+        self._keep_warm = keep_warm
         self.server = server
         self.frame_deadline_s = frame_deadline_s
         self._selector = selector
@@ -275,6 +278,8 @@ class DirectChannel:
             words.length.value = context.length  # before busy clears: a reader that sees it idle sees its length
             words.last_used.value = time.monotonic()
             words.busy.value = 0
+            if self._keep_warm is not None:
+                self._keep_warm.touch()
         words.appends.value += 1
         words.rows.value += rows.shape[0]
         reply = answer(output, request.sample, context.length)
@@ -302,5 +307,8 @@ class DirectChannel:
         self.cancels.release()
         del self._abort
         self.words.release()
+        if self._keep_warm is not None:
+            self._keep_warm.release()
+            self._keep_warm = None
         self._selector.unregister(self.listener)
         self.listener.close()

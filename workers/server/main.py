@@ -23,6 +23,7 @@ from workers.runtime.model import ShardModel
 from workers.server.batched_server import BatchedWorkerServer
 from workers.server.commands import AnyCommand, Exit, Failed, Ready
 from workers.server.direct import DirectChannel
+from workers.server.keep_warm_stamp import Stamp
 from workers.server.pipe import received_command, send_reply
 from workers.server.readings import anonymous_bytes, huge_page_bytes
 from workers.server.single import WorkerServer
@@ -106,7 +107,15 @@ def worker_main(connection: Connection, spec: WorkerSpec, cancel_connection: Con
     )
     selector = selectors.DefaultSelector()
     selector.register(connection.fileno(), selectors.EVENT_READ, None)
-    channel = DirectChannel(spec.direct_address, server, segment, cancel_connection, selector, spec.frame_deadline_s) if spec.direct_address else None
+    # The --keep-warm block: attached as the segment is (the supervisor's resource tracker already holds it).
+    warm_block = shared_memory.SharedMemory(name=spec.keep_warm_block) if spec.keep_warm_block and spec.direct_address else None
+    channel = (
+        DirectChannel(
+            spec.direct_address, server, segment, cancel_connection, selector, spec.frame_deadline_s,
+            keep_warm=Stamp(warm_block.buf) if warm_block is not None else None,
+        )
+        if spec.direct_address else None
+    )
     try:
         _obey(connection, server, channel, selector)
     finally:
@@ -117,6 +126,8 @@ def worker_main(connection: Connection, spec: WorkerSpec, cancel_connection: Con
         model.close()
         selector.close()
         segment.close()
+        if warm_block is not None:
+            warm_block.close()
 
 
 def _obey(connection: Connection, server: WorkerServer | BatchedWorkerServer, channel: DirectChannel | None, selector: selectors.BaseSelector) -> None:

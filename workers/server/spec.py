@@ -31,6 +31,7 @@ class WorkerSpec:
     huge_pages: bool = True  # the load's own anonymous memory collapsed into transparent huge pages (workers.runtime.huge_pages)
     background_nice: int = BACKGROUND_NICE  # saves no caller waits for run this much nicer (workers.server.background; 0: in the loop's thread)
     idle_spin: int = DEFAULT_IDLE_SPIN  # how long llama.cpp's idle threads spin before they sleep (workers.server.spin)
+    keep_warm_block: str = ""  # the daemon's --keep-warm stamp (kvpool.daemon.keep_warm), touched after each direct append ("": off)
     # each worker's own
     shm_name: str = ""  # its segment, created by the supervisor
     parent_pid: int = 0

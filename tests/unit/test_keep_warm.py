@@ -1,0 +1,151 @@
+"""--keep-warm (kvpool.daemon.keep_warm): real spinner processes on a block of their own, each test's CPU locks in a
+directory of its own (TMPDIR); what a spinner does is read from its state byte, never from its speed (a SCHED_IDLE
+process on a busy machine may wait long for a CPU: the waits are hang guards)."""
+
+from __future__ import annotations
+
+import fcntl
+import math
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import textwrap
+
+import psutil
+import pytest
+
+from kvpool.daemon.config import MAX_KEEP_WARM_S, ServeConfig
+from kvpool.daemon.keep_warm import KeepWarm, lock_path
+from tests.support.daemons import exited_all, wait_until
+from workers.server.keep_warm_stamp import ASLEEP, SPINNING, WAITING
+
+CPU = min(os.sched_getaffinity(0))
+
+
+@pytest.fixture(autouse=True)
+def own_locks(tmp_path, monkeypatch):
+    """The spinners' CPU locks in this test's directory: a daemon elsewhere on the machine neither waits for them nor holds them."""
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr("tempfile.tempdir", None)
+    return tmp_path
+
+
+def keep_warm(window_s: float) -> KeepWarm:
+    warm = KeepWarm(window_s, cpus=[CPU])
+    warm.start()
+    return warm
+
+
+def settled(warm: KeepWarm, slot: int = 0) -> None:
+    """The spinner runs as it should: pinned to its CPU, SCHED_IDLE (it sets both itself as it starts)."""
+    pid = warm.pids()[slot]
+    wait_until(lambda: os.sched_getscheduler(pid) == os.SCHED_IDLE and os.sched_getaffinity(pid) == {CPU}, "the spinner's SCHED_IDLE on its CPU")
+
+
+def test_off_starts_nothing_and_says_so():
+    warm = keep_warm(0.0)
+    try:
+        assert warm.name == "" and warm.pids() == [] and warm.describe() == "off (--keep-warm 0)"
+        warm.touch()  # a request's end with keeping warm off: nothing to write
+    finally:
+        warm.close()
+
+
+def test_a_request_wakes_the_spinner_and_the_window_puts_it_back_to_sleep():
+    warm = keep_warm(0.3)
+    try:
+        settled(warm)
+        assert warm.stamp.state(0) == ASLEEP  # no request yet
+        assert f"cpu {CPU} asleep" in warm.describe()
+        warm.touch()
+        wait_until(lambda: warm.stamp.state(0) == SPINNING, "the spinner spinning after a request")
+        assert f"cpu {CPU} spinning" in warm.describe()
+        assert lock_path(CPU).parent == pathlib.Path(os.environ["TMPDIR"])
+        wait_until(lambda: warm.stamp.state(0) == ASLEEP, "the spinner asleep once the window passed")
+    finally:
+        warm.close()
+
+
+def test_one_spinner_a_cpu_across_daemons():
+    first, second = keep_warm(60.0), keep_warm(60.0)
+    try:
+        settled(first)
+        settled(second)
+        first.touch()
+        wait_until(lambda: first.stamp.state(0) == SPINNING, "the first daemon's spinner spinning")
+        second.touch()
+        wait_until(lambda: second.stamp.state(0) == WAITING, "the second daemon's spinner waiting for the CPU's lock")
+        first.close()  # its spinner killed: the lock is free
+        wait_until(lambda: second.stamp.state(0) == SPINNING, "the second daemon's spinner spinning once the first is gone")
+    finally:
+        first.close()
+        second.close()
+
+
+def test_close_stops_the_spinners_and_frees_the_block():
+    warm = keep_warm(60.0)
+    spinners, name = [psutil.Process(pid) for pid in warm.pids()], warm.name
+    warm.touch()
+    warm.close()
+    warm.close()  # idempotent
+    assert exited_all(spinners, "the spinners after close") == []
+    assert not pathlib.Path(f"/dev/shm/{name}").exists()
+
+
+@pytest.mark.parametrize("state", ["asleep", "spinning", "waiting"])
+def test_a_spinner_whose_daemon_dies_exits(state):
+    """The supervisor killed (SIGKILL: no close): its spinners go too, asleep, spinning or waiting for the CPU's
+    lock (held here by the test, as another daemon's spinner would: blocked in flock, only the kernel's
+    PR_SET_PDEATHSIG ends it)."""
+    touched = state != "asleep"
+    holder = os.open(lock_path(CPU), os.O_RDONLY | os.O_CREAT, 0o666)
+    if state == "waiting":
+        fcntl.flock(holder, fcntl.LOCK_EX)
+    script = textwrap.dedent(f"""
+        import sys, time
+        from kvpool.daemon.keep_warm import KeepWarm
+        warm = KeepWarm(60.0, cpus=[{CPU}]); warm.start()
+        if {touched}: warm.touch()
+        while warm.stamp.state(0) != {dict(asleep=ASLEEP, spinning=SPINNING, waiting=WAITING)[state]} or warm.stamp.last_request == 0 and {touched}:
+            time.sleep(0.01)
+        print(warm.pids()[0], flush=True)
+        time.sleep(600)
+    """)
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=pathlib.Path(__file__).parents[2])
+    try:
+        spinner = psutil.Process(int(parent.stdout.readline()))
+        wait_until(lambda: os.sched_getscheduler(spinner.pid) == os.SCHED_IDLE, "the spinner started")
+    finally:
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+    try:
+        assert exited_all([spinner], "the spinner after its daemon died") == []
+    finally:
+        os.close(holder)
+
+
+def test_a_session_request_through_the_supervisor_wakes_the_spinners(serve, fake_model):
+    """Gate.leave touches the stamp (a worker's direct channel does too: tests/daemon/test_keep_warm.py)."""
+    daemon = serve(fake_model, "--keep-warm", "60")
+    warm = daemon.supervisor.service.keep_warm
+    assert warm.stamp.last_request == 0.0 and warm.pids()
+    with daemon.client() as client:
+        client.append("a", 1, 0, tokens=[5, 6, 7])
+    assert warm.stamp.last_request > 0.0
+    wait_until(lambda: SPINNING in [warm.stamp.state(slot) for slot in range(len(warm.cpus))], "a spinner spinning after the append")
+    with daemon.client() as client:
+        assert "spinning" in client.stats().keep_warm
+
+
+@pytest.mark.parametrize("bad", [-0.5, math.nan, math.inf, MAX_KEEP_WARM_S + 1])
+def test_the_flag_refuses_what_is_not_a_window(bad):
+    with pytest.raises(ValueError, match=r"--keep-warm must be in \[0, 3600\] seconds"):
+        ServeConfig(model="m", socket="/tmp/s", keep_warm_s=bad)
+
+
+def test_the_flag_takes_0_to_its_limit_and_defaults_to_a_second():
+    assert ServeConfig(model="m", socket="/tmp/s").keep_warm_s == 1.0
+    assert ServeConfig(model="m", socket="/tmp/s", keep_warm_s=0.0).keep_warm_s == 0.0
+    assert ServeConfig(model="m", socket="/tmp/s", keep_warm_s=MAX_KEEP_WARM_S).keep_warm_s == MAX_KEEP_WARM_S
