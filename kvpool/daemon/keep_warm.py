@@ -1,11 +1,12 @@
 """Keeping the CPUs awake between a session's requests (`kvpool serve --keep-warm SECONDS`).
 
 A route's decode step wakes every shard's worker once: it waits, blocked, while the other shards compute, and its
-CPU, with nothing else to run, halts. On a 2-core KVM guest a worker (and the client) that wakes on a halted CPU
-computed its step measurably slower than one that runs on: the ~1B route, its 3 daemons and the whole model in one
-process taking turns, read 0.88-0.95x of the whole model with the CPUs left to halt and 0.94-0.97x with one idle-
-priority spinner on each CPU (evidence/daemon-overhead/README.md, "Stop 49"); the whole model, never blocking,
-never halts its CPU. This cost grows with the model: the longer the other shards compute, the longer a CPU sleeps.
+CPU, with nothing else to run, halts; the whole model in one process never blocks and never halts its CPU. On a
+2-core KVM guest (AMD EPYC) the ~1B route of 3 daemons, the whole model in one process taking turns with it, read
+0.926 and 0.9435 of the whole model (medians of two series) with the CPUs left to halt, 0.951 and 0.9515 with this,
+ahead in 11 of 14 alternated pairs (evidence/daemon-overhead/README.md, "Stop 49"): a small gain against that host's
+spread, presumably the halted CPU's wake-up (not traced), which would grow with the model: the longer the other
+shards compute, the longer a CPU sleeps.
 
 So after each session request (its end: kvpool.daemon.gate.Gate.leave, and every append on a worker's direct
 channel) the daemon keeps one spinner process on each CPU it may run on busy for --keep-warm seconds: pinned to
