@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 import psutil
 
 from kvpool.client.client import Client, ConnectionLost
+from kvpool.daemon.keep_warm import SPINNER_MODULE
 
 # A hang guard, never a verdict on speed: a daemon's start-up (its workers, its measurements) takes seconds on
 # a quiet machine and may take minutes on a slow, busy one; while it is waited for, progress is printed.
@@ -61,6 +62,13 @@ def wait_answering(
 
 def _to_stderr(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
+
+
+def _is_spinner(process: psutil.Process) -> bool:
+    try:
+        return SPINNER_MODULE in process.cmdline()
+    except psutil.Error:
+        return False
 
 
 class DaemonStartFailed(RuntimeError):
@@ -122,10 +130,13 @@ class Daemon:
         return Client(self.socket, **kwargs)
 
     def worker_pids(self) -> list[int]:
+        """The daemon's descendants but its --keep-warm spinners (kvpool.daemon.keep_warm): the workers, and
+        multiprocessing's resource tracker."""
         try:
-            return [child.pid for child in psutil.Process(self.process.pid).children(recursive=True)]
+            children = psutil.Process(self.process.pid).children(recursive=True)
         except psutil.NoSuchProcess:
             return []
+        return [child.pid for child in children if not _is_spinner(child)]
 
     def stop(self, *, sig: int = signal.SIGTERM, timeout_s: float = 30.0) -> int:
         """Signal the daemon and wait; kill it after timeout_s. Returns its exit code."""

@@ -58,7 +58,8 @@ class Rig:
         source = options.model
         self.shards: list[ShardInfo] = shards_in_parts(source, 3, progress=bench_say)
         self.middle = self.shards[1]
-        common = ["--ttl", "600"]  # each daemon's --threads and --threads-per-worker below, once
+        # each daemon's --threads and --threads-per-worker below, once; --keep-warm 1: the machine is the route's (bench help)
+        common = ["--ttl", "600", "--keep-warm", "1"]
         batched = ["--mode", "batched", "--seqs-per-worker", str(SESSIONS), "--max-sessions", str(SESSIONS)]
         route = [*common, "--n-ctx", str(ROUTE_N_CTX)]
         # sections 1, 2 and 4 alone (--only decode) at options.threads a context; a whole run's chain daemons are
@@ -127,16 +128,12 @@ def long_history(tokenizer: Tokenizer, prompt: Sequence[int], needed: int) -> li
 
 
 def daemon_uss(daemon: Daemon) -> int:
-    """USS of the daemon's whole process tree: supervisor, workers, resource tracker."""
-    try:
-        root = psutil.Process(daemon.process.pid)
-        processes = [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return 0
+    """USS of the daemon's process tree: supervisor, workers, resource tracker (its --keep-warm spinners left out:
+    Daemon.worker_pids)."""
     total = 0
-    for process in processes:
+    for pid in (daemon.process.pid, *daemon.worker_pids()):
         with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
-            total += process.memory_full_info().uss
+            total += psutil.Process(pid).memory_full_info().uss
     return total
 
 

@@ -178,22 +178,22 @@ class Supervisor:
         info = read_shard_info(config.model)
         block_sha256 = verified_block_digests(info)  # WeightsMismatch: refused before any worker starts
         keep_warm = KeepWarm(config.keep_warm_s)
-        try:
+        try:  # until the main try below, whose finally closes it first
             pool = build_pool(config, info, self._worker_kinds, keep_warm_block=keep_warm.name)
             check_room_for(config.worker_processes, pool.spec.worker.segment)
+            self._announce(
+                f"starting {config.worker_processes} workers on {config.model.name} "
+                + (f"(batched: {config.seqs_per_worker} sessions each, one context of {config.seqs_per_worker} x {config.n_ctx} positions; " if config.batched else "(")
+                + f"shared memory {format_bytes(pool.spec.worker.segment.total_bytes)} each)"
+            )
+            loop = asyncio.get_running_loop()
+            signals = threading.current_thread() is threading.main_thread()  # a daemon run in a test's thread takes none
+            if signals:
+                loop.add_signal_handler(signal.SIGTERM, self.request_drain)
+                loop.add_signal_handler(signal.SIGINT, self.request_stop)
         except BaseException:
             keep_warm.close()
             raise
-        self._announce(
-            f"starting {config.worker_processes} workers on {config.model.name} "
-            + (f"(batched: {config.seqs_per_worker} sessions each, one context of {config.seqs_per_worker} x {config.n_ctx} positions; " if config.batched else "(")
-            + f"shared memory {format_bytes(pool.spec.worker.segment.total_bytes)} each)"
-        )
-        loop = asyncio.get_running_loop()
-        signals = threading.current_thread() is threading.main_thread()  # a daemon run in a test's thread takes none
-        if signals:
-            loop.add_signal_handler(signal.SIGTERM, self.request_drain)
-            loop.add_signal_handler(signal.SIGINT, self.request_stop)
         server: SocketTransport | None = None
         housekeeping: asyncio.Task | None = None
         try:
@@ -246,7 +246,8 @@ class Supervisor:
                 buffered_request_bytes=config.buffered_request_limit_bytes, max_connections=config.max_connections,
             )
             server = SocketTransport(config.socket, hello, self.dispatch, max_request_bytes=config.max_request_bytes, limits=limits)
-            keep_warm.start()  # asleep until the first session request
+            if not_started := keep_warm.start():  # asleep until the first session request
+                self._announce(f"--keep-warm: {not_started}; serving without them")
             await server.start()
             if config.metrics_port is not None:
                 port = service.metrics.serve_http(config.metrics_port)
@@ -266,6 +267,7 @@ class Supervisor:
                 self._after_drain(outcome)
             self._announce("shutting down")
         finally:
+            keep_warm.close()  # first: nothing below needs the spinners, and nothing here raises
             if self.service is not None:
                 self.service.books.spill.stopping()  # a successor on the spill dir waits from now, not refused
             for signum in (signal.SIGTERM, signal.SIGINT) if signals else ():
@@ -276,7 +278,6 @@ class Supervisor:
             for worker in pool.workers():
                 worker.set_abort(True)  # interrupt in-flight appends so workers can exit promptly
             await asyncio.to_thread(pool.close)
-            keep_warm.close()
             if self.service is not None:
                 self.service.close(keep_spill_files=True)  # every stop: what is on disk stays for the next daemon
             self._announce("stopped")

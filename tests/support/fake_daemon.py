@@ -78,8 +78,7 @@ class FakeDaemon:
                  notifier: Notifier | None = None) -> None:
         parser = argparse.ArgumentParser()
         serve.define_options(parser)
-        # --keep-warm 0: no spinner processes for the fast tier's many daemons (tests/unit/test_keep_warm.py runs them)
-        defaults = ["--threads", "1", "--n-ctx", "64", "--max-sessions", "2", "--housekeeping-interval", "0.05", "--keep-warm", "0"]
+        defaults = ["--threads", "1", "--n-ctx", "64", "--max-sessions", "2", "--housekeeping-interval", "0.05"]
         args = parser.parse_args(["--model", str(model), "--socket", str(socket_path), *defaults, *options])
         self.config = serve.config_from_args(args)
         self.socket = socket_path

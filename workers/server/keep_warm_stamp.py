@@ -1,17 +1,19 @@
 """The --keep-warm block's layout (kvpool.daemon.keep_warm): a small shared-memory block the supervisor creates,
 its first 8 bytes the end of the last session request (a C double, time.monotonic(): one clock for every process of
-the machine), written by the supervisor and by every worker's direct channel; then one state byte per spinner
-(asleep, waiting for its CPU's lock, spinning), written by the spinner, read for `kvpool status`."""
+the machine; -inf until the first), written by the supervisor and by every worker's direct channel; then one state
+byte per spinner (starting, asleep, waiting for its CPU's lock, spinning), written by the spinner, read for
+`kvpool status`."""
 
 from __future__ import annotations
 
 import ctypes
+import math
 import time
 
 STAMP_BYTES = 8
 MAX_SPINNERS = 256  # state bytes after the stamp: one per CPU the daemon may run on, at most this many
 BLOCK_BYTES = STAMP_BYTES + MAX_SPINNERS
-ASLEEP, WAITING, SPINNING = 0, 1, 2
+STARTING, ASLEEP, WAITING, SPINNING = 0, 1, 2, 3  # STARTING: the block's zero, before the spinner first writes
 
 
 class Stamp:
@@ -25,9 +27,18 @@ class Stamp:
         """A request ended now (every writer writes the same clock: the last one wins)."""
         self._stamp.value = time.monotonic()
 
+    def forget(self) -> None:
+        """No request yet (the block is made so: a zero would be a moment of the clock, at boot)."""
+        self._stamp.value = -math.inf
+
     @property
     def last_request(self) -> float:
+        """time.monotonic() of the last request's end; -inf before the first."""
         return self._stamp.value
+
+    def within(self, window_s: float) -> bool:
+        """Whether the last request ended at most `window_s` ago."""
+        return time.monotonic() - self._stamp.value <= window_s
 
     def state(self, slot: int) -> int:
         return self._states[slot]
