@@ -276,10 +276,11 @@ class DirectChannel:
         finally:
             self.cancels.end(key, request.request_id)
             words.length.value = context.length  # before busy clears: a reader that sees it idle sees its length
-            words.last_used.value = time.monotonic()
+            ended = time.monotonic()
+            words.last_used.value = ended
             words.busy.value = 0
             if self._keep_warm is not None:
-                self._keep_warm.touch()
+                self._keep_warm.touch(ended)  # the same moment: one clock read on the decode step
         words.appends.value += 1
         words.rows.value += rows.shape[0]
         reply = answer(output, request.sample, context.length)

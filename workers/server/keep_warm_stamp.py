@@ -23,9 +23,10 @@ class Stamp:
         self._stamp = ctypes.c_double.from_buffer(buffer, 0)
         self._states = (ctypes.c_uint8 * MAX_SPINNERS).from_buffer(buffer, STAMP_BYTES)
 
-    def touch(self) -> None:
-        """A request ended now (every writer writes the same clock: the last one wins)."""
-        self._stamp.value = time.monotonic()
+    def touch(self, now: float | None = None) -> None:
+        """A request ended `now` (time.monotonic(), read here when not given; every writer writes the same clock: the
+        last one wins)."""
+        self._stamp.value = time.monotonic() if now is None else now
 
     def forget(self) -> None:
         """No request yet (the block is made so: a zero would be a moment of the clock, at boot)."""
