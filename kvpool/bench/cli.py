@@ -14,6 +14,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from typing import Any
 
 import llama_cpp
 import numpy as np
@@ -25,7 +26,7 @@ from kvpool.bench.checks import LoadMeter, contended_lines, round_spreads
 from kvpool.bench.durable import measure_durable, tokens_needed
 from kvpool.bench.move import measure_move, moved_split
 from kvpool.bench.one_session import measure_mid_shard, measure_route
-from kvpool.bench.options import BenchOptions, bench_say, check_threads, write_results
+from kvpool.bench.options import BENCH_KEEP_WARM_S, BenchOptions, bench_say, check_threads, write_results
 from kvpool.bench.overload import measure_overload
 from kvpool.bench.parallel import measure_parallel
 from kvpool.bench.prefix import measure_prefix
@@ -35,6 +36,7 @@ from kvpool.bench.rigs import MAX_RIGS, check_rigs, run_rigs
 from kvpool.bench.startup import measure_startup
 from kvpool.bench.table import render_table
 from kvpool.bench.warm import measure_warm
+from kvpool.daemon.keep_warm import check_keep_warm
 from kvpool.host import work_dir
 from kvpool.local.tokenizer import Tokenizer
 from kvpool.shard.bundled import bundled_model_path
@@ -289,20 +291,28 @@ def _only(text: str) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def _whole_number(flag: str, check: Callable[[int], int]) -> Callable[[str], int]:
-    """An argparse type: a whole number that `check` takes (its ValueError, the flag's refusal: exit 2)."""
+def _checked(flag: str, kind: type, what: str, check: Callable) -> Callable[[str], Any]:
+    """An argparse type: `kind(text)` (else "takes `what`") that `check` takes (its ValueError, the flag's refusal: exit 2)."""
 
-    def parse(text: str) -> int:
+    def parse(text: str) -> Any:
         try:
-            count = int(text)
+            value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{flag} takes a whole number (got {text!r})") from None
+            raise argparse.ArgumentTypeError(f"{flag} takes {what} (got {text!r})") from None
         try:
-            return check(count)
+            return check(value)
         except ValueError as error:
             raise argparse.ArgumentTypeError(str(error)) from None
 
     return parse
+
+
+def _whole_number(flag: str, check: Callable[[int], int]) -> Callable[[str], int]:
+    return _checked(flag, int, "a whole number", check)
+
+
+def _seconds(flag: str, check: Callable[[float], float]) -> Callable[[str], float]:
+    return _checked(flag, float, "a number of seconds", check)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -329,6 +339,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "on both sides of each ratio (the daemons' --threads and --threads-per-worker, the in-process references'); default 1, "
                         "kvpool's default --threads-per-worker. llama.cpp may decode one session faster with more (the cores, on an idle machine): "
                         "a run at N shows the daemon's and the route's cost against llama.cpp at that setting")
+    parser.add_argument("--keep-warm", type=_seconds("--keep-warm", check_keep_warm), metavar="SECONDS",
+                        help=f"sections 1-5: the daemons' --keep-warm (default {BENCH_KEEP_WARM_S:g}: after each session request their CPUs are kept "
+                             "busy that long by idle-priority spinners, as on a machine given to the route; 0: off, the CPUs left to halt "
+                             "between requests, as kvpool serve's default). Recorded in the results (keep_warm_s)")
     parser.add_argument("--no-chart", action="store_true", help="skip the PNG chart")
     parser.add_argument("--rigs", type=_whole_number("--rigs", check_rigs), default=1, metavar="N", help=f"run it all N times (1-{MAX_RIGS}, default 1), each in a fresh process with "
                         "daemons and references of its own, one after another (results in <out>/rig-K/), and take every headline "
@@ -355,7 +369,8 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
                              ("parallel_steps", args.parallel_steps), ("repeats", args.repeats),
                              ("warm_repeats", args.warm_repeats), ("overload_rounds", args.overload_rounds), ("overload_steps", args.overload_steps),
                              ("durable_sessions", args.durable_sessions), ("durable_rounds", args.durable_rounds),
-                             ("move_rounds", args.move_rounds), ("prefix_rounds", args.prefix_rounds), ("threads", args.threads))
+                             ("move_rounds", args.move_rounds), ("prefix_rounds", args.prefix_rounds), ("threads", args.threads),
+                             ("keep_warm_s", args.keep_warm))
         if value is not None
     }
     json_path = args.json.resolve() if args.json is not None else None

@@ -97,7 +97,7 @@ def measure_mid_shard(rig: Rig) -> dict:
         close()
     payload = payload_seconds(hidden[:1], rig.middle.shape.n_embd, count=200)
     return {"decode_s": decode, "cold_decode_s": cold, "chunk_steps": chunk, "prefill_s": prefill, "round_trip_s": trips, "payload_s": payload,
-            "threads": rig.threads}
+            "threads": rig.threads, "keep_warm_s": rig.options.keep_warm_s}
 
 
 # ---- section 2: one session through the whole route -------------------------------------------------
@@ -199,4 +199,5 @@ def measure_route(rig: Rig, chain_clients: list[Client], whole_client: Client) -
         "payload_s_per_hop": payload,
         "tokens_identical": {name: generated == reference for name, generated in tokens.items()},
         "threads": rig.threads,
+        "keep_warm_s": rig.options.keep_warm_s,
     }

@@ -15,9 +15,11 @@ def _rate(seconds: float) -> str:
 
 
 def _threads(section: dict) -> str:
-    """How many llama threads every computing context of a section ran, as its measurement recorded (kvpool.bench.rig)."""
+    """How many llama threads every computing context of a section ran and the daemons' --keep-warm, as its
+    measurement recorded (kvpool.bench.rig; results written before --keep-warm was recorded say nothing of it)."""
     threads = section.get("threads", 1)
-    return f"{threads} llama thread{'s' if threads != 1 else ''} a context, both sides"
+    keep_warm = f"; daemons --keep-warm {section['keep_warm_s']:g}" if "keep_warm_s" in section else ""
+    return f"{threads} llama thread{'s' if threads != 1 else ''} a context, both sides{keep_warm}"
 
 
 def summarize_mid_shard(results: dict) -> tuple[dict, dict, list[Row]]:

@@ -11,10 +11,13 @@ import sys
 import time
 from collections.abc import Sequence
 
+from kvpool.daemon.keep_warm import check_keep_warm
+
 SESSIONS = 4
 PARALLEL_THREADS = 2  # llama threads computing at once in section 3 (the machine's cores)
 SINGLE_THREADS = 1  # llama threads of a single-session context (sections 1, 2 and 4: BenchOptions.threads, --threads)
 MAX_THREADS = 64  # --threads at most
+BENCH_KEEP_WARM_S = 1.0  # the daemons' --keep-warm in sections 1-5 (--keep-warm; kvpool serve's default is 0: off)
 ROUTE_N_CTX = 1024  # context of the decode and prefill sessions
 WARM_N_CTX = 2048 + 64  # section 7's daemons: a 2048-token session and its decodes fit
 # section 7's park + restore cycles per round, on the one session (kvpool.bench.warm): three parks at once share 2 cores,
@@ -97,6 +100,7 @@ class BenchOptions:
     prefix_rounds: int = 7  # section 12: interleaved rounds of its time-to-first-token variants (a new session each)
     prefix_system_tokens: int = 1024  # section 12: the system prompt every session shares
     threads: int = SINGLE_THREADS  # sections 1, 2 and 4 alone (--only decode): llama threads of every computing context, daemons' and references' alike (--threads; a whole run's are 1: section 3 shares the chain)
+    keep_warm_s: float = BENCH_KEEP_WARM_S  # sections 1-5: the daemons' --keep-warm (0: their CPUs left to halt between requests)
     chart: bool = True
     json_path: pathlib.Path | None = None  # --json: a copy of the results JSON
 
@@ -105,6 +109,7 @@ class BenchOptions:
                self.warm_repeats, *self.warm_lengths, self.overload_rounds, self.overload_steps, self.durable_sessions, self.durable_rounds, self.move_rounds, self.prefix_rounds) < 1:
             raise ValueError("rounds, steps, history, prefill rows, repeats, warm lengths and durable sessions must be at least 1")
         check_threads(self.threads)
+        check_keep_warm(self.keep_warm_s)
         if self.chunk_steps < 1:
             raise ValueError("chunk steps must be at least 1")
         if self.prefill_rows > ROUTE_N_CTX or self.history + self.decode_steps + self.cold_steps + 8 > ROUTE_N_CTX:

@@ -15,6 +15,7 @@ from typing import Any
 
 from kvpool.daemon.books.prefixes import SUBDIR as PREFIX_SUBDIR
 from kvpool.daemon.books.spill import SpillDirRefused, check_disk_dir
+from kvpool.daemon.keep_warm import check_keep_warm
 from kvpool.host import available_cores, format_bytes, parse_bytes, user_cache_dir
 from kvpool.wire.protocol import DEFAULT_MAX_REQUEST_BYTES
 from workers.server.background import BACKGROUND_NICE, MOST_NICE
@@ -27,7 +28,6 @@ DEFAULT_MAX_IMPORT_BYTES = 256 * 1024**2
 DEFAULT_PREFIX_BLOCK = 32
 MAX_PREFIX_BLOCK = 4096
 DEFAULT_PREFIX_CACHE_BYTES = 256 * 1024**2
-MAX_KEEP_WARM_S = 3600.0  # --keep-warm: an hour of spinning after a request is surely a typo
 
 
 HUGE_PAGES = ("auto", "off")  # auto: each worker collapses its load's own memory into transparent huge pages where the kernel offers them
@@ -158,8 +158,10 @@ class ServeConfig:
             problems.append("--request-timeout must be positive")
         if self.housekeeping_interval_s <= 0:
             problems.append("--housekeeping-interval must be positive")
-        if not 0 <= self.keep_warm_s <= MAX_KEEP_WARM_S:  # NaN fails both comparisons
-            problems.append(f"--keep-warm must be in [0, {MAX_KEEP_WARM_S:g}] seconds")
+        try:
+            check_keep_warm(self.keep_warm_s)
+        except ValueError as error:
+            problems.append(str(error))
         if self.min_residency_s is not None and self.min_residency_s < 0:
             problems.append("--min-residency must be >= 0")
         if self.fence_ids < 1:

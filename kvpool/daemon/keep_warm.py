@@ -22,13 +22,16 @@ and the requests touch: workers.server.keep_warm_stamp.
 Off by default (--keep-warm 0: no spinner is started): it is for a machine given to the route. Idle priority does not
 make it free where it was not measured: under a CPU quota (a cgroup's cpu.max, a container's --cpus) the spinners'
 time counts against the quota and can get the daemon's group throttled; on a core whose sibling hyperthread a spinner
-holds, the computing worker shares the core; a busy package may lose turbo headroom; and the CPUs show busy."""
+holds, the computing worker shares the core; a busy package may lose turbo headroom; and the CPUs show busy. The
+first two are looked for when the spinners start (hazards(): said when the daemon starts and by `kvpool status`);
+the daemon keeps them on all the same, as asked."""
 
 from __future__ import annotations
 
 import contextlib
 import math
 import os
+import pathlib
 import subprocess
 import sys
 import time
@@ -36,8 +39,99 @@ from multiprocessing import shared_memory
 
 from workers.server.keep_warm_stamp import ASLEEP, BLOCK_BYTES, MAX_SPINNERS, SPINNING, STARTING, WAITING, Stamp
 
+MAX_KEEP_WARM_S = 3600.0  # --keep-warm: an hour of spinning after a request is surely a typo
 SPINNER_MODULE = "kvpool.daemon.keep_warm_spinner"  # started as `python -m`: one process a CPU
 STATE_WORDS = {STARTING: "starting", ASLEEP: "asleep", WAITING: "waiting for its CPU", SPINNING: "spinning"}
+SYSFS_CPUS = pathlib.Path("/sys/devices/system/cpu")
+
+
+def check_keep_warm(seconds: float) -> float:
+    """The one rule of --keep-warm (the daemon's and the bench's): a window in [0, MAX_KEEP_WARM_S] seconds."""
+    if not 0 <= seconds <= MAX_KEEP_WARM_S:  # NaN fails both comparisons
+        raise ValueError(f"--keep-warm must be in [0, {MAX_KEEP_WARM_S:g}] seconds (got {seconds:g})")
+    return seconds
+
+
+def cpu_quota(proc_cgroup: str, mountinfo: str) -> str:
+    """The CPU quota the calling process runs under, from its /proc/self/cgroup and /proc/self/mountinfo texts:
+    cgroup v2's cpu.max or v1's cpu.cfs_quota_us / cpu.cfs_period_us, in its own cgroup or any above it (the
+    tightest, as cores), "" when none is set or it cannot be read."""
+    mounts: list[tuple[str, pathlib.Path, str]] = []  # (kind, mount point, the cgroup path it shows)
+    for line in mountinfo.splitlines():
+        fields = line.split()
+        if " - " not in line or len(fields) < 5:
+            continue
+        kind, _, options = line.split(" - ", 1)[1].split()[:3]
+        if kind == "cgroup2":
+            mounts.append(("v2", pathlib.Path(fields[4]), fields[3]))
+        elif kind == "cgroup" and "cpu" in options.split(","):
+            mounts.append(("v1", pathlib.Path(fields[4]), fields[3]))
+    tightest: tuple[float, str] | None = None
+    for line in proc_cgroup.splitlines():
+        hierarchy, controllers, path = (line.split(":", 2) + ["", ""])[:3]
+        version = "v2" if hierarchy == "0" and controllers == "" else "v1" if "cpu" in controllers.split(",") else None
+        for kind, point, shown in mounts:
+            if kind != version or not (path + "/").startswith(shown.rstrip("/") + "/"):
+                continue
+            relative = pathlib.PurePosixPath(path[len(shown.rstrip("/")):].lstrip("/"))
+            for level in [relative, *relative.parents]:
+                cores = _quota_cores(point / level, kind)
+                if cores is not None and (tightest is None or cores < tightest[0]):
+                    tightest = (cores, f"/{level}" if str(level) != "." else "/")
+    if tightest is None:
+        return ""
+    return f"a CPU quota of {tightest[0]:g} cores (cgroup {tightest[1]})"
+
+
+def _quota_cores(directory: pathlib.Path, kind: str) -> float | None:
+    try:
+        if kind == "v2":
+            quota, period = (directory / "cpu.max").read_text().split()[:2]
+        else:
+            quota, period = ((directory / name).read_text().strip() for name in ("cpu.cfs_quota_us", "cpu.cfs_period_us"))
+        if quota in ("max", "-1"):
+            return None
+        return int(quota) / int(period)
+    except (OSError, ValueError, ZeroDivisionError):
+        return None
+
+
+def hyperthread_siblings(cpus: list[int], sysfs: pathlib.Path = SYSFS_CPUS) -> list[list[int]]:
+    """The groups of `cpus` that share a core (each group's CPUs among `cpus`, two or more), by sysfs."""
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for cpu in cpus:
+        try:
+            siblings = _cpu_list((sysfs / f"cpu{cpu}" / "topology" / "thread_siblings_list").read_text())
+        except (OSError, ValueError):
+            continue
+        groups.setdefault(tuple(sorted(siblings)), []).append(cpu)
+    return [sorted(group) for group in groups.values() if len(group) > 1]
+
+
+def _cpu_list(text: str) -> list[int]:
+    """A kernel CPU list ("0-3,8,10-11") as numbers."""
+    cpus: list[int] = []
+    for part in text.strip().split(","):
+        low, _, high = part.partition("-")
+        cpus.extend(range(int(low), int(high or low) + 1))
+    return cpus
+
+
+def hazards(cpus: list[int], *, proc: pathlib.Path = pathlib.Path("/proc/self"), sysfs: pathlib.Path = SYSFS_CPUS) -> str:
+    """What on this machine makes the spinners cost more than they were measured to ("": nothing found)."""
+    found = []
+    try:
+        quota = cpu_quota((proc / "cgroup").read_text(), (proc / "mountinfo").read_text())
+    except OSError:
+        quota = ""
+    if quota:
+        found.append(f"{quota}: the spinners' time counts against it and can get the daemon throttled")
+    shared = hyperthread_siblings(cpus, sysfs)
+    if shared:
+        found.append("hyperthread siblings " + ", ".join("+".join(map(str, group)) for group in shared)
+                     + ": a spinner shares the computing worker's core")
+        # not skipped: which sibling a worker wakes on is the scheduler's; off (--keep-warm 0) is the remedy
+    return "; ".join(found)
 
 
 class KeepWarm:
@@ -52,6 +146,7 @@ class KeepWarm:
             self.stamp.forget()
         self._spinners: list[subprocess.Popen] = []
         self.not_started = ""  # why the spinners could not be started ("": they were, or none was asked)
+        self.hazards = hazards(self.cpus) if self.cpus else ""  # said when the daemon starts and by describe()
 
     @property
     def name(self) -> str:
@@ -88,7 +183,7 @@ class KeepWarm:
             f"cpu {cpu} {STATE_WORDS.get(self.stamp.state(slot), '?') if spinner.poll() is None else f'exited ({spinner.returncode})'}"
             for slot, (cpu, spinner) in enumerate(zip(self.cpus, self._spinners))
         )
-        states = "; ".join(filter(None, (states, self.not_started)))
+        states = "; ".join(filter(None, (states, self.not_started, self.hazards and f"hazards: {self.hazards}")))
         last = self.stamp.last_request
         since = f"the last session request ended {time.monotonic() - last:.3f} s ago" if math.isfinite(last) else "no session request yet"
         return f"{self.window_s:g} s after each session request, one idle-priority spinner a CPU ({states or 'none started'}); {since}"

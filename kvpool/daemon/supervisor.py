@@ -248,6 +248,8 @@ class Supervisor:
             server = SocketTransport(config.socket, hello, self.dispatch, max_request_bytes=config.max_request_bytes, limits=limits)
             if not_started := keep_warm.start():  # asleep until the first session request
                 self._announce(f"--keep-warm: {not_started}; serving without them")
+            elif keep_warm.hazards:
+                self._announce(f"--keep-warm: {keep_warm.hazards} (spinning all the same; --keep-warm 0 turns it off)")
             await server.start()
             if config.metrics_port is not None:
                 port = service.metrics.serve_http(config.metrics_port)

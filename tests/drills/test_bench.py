@@ -319,15 +319,16 @@ def test_only_takes_known_sections_and_the_durable_move_and_prefix_flags_overrid
 
 
 @pytest.mark.timeout(BENCH_HANG_GUARD_S + 300)
-@pytest.mark.parametrize("threads", [None, 2])
-def test_only_decode_runs_sections_1_2_and_4_on_their_own_daemons(tmp_path, threads) -> None:
+@pytest.mark.parametrize(("threads", "keep_warm"), [(None, None), (2, 0)])
+def test_only_decode_runs_sections_1_2_and_4_on_their_own_daemons(tmp_path, threads, keep_warm) -> None:
     """`--only decode`: the one-session sections alone, on the mid, chain and whole daemons only (not section 3's
     batched ones), with their rows, ratios and spreads, and nothing of the other sections; with --threads 2 every
-    daemon's worker and every in-process reference at 2 llama threads, and the rows say so."""
+    daemon's worker and every in-process reference at 2 llama threads, with --keep-warm 0 every daemon's spinners
+    off (default: 1 s), and the rows say so."""
     out = tmp_path / "bench"
     completed = run_to_completion(
         [sys.executable, "-m", "kvpool", "bench", "--only", "decode", "--quick", "--rounds", "1", "--decode-steps", "3", "--no-chart", "--out", str(out),
-         *(["--threads", str(threads)] if threads else [])],
+         *(["--threads", str(threads)] if threads else []), *(["--keep-warm", str(keep_warm)] if keep_warm is not None else [])],
         cwd=REPOSITORY, timeout_s=BENCH_HANG_GUARD_S,
     )
     assert completed.returncode == 0, completed.stderr[-4000:]
@@ -341,8 +342,11 @@ def test_only_decode_runs_sections_1_2_and_4_on_their_own_daemons(tmp_path, thre
     assert results["summary"]["s2_tokens_identical"] and set(results["load"]) == {"mid_shard", "route"}
     expected = threads or 1
     assert results["options"]["threads"] == expected and results["mid_shard"]["threads"] == results["route"]["threads"] == expected
+    warm = 1.0 if keep_warm is None else float(keep_warm)
+    assert results["options"]["keep_warm_s"] == results["mid_shard"]["keep_warm_s"] == results["route"]["keep_warm_s"] == warm
     for name, options in results["daemons"]["options"].items():
         per_worker = [options[index + 1] for index, flag in enumerate(options) if flag == "--threads-per-worker"]
         assert per_worker == [str(expected)], (name, options)
-    said = f"{expected} llama thread{'s' if expected > 1 else ''} a context, both sides"
+        assert [options[index + 1] for index, flag in enumerate(options) if flag == "--keep-warm"] == [f"{warm:g}"], (name, options)
+    said = f"{expected} llama thread{'s' if expected > 1 else ''} a context, both sides; daemons --keep-warm {warm:g}"
     assert sum(said in line for line in completed.stdout.splitlines()) == 2  # section 1's headline row and section 2's

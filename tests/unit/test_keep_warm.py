@@ -18,8 +18,8 @@ import time
 import psutil
 import pytest
 
-from kvpool.daemon.config import MAX_KEEP_WARM_S, ServeConfig
-from kvpool.daemon.keep_warm import KeepWarm
+from kvpool.daemon.config import ServeConfig
+from kvpool.daemon.keep_warm import MAX_KEEP_WARM_S, KeepWarm, hazards
 from kvpool.daemon.keep_warm_spinner import lock_path
 from tests.support.daemons import HANG_GUARD_S, exited_all, wait_until
 from workers.server.keep_warm_stamp import ASLEEP, SPINNING, STARTING, WAITING
@@ -160,3 +160,59 @@ def test_the_flag_takes_0_to_its_limit_and_is_off_by_default():
     assert ServeConfig(model="m", socket="/tmp/s").keep_warm_s == 0.0
     assert ServeConfig(model="m", socket="/tmp/s", keep_warm_s=0.0).keep_warm_s == 0.0
     assert ServeConfig(model="m", socket="/tmp/s", keep_warm_s=MAX_KEEP_WARM_S).keep_warm_s == MAX_KEEP_WARM_S
+
+
+def fake_machine(root: pathlib.Path, *, cgroup: str, mounts: list[str], files: dict[str, str]) -> pathlib.Path:
+    """A /proc/self (cgroup, mountinfo) and cgroup and sysfs files under `root`; mount points in `mounts` and the
+    keys of `files` are relative to it."""
+    proc = root / "proc"
+    proc.mkdir()
+    (proc / "cgroup").write_text(cgroup)
+    (proc / "mountinfo").write_text("".join(f"{30 + index} 23 0:{28 + index} {line.replace('@', str(root))}\n" for index, line in enumerate(mounts)))
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    return proc
+
+
+def test_hazards_name_a_cgroup_v2_quota_above_the_daemon_and_none_when_unlimited(tmp_path):
+    mounts = ["/ @/cg rw,nosuid - cgroup2 cgroup2 rw"]
+    files = {"cg/cpu.max": "max 100000\n", "cg/box/cpu.max": "150000 100000\n", "cg/box/svc/cpu.max": "max 100000\n"}
+    proc = fake_machine(tmp_path, cgroup="0::/box/svc\n", mounts=mounts, files=files)
+    said = hazards([0, 1], proc=proc, sysfs=tmp_path / "nosys")
+    assert said.startswith("a CPU quota of 1.5 cores (cgroup /box)") and "throttled" in said
+    (tmp_path / "cg/box/cpu.max").write_text("max 100000\n")
+    assert hazards([0, 1], proc=proc, sysfs=tmp_path / "nosys") == ""
+
+
+def test_hazards_name_the_tightest_cgroup_v1_quota_and_only_the_cpu_hierarchy(tmp_path):
+    mounts = ["/ @/cpu rw - cgroup cgroup rw,cpu,cpuacct", "/ @/memory rw - cgroup cgroup rw,memory"]
+    files = {
+        "cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n",
+        "cpu/job/cpu.cfs_quota_us": "50000\n", "cpu/job/cpu.cfs_period_us": "100000\n",
+        "memory/other/cpu.cfs_quota_us": "1000\n", "memory/other/cpu.cfs_period_us": "100000\n",  # not a cpu hierarchy
+    }
+    proc = fake_machine(tmp_path, cgroup="4:memory:/other\n2:cpu,cpuacct:/job\n0::/\n", mounts=mounts, files=files)
+    assert hazards([0], proc=proc, sysfs=tmp_path / "nosys").startswith("a CPU quota of 0.5 cores (cgroup /job)")
+    (tmp_path / "cpu/job/cpu.cfs_quota_us").write_text("-1\n")
+    assert hazards([0], proc=proc, sysfs=tmp_path / "nosys") == ""
+
+
+def test_hazards_name_hyperthread_siblings_among_the_spinners_cpus(tmp_path):
+    proc = fake_machine(tmp_path, cgroup="0::/\n", mounts=[], files={
+        f"sys/cpu{cpu}/topology/thread_siblings_list": siblings for cpu, siblings in
+        {0: "0,2\n", 1: "1,3\n", 2: "0,2\n", 3: "1,3\n", 4: "4-5\n", 5: "4-5\n"}.items()
+    })
+    assert hazards([0, 1, 2, 4, 5], proc=proc, sysfs=tmp_path / "sys") == "hyperthread siblings 0+2, 4+5: a spinner shares the computing worker's core"
+    assert hazards([0, 1, 4], proc=proc, sysfs=tmp_path / "sys") == ""  # one CPU of each core
+
+
+def test_a_daemon_under_a_quota_says_so_when_it_starts_and_in_status(serve, fake_model, monkeypatch):
+    said = "a CPU quota of 1 cores (cgroup /x): the spinners' time counts against it"
+    monkeypatch.setattr("kvpool.daemon.keep_warm.hazards", lambda cpus: said)
+    daemon = serve(fake_model, "--keep-warm", "60")
+    assert f"--keep-warm: {said} (spinning all the same; --keep-warm 0 turns it off)" in daemon.lines
+    assert daemon.supervisor.service.keep_warm.pids()  # warned, not refused
+    with daemon.client() as client:
+        assert f"hazards: {said}" in client.stats().keep_warm
+    assert KeepWarm(0.0).hazards == ""
