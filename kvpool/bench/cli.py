@@ -360,6 +360,8 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
     only = _sections(args)
     if args.threads is not None and only != [ONE_SESSION]:
         raise ValueError(f"--threads applies to sections {ONE_SESSION_WHAT} alone: give it with --only {ONE_SESSION}")
+    if args.keep_warm is not None and only is not None and ONE_SESSION not in only:
+        raise ValueError(f"--keep-warm applies to sections 1-5's daemons: give it with a whole run or --only {ONE_SESSION}")
     model = (args.model or bundled_model_path()).resolve()
     out_dir = (args.out or work_dir() / "bench").resolve()
     base = BenchOptions.quick_run(out_dir, model) if args.quick else BenchOptions(out_dir=out_dir, model=model)

@@ -59,7 +59,7 @@ class Rig:
         self.shards: list[ShardInfo] = shards_in_parts(source, 3, progress=bench_say)
         self.middle = self.shards[1]
         # each daemon's --threads and --threads-per-worker below, once; --keep-warm (default 1 s): the machine is the route's (bench help)
-        common = ["--ttl", "600", "--keep-warm", f"{options.keep_warm_s:g}"]
+        common = ["--ttl", "600", "--keep-warm", repr(options.keep_warm_s)]
         batched = ["--mode", "batched", "--seqs-per-worker", str(SESSIONS), "--max-sessions", str(SESSIONS)]
         route = [*common, "--n-ctx", str(ROUTE_N_CTX)]
         # sections 1, 2 and 4 alone (--only decode) at options.threads a context; a whole run's chain daemons are

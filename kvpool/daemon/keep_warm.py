@@ -32,6 +32,7 @@ import contextlib
 import math
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import time
@@ -54,33 +55,43 @@ def check_keep_warm(seconds: float) -> float:
 
 def cpu_quota(proc_cgroup: str, mountinfo: str) -> str:
     """The CPU quota the calling process runs under, from its /proc/self/cgroup and /proc/self/mountinfo texts:
-    cgroup v2's cpu.max or v1's cpu.cfs_quota_us / cpu.cfs_period_us, in its own cgroup or any above it (the
-    tightest, as cores), "" when none is set or it cannot be read."""
+    cgroup v2's cpu.max or v1's cpu.cfs_quota_us / cpu.cfs_period_us, in its own cgroup or any above it that its
+    cgroup mount shows (inside a cgroup namespace a quota above the namespace's root is not seen), the tightest as
+    cores; "" when none is set or none can be read. Lines it cannot read are passed over."""
     mounts: list[tuple[str, pathlib.Path, str]] = []  # (kind, mount point, the cgroup path it shows)
     for line in mountinfo.splitlines():
         fields = line.split()
-        if " - " not in line or len(fields) < 5:
+        after = line.split(" - ", 1)[1].split() if " - " in line else []
+        if len(fields) < 5 or len(after) < 3:
             continue
-        kind, _, options = line.split(" - ", 1)[1].split()[:3]
+        kind, options = after[0], after[2]
+        shown, point = _unescape(fields[3]), pathlib.Path(_unescape(fields[4]))
         if kind == "cgroup2":
-            mounts.append(("v2", pathlib.Path(fields[4]), fields[3]))
+            mounts.append(("v2", point, shown))
         elif kind == "cgroup" and "cpu" in options.split(","):
-            mounts.append(("v1", pathlib.Path(fields[4]), fields[3]))
+            mounts.append(("v1", point, shown))
     tightest: tuple[float, str] | None = None
     for line in proc_cgroup.splitlines():
         hierarchy, controllers, path = (line.split(":", 2) + ["", ""])[:3]
         version = "v2" if hierarchy == "0" and controllers == "" else "v1" if "cpu" in controllers.split(",") else None
         for kind, point, shown in mounts:
-            if kind != version or not (path + "/").startswith(shown.rstrip("/") + "/"):
-                continue
-            relative = pathlib.PurePosixPath(path[len(shown.rstrip("/")):].lstrip("/"))
+            base = shown.rstrip("/")
+            if kind != version or not (path + "/").startswith(base + "/"):
+                continue  # another hierarchy's mount, or one showing a cgroup beside ours (a namespace's "/..")
+            relative = pathlib.PurePosixPath(path[len(base):].lstrip("/"))
             for level in [relative, *relative.parents]:
                 cores = _quota_cores(point / level, kind)
                 if cores is not None and (tightest is None or cores < tightest[0]):
-                    tightest = (cores, f"/{level}" if str(level) != "." else "/")
+                    tightest = (cores, str(pathlib.PurePosixPath(shown) / level))
     if tightest is None:
         return ""
-    return f"a CPU quota of {tightest[0]:g} cores (cgroup {tightest[1]})"
+    cores, where = tightest
+    return f"a CPU quota of {cores:g} core{'' if cores == 1 else 's'} (cgroup {where})"
+
+
+def _unescape(field: str) -> str:
+    """A mountinfo path field as the path: the kernel writes space, tab, newline and backslash as octal escapes."""
+    return re.sub(r"\\([0-7]{3})", lambda match: chr(int(match[1], 8)), field)
 
 
 def _quota_cores(directory: pathlib.Path, kind: str) -> float | None:
@@ -121,8 +132,8 @@ def hazards(cpus: list[int], *, proc: pathlib.Path = pathlib.Path("/proc/self"),
     """What on this machine makes the spinners cost more than they were measured to ("": nothing found)."""
     found = []
     try:
-        quota = cpu_quota((proc / "cgroup").read_text(), (proc / "mountinfo").read_text())
-    except OSError:
+        quota = cpu_quota((proc / "cgroup").read_text(errors="surrogateescape"), (proc / "mountinfo").read_text(errors="surrogateescape"))
+    except (OSError, ValueError):  # not readable here: nothing said rather than no daemon
         quota = ""
     if quota:
         found.append(f"{quota}: the spinners' time counts against it and can get the daemon throttled")
@@ -140,13 +151,13 @@ class KeepWarm:
     def __init__(self, window_s: float, cpus: list[int] | None = None) -> None:
         self.window_s = window_s
         self.cpus = sorted(cpus if cpus is not None else os.sched_getaffinity(0))[:MAX_SPINNERS] if window_s > 0 else []
+        self.hazards = hazards(self.cpus) if self.cpus else ""  # said when the daemon starts and by describe(); before the block: nothing to free
         self._block = shared_memory.SharedMemory(create=True, size=BLOCK_BYTES) if window_s > 0 else None
         self.stamp = Stamp(self._block.buf) if self._block is not None else None
         if self.stamp is not None:
             self.stamp.forget()
         self._spinners: list[subprocess.Popen] = []
         self.not_started = ""  # why the spinners could not be started ("": they were, or none was asked)
-        self.hazards = hazards(self.cpus) if self.cpus else ""  # said when the daemon starts and by describe()
 
     @property
     def name(self) -> str:

@@ -347,6 +347,6 @@ def test_only_decode_runs_sections_1_2_and_4_on_their_own_daemons(tmp_path, thre
     for name, options in results["daemons"]["options"].items():
         per_worker = [options[index + 1] for index, flag in enumerate(options) if flag == "--threads-per-worker"]
         assert per_worker == [str(expected)], (name, options)
-        assert [options[index + 1] for index, flag in enumerate(options) if flag == "--keep-warm"] == [f"{warm:g}"], (name, options)
+        assert [options[index + 1] for index, flag in enumerate(options) if flag == "--keep-warm"] == [repr(warm)], (name, options)
     said = f"{expected} llama thread{'s' if expected > 1 else ''} a context, both sides; daemons --keep-warm {warm:g}"
     assert sum(said in line for line in completed.stdout.splitlines()) == 2  # section 1's headline row and section 2's

@@ -27,6 +27,17 @@ def test_the_command_line_refuses_what_kvpool_serve_refuses(capsys, given, said)
     assert exited.value.code == 2 and said in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("sections", [["--only", "warm"], ["--only", "overload,prefix"], ["--overload-only"]])
+def test_the_command_line_refuses_it_where_no_section_1_to_5_runs(capsys, sections):
+    from kvpool.cli.main import main as kvpool_main
+
+    try:
+        code = kvpool_main(["bench", *sections, "--keep-warm", "0", "--model", "/nonexistent.gguf"])
+    except SystemExit as exited:
+        code = exited.code
+    assert code == 2 and "--keep-warm applies to sections 1-5's daemons: give it with a whole run or --only decode" in capsys.readouterr().err
+
+
 def test_the_options_hold_0_to_the_limit_and_default_to_1_second(tmp_path):
     import argparse
 

@@ -185,6 +185,13 @@ def test_hazards_name_a_cgroup_v2_quota_above_the_daemon_and_none_when_unlimited
     assert hazards([0, 1], proc=proc, sysfs=tmp_path / "nosys") == ""
 
 
+@pytest.mark.parametrize(("parent", "child", "said"), [("200000", "50000", "0.5 cores (cgroup /a/b)"), ("100000", "300000", "1 core (cgroup /a)")])
+def test_hazards_name_the_tightest_quota_on_the_way_up(tmp_path, parent, child, said):
+    files = {"cg/a/cpu.max": f"{parent} 100000\n", "cg/a/b/cpu.max": f"{child} 100000\n"}
+    proc = fake_machine(tmp_path, cgroup="0::/a/b\n", mounts=["/ @/cg rw - cgroup2 cgroup2 rw"], files=files)
+    assert hazards([0], proc=proc, sysfs=tmp_path / "nosys").startswith(f"a CPU quota of {said}:")
+
+
 def test_hazards_name_the_tightest_cgroup_v1_quota_and_only_the_cpu_hierarchy(tmp_path):
     mounts = ["/ @/cpu rw - cgroup cgroup rw,cpu,cpuacct", "/ @/memory rw - cgroup cgroup rw,memory"]
     files = {
@@ -198,6 +205,17 @@ def test_hazards_name_the_tightest_cgroup_v1_quota_and_only_the_cpu_hierarchy(tm
     assert hazards([0], proc=proc, sysfs=tmp_path / "nosys") == ""
 
 
+def test_hazards_read_a_container_s_mount_escaped_paths_and_pass_over_odd_lines(tmp_path):
+    """A container's v1 mount shows its own cgroup as the root (named by the cgroup path, not the mount's); a path
+    with a space is written \\040 in mountinfo; a line with an empty source or cut short stops nothing."""
+    mounts = ["/docker/c1 @/cpu\\040dir rw - cgroup cgroup rw,cpu", "/ /dev/shm rw - tmpfs  rw", "garbage", "1 2 3 - cgroup2"]
+    files = {"cpu dir/cpu.cfs_quota_us": "25000\n", "cpu dir/cpu.cfs_period_us": "100000\n"}
+    proc = fake_machine(tmp_path, cgroup="3:cpu:/docker/c1\nnot a line\n", mounts=mounts, files=files)
+    assert hazards([0], proc=proc, sysfs=tmp_path / "nosys").startswith("a CPU quota of 0.25 cores (cgroup /docker/c1)")
+    (proc / "mountinfo").write_bytes(b"30 23 0:28 / /\xff rw - cgroup2 cgroup2 rw\n")  # not UTF-8
+    assert hazards([0], proc=proc, sysfs=tmp_path / "nosys") == ""
+
+
 def test_hazards_name_hyperthread_siblings_among_the_spinners_cpus(tmp_path):
     proc = fake_machine(tmp_path, cgroup="0::/\n", mounts=[], files={
         f"sys/cpu{cpu}/topology/thread_siblings_list": siblings for cpu, siblings in
@@ -208,7 +226,7 @@ def test_hazards_name_hyperthread_siblings_among_the_spinners_cpus(tmp_path):
 
 
 def test_a_daemon_under_a_quota_says_so_when_it_starts_and_in_status(serve, fake_model, monkeypatch):
-    said = "a CPU quota of 1 cores (cgroup /x): the spinners' time counts against it"
+    said = "a CPU quota of 1 core (cgroup /x): the spinners' time counts against it"
     monkeypatch.setattr("kvpool.daemon.keep_warm.hazards", lambda cpus: said)
     daemon = serve(fake_model, "--keep-warm", "60")
     assert f"--keep-warm: {said} (spinning all the same; --keep-warm 0 turns it off)" in daemon.lines
