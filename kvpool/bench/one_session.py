@@ -152,37 +152,61 @@ def route_variants(rig: Rig, chain_clients: list[Client], whole_client: Client) 
     return variants, close
 
 
-def _greedy_run(variant: Variant, prompt: Sequence[int], steps: int, times: list[float] | None) -> list[int]:
-    variant.reset()
-    logits = variant.append(0, prompt)
-    generated = []
-    position = len(prompt)
-    for _ in range(steps):
+class _Greedy:
+    """One variant's greedy decode, a step at a time: reset and the prompt appended on creation; each step()
+    picks the next token from the last logits (argmax) and appends it, returning its seconds."""
+
+    def __init__(self, variant: Variant, prompt: Sequence[int]) -> None:
+        self.variant = variant
+        variant.reset()
+        self.logits = variant.append(0, prompt)
+        self.position = len(prompt)
+        self.generated: list[int] = []
+
+    def step(self) -> float:
         started = time.perf_counter()
-        token = int(np.argmax(logits[-1]))
-        generated.append(token)
-        logits = variant.append(position, [token])
-        if times is not None:
-            times.append(time.perf_counter() - started)
-        position += 1
-    return generated
+        token = int(np.argmax(self.logits[-1]))
+        self.generated.append(token)
+        self.logits = self.variant.append(self.position, [token])
+        self.position += 1
+        return time.perf_counter() - started
+
+
+def _greedy_run(variant: Variant, prompt: Sequence[int], steps: int) -> list[int]:
+    """`steps` greedy tokens after `prompt`, untimed (the warm-up, whose tokens every variant must agree on)."""
+    run = _Greedy(variant, prompt)
+    for _ in range(steps):
+        run.step()
+    return run.generated
 
 
 def measure_route(rig: Rig, chain_clients: list[Client], whole_client: Client) -> dict:
+    """Section 2: greedy decode of one session by each variant (kvpool.bench.one_session.route_variants), in
+    rounds; within a round the variants take turns every `chunk_steps` timed steps, as in section 1, each on its
+    own session: the host's speed moves by tens of percent from one second to the next on some machines (a
+    context's own step, turn by turn: evidence/daemon-overhead/README.md, "Stop 50"), so a variant that ran its
+    steps all at once would carry its own seconds' speed into the ratio. Each turn's first step, right after another
+    variant ran, is timed and kept apart (`cold_decode_s`). After each round, each chain daemon's round trips."""
     options = rig.options
     variants, close = route_variants(rig, chain_clients, whole_client)
     prompt = rig.prompts[0]
-    steps = options.decode_steps
-    times = {name: [] for name in variants}
+    steps, chunk = options.decode_steps, options.chunk_steps
+    if len(prompt) + steps + options.cold_steps > ROUTE_N_CTX:
+        raise ValueError(f"the route's prompt ({len(prompt)} tokens) and {steps} + {options.cold_steps} steps do not fit n_ctx {ROUTE_N_CTX}")
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    cold: dict[str, list[float]] = {name: [] for name in variants}
     tokens: dict[str, list[int]] = {}
     trips: list[dict[str, list[float]]] = [{"supervisor": [], "worker": [], "worker_after_idle": []} for _ in chain_clients]
     try:
         for name, variant in variants.items():
-            tokens[name] = _greedy_run(variant, prompt, min(steps, 16), None)  # warm-up; the tokens are compared
+            tokens[name] = _greedy_run(variant, prompt, min(steps, 16))  # warm-up; the tokens are compared
         for round_index, order in run_interleaved(options.rounds, list(variants)):
-            for name in order:
-                _greedy_run(variants[name], prompt, steps, times[name])
-            length = len(prompt) + steps
+            runs = {name: _Greedy(variants[name], prompt) for name in order}
+            for timed in range(0, steps, chunk):
+                for name in order:
+                    for turn_step in range(1 + min(chunk, steps - timed)):
+                        (cold if turn_step == 0 else times)[name].append(runs[name].step())
+            length = runs["daemon chain"].position
             for index, client in enumerate(chain_clients):
                 for kind, values in round_trips(client, "bench-route-chain", length, max(8, steps // 2), IDLE_CHAIN_S).items():
                     trips[index][kind].extend(values)
@@ -195,6 +219,8 @@ def measure_route(rig: Rig, chain_clients: list[Client], whole_client: Client) -
     reference = tokens["llama.cpp whole"]
     return {
         "decode_s": times,
+        "cold_decode_s": cold,
+        "chunk_steps": chunk,
         "round_trip_s": trips,
         "payload_s_per_hop": payload,
         "tokens_identical": {name: generated == reference for name, generated in tokens.items()},

@@ -96,6 +96,11 @@ def summarize_route(results: dict) -> tuple[dict, dict, list[Row]]:
     rows += [
         Row("2", f"greedy decode, one session ({_threads(route)}): 3 shard daemons, the token picked on the last (sampling) vs the whole model in one context",
             _rate(sampled), _rate(whole), f"{whole / sampled:.3f}x tok/s", verdict(whole / sampled, HOT_PATH_TARGETS["route_vs_whole"])),
+        *([Row("2", f"  the first step of each turn (the variants take turns every {route['chunk_steps']} timed steps), right after another "
+                     "variant ran; left out of the medians above: 3 shard daemons sampling vs the whole model",
+                 ms(median_of(route["cold_decode_s"]["daemon chain, sampled on the last"])), ms(median_of(route["cold_decode_s"]["llama.cpp whole"])),
+                 f"{median_of(route['cold_decode_s']['llama.cpp whole']) / median_of(route['cold_decode_s']['daemon chain, sampled on the last']):.3f}x tok/s")]
+          if route.get("cold_decode_s") else []),
         Row("2", "greedy decode, one session: 3 shard daemons vs the whole model in one llama.cpp context", _rate(chain), _rate(whole), f"{whole / chain:.3f}x tok/s"),
         Row("2", "greedy decode: whole model through 1 daemon vs in one llama.cpp context", _rate(greedy["daemon whole"]), _rate(whole),
             f"{whole / greedy['daemon whole']:.3f}x tok/s"),

@@ -340,6 +340,10 @@ def test_only_decode_runs_sections_1_2_and_4_on_their_own_daemons(tmp_path, thre
     assert {"daemon_vs_inprocess", "route_vs_whole"} <= results["ratios"].keys()
     assert all(results["ratios"][name]["value"] > 0 for name in ("daemon_vs_inprocess", "route_vs_whole"))
     assert results["summary"]["s2_tokens_identical"] and set(results["load"]) == {"mid_shard", "route"}
+    # section 2's variants take turns every chunk_steps (3) timed steps: 3 timed and 1 cold step each here
+    assert {len(values) for values in results["route"]["decode_s"].values()} == {3} and results["route"]["chunk_steps"] == 3
+    assert {len(values) for values in results["route"]["cold_decode_s"].values()} == {1}
+    assert any("the first step of each turn" in line and line.startswith("| 2 ") for line in completed.stdout.splitlines())
     expected = threads or 1
     assert results["options"]["threads"] == expected and results["mid_shard"]["threads"] == results["route"]["threads"] == expected
     warm = 1.0 if keep_warm is None else float(keep_warm)
