@@ -71,8 +71,8 @@ reference loads its model the same way (workers.runtime.model.ShardModel's defau
 has huge pages the other lacks (JSON "environment": transparent_huge_pages, the bench's huge_page_bytes_at_end).
 Spinners: the daemons of sections 1-5 run `--keep-warm 1` (kvpool serve's default is 0, off: kvpool.daemon.keep_warm;
 the bench's --keep-warm SECONDS sets it, 0 to compare without), keeping their CPUs awake for a second after each
-session request with idle-priority spinners, one a CPU, as a machine given to the route would; their CPU time is the bench's own (its process tree), not the other processes' it checks; the
-in-process references run beside them (at idle priority a spinner yields its CPU, but a slowing of the references
+session request with idle-priority spinners, one a CPU, as a machine given to the route would; their CPU time is the
+bench's own (its process tree), not the other processes' it checks; the in-process references run beside them (at idle priority a spinner yields its CPU, but a slowing of the references
 by up to ~1% was not ruled out: evidence/daemon-overhead/README.md, "Stop 49"). Sections 7-12 run the default.
 
 The JSON's "ratios" names the headline ratios, each with its target (null: none), whether it was met and its

@@ -14,7 +14,7 @@ def _rate(seconds: float) -> str:
     return f"{1 / seconds:.0f} tok/s ({ms(seconds)})"
 
 
-def _threads(section: dict) -> str:
+def _settings(section: dict) -> str:
     """How many llama threads every computing context of a section ran and the daemons' --keep-warm, as its
     measurement recorded (kvpool.bench.rig; results written before --keep-warm was recorded say nothing of it)."""
     threads = section.get("threads", 1)
@@ -49,7 +49,7 @@ def summarize_mid_shard(results: dict) -> tuple[dict, dict, list[Row]]:
     })
     summary.update({f"s1_{name.replace('.', '')}_cold_decode_s": seconds for name, seconds in cold.items()})
     rows += [
-        Row("1", f"middle shard decode ({_threads(mid)}): daemon vs the same shard in-process (worker runtime)", _rate(decode["daemon"]), _rate(decode["runtime"]),
+        Row("1", f"middle shard decode ({_settings(mid)}): daemon vs the same shard in-process (worker runtime)", _rate(decode["daemon"]), _rate(decode["runtime"]),
             f"{daemon_vs_runtime:.3f}x tok/s", verdict(daemon_vs_runtime, DAEMON_OVERHEAD_TARGET)),
         Row("1", "middle shard decode: daemon vs llama.cpp in-process, no capture", _rate(decode["daemon"]), _rate(decode["llama.cpp"]),
             f"{decode['llama.cpp'] / decode['daemon']:.3f}x tok/s"),
@@ -91,16 +91,17 @@ def summarize_route(results: dict) -> tuple[dict, dict, list[Row]]:
         "s2_tokens_identical": all(route["tokens_identical"].values()),
     })
     sampled = greedy["daemon chain, sampled on the last"]
+    cold = {name: median_of(values) for name, values in route.get("cold_decode_s", {}).items()}  # results before stop 50: none
     summary.update({"s2_sampled_chain_decode_s": sampled, "s2_sampled_chain_vs_whole": whole / sampled})
     ratios["route_vs_whole"] = headline(whole / sampled, HOT_PATH_TARGETS["route_vs_whole"])
     rows += [
-        Row("2", f"greedy decode, one session ({_threads(route)}): 3 shard daemons, the token picked on the last (sampling) vs the whole model in one context",
+        Row("2", f"greedy decode, one session ({_settings(route)}): 3 shard daemons, the token picked on the last (sampling) vs the whole model in one context",
             _rate(sampled), _rate(whole), f"{whole / sampled:.3f}x tok/s", verdict(whole / sampled, HOT_PATH_TARGETS["route_vs_whole"])),
         *([Row("2", f"  the first step of each turn (the variants take turns every {route['chunk_steps']} timed steps), right after another "
                      "variant ran; left out of the medians above: 3 shard daemons sampling vs the whole model",
-                 ms(median_of(route["cold_decode_s"]["daemon chain, sampled on the last"])), ms(median_of(route["cold_decode_s"]["llama.cpp whole"])),
-                 f"{median_of(route['cold_decode_s']['llama.cpp whole']) / median_of(route['cold_decode_s']['daemon chain, sampled on the last']):.3f}x tok/s")]
-          if route.get("cold_decode_s") else []),
+                 ms(cold["daemon chain, sampled on the last"]), ms(cold["llama.cpp whole"]),
+                 f"{cold['llama.cpp whole'] / cold['daemon chain, sampled on the last']:.3f}x tok/s")]
+          if cold else []),
         Row("2", "greedy decode, one session: 3 shard daemons vs the whole model in one llama.cpp context", _rate(chain), _rate(whole), f"{whole / chain:.3f}x tok/s"),
         Row("2", "greedy decode: whole model through 1 daemon vs in one llama.cpp context", _rate(greedy["daemon whole"]), _rate(whole),
             f"{whole / greedy['daemon whole']:.3f}x tok/s"),

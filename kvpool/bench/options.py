@@ -79,9 +79,9 @@ class BenchOptions:
     rounds: int = 7  # interleaved rounds of the single-session sections
     decode_steps: int = 96  # timed decode steps per round and variant
     # sections 1 and 2: the variants take turns every `chunk_steps` timed steps, so a slow spell of the machine (at
-    # ~1B every variant's steps, in-process ones too, slow from ~9.5 to ~14 ms for seconds at a time; on an AMD EPYC VM
-    # the whole model's step 58-90 ms from one 3-second turn to the next in one context) falls on all of them alike; each turn begins with one step after
-    # another variant ran, timed and kept apart (cold)
+    # ~1B every variant's steps, in-process ones too, slow from ~9.5 to ~14 ms for seconds at a time; on an AMD EPYC
+    # VM the whole model's step 58-90 ms from one 3-second turn to the next in one context) falls on all of them
+    # alike; each turn begins with one step after another variant ran, timed and kept apart (cold)
     chunk_steps: int = 3
     history: int = 64  # rows in the middle shard's context before its decode steps
     prefill_rows: int = 512
