@@ -4,16 +4,19 @@ through the 3-shard route (3 daemons of its own, process mode, --n-ctx
 PREFIX_N_CTX, the default --prefix-block), timed to its first token (the first append's logits):
 
   cached     Router(clients): the system prompt already stored on every daemon by an earlier session; the
-             router looks the prompt's blocks up on every daemon, admits the session from the blocks all of
-             them hold, and the walk restores them on each daemon and computes only the message
+             router looks the prompt's blocks up and admits the session from the blocks all of them hold, each
+             step on every daemon at once, and the walk computes only the message (the first daemon restores
+             the session with its rows, the later ones meanwhile)
   uncached   Router(clients, prefix_cache=False): the whole prompt prefilled through the 3 daemons
   llama.cpp  the whole model in this process, 1 thread (each daemon runs 1), one context kept across requests
              as llama.cpp's server keeps its slot's: llama_memory_seq_rm, llama_state_seq_set_data of the system
              prompt's saved state (saved once, untimed, kept in native memory as the server's prompt cache keeps
              it), then the message; also with a context created per request (llama_init_from_model, then the same)
 
-and where the cached time goes: one more new session, driven through the clients and timed per daemon (its
-lookup, its prefix admission, its first append, which restores and computes, and the same append again hot).
+and where the cached time goes: one more new session, taken step by step as the router takes it and timed
+apart (its lookup and prefix admission, each on every daemon at once; its first append on each daemon, which
+restores it on the first daemon while the later ones restore it beside that compute, computes the message and
+saves the prompt's new block for the store; and the same append again hot).
 Each round is a new session of every variant, its message tokens its own (distinct in every round; the
 variants of one round share theirs, so their first tokens are compared); the variants alternate their order
 round by round. A cached session's prefill completes blocks its daemons do not hold, so each saves its state for
@@ -42,6 +45,8 @@ from kvpool.bench.rig import FILLER_TEXT, daemon_uss, run_interleaved, start_dae
 from kvpool.client.client import Client
 from kvpool.launcher import Daemon
 from kvpool.local.tokenizer import Tokenizer
+from kvpool.router.prefix import RestoringAhead, admit_everywhere, held_everywhere
+from kvpool.router.route import Route
 from kvpool.router.router import Router
 from kvpool.shard.header import ShardInfo, file_sha256
 from kvpool.wire.prefix import chain_digests
@@ -130,39 +135,54 @@ def _llama_fresh_once(model: ShardModel, state: ctypes.Array, at: int, rest: lis
     return {**got, "s": got["s"] + created - started, "create_s": created - started}
 
 
-def _walk_timed(clients: Sequence[Client], session_id: str, at: int, rest: list[int]) -> tuple[list[float], list[bool], np.ndarray]:
-    """One append of `rest` at position `at` through every daemon: each one's seconds and `restored` flag, the logits."""
+def _walk_timed(clients: Sequence[Client], session_id: str, at: int, rest: list[int], *, digests: list[bytes],
+                ahead: RestoringAhead | None = None) -> dict:
+    """One append of `rest` at position `at` through every daemon, carrying `digests` (of the blocks it
+    completes, as the router's append does: a daemon that lacks them saves its state for the store before its
+    reply): each one's seconds and `restored` flag, the logits; with `ahead` (restores of the later daemons
+    running), its outcomes waited for before the second daemon's part, as the router waits (the wait counted
+    apart, not in that part)."""
     rows: list[int] | np.ndarray = rest
-    seconds, restored = [], []
+    seconds, restored, outcomes, wait_s = [], [], [], 0.0
     for stage, client in enumerate(clients):
+        if stage == 1 and ahead is not None:
+            started = time.perf_counter()
+            outcomes = ahead.wait()
+            wait_s = time.perf_counter() - started
         inputs = {"tokens": list(rows)} if stage == 0 else {"hidden": rows}
         started = time.perf_counter()
-        result = client.append(session_id, EPOCH, at, **inputs)
+        result = client.append(session_id, EPOCH, at, **inputs, block_digests=digests)
         seconds.append(time.perf_counter() - started)
         restored.append(result.restored)
         rows = result.rows
     assert isinstance(rows, np.ndarray)
-    return seconds, restored, rows[-1].copy()
+    return {"s": seconds, "restored": restored, "ahead": outcomes, "ahead_wait_s": wait_s, "logits": rows[-1].copy()}
 
 
 def _components_once(clients: Sequence[Client], session_id: str, system: list[int], rest: list[int]) -> dict:
-    """What the cached variant's first append does, one step at a time per daemon: the lookup, the admission
-    from the prefix, the first append (restore + the message), and, truncated back, the same append hot."""
-    digests = chain_digests(system, clients[0].hello.prefix_block)
-    held, lookup_s, admit_s = [], [], []
-    for client in clients:
-        started = time.perf_counter()
-        held.append(client.lookup_prefix("", digests))
-        lookup_s.append(time.perf_counter() - started)
-    for client in clients:
-        admit_s.append(time_call(lambda client=client: client.admit_prefix(session_id, EPOCH, "", digests)))
-    first_s, restored, _logits = _walk_timed(clients, session_id, len(system), rest)
+    """What the cached variant's first append does, one step at a time as the router takes them
+    (kvpool.router.prefix): the lookup and the admission from the prefix, each on every daemon at once; the
+    first append, which restores the session on the first daemon while the later ones restore it in a thread
+    (kvpool.router.prefix.RestoringAhead), computes the message and saves the prompt's new block for the store
+    on each daemon; and, truncated back, the same append again hot (the rows alone)."""
+    route = Route(clients)
+    block = clients[0].hello.prefix_block
+    digests = chain_digests(system, block)
+    completed = chain_digests(system + rest, block)[len(system) // block :]  # the blocks the message completes
+    started = time.perf_counter()
+    held = held_everywhere(route, "", digests)
+    lookup_s = time.perf_counter() - started
+    admitted = admit_everywhere(route, session_id, EPOCH, "", digests[:held], 0)
+    admit_s = time.perf_counter() - started - lookup_s
+    first = _walk_timed(clients, session_id, len(system), rest, digests=completed, ahead=RestoringAhead(route, session_id, EPOCH))
     for client in clients:
         client.truncate(session_id, EPOCH, len(system))
-    hot_s, _hot_restored, _logits = _walk_timed(clients, session_id, len(system), rest)
+    hot = _walk_timed(clients, session_id, len(system), rest, digests=completed)  # the store holds them now: no save
     for client in clients:
         client.release(session_id, EPOCH)
-    return {"held_blocks": held, "lookup_s": lookup_s, "admit_s": admit_s, "first_append_s": first_s, "restored": restored, "hot_append_s": hot_s}
+    restored = first["restored"][:1] + [getattr(outcome, "detail", "") == "restored" for outcome in first["ahead"]]
+    return {"held_blocks": held, "admitted": admitted, "restored": restored, "lookup_s": lookup_s, "admit_s": admit_s,
+            "ahead_wait_s": first["ahead_wait_s"], "first_append_s": first["s"], "hot_append_s": hot["s"]}
 
 
 # ---- time to first token ----------------------------------------------------------------------------------

@@ -27,10 +27,12 @@ def _timing(prefix: dict) -> tuple[dict, dict, list[Row]]:
     cached, uncached, llama, fresh = (median_of(seconds[name]) for name in (CACHED, UNCACHED, LLAMA, LLAMA_FRESH))
     speedup, versus, versus_fresh = uncached / cached, llama / cached, fresh / cached
     parts = runs[COMPONENTS]
-    restore_rounds = [[first - hot for first, hot in zip(one["first_append_s"], one["hot_append_s"])] for one in parts]
-    total = {key: median_of([sum(one[key]) for one in parts]) for key in ("lookup_s", "admit_s", "first_append_s", "hot_append_s")}
-    restore = median_of([sum(one) for one in restore_rounds])
-    rest_of_cached = cached - (total["lookup_s"] + total["admit_s"] + total["first_append_s"])
+    save_rounds = [[first - hot for first, hot in zip(one["first_append_s"], one["hot_append_s"])] for one in parts]
+    total = {key: median_of([one[key] for one in parts]) for key in ("lookup_s", "admit_s", "ahead_wait_s")}
+    total |= {key: median_of([sum(one[key]) for one in parts]) for key in ("first_append_s", "hot_append_s")}
+    first_less_hot = median_of([sum(one) for one in save_rounds])
+    steps = total["lookup_s"] + total["admit_s"] + total["ahead_wait_s"] + total["first_append_s"]
+    rest_of_cached = cached - steps
     capture = median_of([one["capture_s"] for one in runs[CACHED]])
     llama_restore, llama_rows = (median_of([one[key] for one in runs[LLAMA]]) for key in ("restore_s", "rows_s"))
     create = median_of([one["create_s"] for one in runs[LLAMA_FRESH]])
@@ -41,7 +43,8 @@ def _timing(prefix: dict) -> tuple[dict, dict, list[Row]]:
     summary.update({
         "s12_cached_vs_uncached": speedup, "s12_vs_llamacpp": versus, "s12_vs_llamacpp_fresh_context": versus_fresh,
         "s12_capture_after_reply_s": capture, "s12_lookup_s": total["lookup_s"], "s12_admit_s": total["admit_s"],
-        "s12_first_append_s": total["first_append_s"], "s12_hot_append_s": total["hot_append_s"], "s12_restore_s": restore,
+        "s12_restore_ahead_wait_s": total["ahead_wait_s"], "s12_first_append_s": total["first_append_s"],
+        "s12_hot_append_s": total["hot_append_s"], "s12_first_less_hot_s": first_less_hot,
         "s12_cached_less_steps_s": rest_of_cached,
         "s12_llamacpp_restore_s": llama_restore, "s12_llamacpp_rows_s": llama_rows, "s12_llamacpp_fresh_create_s": create,
         "s12_llamacpp_prefill_system_s": prefix["reference_prefill_s"], "s12_prefix_state_bytes": prefix["prefix_state_bytes"],
@@ -60,16 +63,17 @@ def _timing(prefix: dict) -> tuple[dict, dict, list[Row]]:
             f"{versus:.2f}x", verdict(versus, LLAMA_CPP_TARGET)),
         Row("12", f"the same vs llama.cpp creating a context per request (llama_init_from_model at n_ctx {prefix['n_ctx']}, then the same)",
             _spread(seconds[CACHED]), f"{_spread(seconds[LLAMA_FRESH])} (context creation {ms(create)})", f"{versus_fresh:.2f}x"),
-        Row("12", f"where the cached time goes (a session of its own, step by step through the clients; summed over the 3 daemons, per "
-                  f"daemon after it): lookup {ms(total['lookup_s'])}, admission from the prefix {ms(total['admit_s'])} "
-                  f"({_per_daemon([one['admit_s'] for one in parts])}), first append {ms(total['first_append_s'])} = restore "
-                  f"{ms(restore)} ({_per_daemon(restore_rounds)}; the first append minus the same append hot: the restore, and the save "
-                  f"of the prompt's new block for the store, which each daemon makes before its reply) + {rest} rows hot "
-                  f"{ms(total['hot_append_s'])} ({_per_daemon([one['hot_append_s'] for one in parts])}); after the replies all 3 "
-                  f"held the new block within {ms(capture)}; the cached median less these steps: {ms(rest_of_cached)} (the router's walk "
-                  f"and lookups of the timed sessions, beside the steps the component session timed apart)",
-            ms(total["lookup_s"] + total["admit_s"] + total["first_append_s"]),
-            f"restore {ms(llama_restore)} + {rest} rows {ms(llama_rows)}", f"{rest} rows: {llama_rows / total['hot_append_s']:.2f}x llama.cpp's speed"),
+        Row("12", f"where the cached time goes (a session of its own, step by step as the router takes them; lookup and admission "
+                  f"each asked of the 3 daemons at once, the appends summed over them, per daemon after it): lookup "
+                  f"{ms(total['lookup_s'])}, admission from the prefix {ms(total['admit_s'])}, first append {ms(total['first_append_s'])} "
+                  f"= {rest} rows hot {ms(total['hot_append_s'])} ({_per_daemon([one['hot_append_s'] for one in parts])}) + "
+                  f"{ms(first_less_hot)} ({_per_daemon(save_rounds)}; the first append minus the same append hot: on the first daemon "
+                  f"the restore, on each the save of the prompt's new block for the store, made before its reply); the later "
+                  f"daemons restored beside the first's compute (a thread of the router), waited for {ms(total['ahead_wait_s'])} "
+                  f"after it; after the replies all 3 held the new block within {ms(capture)}; the cached median less these steps: "
+                  f"{ms(rest_of_cached)} (the router's walk of the timed sessions, beside the steps the component session timed apart)",
+            ms(steps), f"restore {ms(llama_restore)} + {rest} rows {ms(llama_rows)}",
+            f"{rest} rows: {llama_rows / total['hot_append_s']:.2f}x llama.cpp's speed"),
     ]
     return summary, ratios, rows
 
@@ -80,7 +84,7 @@ def _checks(prefix: dict) -> tuple[dict, list[Row]]:
     reused = all(one["reused_tokens"] == system and one["hits"] == 1 and not one["fallbacks"] and one["first_append_rows"] == system
                  for one in runs[CACHED])
     reused = reused and not any(one["hits"] for one in runs[UNCACHED])
-    reused = reused and all(one["held_blocks"] == [block_count] * 3 and all(one["restored"]) for one in runs[COMPONENTS])
+    reused = reused and all(one["held_blocks"] == block_count and one["admitted"] and all(one["restored"]) for one in runs[COMPONENTS])
     reused = reused and all(memory["reused_tokens"] == memory["sessions"] * system for memory in prefix["memory"].values())
     books = all(state == "ok" for state in prefix["integrity"]) and prefix["sessions_left"] == 0
     books = books and all(not any(memory["sessions_left"]) for memory in prefix["memory"].values())
@@ -90,7 +94,7 @@ def _checks(prefix: dict) -> tuple[dict, list[Row]]:
     summary = {"s12_reused_every_round": reused, "s12_first_token_identical": identical, "s12_books_ok": books,
                "s12_cached_logits_max_abs_diff_vs_llamacpp": max(diff[CACHED])}
     rows = [Row("12", f"every cached session started from {system:,} stored tokens on all 3 daemons (router and daemon counts, "
-                      "restored: true), none uncached did; books ok, no session left", "yes" if reused and books else "NO", "", ""),
+                      "every Restore answered \"restored\"), none uncached did; books ok, no session left", "yes" if reused and books else "NO", "", ""),
             Row("12", "first token identical: cached, uncached, llama.cpp (kept and fresh context), every round; logits max |diff| vs llama.cpp: "
                       + ", ".join(f"{name} {max(values):.3g}" for name, values in diff.items()), "yes" if identical else "NO", "", "")]
     return summary, rows

@@ -2,16 +2,21 @@
 (kvpool.wire.prefix), sent with every append that completes a block so each daemon can offer the session's
 state to its prefix store, and the reuse itself: look a prompt's blocks up on every daemon of the route, take
 the longest length all of them hold (daemon k + 1 needs daemon k's rows for every position it does not hold)
-and admit the session from that prefix on every daemon; the caller then computes only the rest."""
+and admit the session from that prefix on every daemon; the caller then computes only the rest. The lookup and the
+admission ask every daemon at once (Client.ask_all): they cost the slowest daemon's time, not the sum. The first
+append restores the session on the first daemon with its rows, while the later daemons restore it in a thread
+(RestoringAhead) beside that compute."""
 
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Sequence
 
 import numpy as np
 
-from kvpool.client.client import ConnectionLost, KvpoolError
+from kvpool.client.client import Client, ConnectionLost, KvpoolError
+from kvpool.client.messages import admit_prefix_call, prefix_lookup_call, restore_call
 from kvpool.router.route import Route
 from kvpool.wire.prefix import chain_digests
 
@@ -55,30 +60,67 @@ def route_block(route: Route) -> int:
 
 
 def held_everywhere(route: Route, scope: str, digests: list[bytes]) -> int:
-    """The leading blocks of `digests` every daemon of the route holds (0 when one holds none or fails)."""
-    held = len(digests)
-    for client in route.clients:
-        if not held:
-            break
-        try:
-            held = min(held, client.lookup_prefix(scope, digests[:held]))
-        except (KvpoolError, ConnectionLost):
-            return 0
-    return held
+    """The leading blocks of `digests` every daemon of the route holds (0 when one holds none or fails); every
+    daemon asked at once."""
+    if not digests:
+        return 0
+    outcomes = _ask_each(route.clients, lambda client: prefix_lookup_call(scope, digests))
+    return 0 if any(isinstance(outcome, Exception) for outcome in outcomes) else min(outcomes)
 
 
 def admit_everywhere(route: Route, session_id: str, epoch: int, scope: str, digests: list[bytes], n_ctx: int) -> bool:
-    """Admit (session_id, epoch) from the prefix `digests` names on every daemon of the route; False, with
-    what was admitted released again, when one cannot (the prefix evicted since the lookup, no room, a lost
+    """Admit (session_id, epoch) from the prefix `digests` names on every daemon of the route at once; False,
+    with what was admitted released again, when one cannot (the prefix evicted since the lookup, no room, a lost
     connection): the caller computes the prefix itself."""
-    admitted = []
-    for client in route.clients:
+    outcomes = _ask_each(route.clients, lambda client: admit_prefix_call(session_id, epoch, scope, digests, n_ctx))
+    if not any(isinstance(outcome, Exception) for outcome in outcomes):
+        return True
+    for client, outcome in zip(route.clients, outcomes, strict=True):
+        if not isinstance(outcome, Exception):
+            with contextlib.suppress(KvpoolError, ConnectionLost):
+                client.release(session_id, epoch)
+    return False
+
+
+def restore_everywhere(route: Route, session_id: str, epoch: int, stages: Sequence[int]) -> list:
+    """The session just admitted from a prefix restored on the daemons of `stages` at once (kvpool.wire.protocol.
+    Restore), not bound to a direct channel, so that its first append still goes through each supervisor, which
+    offers the blocks it completes to the store before its reply. Each daemon's outcome (Done, or the error it
+    met): a restore that failed is left to that append, which restores a session still parked itself and
+    answers as the contract says."""
+    return _ask_each([route.clients[stage] for stage in stages], lambda client: restore_call(session_id, epoch))
+
+
+class RestoringAhead:
+    """restore_everywhere on the daemons after the first, in a thread of its own, while the caller's first
+    append restores the session on the first daemon and computes its rows there: the later daemons' restores
+    (mostly a context created for the session) happen beside that compute instead of before or after it.
+    `wait` before the second daemon's part of an append, and before the append returns or raises: no request
+    of this thread is in flight once it has returned."""
+
+    def __init__(self, route: Route, session_id: str, epoch: int) -> None:
+        self.outcomes: list = []
+        stages = range(1, len(route))
+        self._thread = threading.Thread(target=self._run, args=(route, session_id, epoch, stages), name="kvpool-restore-ahead", daemon=True)
+        self._thread.start()
+
+    def _run(self, route: Route, session_id: str, epoch: int, stages: range) -> None:
         try:
-            client.admit_prefix(session_id, epoch, scope, digests, n_ctx=n_ctx)
-        except (KvpoolError, ConnectionLost):
-            for earlier in admitted:
-                with contextlib.suppress(KvpoolError, ConnectionLost):
-                    earlier.release(session_id, epoch)
-            return False
-        admitted.append(client)
-    return True
+            self.outcomes = restore_everywhere(route, session_id, epoch, stages)
+        except Exception as error:  # noqa: BLE001 - a socket timeout: left to the append, as any failed restore
+            self.outcomes = [error]
+
+    def wait(self) -> list:
+        """Each later daemon's outcome, once every restore is answered."""
+        self._thread.join()
+        return self.outcomes
+
+
+def _ask_each(clients: Sequence[Client], call_for) -> list:
+    """Client.ask_all of `call_for(client)` on each of `clients` at once: each outcome, a refusal (KvpoolError)
+    or a lost connection (ConnectionLost) among them; anything else one met (a socket timeout) is raised."""
+    outcomes = Client.ask_all([(client, call_for(client)) for client in clients])
+    for outcome in outcomes:
+        if isinstance(outcome, Exception) and not isinstance(outcome, (KvpoolError, ConnectionLost)):
+            raise outcome
+    return outcomes

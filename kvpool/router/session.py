@@ -39,7 +39,7 @@ from kvpool.local.generate import greedy_tokens
 from kvpool.router.history import AppendHistory
 from kvpool.router.in_flight import InFlightAppend
 from kvpool.router.move import Moved, MoveFailed, move_session
-from kvpool.router.prefix import PrefixChain, admit_everywhere, held_everywhere, route_block
+from kvpool.router.prefix import PrefixChain, RestoringAhead, admit_everywhere, held_everywhere, route_block
 from kvpool.router.recovery import Cancelled, RecoveryCounts, RecoveryFailed, RecoveryPolicy, epoch_floor_of, replay_counter
 from kvpool.router.route import Route, StageFailed
 from kvpool.wire.protocol import ErrorCode
@@ -79,6 +79,7 @@ class RoutedSession:
         self.prefix_scope = prefix_scope
         self._chain = PrefixChain(prefix_scope)
         self._fresh = True  # no daemon holds anything of this session's epoch: a first append may start from a prefix
+        self._restoring: RestoringAhead | None = None  # the later daemons' restores of a prefix just admitted
 
     @property
     def tokens(self) -> tuple[int, ...]:
@@ -133,7 +134,10 @@ class RoutedSession:
 
     def _guarded_append(self, tokens: list[int], output_rows: str, sampling: Sampling | None) -> AppendResult:
         with self._lock, self._in_flight.running():
-            return self._append(tokens, output_rows, sampling)
+            try:
+                return self._append(tokens, output_rows, sampling)
+            finally:
+                self._restored()
 
     def append_at(self, start_pos: int, tokens: Sequence[int]) -> np.ndarray:
         """append() for callers that name the position (kvpool.local.generate); it must be the session's length."""
@@ -211,6 +215,8 @@ class RoutedSession:
         if block and (start + len(tokens)) // block > start // block:
             digests = self._chain.completed(self._history.token_slice(0, start) if before is None else before, tokens, block)
         for stage in range(len(self.route)):
+            if stage:
+                self._restored()
             self._in_flight.reach(stage)
             result = self._append_at_stage(stage, start, rows, output_rows, sampling, digests)
             rows = result.rows
@@ -318,6 +324,13 @@ class RoutedSession:
     def _block(self) -> int:
         return route_block(self.route) if self.prefix_cache else 0
 
+    def _restored(self) -> None:
+        """The restores ahead of a prefix just admitted are answered (whatever they answered: a daemon where it
+        failed restores the session with its part of the append, or answers as the contract says)."""
+        if self._restoring is not None:
+            self._restoring.wait()
+            self._restoring = None
+
     def _reuse_prefix(self, tokens: list[int]) -> int:
         """A new session's first append (or its retry): the longest prefix of whole blocks every daemon holds,
         leaving at least MIN_COMPUTED_ROWS tokens to compute, admitted on every daemon; the positions taken (0: none)."""
@@ -353,6 +366,7 @@ class RoutedSession:
         if not admit_everywhere(self.route, self.session_id, self.epoch, self.prefix_scope, digests[:held], self.n_ctx):
             self._count("prefix_fallbacks")
             return 0
+        self._restoring = RestoringAhead(self.route, self.session_id, self.epoch)  # the first daemon's is its first append's
         self._count("prefix_hits")
         self._count("prefix_hit_tokens", held * block)
         return held * block

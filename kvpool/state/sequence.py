@@ -28,6 +28,7 @@ import gguf
 import numpy as np
 
 STATE_MAGIC = 0xAF143CD8
+_ONE_SEQ_CELL = struct.Struct("<iIi")  # a cell of one sequence id: pos, n_seq (1), seq_id
 
 
 class StateFormatError(ValueError):
@@ -197,6 +198,9 @@ class _Reader:
     def __init__(self, blob: bytes) -> None:
         self._view = memoryview(blob)
         self.offset = 0
+        # arrays read from immutable bytes are views that keep those bytes alive; from any other buffer (a mapping
+        # its owner may close, a bytearray it may change) they are copies
+        self._immutable = isinstance(self._view.obj, bytes)
 
     def remaining(self) -> int:
         return len(self._view) - self.offset
@@ -208,12 +212,18 @@ class _Reader:
         self.offset += size
         return chunk
 
+    def peek(self, size: int) -> memoryview | None:
+        """The next `size` bytes without reading past them (None: fewer are left)."""
+        return self._view[self.offset : self.offset + size] if 0 <= size <= self.remaining() else None
+
     def unpack(self, fmt: str, what: str) -> tuple[int, ...]:
         return struct.unpack(fmt, self.take(struct.calcsize(fmt), what))
 
     def array(self, shape: tuple[int, ...], what: str) -> np.ndarray:
+        """uint8 `shape`: a read-only view of immutable bytes, else a copy."""
         size = math.prod(shape)  # Python ints: a u64 row size cannot wrap
-        return np.frombuffer(self.take(size, what), dtype=np.uint8).reshape(shape).copy()
+        data = np.frombuffer(self.take(size, what), dtype=np.uint8).reshape(shape)
+        return data if self._immutable else data.copy()
 
 
 def _preamble(reader: _Reader) -> tuple[int, int]:
@@ -313,16 +323,30 @@ def _read_stream(reader: _Reader) -> Stream:
         return Stream(np.zeros(0, np.int32), (), False, ())
     if n_cells * 8 > reader.remaining():  # a cell takes at least its position and sequence count
         raise StateFormatError(f"truncated state: {n_cells} cells announced, {reader.remaining()} bytes left")
+    positions, seq_ids = _read_cells(reader, n_cells)
+    v_trans, n_layer = _layer_header(reader)
+    keys = [_read_rows(reader, n_cells, "K") for _ in range(_layer_count(reader, n_layer))]
+    values = [_read_transposed(reader, n_cells) if v_trans else _read_rows(reader, n_cells, "V") for _ in range(n_layer)]
+    layers = tuple(LayerKV(k, v) for k, v in zip(keys, values))
+    return Stream(positions, seq_ids, bool(v_trans), layers)
+
+
+def _read_cells(reader: _Reader, n_cells: int) -> tuple[np.ndarray, tuple[tuple[int, ...], ...]]:
+    """The stream's cells: their positions and each one's sequence ids. Cells of one sequence id each (every
+    one-sequence state's) are read as one array of (pos, 1, seq_id) records; any other cell ends that run and
+    the rest are read one at a time."""
+    records = reader.peek(_ONE_SEQ_CELL.size * n_cells)
+    if records is not None:
+        cells = np.frombuffer(records, dtype="<i4").reshape(n_cells, 3)
+        if (cells[:, 1] == 1).all():
+            reader.take(len(records), "the cells")
+            return cells[:, 0].astype(np.int32), tuple((seq_id,) for seq_id in cells[:, 2].tolist())
     positions = np.empty(n_cells, np.int32)
     seq_ids = []
     for cell in range(n_cells):
         positions[cell], n_seq = reader.unpack("<iI", "a cell")
         seq_ids.append(struct.unpack(f"<{n_seq}i", reader.take(4 * n_seq, "a cell's sequence ids")))
-    v_trans, n_layer = _layer_header(reader)
-    keys = [_read_rows(reader, n_cells, "K") for _ in range(_layer_count(reader, n_layer))]
-    values = [_read_transposed(reader, n_cells) if v_trans else _read_rows(reader, n_cells, "V") for _ in range(n_layer)]
-    layers = tuple(LayerKV(k, v) for k, v in zip(keys, values))
-    return Stream(positions, tuple(seq_ids), bool(v_trans), layers)
+    return positions, tuple(seq_ids)
 
 
 def _layer_count(reader: _Reader, n_layer: int) -> int:
@@ -376,8 +400,13 @@ def _stream_parts(stream: Stream) -> list[bytes]:
     parts = [struct.pack("<I", stream.n_cells)]
     if not stream.n_cells:
         return parts
-    for position, ids in zip(stream.positions.tolist(), stream.seq_ids):
-        parts.append(struct.pack(f"<iI{len(ids)}i", position, len(ids), *ids))
+    if all(len(ids) == 1 for ids in stream.seq_ids):
+        cells = np.empty((stream.n_cells, 3), "<i4")
+        cells[:, 0], cells[:, 1], cells[:, 2] = stream.positions, 1, [ids[0] for ids in stream.seq_ids]
+        parts.append(cells.tobytes())
+    else:
+        for position, ids in zip(stream.positions.tolist(), stream.seq_ids):
+            parts.append(struct.pack(f"<iI{len(ids)}i", position, len(ids), *ids))
     parts.append(struct.pack("<II", int(stream.v_transposed), len(stream.layers)))
     for layer in stream.layers:
         parts += [struct.pack("<iQ", layer.k.ggml_type, layer.k.row_bytes), _checked(layer.k.data, (stream.n_cells, layer.k.row_bytes))]
@@ -394,7 +423,8 @@ def _value_parts(v: CellRows | TransposedRows, stream: Stream) -> list[bytes]:
     return [struct.pack("<iQ", v.ggml_type, v.row_bytes), _checked(v.data, (stream.n_cells, v.row_bytes))]
 
 
-def _checked(data: np.ndarray, shape: tuple[int, int]) -> bytes:
+def _checked(data: np.ndarray, shape: tuple[int, int]) -> bytes | memoryview:
+    """The rows' bytes for write_state's join: a view where they are contiguous (joined without a copy first)."""
     if data.dtype != np.uint8 or data.shape != shape:
         raise StateFormatError(f"rows of {data.dtype} {data.shape}, expected uint8 {shape}")
-    return data.tobytes()
+    return data.data if data.flags.c_contiguous else data.tobytes()

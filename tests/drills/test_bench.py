@@ -235,8 +235,9 @@ def _check_prefix_section(results: dict, table: list[str]) -> None:
     assert all(one["reused_tokens"] == system and one["hits"] == 1 and one["first_append_rows"] == system for one in prefix["runs"]["cached"])
     assert all(one["reused_tokens"] == 0 and one["hits"] == 0 for one in prefix["runs"]["uncached"])
     for one in prefix["runs"]["components"]:
-        assert one["held_blocks"] == [system // 32] * 3 and one["restored"] == [True] * 3
-        assert all(seconds > 0 for key in ("lookup_s", "admit_s", "first_append_s", "hot_append_s") for seconds in one[key])
+        assert one["held_blocks"] == system // 32 and one["admitted"] and one["restored"] == [True] * 3
+        assert all(one[key] > 0 for key in ("lookup_s", "admit_s")) and one["ahead_wait_s"] >= 0
+        assert all(seconds > 0 for key in ("first_append_s", "hot_append_s") for seconds in one[key])
     assert all(one["restore_s"] > 0 and one["rows_s"] > 0 for one in prefix["runs"]["llama.cpp"])
     assert all(one["create_s"] > 0 for one in prefix["runs"]["llama.cpp fresh context"])
     first = prefix["first_tokens"]
@@ -258,7 +259,7 @@ def _check_prefix_section(results: dict, table: list[str]) -> None:
     for key, value in summary.items():
         if key.startswith("s12_") and not isinstance(value, bool):
             assert math.isfinite(value), key
-            if key.endswith("_s") and "less_steps" not in key:
+            if key.endswith("_s") and "_less_" not in key:  # a difference of two timings may come out below 0 by noise
                 assert value > 0, key
     assert ratios["prefix_cached_vs_uncached_ttft"]["target"] == 10 and ratios["prefix_vs_llama_cpp_ttft"]["target"] == 0.9
     assert all(ratios[key]["value"] > 0 for key in ("prefix_cached_vs_uncached_ttft", "prefix_vs_llama_cpp_ttft", "prefix_memory_process_vs_batched"))

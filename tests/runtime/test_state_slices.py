@@ -7,6 +7,7 @@ state, and restored it continues bit for bit as the original does."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 
 import numpy as np
@@ -134,6 +135,37 @@ def test_check_cell_range_passes_exactly_its_range():
     check_cell_range(fake_state([], transposed=False), 0, 0)
     with pytest.raises(StateFormatError):
         check_cell_range(blob[:-1], 4, 8)
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_cells_of_several_sequences_are_read_one_at_a_time_and_written_back_byte_for_byte(transposed):
+    """Cells of one sequence id each are read as one array of records and written as one; a cell of several
+    sequences (the first, one in the middle, the last) ends that run: the rest are read and written one at a time,
+    and the state reads back as it was written."""
+    state = parse_state(fake_state(list(range(6)), transposed=transposed))
+    stream = state.streams[0]
+    for several in (0, 3, 5):
+        seq_ids = tuple((0, 1) if cell == several else ids for cell, ids in enumerate(stream.seq_ids))
+        forged = write_state(SequenceState(state.seq_id, (dataclasses.replace(stream, seq_ids=seq_ids),)))
+        again = parse_state(forged)
+        assert again.streams[0].seq_ids == seq_ids
+        assert again.streams[0].positions.tolist() == list(range(6))
+        assert write_state(again) == forged
+        with pytest.raises(StateFormatError, match="names 2 sequences"):
+            check_cells(forged, 6)
+
+
+def test_a_state_read_from_immutable_bytes_is_a_view_of_them_and_from_any_other_buffer_a_copy():
+    """Parsing bytes copies none of their layers (the prefix store cuts its entries this way); a buffer its
+    owner may change or unmap is copied, so the state stays what was read."""
+    blob = fake_state(list(range(4)), transposed=True)
+    viewed = parse_state(blob).streams[0].layers[0]
+    assert not viewed.k.data.flags.writeable and np.shares_memory(viewed.k.data, np.frombuffer(blob, np.uint8))
+    changing = bytearray(blob)
+    state = parse_state(changing)
+    changing[:] = bytes(len(changing))
+    assert write_state(state) == blob
+    assert write_state(parse_state(memoryview(blob).toreadonly()[:])) == blob
 
 
 # ---- the real model ------------------------------------------------------------------------------------------

@@ -183,7 +183,10 @@ def test_the_router_starts_new_sessions_from_the_longest_prefix_the_whole_route_
         assert np.array_equal(second.append(system + [3])[-1], route_rows(clients, system + [3]))
         assert (router.counts.prefix_hits, router.counts.prefix_hit_tokens) == (1, 3 * BLOCK)
         assert second.partition == (3 * BLOCK, 3)
-        assert [client.stats().counters["prefix_hit_tokens"] for client in clients] == [3 * BLOCK] * 3
+        counters = [client.stats().counters for client in clients]
+        assert [one["prefix_hit_tokens"] for one in counters] == [3 * BLOCK] * 3
+        # the first daemon restored it with its rows, the later ones ahead of theirs (RestoringAhead)
+        assert [one.get("restore_requests", 0) for one in counters] == [0, 1, 1] and counters[0]["restores"] == 1
         step = second.append([4])
         assert np.array_equal(step[-1], route_rows(clients, system + [3, 4]))
         clients[1].release("second", second.epoch)  # the middle daemon loses it: the next append replays
@@ -202,6 +205,35 @@ def test_the_router_starts_new_sessions_from_the_longest_prefix_the_whole_route_
         scoped = router.session("scoped", prefix_scope="tenant")
         scoped.append(system + [3])
         assert router.counts.prefix_hits == 2  # another scope: computed in full
+    finally:
+        for client in clients:
+            client.close()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_prefix_one_daemon_cannot_admit_is_computed_and_what_the_others_admitted_is_released(serve, fake_shards, mode):
+    """Every daemon's lookup holds the prefix, but the last cannot admit it (its spill store, where an admitted
+    session waits parked, holds 1 byte): the router releases what the others admitted, restores nothing and
+    computes the whole prompt (prefix_fallbacks); the session's rows are its own history's."""
+    daemons = [serve(path, *mode_flags(mode), *FLAGS, *(("--spill-budget", "1") if index == 2 else ()), name=f"fallback{index}")
+               for index, path in enumerate(fake_shards)]
+    clients = [daemon.client() for daemon in daemons]
+    try:
+        router = Router(clients)
+        system = prompt(9, 3 * BLOCK + 2)
+        router.session("first").append(system + [1, 2])
+        for client in clients:
+            stored(client, system[: 3 * BLOCK])
+        second = router.session("second")
+        assert np.array_equal(second.append(system + [3])[-1], route_rows(clients, system + [3]))
+        assert (router.counts.prefix_hits, router.counts.prefix_fallbacks) == (0, 1)
+        assert second.partition == (len(system) + 1,)
+        counters = [client.stats().counters for client in clients]
+        assert [one.get("prefix_hits", 0) for one in counters] == [1, 1, 0]  # admitted on the first two, then released
+        assert [one.get("restore_requests", 0) for one in counters] == [0] * 3
+        assert np.array_equal(second.append([4])[-1], route_rows(clients, system + [3, 4]))
+        second.release()
+        assert not any(row.session_id == "second" for client in clients for row in client.stats().sessions)
     finally:
         for client in clients:
             client.close()

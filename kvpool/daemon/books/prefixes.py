@@ -41,7 +41,7 @@ import msgspec
 
 from kvpool.daemon.books.integrity import require
 from kvpool.daemon.books.spill import PARTIAL_SUFFIX, CorruptBlob, _read_file, _unlink, _write_file
-from kvpool.state.header import FORMAT_VERSION, IDENTITY, StateHeader, StateIdentity, StateRejected, open_state, seal
+from kvpool.state.header import FORMAT_VERSION, IDENTITY, StateHeader, StateIdentity, StateRejected, open_state, open_state_view, seal
 from kvpool.state.sequence import (
     StateFormatError,
     as_sequence,
@@ -212,7 +212,7 @@ class PrefixStore:
                 raise self._damaged(piece, error) from None
         (last, last_stop), whole = pieces[-1], len(pieces) == 1 and pieces[0][0].parent_blocks == 0
         if whole and last_stop == last.blocks:
-            return payloads[0]
+            return bytes(payloads[0])
         try:
             parts = [slice_state(parse_state(payload), piece.parent_blocks * self.block, piece_stop * self.block) for (piece, piece_stop), payload in zip(pieces, payloads)]
             if len(parts) == 1:
@@ -225,11 +225,12 @@ class PrefixStore:
         except StateFormatError as error:
             raise self._damaged(entry, error) from None
 
-    def _payload(self, entry: PrefixEntry) -> bytes:
-        """The entry's own state, once its seal, its length and its cells (exactly its own positions) hold."""
+    def _payload(self, entry: PrefixEntry) -> memoryview:
+        """The entry's own state (a read-only view of its sealed bytes: parsed and cut without a copy), once its
+        seal, its length and its cells (exactly its own positions) hold."""
         if entry.sealed is None:
             raise StateRejected("truncated", "the entry is gone")
-        header, payload = open_state(entry.sealed, self.identity)
+        header, payload = open_state_view(entry.sealed, self.identity)
         if header.length != entry.blocks * self.block:
             raise StateRejected("owner", f"the stored prefix holds {header.length} positions, {entry.blocks * self.block} expected")
         check_cell_range(payload, entry.parent_blocks * self.block, entry.blocks * self.block)
