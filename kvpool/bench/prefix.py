@@ -174,7 +174,12 @@ def _components_once(clients: Sequence[Client], session_id: str, system: list[in
     lookup_s = time.perf_counter() - started
     admitted = admit_everywhere(route, session_id, EPOCH, "", digests[:held], 0)
     admit_s = time.perf_counter() - started - lookup_s
-    first = _walk_timed(clients, session_id, len(system), rest, digests=completed, ahead=RestoringAhead(route, session_id, EPOCH))
+    ahead = RestoringAhead.start(route, session_id, EPOCH) if admitted else None
+    try:
+        first = _walk_timed(clients, session_id, len(system), rest, digests=completed, ahead=ahead)
+    finally:
+        if ahead is not None:
+            ahead.wait()  # no restore of this session left on its way, whatever the walk met
     for client in clients:
         client.truncate(session_id, EPOCH, len(system))
     hot = _walk_timed(clients, session_id, len(system), rest, digests=completed)  # the store holds them now: no save

@@ -274,6 +274,7 @@ class RoutedSession:
         """Truncate every daemon to the shortest length one holds, then repeat the appends from there. A
         length inside an append (not where a state could have been written) starts a full replay instead.
         A daemon that answers otherwise (cache_miss: it lost the session) raises, and _append replays in full."""
+        self._restored()
         length = self._tail_from
         assert length is not None
         while True:
@@ -302,6 +303,7 @@ class RoutedSession:
 
     def _replay(self) -> None:
         """Release the epoch everywhere, take the next one, and repeat the session's appends from 0."""
+        self._restored()  # no restore of the old epoch still on its way while it is released
         with contextlib.suppress(KvpoolError, ConnectionLost):
             self.route.release(self.session_id, self.epoch)  # frees room first; a dead daemon is found below
         self.epoch = max(self.epoch + 1, self._epoch_floor)
@@ -326,7 +328,10 @@ class RoutedSession:
 
     def _restored(self) -> None:
         """The restores ahead of a prefix just admitted are answered (whatever they answered: a daemon where it
-        failed restores the session with its part of the append, or answers as the contract says)."""
+        failed restores the session with its part of the append, or answers as the contract says). Called before
+        the second daemon's part of a walk, as an append returns or raises, and before anything else the session
+        sends (a replay, a truncate, a release, a move): none of those meets a restore still on its way; one an
+        interrupt left running is waited for there."""
         if self._restoring is not None:
             self._restoring.wait()
             self._restoring = None
@@ -359,6 +364,7 @@ class RoutedSession:
         return self._admit_prefix(digests[:blocks], block, held=blocks)
 
     def _admit_prefix(self, digests: list[bytes], block: int, *, held: int | None = None) -> int:
+        self._restored()  # an earlier admission's restores (its append failed or was interrupted): answered first
         if held is None:
             held = held_everywhere(self.route, self.prefix_scope, digests)
         if not held:
@@ -366,7 +372,7 @@ class RoutedSession:
         if not admit_everywhere(self.route, self.session_id, self.epoch, self.prefix_scope, digests[:held], self.n_ctx):
             self._count("prefix_fallbacks")
             return 0
-        self._restoring = RestoringAhead(self.route, self.session_id, self.epoch)  # the first daemon's is its first append's
+        self._restoring = RestoringAhead.start(self.route, self.session_id, self.epoch)  # the first daemon's is its first append's
         self._count("prefix_hits")
         self._count("prefix_hit_tokens", held * block)
         return held * block
@@ -400,6 +406,7 @@ class RoutedSession:
         if not 0 <= length <= self.length:
             raise ValueError(f"cannot truncate to {length}: the session holds {self.length} tokens")
         with self._lock:
+            self._restored()
             self._truncate(length)
 
     def _truncate(self, length: int) -> None:
@@ -419,6 +426,7 @@ class RoutedSession:
     def release(self) -> None:
         """Release the session on every daemon; it may start again from an empty append history."""
         with self._lock:
+            self._restored()
             self._release()
 
     def _release(self) -> None:
@@ -437,6 +445,7 @@ class RoutedSession:
         the move fails (MoveFailed) or the daemons may not hold its tokens (None), released on the old route
         and replayed on the new one by its next append. Waits for an append in flight."""
         with self._lock:
+            self._restored()
             old, self.route = self.route, route
             if not self._history.length or self._needs_replay or self._tail_from is not None:
                 with contextlib.suppress(KvpoolError, ConnectionLost):

@@ -332,9 +332,9 @@ def _read_stream(reader: _Reader) -> Stream:
 
 
 def _read_cells(reader: _Reader, n_cells: int) -> tuple[np.ndarray, tuple[tuple[int, ...], ...]]:
-    """The stream's cells: their positions and each one's sequence ids. Cells of one sequence id each (every
-    one-sequence state's) are read as one array of (pos, 1, seq_id) records; any other cell ends that run and
-    the rest are read one at a time."""
+    """The stream's cells: their positions and each one's sequence ids. When every cell names one sequence id
+    (every one-sequence state's) they are read as one array of (pos, 1, seq_id) records; otherwise all of them
+    one at a time, as any state's are (a cell of several ids shifts the records after it)."""
     records = reader.peek(_ONE_SEQ_CELL.size * n_cells)
     if records is not None:
         cells = np.frombuffer(records, dtype="<i4").reshape(n_cells, 3)
@@ -390,16 +390,18 @@ def check_row_bytes(ggml_type: int, row_bytes: int, kind: str) -> None:
 def write_state(state: SequenceState) -> bytes:
     """The bytes of `state`, as llama.cpp writes them: parse_state(write_state(s)) == s, and
     write_state(parse_state(b)) == b."""
-    parts = [struct.pack("<IiI", STATE_MAGIC, state.seq_id, len(state.streams))]
+    parts: list[bytes | memoryview] = [struct.pack("<IiI", STATE_MAGIC, state.seq_id, len(state.streams))]
     for stream in state.streams:
         parts.extend(_stream_parts(stream))
     return b"".join(parts)
 
 
-def _stream_parts(stream: Stream) -> list[bytes]:
-    parts = [struct.pack("<I", stream.n_cells)]
+def _stream_parts(stream: Stream) -> list[bytes | memoryview]:
+    parts: list[bytes | memoryview] = [struct.pack("<I", stream.n_cells)]
     if not stream.n_cells:
         return parts
+    if len(stream.seq_ids) != stream.n_cells:
+        raise StateFormatError(f"{stream.n_cells} cells with {len(stream.seq_ids)} lists of sequence ids")
     if all(len(ids) == 1 for ids in stream.seq_ids):
         cells = np.empty((stream.n_cells, 3), "<i4")
         cells[:, 0], cells[:, 1], cells[:, 2] = stream.positions, 1, [ids[0] for ids in stream.seq_ids]

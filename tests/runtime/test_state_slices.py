@@ -139,9 +139,9 @@ def test_check_cell_range_passes_exactly_its_range():
 
 @pytest.mark.parametrize("transposed", [False, True])
 def test_cells_of_several_sequences_are_read_one_at_a_time_and_written_back_byte_for_byte(transposed):
-    """Cells of one sequence id each are read as one array of records and written as one; a cell of several
-    sequences (the first, one in the middle, the last) ends that run: the rest are read and written one at a time,
-    and the state reads back as it was written."""
+    """Cells of one sequence id each are read as one array of records and written as one; a state with a cell of
+    several sequences (the first, one in the middle, the last) is read and written one cell at a time, and reads
+    back as it was written."""
     state = parse_state(fake_state(list(range(6)), transposed=transposed))
     stream = state.streams[0]
     for several in (0, 3, 5):

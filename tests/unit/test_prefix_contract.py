@@ -7,6 +7,8 @@ llama.cpp's numbers is tests/daemon/test_prefix.py's."""
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 from prometheus_client import generate_latest
@@ -32,6 +34,11 @@ def route_rows(clients, history: list[int]) -> np.ndarray:
     for client in clients:
         rows = expected_rows(client.hello.shard.shape, rows, output_rows="all")
     return rows[-1]
+
+
+def restoring_threads() -> list[threading.Thread]:
+    """The router's restores ahead still running (kvpool.router.prefix.RestoringAhead)."""
+    return [thread for thread in threading.enumerate() if thread.name == "kvpool-restore-ahead"]
 
 
 def held(client, tokens: list[int], scope: str = "") -> int:
@@ -185,8 +192,10 @@ def test_the_router_starts_new_sessions_from_the_longest_prefix_the_whole_route_
         assert second.partition == (3 * BLOCK, 3)
         counters = [client.stats().counters for client in clients]
         assert [one["prefix_hit_tokens"] for one in counters] == [3 * BLOCK] * 3
-        # the first daemon restored it with its rows, the later ones ahead of theirs (RestoringAhead)
+        # the first daemon restored it with its rows, the later ones ahead of theirs (RestoringAhead), answered
+        # before the append returned
         assert [one.get("restore_requests", 0) for one in counters] == [0, 1, 1] and counters[0]["restores"] == 1
+        assert not restoring_threads()
         step = second.append([4])
         assert np.array_equal(step[-1], route_rows(clients, system + [3, 4]))
         clients[1].release("second", second.epoch)  # the middle daemon loses it: the next append replays
@@ -230,7 +239,7 @@ def test_a_prefix_one_daemon_cannot_admit_is_computed_and_what_the_others_admitt
         assert second.partition == (len(system) + 1,)
         counters = [client.stats().counters for client in clients]
         assert [one.get("prefix_hits", 0) for one in counters] == [1, 1, 0]  # admitted on the first two, then released
-        assert [one.get("restore_requests", 0) for one in counters] == [0] * 3
+        assert [one.get("restore_requests", 0) for one in counters] == [0] * 3 and not restoring_threads()
         assert np.array_equal(second.append([4])[-1], route_rows(clients, system + [3, 4]))
         second.release()
         assert not any(row.session_id == "second" for client in clients for row in client.stats().sessions)
