@@ -45,7 +45,7 @@ from kvpool.bench.rig import FILLER_TEXT, daemon_uss, run_interleaved, start_dae
 from kvpool.client.client import Client
 from kvpool.launcher import Daemon
 from kvpool.local.tokenizer import Tokenizer
-from kvpool.router.prefix import RestoringAhead, admit_everywhere, held_everywhere
+from kvpool.router.prefix import PrefixChain, RestoringAhead, admit_everywhere, held_everywhere
 from kvpool.router.route import Route
 from kvpool.router.router import Router
 from kvpool.shard.header import ShardInfo, file_sha256
@@ -166,9 +166,9 @@ def _components_once(clients: Sequence[Client], session_id: str, system: list[in
     (kvpool.router.prefix.RestoringAhead), computes the message and saves the prompt's new block for the store
     on each daemon; and, truncated back, the same append again hot (the rows alone)."""
     route = Route(clients)
-    block = clients[0].hello.prefix_block
-    digests = chain_digests(system, block)
-    completed = chain_digests(system + rest, block)[len(system) // block :]  # the blocks the message completes
+    block, chain = clients[0].hello.prefix_block, PrefixChain("")
+    digests = chain.digests(system, block)
+    completed = chain.completed(system, rest, block)  # the blocks the message completes, as the router's append names them
     started = time.perf_counter()
     held = held_everywhere(route, "", digests)
     lookup_s = time.perf_counter() - started

@@ -94,7 +94,7 @@ def _checks(prefix: dict) -> tuple[dict, list[Row]]:
     summary = {"s12_reused_every_round": reused, "s12_first_token_identical": identical, "s12_books_ok": books,
                "s12_cached_logits_max_abs_diff_vs_llamacpp": max(diff[CACHED])}
     rows = [Row("12", f"every cached session started from {system:,} stored tokens on all 3 daemons (router and daemon counts, "
-                      "every Restore answered \"restored\"), none uncached did; books ok, no session left", "yes" if reused and books else "NO", "", ""),
+                      "the first daemon's append restored: true, every Restore of the later ones \"restored\"), none uncached did; books ok, no session left", "yes" if reused and books else "NO", "", ""),
             Row("12", "first token identical: cached, uncached, llama.cpp (kept and fresh context), every round; logits max |diff| vs llama.cpp: "
                       + ", ".join(f"{name} {max(values):.3g}" for name, values in diff.items()), "yes" if identical else "NO", "", "")]
     return summary, rows

@@ -137,7 +137,8 @@ class RoutedSession:
             try:
                 return self._append(tokens, output_rows, sampling)
             finally:
-                self._restored()
+                if self._restoring is not None:  # a decode step pays one attribute read for it
+                    self._restored()
 
     def append_at(self, start_pos: int, tokens: Sequence[int]) -> np.ndarray:
         """append() for callers that name the position (kvpool.local.generate); it must be the session's length."""
@@ -215,7 +216,7 @@ class RoutedSession:
         if block and (start + len(tokens)) // block > start // block:
             digests = self._chain.completed(self._history.token_slice(0, start) if before is None else before, tokens, block)
         for stage in range(len(self.route)):
-            if stage:
+            if stage and self._restoring is not None:
                 self._restored()
             self._in_flight.reach(stage)
             result = self._append_at_stage(stage, start, rows, output_rows, sampling, digests)
