@@ -15,13 +15,13 @@ PREFIX_N_CTX, the default --prefix-block), timed to its first token (the first a
 
 and where the cached time goes: one more new session, taken step by step as the router takes it and timed
 apart (its lookup and prefix admission, each on every daemon at once; its first append on each daemon, which
-restores it on the first daemon while the later ones restore it beside that compute, computes the message and
-saves the prompt's new block for the store; and the same append again hot).
+restores it on the first daemon while the later ones restore it beside that compute and computes the message,
+each daemon saving the prompt's new block for the store after its reply; and the same append again hot).
 Each round is a new session of every variant, its message tokens its own (distinct in every round; the
 variants of one round share theirs, so their first tokens are compared); the variants alternate their order
 round by round. A cached session's prefill completes blocks its daemons do not hold, so each saves its state for
-the store before its reply: the round waits until every daemon answers for them (timed, `capture_s`) before the
-next variant runs.
+the store right after its reply: the round waits until every daemon answers for them (timed, `capture_s`) before
+the next variant runs.
 
 Memory: SESSIONS sessions started from the stored prefix and held at once, on 3 daemons of each mode (process:
 one worker per session; batched: the sessions as sequences of one worker's context): what the daemons measure
@@ -87,7 +87,8 @@ def message(tokenizer: Tokenizer, label: str) -> list[int]:
 
 def wait_stored(clients: Sequence[Client], tokens: Sequence[int]) -> float:
     """Seconds until every daemon's prefix store holds every whole block of `tokens` (a prefill's state is
-    stored before its reply: this sees it at once unless the store refused it)."""
+    saved after its reply, and a lookup waits for the saves pending: this sees it at once unless the store
+    refused it)."""
     digests = chain_digests(tokens, clients[0].hello.prefix_block)
     started = time.perf_counter()
     while not all(client.lookup_prefix("", digests) == len(digests) for client in clients):
@@ -138,7 +139,7 @@ def _llama_fresh_once(model: ShardModel, state: ctypes.Array, at: int, rest: lis
 def _walk_timed(clients: Sequence[Client], session_id: str, at: int, rest: list[int], *, digests: list[bytes],
                 ahead: RestoringAhead | None = None) -> dict:
     """One append of `rest` at position `at` through every daemon, carrying `digests` (of the blocks it
-    completes, as the router's append does: a daemon that lacks them saves its state for the store before its
+    completes, as the router's append does: a daemon that lacks them saves its state for the store after its
     reply): each one's seconds and `restored` flag, the logits; with `ahead` (restores of the later daemons
     running), its outcomes waited for before the second daemon's part, as the router waits (the wait counted
     apart, not in that part)."""
@@ -163,8 +164,9 @@ def _components_once(clients: Sequence[Client], session_id: str, system: list[in
     """What the cached variant's first append does, one step at a time as the router takes them
     (kvpool.router.prefix): the lookup and the admission from the prefix, each on every daemon at once; the
     first append, which restores the session on the first daemon while the later ones restore it in a thread
-    (kvpool.router.prefix.RestoringAhead), computes the message and saves the prompt's new block for the store
-    on each daemon; and, truncated back, the same append again hot (the rows alone)."""
+    (kvpool.router.prefix.RestoringAhead) and computes the message (each daemon saves the prompt's new block
+    for the store after its reply, beside the next one's part); and, truncated back (once those saves are in),
+    the same append again hot (the rows alone)."""
     route = Route(clients)
     block, chain = clients[0].hello.prefix_block, PrefixChain("")
     digests = chain.digests(system, block)

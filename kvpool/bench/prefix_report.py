@@ -68,7 +68,7 @@ def _timing(prefix: dict) -> tuple[dict, dict, list[Row]]:
                   f"{ms(total['lookup_s'])}, admission from the prefix {ms(total['admit_s'])}, first append {ms(total['first_append_s'])} "
                   f"= {rest} rows hot {ms(total['hot_append_s'])} ({_per_daemon([one['hot_append_s'] for one in parts])}) + "
                   f"{ms(first_less_hot)} ({_per_daemon(save_rounds)}; the first append minus the same append hot: on the first daemon "
-                  f"the restore, on each the save of the prompt's new block for the store, made before its reply); the later "
+                  f"the restore; each daemon saves the prompt's new block for the store after its reply, beside the next daemon's part); the later "
                   f"daemons restored beside the first's compute (a thread of the router), waited for {ms(total['ahead_wait_s'])} "
                   f"after it; after the replies all 3 held the new block within {ms(capture)}; the cached median less these steps: "
                   f"{ms(rest_of_cached)} (the router's walk of the timed sessions, beside the steps the component session timed apart)",

@@ -2,11 +2,13 @@
 store holds, an admission of a new session from a stored prefix (parked, restored by its next append exactly
 as a parked session is), and what keeps the store filled without computing anything twice: the block digests
 an append carries are kept with its session, and a session's state is offered to the store once a prefill
-completes a block the store does not hold (saved by its worker before the append's reply), when it is parked
-(kvpool.daemon.admission.parking) and before it is released."""
+completes a block the store does not hold (saved by its worker right after the append's reply: PrefixRequests.
+capture_after), when it is parked (kvpool.daemon.admission.parking) and before it is released."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 
 from kvpool.daemon.books.books import Books
@@ -15,12 +17,15 @@ from kvpool.daemon.books.spill import CorruptBlob
 from kvpool.daemon.config import ServeConfig
 from kvpool.daemon.gate import Gate
 from kvpool.daemon.metrics import Metrics
-from kvpool.daemon.pool.handle import WorkerFailed, WorkerHandle, WorkerLost
+from kvpool.daemon.pool.handle import WorkerFailed, WorkerLost
 from kvpool.daemon.pool.pool import WorkerPool
 from kvpool.daemon.warm import WarmRequests
 from kvpool.wire.checks import check_prefix_names, check_session_fields
 from kvpool.wire.errors import RequestFailed
 from kvpool.wire.protocol import AdmitPrefix, Append, Done, ErrorCode, MissReason, PrefixHeld, PrefixLookup
+from workers.server.commands import Binding
+
+log = logging.getLogger("kvpool.daemon")
 
 
 class PrefixRequests:
@@ -34,6 +39,7 @@ class PrefixRequests:
         self.warm = warm
         self.pool = pool
         self.metrics = metrics
+        self._capturing: dict[asyncio.Task, str] = {}  # captures after an append's reply, not yet offered: their scopes
 
     @property
     def block(self) -> int:
@@ -47,8 +53,9 @@ class PrefixRequests:
 
     # ---- requests --------------------------------------------------------------------------------
 
-    def lookup(self, request: PrefixLookup) -> PrefixHeld:
+    async def lookup(self, request: PrefixLookup) -> PrefixHeld:
         self._check(request.scope, request.digests)
+        await self._captured(request.scope)
         self.metrics.count("prefix_lookups")
         return PrefixHeld(blocks=self.store.holds(request.scope, request.digests), block=self.store.block)
 
@@ -57,6 +64,7 @@ class PrefixRequests:
         self._check(request.scope, request.digests)
         if not request.digests:
             raise RequestFailed(ErrorCode.BAD_REQUEST, "a prefix admission names at least one block")
+        await self._captured(request.scope)
         n_ctx = request.n_ctx or self.config.n_ctx
         length = len(request.digests) * self.store.block
         if not 0 < n_ctx <= self.config.n_ctx or length > n_ctx:
@@ -109,29 +117,53 @@ class PrefixRequests:
         if self._continuing(session, request, n_rows):
             session.digests.extend(request.block_digests)
 
-    async def capture(self, session: Session, worker: WorkerHandle) -> None:
-        """Offer the state a prefill just left (the caller's worker call, the session's lock held): saved by
-        its worker before the append's reply, and before its direct channel is bound (every supervisor
-        command to a worker revokes the channel, so the binding follows the save). A save that fails offers
-        nothing; the append stands."""
-        length = session.length
+    def capture_after(self, session: Session, binding: Binding | None) -> None:
+        """Offer the state a prefill just left, once the append that left it has replied (capture_wanted said
+        so; the caller holds the session, and its run bound no channel): a task enters the session right after
+        it (the session's lock: a request sent after the reply waits for the save; one already waiting may go
+        first, and the capture then offers what the session holds of those blocks by then), saves it with the
+        worker at a lower priority (no caller waits for it: SaveState.behind) and offers what the store still
+        lacks; then, with `binding` (the append asked for the direct channel),
+        binds the channel, whose name that reply already gave: a direct append sent before that is answered
+        channel_revoked and the client asks the daemon, which waits for the save. A lookup or a prefix admission
+        waits for the captures of its scope pending as it arrives, so an append's blocks are seen by any that
+        follow its reply (and never waits on another scope's). A save that fails offers nothing; the append stands."""
+        task = self.gate.lifecycle.spawn(self._capture(session, binding))
+        self._capturing[task] = session.prefix_scope
+        task.add_done_callback(lambda done: self._capturing.pop(done, None))
+
+    async def _capture(self, session: Session, binding: Binding | None) -> None:
         try:
-            payload = (await worker.save_state()).blob
-        except WorkerFailed:
-            return
-        self.offered(self.books.offer_prefix(session, payload, length))
+            async with self.gate.entered(session):
+                await self._offer_wanted(session, behind=True)
+                if binding is not None and session.hot and not session.channel and await self.gate.channels.bind_again(session, binding):
+                    self.gate.channels.bound(session)
+        except RequestFailed as failure:  # the session ended or was fenced before its turn: what it held was offered then
+            log.info("prefix capture of session %r epoch %d after its append: not taken: %s", session.session_id, session.epoch, failure)
+
+    async def _captured(self, scope: str) -> None:
+        """The captures of `scope` pending now have offered what they took (each holds a session's lock for one save)."""
+        pending = [task for task, of in self._capturing.items() if of == scope]
+        if pending:
+            await asyncio.wait(pending)
 
     async def before_release(self, session: Session) -> None:
         """The session (its lock held) is about to be released: its blocks the store lacks are offered first,
         from its parked state or saved by its worker."""
+        await self._offer_wanted(session)
+
+    async def _offer_wanted(self, session: Session, *, behind: bool = False) -> None:
+        """The session's blocks the store lacks (its lock held), offered from its parked state or saved by its
+        worker (`behind`: at the worker's lower priority); a save that fails or a lost worker offers nothing
+        (the session's next request meets the loss)."""
         if not self.books.prefix_wanted(session):
             return
         try:
             if session.hot:
-                payload = (await self.pool.get(session.worker_name).save_state()).blob
+                payload = (await self.pool.get(session.worker_name).save_state(behind=behind)).blob
             else:
                 payload = self.books.read_blob(session)
-        except (WorkerFailed, WorkerLost, CorruptBlob):  # nothing offered: the release frees what is left
+        except (WorkerFailed, WorkerLost, CorruptBlob):
             return
         self.offered(self.books.offer_prefix(session, payload, session.length))
 

@@ -206,16 +206,16 @@ class KvService:
                 if restoring is not None:
                     self.admission.restored(output.restored, restoring + (output.restored.seconds if output.restored is not None else 0.0))
                 self.prefixes.record(session, request, n_rows)
-                if capture:
-                    await self.prefixes.capture(session, worker)
-                    if binding is not None and not await self.channels.bind_again(session, binding):
-                        binding = None  # the reply names no channel: the client asks the daemon
         finally:
             session.appending = False
             worker.set_abort(False)  # a cancel that arrived as the append finished must not outlive it
         self.metrics.count("appends")
         self.metrics.count("append_rows", n_rows)
-        channel = self.channels.bound(session) if binding is not None else ""
+        if capture:  # saved after this reply, then the channel bound: its name given now
+            self.prefixes.capture_after(session, binding)
+            channel = self.channels.address(session) if binding is not None else ""
+        else:
+            channel = self.channels.bound(session) if binding is not None else ""
         return AppendReply(
             session_id=session.session_id, epoch=session.epoch, length=session.length,
             rows=output.rows, width=output.width, data=output.data, admitted=admitted, restored=restored,
@@ -329,8 +329,8 @@ class KvService:
     async def fork(self, request: Fork) -> Done:
         return await self.warm.fork(request)
 
-    def lookup_prefix(self, request: PrefixLookup) -> PrefixHeld:
-        return self.prefixes.lookup(request)
+    async def lookup_prefix(self, request: PrefixLookup) -> PrefixHeld:
+        return await self.prefixes.lookup(request)
 
     async def admit_prefix(self, request: AdmitPrefix) -> Done:
         return await self.prefixes.admit(request)

@@ -382,7 +382,7 @@ class Supervisor:
             case Fork():
                 return await service.fork(request)
             case PrefixLookup():
-                return service.lookup_prefix(request)
+                return await service.lookup_prefix(request)
             case AdmitPrefix():
                 return await service.admit_prefix(request)
             case Export():

@@ -114,7 +114,7 @@ def admit_everywhere(route: Route, session_id: str, epoch: int, scope: str, dige
 def restore_everywhere(route: Route, session_id: str, epoch: int, stages: Sequence[int]) -> list:
     """The session just admitted from a prefix restored on the daemons of `stages` at once (kvpool.wire.protocol.
     Restore), not bound to a direct channel, so that its first append still goes through each supervisor, which
-    offers the blocks it completes to the store before its reply. Each daemon's outcome (Done, or the error it
+    offers the blocks it completes to the store (saved after its reply). Each daemon's outcome (Done, or the error it
     met, a socket timeout among them): a restore that failed is left to that append, which restores a session
     still parked itself and answers as the contract says."""
     return _ask_each([route.clients[stage] for stage in stages], lambda client: restore_call(session_id, epoch))

@@ -106,8 +106,9 @@ def test_four_sessions_of_one_system_prompt_store_it_once_and_each_continues_exa
 
 
 def test_a_prefill_that_stores_a_prefix_keeps_its_direct_channel_for_the_decode_steps(route, tokenizer):
-    """The prefill's state is saved before its reply binds the session's direct channel (every supervisor
-    command to a worker revokes it): the decode steps after it skip the supervisor, as without a store."""
+    """The prefill's state is saved after its reply, and the session's direct channel bound after that save
+    (every supervisor command to a worker revokes it): once the blocks are stored, the decode steps skip the
+    supervisor, as without a store."""
     text = tokenizer.encode("A different system prompt, one this module stored nowhere before: be brief and kind. " * 3)
     clients = [daemon.client() for daemon in route]
     try:

@@ -17,8 +17,9 @@ from kvpool.cli.status import render
 from kvpool.router.router import Router
 from kvpool.wire.prefix import DIGEST_BYTES, chain_digests
 from tests.support.contract import MODES, mode_flags, rows_of
-from tests.support.daemons import refused, wait_until
-from tests.support.fake_worker import expected_rows
+from tests.support.daemons import HANG_GUARD_S, refused, wait_until
+from tests.support.fake_worker import expected_rows, fake_kinds
+from workers.server.commands import SaveState
 
 BLOCK = 4
 FLAGS = ("--prefix-block", str(BLOCK))
@@ -71,6 +72,58 @@ def test_a_prefill_fills_the_store_and_a_new_session_admitted_from_it_continues_
         assert "prefix  1 entries, 3 blocks of 4 tokens" in render(stats) and f"hits 1 ({2 * BLOCK} positions not computed)" in render(stats)
         scraped = generate_latest(daemon.supervisor.service.metrics.registry).decode()
         assert "kvpool_prefix_hits_total 1.0" in scraped and "kvpool_prefix_entries 1.0" in scraped
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_prefill_replies_before_its_save_for_the_store_and_what_follows_its_reply_waits_for_that_save(serve, fake_model, mode):
+    """The capture runs after the append's reply (kvpool.daemon.prefix.PrefixRequests.capture_after): held here in
+    the worker, the prefill has answered, while a lookup, a prefix admission and the session's next append, all sent
+    after that reply, wait for it (a lookup of another scope does not); once it is in, each sees the stored blocks,
+    and the session its own history."""
+    kinds = fake_kinds()
+    daemon = serve(fake_model, *mode_flags(mode), *FLAGS, kinds=kinds)
+    saving, release = threading.Event(), threading.Event()
+
+    def hold_saves(command):
+        if isinstance(command, SaveState):
+            saving.set()
+            assert release.wait(HANG_GUARD_S), "hang guard: the test never let the save go"
+        return None
+
+    with daemon.client() as client, daemon.client() as other, daemon.client() as third, daemon.client() as fourth:
+        system = prompt(2, 3 * BLOCK)
+        first = system + [7, 8]
+        digests = chain_digests(first, BLOCK)
+        kinds[0].behaviour.fail = hold_saves
+        try:
+            reply = client.append("a", 1, 0, tokens=first, block_digests=digests)  # answered with its save held
+            assert saving.wait(HANG_GUARD_S) and reply.length == len(first)
+            outcome: dict[str, object] = {}
+            waiting = [
+                threading.Thread(target=lambda: outcome.__setitem__("held", other.lookup_prefix("", digests))),
+                threading.Thread(target=lambda: outcome.__setitem__("admitted", third.admit_prefix("b", 1, "", digests[:2]))),
+                threading.Thread(target=lambda: outcome.__setitem__("next", client.append("a", 1, len(first), tokens=[9]))),
+            ]
+            for thread in waiting:
+                thread.start()
+            for thread in waiting:
+                thread.join(0.3)
+            assert outcome == {} and all(thread.is_alive() for thread in waiting), outcome
+            elsewhere = threading.Thread(target=lambda: outcome.__setitem__("other scope", fourth.lookup_prefix("b", chain_digests(first, BLOCK, "b"))))
+            elsewhere.start()
+            elsewhere.join(HANG_GUARD_S)  # another scope's lookup waits for no capture of this one
+            assert outcome == {"other scope": 0}, outcome
+        finally:
+            kinds[0].behaviour.fail = None
+            release.set()
+        for thread in waiting:
+            thread.join(HANG_GUARD_S)
+        assert outcome["held"] == 3 and outcome["admitted"] == 2 * BLOCK, outcome
+        assert np.array_equal(outcome["next"].rows, rows_of(client, first + [9]))
+        step = third.append("b", 1, 2 * BLOCK, tokens=system[2 * BLOCK :] + [5])
+        assert step.restored and np.array_equal(step.rows, rows_of(client, system + [5]))
+        stats = client.stats()
+        assert (stats.counters["prefix_stored"], stats.prefixes.entries, stats.integrity) == (1, 1, "ok")
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -34,6 +34,10 @@ class Channels:
     def bound(self, session: Session) -> str:
         """The run bound the session's channel: its name."""
         session.channel = True
+        return self.address(session)
+
+    def address(self, session: Session) -> str:
+        """The name of the session's worker's direct channel (bound to the session or not)."""
         return self.pool.get(session.worker_name).direct_address
 
     async def revoke(self, session: Session, *, by_run: bool = False) -> None:

@@ -36,11 +36,12 @@ class WorkerLifecycle:
     async def in_thread(self, function, *args):
         return await asyncio.get_running_loop().run_in_executor(self._executor, function, *args)
 
-    def spawn(self, coroutine) -> None:
+    def spawn(self, coroutine) -> asyncio.Task:
         """Run in the background; a failure is logged, never lost."""
         task = asyncio.get_running_loop().create_task(coroutine)
         self._background.add(task)
         task.add_done_callback(self._background_done)
+        return task
 
     def _background_done(self, task: asyncio.Task) -> None:
         self._background.discard(task)
