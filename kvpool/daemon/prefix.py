@@ -72,21 +72,21 @@ class PrefixRequests:
         await self.gate.fence(request.session_id, request.epoch)
         if self.books.table.get(request.session_id) is not None:
             raise RequestFailed(ErrorCode.BAD_REQUEST, f"session {request.session_id!r} already holds state at epoch {request.epoch}: release it first")
+        session = Session(
+            session_id=request.session_id, epoch=request.epoch, n_ctx=n_ctx, charged_bytes=0, worker_name="", length=length,
+            last_used=time.monotonic(), digests=list(request.digests), prefix_scope=request.scope,
+        )
         with self.store.leased(request.scope, request.digests) as entry:
             if entry is None:
                 self.metrics.count("prefix_misses")
                 self.metrics.count_miss(MissReason.PREFIX_EVICTED)
                 raise RequestFailed(ErrorCode.CACHE_MISS, f"the prefix store no longer holds these {len(request.digests)} blocks", reason=MissReason.PREFIX_EVICTED)
-            try:
-                payload = self.store.read(entry, len(request.digests))
+            try:  # written once into a memfd sealed in place as the parked state, whose descriptor the restore sends on
+                payload = self.store.read(entry, len(request.digests), room=self.books.sealing.room(session))
             except CorruptBlob as error:
                 self.metrics.count("prefix_misses")
                 self.metrics.count_miss(MissReason.PREFIX_EVICTED)
                 raise RequestFailed(ErrorCode.CACHE_MISS, str(error), reason=MissReason.PREFIX_EVICTED) from None
-        session = Session(
-            session_id=request.session_id, epoch=request.epoch, n_ctx=n_ctx, charged_bytes=0, worker_name="", length=length,
-            last_used=time.monotonic(), digests=list(request.digests), prefix_scope=request.scope,
-        )
         self.warm.add_parked(session, payload, "the prefix's state", "the prefix's state")
         self.metrics.count("prefix_hits")
         self.metrics.count("prefix_hit_tokens", length)

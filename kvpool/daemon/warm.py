@@ -18,6 +18,7 @@ from kvpool.daemon.pool.channels import Channels
 from kvpool.daemon.pool.errors import WorkerFailed
 from kvpool.daemon.pool.lifecycle import WorkerLifecycle
 from kvpool.daemon.pool.pool import WorkerPool
+from kvpool.state.shared import SharedState
 from kvpool.wire.checks import check_admit_timeout, check_session_fields
 from kvpool.wire.errors import RequestFailed
 from kvpool.wire.protocol import Done, ErrorCode, Fork, MissReason, Park, Restore
@@ -164,11 +165,15 @@ class WarmRequests:
         self.metrics.count("forks")
         return Done(length=fork.length, session_id=fork.session_id, epoch=fork.epoch, detail="forked")
 
-    def add_parked(self, session: Session, blob: bytes, what: str, kept: str) -> None:
-        """A new live session that starts parked on `blob` (its payload), or over_budget / cache_miss and
-        nothing added. `what` and `kept` name the state in those errors."""
-        if not self.books.spill.fits(self.books.sealing.size(session, len(blob))):
-            raise RequestFailed(ErrorCode.OVER_BUDGET, f"{what} ({len(blob)} bytes) does not fit in the spill store")
+    def add_parked(self, session: Session, blob: bytes | SharedState, what: str, kept: str) -> None:
+        """A new live session that starts parked on `blob` (its payload; a SharedState's is sealed in place and
+        becomes the store's, closed here if refused), or over_budget / cache_miss and nothing added. `what` and
+        `kept` name the state in those errors."""
+        payload_bytes = blob.payload_bytes if isinstance(blob, SharedState) else len(blob)
+        if not self.books.spill.fits(self.books.sealing.size(session, payload_bytes)):
+            if isinstance(blob, SharedState):
+                blob.close()
+            raise RequestFailed(ErrorCode.OVER_BUDGET, f"{what} ({payload_bytes} bytes) does not fit in the spill store")
         dropped = self.books.add_parked(session, blob)
         self.metrics.count("spill_drops", len(dropped))
         if session in dropped:

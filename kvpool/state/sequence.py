@@ -390,10 +390,16 @@ def check_row_bytes(ggml_type: int, row_bytes: int, kind: str) -> None:
 def write_state(state: SequenceState) -> bytes:
     """The bytes of `state`, as llama.cpp writes them: parse_state(write_state(s)) == s, and
     write_state(parse_state(b)) == b."""
+    return b"".join(state_parts(state))
+
+
+def state_parts(state: SequenceState) -> list[bytes | memoryview]:
+    """write_state's bytes in the pieces they are made of (views where the rows are contiguous), for a
+    writer that copies them once into their destination (kvpool.state.shared.SharedState.written)."""
     parts: list[bytes | memoryview] = [struct.pack("<IiI", STATE_MAGIC, state.seq_id, len(state.streams))]
     for stream in state.streams:
         parts.extend(_stream_parts(stream))
-    return b"".join(parts)
+    return parts
 
 
 def _stream_parts(stream: Stream) -> list[bytes | memoryview]:

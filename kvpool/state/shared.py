@@ -26,6 +26,7 @@ import os
 import resource
 import threading
 import weakref
+from collections.abc import Iterable
 
 SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 SIZE_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW  # set as it arrives: a sender that truncates it then cannot make a reader's mapping fault (SIGBUS)
@@ -41,6 +42,24 @@ def _default_limit() -> int:
 def new_memfd() -> int:
     """An empty memfd that can be sealed later (MFD_ALLOW_SEALING), closed on exec."""
     return os.memfd_create(MEMFD_NAME, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+
+
+def memfd_of(parts: Iterable[bytes | memoryview], head: int = 0, tail: int = 0) -> int:
+    """A memfd holding the bytes of `parts` one after another after `head` bytes, `tail` bytes after them (those zeros)."""
+    views = [memoryview(part).cast("B") for part in parts]
+    fd = new_memfd()
+    try:
+        os.ftruncate(fd, head + sum(len(view) for view in views) + tail)
+        offset = head
+        for view in views:
+            written = 0
+            while written < len(view):
+                written += os.pwrite(fd, view[written:], offset + written)
+            offset += len(view)
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def _close_quietly(fd: int, mapping: mmap.mmap | None) -> None:
@@ -88,6 +107,13 @@ class SharedState:
         except OSError:
             return None
         return cls(fd, head=head, payload_bytes=payload_bytes, tail=tail)
+
+    @classmethod
+    def written(cls, parts: Iterable[bytes | memoryview], *, head: int, tail: int) -> SharedState:
+        """A new one holding the bytes of `parts` as its payload, with `head` and `tail` bytes of room around
+        them (for kvpool.state.header.seal_shared), unsealed; the caller checks `available()` first."""
+        fd = memfd_of(parts, head, tail)
+        return cls(fd, head=head, payload_bytes=os.fstat(fd).st_size - head - tail, tail=tail)
 
     @staticmethod
     def _release(fd: int, mapping: mmap.mmap | None) -> None:

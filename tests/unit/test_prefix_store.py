@@ -24,8 +24,9 @@ from kvpool.daemon.books import prefixes
 from kvpool.daemon.books.integrity import IntegrityError
 from kvpool.daemon.books.prefixes import FILE_SUFFIX, PrefixStore
 from kvpool.daemon.books.spill import CorruptBlob
-from kvpool.state.header import FORMAT_VERSION, StateHeader, StateIdentity, seal
+from kvpool.state.header import FORMAT_VERSION, StateHeader, StateIdentity, head_size, open_state, seal, seal_shared
 from kvpool.state.sequence import check_cells
+from kvpool.state.shared import SharedState
 from kvpool.wire.prefix import DIGEST_BYTES, chain_digests
 from tests.support.disks import failing_writes, room_again
 from tests.support.fake_worker import KV_ROW_BYTES, FakeSequence, chain
@@ -535,6 +536,31 @@ def test_every_length_of_a_child_and_a_grandchild_reads_as_the_whole_state():
         for blocks in range(1, entry.blocks + 1):
             payload = store.read(entry, blocks)
             assert check_cells(payload, 0) == blocks * BLOCK and payload == state_of(held[: blocks * BLOCK])
+    checked(store)
+
+
+def test_a_read_with_room_is_a_memfd_holding_the_same_bytes_sealed_in_place_and_bytes_without_a_descriptor(monkeypatch):
+    """A prefix admission reads into a SharedState (written once, with room for the seal around it); its payload
+    is byte for byte what a plain read gives, for a whole entry, a cut one and a child read through its parent;
+    where this process may keep no more memfds, bytes."""
+    system, tokens = prompt(137, 2 * BLOCK), prompt(137, 2 * BLOCK) + prompt(138, 2 * BLOCK)
+    store = checked(PrefixStore(1 << 20, BLOCK, identity=IDENTITY))
+    assert offer(store, system) == "stored" and offer(store, tokens) == "stored"
+    child, parent = entry_of(store, tokens), entry_of(store, system)
+    header = StateHeader(version=FORMAT_VERSION, identity=IDENTITY, session_id="s", epoch=1, length=0, n_ctx=N_CTX, saved_at=0.0, last_used=0.0, payload_bytes=0)
+    for entry, blocks in ((parent, 2), (parent, 1), (child, 4), (child, 3)):
+        plain = store.read(entry, blocks)
+        sealed_as = msgspec.structs.replace(header, length=blocks * BLOCK, payload_bytes=len(plain))
+        shared = store.read(entry, blocks, room=(head_size(sealed_as), 4))
+        try:
+            assert isinstance(plain, bytes) and isinstance(shared, SharedState) and not shared.sealed
+            assert (shared.head, shared.tail, shared.payload_bytes) == (head_size(sealed_as), 4, len(plain)) and bytes(shared.payload) == plain
+            assert seal_shared(sealed_as, shared) and shared.sealed
+            assert open_state(bytes(shared.view), IDENTITY) == (sealed_as, plain)
+        finally:
+            shared.close()
+    monkeypatch.setattr(SharedState, "limit", SharedState.open_count())
+    assert store.read(child, 4, room=(head_size(header), 4)) == state_of(tokens)
     checked(store)
 
 

@@ -29,7 +29,7 @@ from multiprocessing.connection import Connection
 
 import msgspec
 
-from kvpool.state.shared import SharedPayload, SharedState, new_memfd
+from kvpool.state.shared import SharedPayload, SharedState, memfd_of
 from workers.server.commands import AnyCommand, AnyWorkerReply, RestoreState, RunAppend, Saved
 
 
@@ -47,22 +47,6 @@ class WrittenState:
 
 class StateTransferError(OSError):
     """A state's bytes did not cross the pipe whole (no descriptor, or fewer bytes than announced)."""
-
-
-def _memfd_of(data: bytes | memoryview, head: int = 0, tail: int = 0) -> int:
-    """A memfd holding `data` after `head` bytes, `tail` bytes after it (those zeros)."""
-    fd = new_memfd()
-    try:
-        view = memoryview(data).cast("B")
-        if head or tail:
-            os.ftruncate(fd, head + len(view) + tail)
-        written = 0
-        while written < len(view):
-            written += os.pwrite(fd, view[written:], head + written)
-        return fd
-    except BaseException:
-        os.close(fd)
-        raise
 
 
 def _send_descriptor(connection: Connection, fd: int) -> None:
@@ -121,7 +105,7 @@ def prepared_state(blob: bytes | memoryview | SharedPayload | StateDescriptor) -
         return blob
     if isinstance(blob, SharedPayload):
         return StateDescriptor(os.dup(blob.state.fd), len(blob), blob.offset)
-    return StateDescriptor(_memfd_of(blob), len(memoryview(blob).cast("B")), 0)
+    return StateDescriptor(memfd_of([blob]), len(memoryview(blob).cast("B")), 0)
 
 
 def send_command(connection: Connection, encoder: msgspec.msgpack.Encoder, command: AnyCommand) -> None:
@@ -143,7 +127,7 @@ def send_reply(connection: Connection, encoder: msgspec.msgpack.Encoder, reply: 
     if not isinstance(reply, Saved):
         connection.send_bytes(encoder.encode(reply))
         return
-    fd = reply.blob.fd if isinstance(reply.blob, WrittenState) else _memfd_of(reply.blob, reply.head, reply.tail)
+    fd = reply.blob.fd if isinstance(reply.blob, WrittenState) else memfd_of([reply.blob], reply.head, reply.tail)
     _send(connection, encoder, msgspec.structs.replace(reply, blob=b"", blob_bytes=len(reply.blob)), fd)
 
 

@@ -312,8 +312,9 @@ class Books:
         self._on_change(self)
         return worker, dropped
 
-    def add_parked(self, session: Session, blob: bytes) -> list[Session]:
-        """A new live session that starts parked (a fork); returns the sessions dropped for room."""
+    def add_parked(self, session: Session, blob: bytes | SharedState) -> list[Session]:
+        """A new live session that starts parked (a fork, a prefix admission: a SharedState then, sealed in
+        place); returns the sessions dropped for room."""
         sealed = self.sealing.seal(session, blob)
         require(not session.hot and self.spill.fits(len(sealed)), "a parked session needs a blob the store can hold")
         self.table.add(session)

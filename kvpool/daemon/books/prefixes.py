@@ -50,8 +50,10 @@ from kvpool.state.sequence import (
     join_states,
     parse_state,
     slice_state,
+    state_parts,
     write_state,
 )
+from kvpool.state.shared import SharedState
 
 FILE_MAGIC = b"KVPPREF1"
 FILE_SUFFIX = ".kvprefix"
@@ -190,10 +192,13 @@ class PrefixStore:
                 if pinned.gone and not pinned.readers and not pinned.children:
                     self._remove(pinned)
 
-    def read(self, entry: PrefixEntry, blocks: int) -> bytes:
+    def read(self, entry: PrefixEntry, blocks: int, *, room: tuple[int, int] | None = None) -> bytes | SharedState:
         """llama.cpp's bytes of the entry's first `blocks` blocks (a session admitted from them holds nothing
-        beyond): its ancestors' blocks joined with its own, cut to that length. Raises CorruptBlob, and the
-        damaged entry and its descendants are then gone."""
+        beyond): its ancestors' blocks joined with its own, cut to that length. With `room` (head, tail), where
+        this process may keep one more SharedState, they are written once into a memfd with that room around
+        them (a SharedState, unsealed: kvpool.state.header.seal_shared seals it in place and a restore hands its
+        descriptor to the worker, no copy), else bytes. Raises CorruptBlob, and the damaged entry and its
+        descendants are then gone."""
         require(0 < blocks <= entry.blocks, f"{blocks} blocks read from an entry of {entry.blocks}")
         pieces: list[tuple[PrefixEntry, int]] = []  # (an entry, the blocks read of it), from the whole ancestor down
         holder: PrefixEntry | None = entry
@@ -211,19 +216,23 @@ class PrefixStore:
             except (StateRejected, StateFormatError) as error:
                 raise self._damaged(piece, error) from None
         (last, last_stop), whole = pieces[-1], len(pieces) == 1 and pieces[0][0].parent_blocks == 0
-        if whole and last_stop == last.blocks:
-            return bytes(payloads[0])
         try:
-            parts = [slice_state(parse_state(payload), piece.parent_blocks * self.block, piece_stop * self.block) for (piece, piece_stop), payload in zip(pieces, payloads)]
-            if len(parts) == 1:
-                return write_state(parts[0])
-            # each piece was saved by its own session's sequence (batched mode: its own stream too): the whole
-            # ancestor's sequence takes them all, as llama.cpp would have saved that sequence holding them
-            root = parts[0]
-            stream = next((index for index, one in enumerate(root.streams) if one.n_cells), 0)
-            return write_state(join_states([root] + [as_sequence(part, root.seq_id, stream) for part in parts[1:]]))
+            if whole and last_stop == last.blocks:
+                out: list[bytes | memoryview] = [payloads[0]]
+            else:
+                parts = [slice_state(parse_state(payload), piece.parent_blocks * self.block, piece_stop * self.block) for (piece, piece_stop), payload in zip(pieces, payloads)]
+                if len(parts) > 1:
+                    # each piece was saved by its own session's sequence (batched mode: its own stream too): the whole
+                    # ancestor's sequence takes them all, as llama.cpp would have saved that sequence holding them
+                    root = parts[0]
+                    stream = next((index for index, one in enumerate(root.streams) if one.n_cells), 0)
+                    parts = [join_states([root] + [as_sequence(part, root.seq_id, stream) for part in parts[1:]])]
+                out = state_parts(parts[0])
         except StateFormatError as error:
             raise self._damaged(entry, error) from None
+        if room is not None and SharedState.available():
+            return SharedState.written(out, head=room[0], tail=room[1])
+        return b"".join(out)
 
     def _payload(self, entry: PrefixEntry) -> memoryview:
         """The entry's own state (a read-only view of its sealed bytes: parsed and cut without a copy), once its
