@@ -27,10 +27,10 @@ def _timing(prefix: dict) -> tuple[dict, dict, list[Row]]:
     cached, uncached, llama, fresh = (median_of(seconds[name]) for name in (CACHED, UNCACHED, LLAMA, LLAMA_FRESH))
     speedup, versus, versus_fresh = uncached / cached, llama / cached, fresh / cached
     parts = runs[COMPONENTS]
-    save_rounds = [[first - hot for first, hot in zip(one["first_append_s"], one["hot_append_s"])] for one in parts]
+    first_less_hot_rounds = [[first - hot for first, hot in zip(one["first_append_s"], one["hot_append_s"])] for one in parts]
     total = {key: median_of([one[key] for one in parts]) for key in ("lookup_s", "admit_s", "ahead_wait_s")}
     total |= {key: median_of([sum(one[key]) for one in parts]) for key in ("first_append_s", "hot_append_s")}
-    first_less_hot = median_of([sum(one) for one in save_rounds])
+    first_less_hot = median_of([sum(one) for one in first_less_hot_rounds])
     steps = total["lookup_s"] + total["admit_s"] + total["ahead_wait_s"] + total["first_append_s"]
     rest_of_cached = cached - steps
     capture = median_of([one["capture_s"] for one in runs[CACHED]])
@@ -67,7 +67,7 @@ def _timing(prefix: dict) -> tuple[dict, dict, list[Row]]:
                   f"each asked of the 3 daemons at once, the appends summed over them, per daemon after it): lookup "
                   f"{ms(total['lookup_s'])}, admission from the prefix {ms(total['admit_s'])}, first append {ms(total['first_append_s'])} "
                   f"= {rest} rows hot {ms(total['hot_append_s'])} ({_per_daemon([one['hot_append_s'] for one in parts])}) + "
-                  f"{ms(first_less_hot)} ({_per_daemon(save_rounds)}; the first append minus the same append hot: on the first daemon "
+                  f"{ms(first_less_hot)} ({_per_daemon(first_less_hot_rounds)}; the first append minus the same append hot: on the first daemon "
                   f"the restore; each daemon saves the prompt's new block for the store after its reply, beside the next daemon's part); the later "
                   f"daemons restored beside the first's compute (a thread of the router), waited for {ms(total['ahead_wait_s'])} "
                   f"after it; after the replies all 3 held the new block within {ms(capture)}; the cached median less these steps: "

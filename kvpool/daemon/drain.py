@@ -126,7 +126,8 @@ class Drain:
     def _quiet(self) -> bool:
         """Nothing taken is unanswered, no append computes on a direct channel and no session is still in use
         past its request's answer (a park answered before its save holds the session until the save is done:
-        kvpool.daemon.warm; housekeeping's own parks and copies too)."""
+        kvpool.daemon.warm; an append's prefix capture after its reply: kvpool.daemon.prefix; housekeeping's own
+        parks and copies too)."""
         channels = self.service.channels
         return self._settled.is_set() and not any(session.in_flight or channels.busy(session) for session in self.service.books.table.sessions())
 

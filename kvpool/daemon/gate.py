@@ -9,9 +9,11 @@ another request may see a higher epoch. So a request checks again after each wai
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
+from typing import Any
 
 from kvpool.daemon.books.books import Books
 from kvpool.daemon.books.sessions import EpochCheck, Session
@@ -34,6 +36,7 @@ class Gate:
         self.channels = channels
         self.lifecycle = lifecycle
         self.metrics = metrics
+        self._passed_on: set[Session] = set()  # held by a request whose entry passes to work after its reply (pass_on)
 
     def length_of(self, session_id: str, epoch: int) -> int:
         """The session's length as every reply carries it (0 when no live session of that epoch)."""
@@ -85,12 +88,15 @@ class Gate:
         self.metrics.count_miss(reason)
         return RequestFailed(ErrorCode.CACHE_MISS, message, reason=reason)
 
-    def check_live(self, session: Session, what: str = ENDED_WHILE_WAITING) -> None:
+    def check_live(self, session: Session, what: str = ENDED_WHILE_WAITING, *, current: bool = True) -> None:
         """The session is still the live one for its id, at the highest epoch seen (else: cache_miss or
-        stale_epoch). Called after every wait, before the session's state is touched or shown."""
+        stale_epoch). Called after every wait, before the session's state is touched or shown. Without `current`
+        a superseded epoch passes while it is live (its fence waits for the lock): what only reads its state into
+        the daemon's own store (a prefix capture) may go on, what serves or exposes it may not."""
         if self.books.table.get(session.session_id) is not session:
             raise self.miss(session.session_id, session.epoch, what)
-        self.require_current(session.session_id, session.epoch)
+        if current:
+            self.require_current(session.session_id, session.epoch)
 
     # ---- entering a session ------------------------------------------------------------------------
 
@@ -126,16 +132,28 @@ class Gate:
             await self.leave(session)
 
     @contextlib.asynccontextmanager
-    async def holding(self, session: Session) -> AsyncIterator[Session]:
+    async def holding(self, session: Session, *, current: bool = True) -> AsyncIterator[Session]:
         """A session already entered (an admission returns it so, an append enters with revoke_by_run), checked
-        live and current, left after. An append refused before its run revokes the channel then, as entering
-        would have: whatever the outcome, the channel is revoked or bound again by this append."""
+        live and current (`current`: as check_live), left after (unless it was passed on: pass_on). An append
+        refused before its run revokes the channel then, as entering would have: whatever the outcome, the channel
+        is revoked or bound again by this append."""
         try:
-            self.check_live(session)
+            self.check_live(session, current=current)
             yield session
         except Exception:
             if session.channel and self.books.table.get(session.session_id) is session:
                 await self.channels.revoke(session)
             raise
         finally:
-            await self.leave(session)
+            if session in self._passed_on:
+                self._passed_on.discard(session)
+            else:
+                await self.leave(session)
+
+    def pass_on(self, session: Session, work: Coroutine[Any, Any, None]) -> asyncio.Task:
+        """Inside `holding(session)`, as the request answers: what it entered (the session's lock, its count in
+        flight) passes to `work`, spawned now, which holds the session (`async with gate.holding(session)`) and
+        leaves it; the request's own holding leaves nothing. No other request takes the session between that
+        answer and that work, which a drain waits for (the count in flight) as for a request."""
+        self._passed_on.add(session)
+        return self.lifecycle.spawn(work)

@@ -26,6 +26,7 @@ from kvpool.wire.protocol import AdmitPrefix, Append, Done, ErrorCode, MissReaso
 from workers.server.commands import Binding
 
 log = logging.getLogger("kvpool.daemon")
+BIND_REFUSED = "binding the direct channel after the prefix capture failed"
 
 
 class PrefixRequests:
@@ -39,7 +40,7 @@ class PrefixRequests:
         self.warm = warm
         self.pool = pool
         self.metrics = metrics
-        self._capturing: dict[asyncio.Task, str] = {}  # captures after an append's reply, not yet offered: their scopes
+        self._capturing: dict[asyncio.Task, bytes] = {}  # captures after an append's reply, not yet offered: their first blocks' digests
 
     @property
     def block(self) -> int:
@@ -55,7 +56,8 @@ class PrefixRequests:
 
     async def lookup(self, request: PrefixLookup) -> PrefixHeld:
         self._check(request.scope, request.digests)
-        await self._captured(request.scope)
+        if request.digests:
+            await self._captured(request.digests[0])
         self.metrics.count("prefix_lookups")
         return PrefixHeld(blocks=self.store.holds(request.scope, request.digests), block=self.store.block)
 
@@ -64,7 +66,7 @@ class PrefixRequests:
         self._check(request.scope, request.digests)
         if not request.digests:
             raise RequestFailed(ErrorCode.BAD_REQUEST, "a prefix admission names at least one block")
-        await self._captured(request.scope)
+        await self._captured(request.digests[0])
         n_ctx = request.n_ctx or self.config.n_ctx
         length = len(request.digests) * self.store.block
         if not 0 < n_ctx <= self.config.n_ctx or length > n_ctx:
@@ -118,52 +120,58 @@ class PrefixRequests:
             session.digests.extend(request.block_digests)
 
     def capture_after(self, session: Session, binding: Binding | None) -> None:
-        """Offer the state a prefill just left, once the append that left it has replied (capture_wanted said
-        so; the caller holds the session, and its run bound no channel): a task enters the session right after
-        it (the session's lock: a request sent after the reply waits for the save; one already waiting may go
-        first, and the capture then offers what the session holds of those blocks by then), saves it with the
-        worker at a lower priority (no caller waits for it: SaveState.behind) and offers what the store still
-        lacks; then, with `binding` (the append asked for the direct channel),
-        binds the channel, whose name that reply already gave: a direct append sent before that is answered
-        channel_revoked and the client asks the daemon, which waits for the save. A lookup or a prefix admission
-        waits for the captures of its scope pending as it arrives, so an append's blocks are seen by any that
-        follow its reply (and never waits on another scope's). A save that fails offers nothing; the append stands."""
-        task = self.gate.lifecycle.spawn(self._capture(session, binding))
-        self._capturing[task] = session.prefix_scope
+        """Offer the state a prefill just left once the append that left it has answered (capture_wanted said so;
+        the caller holds the session and its run bound no channel): the append passes the session on to a task
+        (Gate.pass_on: no other request takes it between the reply and the save), which saves the state (in process
+        mode at the worker's lower priority, --background-nice: no caller waits for it) and offers what the store
+        lacks, then, with `binding` (the append asked for the direct channel), binds the channel whose name the
+        reply already gave: a direct append sent before that is answered channel_revoked and the client asks the
+        daemon, which waits for the capture. A lookup or a prefix admission waits for the captures pending as it
+        arrives whose chains begin with its first block (that digest names the scope and the block: no other
+        capture can add to what it asks), so an append's blocks are seen by those after its reply. A save that
+        fails offers nothing and the append stands; a worker lost meanwhile ends the session (worker_lost next)."""
+        task = self.gate.pass_on(session, self._capture(session, binding))
+        self._capturing[task] = session.digests[0]
         task.add_done_callback(lambda done: self._capturing.pop(done, None))
 
     async def _capture(self, session: Session, binding: Binding | None) -> None:
         try:
-            async with self.gate.entered(session):
-                await self._offer_wanted(session, behind=True)
-                if binding is not None and session.hot and not session.channel and await self.gate.channels.bind_again(session, binding):
+            # a newer epoch seen since the prefill still lets its blocks be stored (content-addressed: the same
+            # tokens' state whatever the epoch), never its channel bound
+            async with self.gate.holding(session, current=False), self.gate.lifecycle.worker_call(session, refused=BIND_REFUSED):
+                worker = self.pool.get(session.worker_name)
+                if self.books.prefix_wanted(session):
+                    try:
+                        payload = (await worker.save_state(behind=True)).blob
+                    except WorkerFailed:
+                        payload = None
+                    if payload is not None:
+                        self.offered(self.books.offer_prefix(session, payload, session.length))
+                if binding is not None:
+                    self.gate.check_live(session)  # a newer epoch seen during the save: nothing of this one is bound
+                    await worker.bind_channel(binding)
                     self.gate.channels.bound(session)
-        except RequestFailed as failure:  # the session ended or was fenced before its turn: what it held was offered then
-            log.info("prefix capture of session %r epoch %d after its append: not taken: %s", session.session_id, session.epoch, failure)
+                    self.gate.check_live(session)  # and during the bind: holding revokes what it bound
+        except RequestFailed as failure:  # fenced, its worker lost (the session ended with it) or its channel refused
+            log.info("prefix capture of session %r epoch %d after its append: %s", session.session_id, session.epoch, failure)
 
-    async def _captured(self, scope: str) -> None:
-        """The captures of `scope` pending now have offered what they took (each holds a session's lock for one save)."""
-        pending = [task for task, of in self._capturing.items() if of == scope]
+    async def _captured(self, first_block: bytes) -> None:
+        """The captures pending now of chains that begin with `first_block` have offered what they took."""
+        pending = [task for task, first in self._capturing.items() if first == first_block]
         if pending:
             await asyncio.wait(pending)
 
     async def before_release(self, session: Session) -> None:
         """The session (its lock held) is about to be released: its blocks the store lacks are offered first,
         from its parked state or saved by its worker."""
-        await self._offer_wanted(session)
-
-    async def _offer_wanted(self, session: Session, *, behind: bool = False) -> None:
-        """The session's blocks the store lacks (its lock held), offered from its parked state or saved by its
-        worker (`behind`: at the worker's lower priority); a save that fails or a lost worker offers nothing
-        (the session's next request meets the loss)."""
         if not self.books.prefix_wanted(session):
             return
         try:
             if session.hot:
-                payload = (await self.pool.get(session.worker_name).save_state(behind=behind)).blob
+                payload = (await self.pool.get(session.worker_name).save_state()).blob
             else:
                 payload = self.books.read_blob(session)
-        except (WorkerFailed, WorkerLost, CorruptBlob):
+        except (WorkerFailed, WorkerLost, CorruptBlob):  # nothing offered: the release frees what is left
             return
         self.offered(self.books.offer_prefix(session, payload, session.length))
 

@@ -130,6 +130,33 @@ def test_a_prefill_that_stores_a_prefix_keeps_its_direct_channel_for_the_decode_
         release_all(route)
 
 
+def test_decode_steps_sent_at_once_after_a_prefill_that_stores_a_prefix_are_exact_and_one_at_most_goes_through_each_daemon(route, whole_model, tokenizer):
+    """The prefill's reply names the direct channel before its capture binds it: the decode steps sent right after,
+    while the saves may still run, are the whole model's greedy steps bit for bit, and each daemon serves at most one
+    of them itself (a step that reaches a worker before the binding is answered channel_revoked and goes through
+    the daemon, which waits for the capture); the blocks are stored all the same."""
+    text = tokenizer.encode("One more system prompt, stored nowhere before this test: answer in French, briefly. " * 3)
+    clients = [daemon.client() for daemon in route]
+    try:
+        before = [client.stats().counters for client in clients]
+        session = Router(clients).session("at-once")
+        tokens, logits = greedy_with_logits(lambda start, rows: session.append_at(start, rows), text, 4)
+        with whole_model.new_context(N_CTX) as context:
+            expected_tokens, expected_logits = greedy_with_logits(lambda start, rows: context.append(start, tokens=np.asarray(rows)), text, 4)
+        assert tokens == expected_tokens and np.abs(logits - expected_logits).max() == 0.0
+        stored_everywhere(clients, text[: (len(text) // BLOCK) * BLOCK])
+        for client, earlier in zip(clients, before):
+            stats = client.stats()
+            direct = stats.counters["direct_appends"] - earlier.get("direct_appends", 0)
+            through = stats.counters["appends"] - earlier["appends"]
+            assert direct + through == 1 + len(tokens) and (1 <= through <= 2 if stats.mode == "process" else direct == 0), (stats.mode, direct, through)
+            assert stats.counters["prefix_stored"] - earlier.get("prefix_stored", 0) == 1
+    finally:
+        for client in clients:
+            client.close()
+        release_all(route)
+
+
 def test_stored_prefixes_outlive_a_restart_with_a_spill_dir(shards, socket_dir, tmp_path, whole_model, tokenizer):
     system, question, other = prompts(tokenizer)
     spill = [tmp_path / f"spill{index}" for index in range(len(shards))]

@@ -127,6 +127,30 @@ def test_a_prefill_replies_before_its_save_for_the_store_and_what_follows_its_re
 
 
 @pytest.mark.parametrize("mode", MODES)
+def test_a_new_epoch_that_waits_for_a_prefill_comes_after_its_capture_and_the_prefix_is_stored(serve, fake_model, mode):
+    """The append passes the session on to its capture (Gate.pass_on): a request that queued for the session during
+    the prefill (here a newer epoch, whose fence drops the old one) gets it only once the prefix is offered."""
+    kinds = fake_kinds()
+    daemon = serve(fake_model, *mode_flags(mode), *FLAGS, kinds=kinds)
+    with daemon.client() as client, daemon.client() as other:
+        first = prompt(3, 3 * BLOCK) + [7]
+        kinds[0].behaviour.row_delay_s = 0.05  # the 13-row prefill lasts 0.65 s: the newer epoch queues meanwhile
+        outcome: dict[str, object] = {}
+        prefill = threading.Thread(target=lambda: outcome.__setitem__("reply", client.append("a", 1, 0, tokens=first, block_digests=chain_digests(first, BLOCK))))
+        prefill.start()
+        wait_until(lambda: any(row.in_flight for row in other.stats().sessions), "the prefill in flight")
+        newer = threading.Thread(target=lambda: outcome.__setitem__("newer", other.append("a", 2, 0, tokens=[5])))
+        newer.start()
+        prefill.join(HANG_GUARD_S)
+        newer.join(HANG_GUARD_S)
+        kinds[0].behaviour.row_delay_s = 0.0
+        assert outcome["reply"].length == len(first) and outcome["newer"].admitted, outcome
+        assert held(other, first) == 3  # the old epoch's prefix, offered before its session was dropped
+        stats = other.stats()
+        assert (stats.counters["prefix_stored"], [(row.session_id, row.epoch) for row in stats.sessions], stats.integrity) == (1, [("a", 2)], "ok")
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_one_entry_per_prefix_a_longer_offer_covers_a_shorter_and_scopes_never_share(serve, fake_model, mode):
     with serve(fake_model, *mode_flags(mode), *FLAGS).client() as client:
         base = prompt(2, 2 * BLOCK)

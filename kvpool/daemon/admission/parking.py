@@ -108,8 +108,13 @@ class Parking:
                 self.channels.handed_to_run(session)
                 try:
                     saved = await self.pool.get(session.worker_name).save_state(behind=True)  # a copy nobody waits for
-                    if rebind is not None and self._live_hot(session) and await self.channels.bind_again(session, rebind):
+                    # not for an epoch superseded meanwhile (its fence waits for this lock, and revoked nothing yet)
+                    if rebind is not None and self._live_current(session) and await self.channels.bind_again(session, rebind):
                         self.channels.bound(session)
+                        if not self._live_current(session):  # superseded during the bind: revoked before the lock goes, no copy
+                            session.channel = False
+                            session.length = await self.pool.get(session.worker_name).revoke_channel()
+                            return False
                 except WorkerLost:
                     self.lifecycle.lost(session)
                     return False
@@ -130,3 +135,7 @@ class Parking:
 
     def _live_hot(self, session: Session) -> bool:
         return session.hot and self.books.table.get(session.session_id) is session
+
+    def _live_current(self, session: Session) -> bool:
+        """Live, hot and at the highest epoch seen for its id (kvpool.daemon.gate's rule)."""
+        return self._live_hot(session) and self.books.table.is_current(session.session_id, session.epoch)
