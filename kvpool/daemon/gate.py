@@ -154,6 +154,7 @@ class Gate:
         """Inside `holding(session)`, as the request answers: what it entered (the session's lock, its count in
         flight) passes to `work`, spawned now, which holds the session (`async with gate.holding(session)`) and
         leaves it; the request's own holding leaves nothing. No other request takes the session between that
-        answer and that work, which a drain waits for (the count in flight) as for a request."""
+        answer and that work, which a drain waits for (the count in flight) as for a request. Its users: a park
+        answered before its save (kvpool.daemon.warm), a prefill's capture for the prefix store (kvpool.daemon.prefix)."""
         self._passed_on.add(session)
         return self.lifecycle.spawn(work)

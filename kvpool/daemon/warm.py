@@ -52,11 +52,12 @@ class WarmRequests:
         if session is None:
             raise self.gate.miss(request.session_id, request.epoch, "no state for this session")
         await self.gate.enter(session, revoke_by_run=True)  # the park's SaveState revokes the direct channel (Parking.park)
-        if not request.wait:
-            return await self._park_behind(session)
         async with self.gate.holding(session):
             if not session.hot:
                 return _done(session, "already parked")
+            if not request.wait:
+                self.gate.pass_on(session, self._finish_park(session))
+                return _done(session, "parking")
             if not await self._save(session):
                 raise self.gate.miss(session.session_id, session.epoch, "the session's state could not be kept")
             return _done(session, "parked")
@@ -69,27 +70,13 @@ class WarmRequests:
             self.metrics.count("parks")
         return kept
 
-    async def _park_behind(self, session: Session) -> Done:
-        """Park without `wait`: checked as the waiting park is, then answered "parking" while a task that
-        holds what this request entered (the session's lock and its count in flight) saves the state and
-        leaves the session after. Every other use of the session takes that lock first, so none sees the
-        session between its reply and its state in the store, and a drain waits for the count to drop (kvpool.
-        daemon.drain); a save that fails ends the session as a waiting park's would (its next request: cache_miss),
-        logged here since no reply is left to carry it. No caller waits for that save: a single worker runs it at a
-        lower CPU priority (SaveState.behind, workers.server.background), so the parks a route's other daemons are
-        answering at the same moment take the cores first."""
-        try:
-            self.gate.check_live(session)
-        except BaseException:
-            await self.gate.leave(session)
-            raise
-        if not session.hot:
-            await self.gate.leave(session)
-            return _done(session, "already parked")
-        self.lifecycle.spawn(self._finish_park(session))
-        return _done(session, "parking")
-
     async def _finish_park(self, session: Session) -> None:
+        """A park without `wait`, answered "parking": the request passed the session on to this task (Gate.pass_on),
+        so none sees the session between that reply and its state in the store, and a drain waits for it; a save that
+        fails ends the session as a waiting park's would (its next request: cache_miss), logged here since no reply is
+        left to carry it. No caller waits for that save: a single worker runs it at a lower CPU priority
+        (SaveState.behind, workers.server.background), so the parks a route's other daemons are answering at the
+        same moment take the cores first."""
         try:
             async with self.gate.holding(session):
                 if not await self._save(session, behind=True):

@@ -1,4 +1,4 @@
-"""A Park that does not wait for its save (Park.wait false, kvpool.daemon.warm.WarmRequests._park_behind), on
+"""A Park that does not wait for its save (Park.wait false, kvpool.daemon.warm.WarmRequests._finish_park), on
 fake workers in both modes: answered "parking" while its worker has not saved (the worker is stopped, so a
 reply that waited could not come), the save finishing behind it holding the session, so that every later
 request on the session - an append that restores it, a Park that waits, a release, a newer epoch - waits for

@@ -134,7 +134,7 @@ def test_a_new_epoch_that_waits_for_a_prefill_comes_after_its_capture_and_the_pr
     daemon = serve(fake_model, *mode_flags(mode), *FLAGS, kinds=kinds)
     with daemon.client() as client, daemon.client() as other:
         first = prompt(3, 3 * BLOCK) + [7]
-        kinds[0].behaviour.row_delay_s = 0.05  # the 13-row prefill lasts 0.65 s: the newer epoch queues meanwhile
+        kinds[0].behaviour.row_delay_s = 0.2  # the 13-row prefill lasts 2.6 s: the newer epoch queues meanwhile
         outcome: dict[str, object] = {}
         prefill = threading.Thread(target=lambda: outcome.__setitem__("reply", client.append("a", 1, 0, tokens=first, block_digests=chain_digests(first, BLOCK))))
         prefill.start()
