@@ -21,7 +21,7 @@ from workers.runtime.model import ShardModel
 def measure_admission(rig: Rig) -> dict:
     client = rig.client("whole")
     token = rig.prompts[0][:1]
-    results: dict[str, dict] = {"first_admit_s": {}, "admit_s": {}, "release_s": {}, "reclaim_visible_s": {},
+    results: dict[str, dict] = {"first_admit_s": {}, "admit_s": {}, "release_s": {}, "reclaim_visible_s": {}, "admits_into_spare": {},
                                 "uss_kept_bytes": {}, "bare_create_s": {}, "bare_free_s": {}, "inprocess_admit_s": {}}
     counter = iter(range(10**9))
 
@@ -63,6 +63,7 @@ def _measure_admissions(rig: Rig, client: Client, admit, token: list[int], refer
         client.release(session, EPOCH)
         results["first_admit_s"][n_ctx] = None if n_ctx == calibrated_at_start else first
         admits, releases, visible, kept = [], [], [], []
+        into_spare = client.stats().counters.get("admissions_into_spare", 0)
         for _ in range(options.repeats):
             before_stats = client.stats()
             before = before_stats.budget.reserved_bytes
@@ -78,6 +79,7 @@ def _measure_admissions(rig: Rig, client: Client, admit, token: list[int], refer
             visible.append(time.perf_counter() - started)
             kept.append(stats.budget.measured_uss_bytes - before_stats.budget.measured_uss_bytes)
         results["admit_s"][n_ctx] = admits
+        results["admits_into_spare"][n_ctx] = client.stats().counters.get("admissions_into_spare", 0) - into_spare  # the release before left its context
         results["release_s"][n_ctx] = releases
         results["reclaim_visible_s"][n_ctx] = visible
         results["uss_kept_bytes"][n_ctx] = kept
@@ -136,12 +138,15 @@ def measure_memory(rig: Rig) -> dict:
         per_session[n_ctx] = {
             "charged_bytes": row.charged_bytes,
             "theoretical_kv_bytes": n_ctx * per_position,
-            "uss_growth_bytes": after - before[row.worker_pid],
-            # memory the worker already held above its start-up USS (freed by earlier contexts, kept by the allocator)
+            # what the worker holds serving it over its start-up USS: its context may be a spare that worker already
+            # held (a released session's, kvpool.daemon.books), so the growth since just before would miss it
+            "uss_growth_bytes": after - baseline[row.worker_pid],
+            # memory the worker already held above its start-up USS (a spare context, or memory freed by earlier
+            # contexts and kept by the allocator)
             "held_before_bytes": before[row.worker_pid] - baseline[row.worker_pid],
         }
         client.release(session, EPOCH)
-    daemon_totals = {0: daemon_uss(daemon)}
+    daemon_totals = {0: rig.daemon_uss_at_start}  # not now: the sessions released above left their contexts as spares
     sessions = []
     for count in range(1, SESSIONS + 1):
         session = f"bench-memory-live-{count}"

@@ -27,7 +27,9 @@ def summarize_admission(results: dict) -> tuple[dict, dict, list[Row]]:
         bare = median_of(admission["bare_create_s"][key])
         net = admit - decode_step
         summary.update({f"s5_admit_{n_ctx}_s": admit, f"s5_inprocess_admit_{n_ctx}_s": inprocess, f"s5_bare_create_{n_ctx}_s": bare})
-        rows.append(Row("5", f"admit n_ctx {n_ctx} on a warm worker: admitting 1-token append vs in-process create + 1-token append",
+        spare = admission.get("admits_into_spare", {}).get(key)  # results written before released contexts were kept say nothing
+        where = f" ({spare} of {len(admission['admit_s'][key])} into the context the release before left as its worker's spare)" if spare is not None else ""
+        rows.append(Row("5", f"admit n_ctx {n_ctx} on a warm worker{where}: admitting 1-token append vs in-process create + 1-token append",
                         ms(admit), ms(inprocess), f"{admit / inprocess:.2f}x time"))
         rows.append(Row("5", f"  admission alone (minus a {ms(decode_step)} decode through the daemon) vs a bare llama context create",
                         ms(net), ms(bare), f"{net / bare:.2f}x time"))
@@ -58,7 +60,8 @@ def summarize_admission(results: dict) -> tuple[dict, dict, list[Row]]:
     kept = {n_ctx: median_of(values) for n_ctx, values in admission["uss_kept_bytes"].items()}
     summary.update({"s5_release_s": release, "s5_reclaim_visible_s": visible, "s5_bare_free_s": free})
     summary.update({f"s5_uss_kept_{n_ctx}_bytes": value for n_ctx, value in kept.items()})
-    rows.append(Row("5", "release -> bytes available: release round trip; until a stats reply shows reserved dropped",
+    rows.append(Row("5", "release -> bytes available: release round trip (process mode: the context kept as the worker's spare, charged apart); "
+                         "until a stats reply shows reserved dropped",
                     f"{ms(release)}; {ms(visible)}", f"llama_free {ms(free)}", f"{release / free:.1f}x time"))
     rows.append(Row("5", "  workers' USS still held after release (vs before the admission), by n_ctx",
                     "; ".join(f"{n_ctx}: {as_mib(value):+.1f} MiB" for n_ctx, value in kept.items()), "", ""))
@@ -83,8 +86,9 @@ def summarize_memory(results: dict) -> tuple[dict, dict, list[Row]]:
         summary.update({f"s6_charged_{n_ctx}_bytes": charged, f"s6_theory_{n_ctx}_bytes": theory, f"s6_uss_growth_{n_ctx}_bytes": growth})
         held = figures["held_before_bytes"]
         summary[f"s6_held_before_{n_ctx}_bytes"] = held
-        rows.append(Row("6", f"one session n_ctx {n_ctx}: charged; measured worker USS growth (the worker held {as_mib(held):+.1f} MiB over its "
-                             "start-up USS before) vs theoretical KV (n_ctx x every layer's K and V widths x f16)",
+        rows.append(Row("6", f"one session n_ctx {n_ctx}: charged; its worker's USS over its start-up USS (before the admission {as_mib(held):+.1f} MiB: "
+                             "a released session's context kept as its spare, or freed memory the allocator kept) vs theoretical KV "
+                             "(n_ctx x every layer's K and V widths x f16)",
                         f"{as_mib(charged):.1f} MiB; {as_mib(growth):.1f} MiB", f"{as_mib(theory):.1f} MiB",
                         f"{charged / theory:.2f}x; {growth / theory:.2f}x"))
     totals = memory["daemon_uss_bytes"]
@@ -92,7 +96,8 @@ def summarize_memory(results: dict) -> tuple[dict, dict, list[Row]]:
     per_added = (totals[str(SESSIONS)] - totals["0"]) / SESSIONS
     theory = n_ctx * memory["kv_bytes_per_position"]
     summary.update({f"s6_daemon_uss_{count}_bytes": value for count, value in totals.items()})
-    rows.append(Row("6", f"whole-model daemon USS (supervisor + {SESSIONS} workers) at 0 / 1 / {SESSIONS} sessions of n_ctx {n_ctx}",
+    rows.append(Row("6", f"whole-model daemon USS (supervisor + {SESSIONS} workers) at start-up / 1 / {SESSIONS} sessions of n_ctx {n_ctx} "
+                         "(the 1 may be in a spare context an earlier session left)",
                     " / ".join(f"{as_mib(totals[key]):.0f}" for key in ("0", "1", str(SESSIONS))) + " MiB",
                     f"+{as_mib(theory):.1f} MiB KV per session", f"+{as_mib(per_added):.1f} MiB per session = {per_added / theory:.2f}x"))
     return summary, {}, rows

@@ -81,7 +81,7 @@ class Gate:
                     await self.channels.revoke(old)
                 async with old.lock:
                     if table.get(session_id) is old:
-                        await self.lifecycle.drop(old, MissReason.NEW_EPOCH)
+                        await self.lifecycle.drop(old, MissReason.NEW_EPOCH, keep=True)
 
     def miss(self, session_id: str, epoch: int, message: str) -> RequestFailed:
         reason = self.books.table.miss_reason(session_id, epoch)

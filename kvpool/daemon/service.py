@@ -203,6 +203,8 @@ class KvService:
                     still_wanted=lambda: self.gate.check_live(session),
                 )
                 session.length = output.length
+                if output.reused:
+                    self.metrics.count("admissions_into_spare")
                 if restoring is not None:
                     self.admission.restored(output.restored, restoring + (output.restored.seconds if output.restored is not None else 0.0))
                 self.prefixes.record(session, request, n_rows)
@@ -273,7 +275,7 @@ class KvService:
             async with session.lock:
                 if self.books.table.get(session.session_id) is session:
                     await self.prefixes.before_release(session)
-                    await self.lifecycle.drop(session, MissReason.RELEASED)
+                    await self.lifecycle.drop(session, MissReason.RELEASED, keep=True)
                     self.metrics.count("releases")
         finally:
             session.in_flight -= 1

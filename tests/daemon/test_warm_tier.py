@@ -85,6 +85,32 @@ def test_four_sessions_on_two_places_park_and_restore_bit_identically(model_path
         daemon.stop()
 
 
+def test_a_released_or_superseded_sessions_context_serves_the_next_session_bit_identically(model_path, socket_dir, whole_model, prompt_ids):
+    """A release, or a newer epoch, leaves the context as the worker's spare; the next sessions are admitted into
+    it (zeroed first) and compute what a fresh context computes, bit for bit, never the ended history's."""
+    daemon = _serve(model_path, socket_dir, "released-spare", "--max-sessions", "1")
+    histories = [("a", 1, prompt_ids[0][:8]), ("b", 1, prompt_ids[1][:5]), ("b", 2, prompt_ids[0][:3]), ("a", 1, prompt_ids[0][:6])]
+    try:
+        with daemon.client() as client:
+            for index, (name, epoch, prompt) in enumerate(histories):
+                reference = Reference(whole_model)
+                try:
+                    got = client.append(name, epoch, 0, tokens=prompt)
+                    assert got.admitted and np.array_equal(got.rows, reference.append(0, prompt)), (name, epoch)
+                    step = client.append(name, epoch, len(prompt), tokens=[100 + index])
+                    assert np.array_equal(step.rows, reference.append(len(prompt), [100 + index])), (name, epoch)
+                finally:
+                    reference.close()
+                if (name, epoch) != ("b", 1):  # b at epoch 1 is ended by its epoch 2, not released
+                    client.release(name, epoch)
+                    budget = checked(client).budget
+                    assert budget.reserved_bytes == 0 and budget.spare_bytes > 0, (name, epoch)
+            counters = checked(client).counters
+            assert (counters["spares_kept"], counters["admissions_into_spare"]) == (4, 3) and counters["misses"] == 0
+    finally:
+        daemon.stop()
+
+
 def test_budget_pressure_parks_instead_of_refusing(model_path, socket_dir, whole_model, prompt_ids):
     probe = _serve(model_path, socket_dir, "charge-probe", "--max-sessions", "1")
     try:

@@ -1,5 +1,5 @@
 """A worker's spare context on the real model (workers.server.single.WorkerServer, in process): a park's
-SaveState(keep) leaves no open context, only the spare; the spare is zeroed once idle or before another takes
+SaveState(keep), or a release's CloseContext(keep), leaves no open context, only the spare; the spare is zeroed once idle or before another takes
 it; a restore or an open of its n_ctx takes it, any other n_ctx frees it; a context a refused restore touched
 never becomes one; its own park's restore resumes its cells; and what a restored spare computes is bit for bit
 what a fresh context computes."""
@@ -21,7 +21,7 @@ from tests.support.worker_server import worker_server
 from workers.runtime.context import ShardContext
 from workers.runtime.model import ShardModel
 from workers.server.background import BACKGROUND_NICE
-from workers.server.commands import Failed, OpenContext, Opened, Restored, RestoreState, RunAppend, Saved, SaveState, TruncateContext
+from workers.server.commands import Appended, CloseContext, Closed, Failed, OpenContext, Opened, Restored, RestoreState, RunAppend, Saved, SaveState, TruncateContext
 from workers.server.pipe import WrittenState
 from workers.server.segment import SegmentRegions
 
@@ -75,6 +75,37 @@ def test_a_kept_context_is_a_spare_only_an_open_of_its_n_ctx_takes_and_it_comput
     assert server.context.length == 0  # a new session in it starts empty, and computes as in a fresh context:
     with first_model.new_context(N_CTX) as fresh:
         assert np.array_equal(_append(server, 0, PROMPT).reshape(len(PROMPT), -1), fresh.append(0, tokens=PROMPT, output_rows="all"))
+
+
+def test_a_released_context_is_kept_as_a_spare_zeroed_before_any_session_takes_it(server, first_model, monkeypatch):
+    """CloseContext(keep) - a release - keeps the open context as the spare, its cells no park's: the next admission
+    of its n_ctx (a RunAppend that opens one) takes it zeroed (Appended.reused) and computes bit for bit as a fresh
+    context; so does a restore, even one naming a park token; a plain CloseContext frees spare and context."""
+    zeroed = []
+    _append(server, 0, PROMPT, n_ctx=N_CTX)
+    assert server.handle(CloseContext(keep=True)) == Closed() and server.context is None and server.spare is not None
+    assert server.idle_in(math.inf) == 0.0  # idle work due: the released KV's zeroing
+    clear = server.spare.clear
+    monkeypatch.setattr(server.spare, "clear", lambda *, data: (data and zeroed.append(data), clear(data=data)))
+    server._input[:8] = PROMPT[:2].tobytes()
+    admitted = server.handle(RunAppend(start_pos=0, n_rows=2, output_rows="all", n_ctx=N_CTX))
+    assert isinstance(admitted, Appended) and admitted.reused and admitted.length == 2 and zeroed == [True]
+    rows = np.frombuffer(server._buffer, np.float32, 2 * first_model.shape.n_embd, server.spec.segment.output_offset).reshape(2, -1)
+    with first_model.new_context(N_CTX) as fresh:  # the released history's first two tokens, computed afresh
+        assert np.array_equal(rows, fresh.append(0, tokens=PROMPT[:2], output_rows="all"))
+    _append(server, 2, PROMPT[2:4])
+    saved = server.handle(SaveState())
+    assert server.handle(CloseContext(keep=True)) == Closed()
+    restored = server.handle(RestoreState(n_ctx=N_CTX, length=4, blob=memoryview(saved.blob), owner=5))
+    assert restored == Restored(length=4, reused=True) and zeroed == [True, True]  # no park left it: zeroed, then loaded
+    with first_model.new_context(N_CTX) as fresh:
+        fresh.append(0, tokens=PROMPT[:4])
+        assert np.array_equal(_append(server, 4, PROMPT[4:]).reshape(2, -1), fresh.append(4, tokens=PROMPT[4:]))
+    assert server.handle(CloseContext(keep=True)) == Closed() and server.spare is not None
+    assert server.handle(CloseContext()) == Closed() and server.context is None and server.spare is None
+    assert server.handle(CloseContext(keep=True)) == Closed() and server.spare is None  # nothing open: nothing kept
+    second = server.handle(RunAppend(start_pos=0, n_rows=1, n_ctx=N_CTX))
+    assert isinstance(second, Appended) and not second.reused
 
 
 def test_another_n_ctx_frees_the_spare_and_a_refused_restore_never_leaves_one(server):

@@ -11,9 +11,9 @@ real llama.cpp sequence states in layout (kvpool.state.sequence: one stream, pos
 whose K and V rows are the digests), so check_cells, the seal, export, import and re-slicing treat them
 as they treat llama.cpp's. Memory: a context "allocates" n_ctx x kv_bytes_per_position when it opens, as
 llama.cpp does, and the worker reports that as its anonymous memory, so calibration fits real charges; a
-parked context kept as the spare (SaveState.keep, process mode) still holds its n_ctx's memory until an
+parked or released context kept as the spare (SaveState.keep, CloseContext.keep; process mode) still holds its n_ctx's memory until an
 open of that n_ctx takes it (Opened.reused / Restored.reused) or another n_ctx or CloseContext frees it;
-it keeps the parked sequence's cells too, and the RestoreState naming that park's token resumes them without
+a park's keeps the parked sequence's cells too, and the RestoreState naming that park's token resumes them without
 reading the blob (Restored.in_place), as the real worker does, until IDLE_ZERO_S after the park: from then on the
 spare counts as zeroed (the real worker zeroes it once it has sat idle that long) and the restore loads the blob.
 
@@ -205,7 +205,7 @@ class FakeServer:
             case OpenContext(n_ctx=n_ctx):
                 return self._open(sequence, n_ctx)
             case RunAppend():
-                restored = None
+                restored, opened = None, None
                 if command.restore is not None:
                     if isinstance(restored := self._restore(sequence, command.restore), Failed):
                         return restored
@@ -214,6 +214,7 @@ class FakeServer:
                 appended = self._append(sequence, seq, command.start_pos, command.n_rows, 0, command.output_rows, command.sample, len(self._output), 0)
                 if isinstance(appended, Appended):
                     appended.restored = restored
+                    appended.reused = opened is not None and opened.reused
                 return appended
             case RunBatch(items=items):
                 return BatchDone(results=[self._item(item) for item in items])
@@ -224,6 +225,14 @@ class FakeServer:
                     return Failed(code="position_mismatch", message=f"cannot truncate to {length}: session length is {sequence.length}", length=sequence.length)
                 sequence.truncate(length)
                 return Truncated(length=sequence.length)
+            case CloseContext(keep=True):
+                if self.batched:
+                    return Failed(code="bad_command", message="a batched worker keeps no spare context")
+                if sequence.n_ctx:  # as the real worker: the open context becomes the spare, its cells no park's
+                    self.spare_n_ctx, self.spare_cells = sequence.n_ctx, None
+                    self.spare_zero_due = time.monotonic() + IDLE_ZERO_S
+                    sequence.open(0)
+                return Closed()
             case CloseContext():
                 sequence.open(0)
                 self.spare_n_ctx, self.spare_cells = 0, None

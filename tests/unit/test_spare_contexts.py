@@ -1,4 +1,4 @@
-"""Spare contexts on fake workers (process mode): a parked session's worker keeps the emptied context,
+"""Spare contexts on fake workers (process mode): a parked or released session's worker keeps the context,
 charged apart from the sessions; the session's restore, or the next admission of that n_ctx, takes it;
 spares are the first room an admission takes; what each session gets back stays its own history's rows
 (tests/support/fake_worker.expected_rows). The same on llama.cpp's numbers: tests/daemon/test_warm_tier.py.
@@ -41,7 +41,55 @@ def test_a_park_keeps_the_context_as_a_charged_spare_and_the_restore_takes_it(se
         assert stats.counters["restores_in_place"] == 1  # its own park's cells, resumed: the blob not read
         assert (_budget(client).reserved_bytes, _budget(client).spare_bytes) == (charge, 0)
         client.release("s", 1)
-        assert (_budget(client).reserved_bytes, _budget(client).spare_bytes) == (0, 0)  # a release frees its context
+        assert (_budget(client).reserved_bytes, _budget(client).spare_bytes) == (0, charge)  # a release keeps its context too
+        assert client.stats().counters["spares_kept"] == 1
+
+
+def test_a_released_or_superseded_sessions_context_is_the_next_admissions_of_its_n_ctx_each_a_fresh_history(serve, fake_model):
+    """A release, or a newer epoch that ends the old one, leaves the context as the worker's spare (charged
+    under its own name); the next admission of that n_ctx takes it (admissions_into_spare) and computes a fresh
+    history, never the ended one's; an admission of another n_ctx frees it and creates its own."""
+    with serve(fake_model, "--max-sessions", "1", "--n-ctx", "64").client() as client:
+        client.append("a", 1, 0, tokens=[1, 2, 3])
+        charge = client.stats().sessions[0].charged_bytes
+        assert client.release("a", 1).detail == "released"
+        stats = checked(client)
+        assert (stats.budget.reserved_bytes, stats.budget.spare_bytes) == (0, charge)
+        assert [(row.state, row.spare_bytes) for row in stats.workers] == [("free", charge)]
+        assert (stats.counters["spares_kept"], stats.counters.get("admissions_into_spare", 0)) == (1, 0)
+        fresh = client.append("b", 1, 0, tokens=[1, 2])  # a's history's first two tokens: the rows must not be a's
+        assert fresh.admitted and np.array_equal(fresh.rows, rows_of(client, [1, 2]))
+        stats = checked(client)
+        assert (stats.budget.reserved_bytes, stats.budget.spare_bytes) == (charge, 0)
+        assert stats.counters["admissions_into_spare"] == 1
+        newer = client.append("b", 2, 0, tokens=[7])  # epoch 2 ends epoch 1: its context is the new epoch's
+        assert newer.admitted and np.array_equal(newer.rows, rows_of(client, [7]))
+        stats = checked(client)
+        assert (stats.counters["spares_kept"], stats.counters["admissions_into_spare"]) == (2, 2)
+        assert (stats.budget.reserved_bytes, stats.budget.spare_bytes) == (charge, 0)
+        client.release("b", 2)
+        other = client.append("c", 1, 0, tokens=[5], n_ctx=32)  # another n_ctx: the spare is freed, a context created
+        assert other.admitted and np.array_equal(other.rows, rows_of(client, [5]))
+        stats = checked(client)
+        small = stats.sessions[0].charged_bytes
+        assert stats.counters["admissions_into_spare"] == 2 and (stats.budget.reserved_bytes, stats.budget.spare_bytes) == (small, 0)
+
+
+def test_an_expired_session_frees_its_context_and_a_batched_release_keeps_no_spare(serve, fake_model):
+    with serve(fake_model, "--ttl", "0.3").client() as client:
+        client.append("idle", 1, 0, tokens=[1, 2])
+        wait_until(lambda: not client.stats().sessions, "the idle session's expiry")
+        stats = checked(client)
+        assert (stats.budget.reserved_bytes, stats.budget.spare_bytes) == (0, 0)  # idle past its TTL: the memory goes back
+        assert stats.counters.get("spares_kept", 0) == 0 and stats.counters["expirations"] == 1
+    with serve(fake_model, "--mode", "batched", "--seqs-per-worker", "2", name="batched").client() as client:
+        client.append("s", 1, 0, tokens=[1, 2])
+        client.release("s", 1)
+        stats = checked(client)
+        assert (stats.budget.reserved_bytes, stats.budget.spare_bytes) == (0, 0)  # its sequence emptied where it is
+        assert stats.counters.get("spares_kept", 0) == 0
+        again = client.append("t", 1, 0, tokens=[1])
+        assert again.admitted and np.array_equal(again.rows, rows_of(client, [1]))
 
 
 def test_one_place_serves_two_sessions_through_each_others_spares_each_its_own_history(serve, fake_model):
@@ -234,3 +282,22 @@ def test_a_restore_travels_with_its_append_and_a_refusal_of_it_ends_the_session_
         assert [row.session_id for row in stats.sessions] == ["s"] and stats.counters["restore_failures"] == 1
         too_long = refused(lambda: client.append("s", 1, 4, tokens=list(range(5000))))  # refused before anything: nothing restored
         assert too_long.code in ("bad_request", "position_mismatch")
+
+
+def test_a_session_ended_by_a_newer_epoch_is_not_evicted_while_its_worker_keeps_its_context(serve, fake_model):
+    """The newer epoch's fence counts no request of the old one; while the old one's worker keeps its context
+    (the worker held), another admission finds no idle session to evict and waits; then each session computes
+    its own history: the context kept is zeroed before the one that takes it."""
+    daemon = serve(fake_model, "--max-sessions", "1", "--spill-budget", "0", "--min-residency", "0")
+    with daemon.client() as client, daemon.client() as other, daemon.client() as watcher:
+        client.append("a", 1, 0, tokens=[1, 2, 3])
+        with daemon.stopped():
+            newer = in_thread(lambda: client.append("a", 2, 0, tokens=[1, 2], admit_timeout_s=30))
+            wait_until(lambda: [(row.epoch, row.in_flight) for row in watcher.stats().sessions] == [(1, True)], "the old epoch held while its context is kept")
+            queued = in_thread(lambda: other.append("b", 1, 0, tokens=[9], admit_timeout_s=30))
+            wait_until(lambda: watcher.stats().counters["admissions_waiting"] == 1, "the other admission waiting for a place")
+            assert watcher.stats().counters.get("evictions", 0) == 0  # the old epoch, busy, is nobody's victim
+        replies = {"a": result(*newer), "b": result(*queued)}
+        assert np.array_equal(replies["a"].rows, rows_of(client, [1, 2])) and np.array_equal(replies["b"].rows, rows_of(client, [9]))
+        counters = checked(client).counters
+        assert counters["spares_kept"] == 1 and counters["admissions_into_spare"] >= 1

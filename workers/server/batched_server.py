@@ -90,6 +90,8 @@ class BatchedWorkerServer:
                     return Truncated(length=self.context.truncate(seq, length))
                 except ShardRuntimeError as error:
                     return Failed(code=error.code, message=str(error), length=error.length)
+            case CloseContext(keep=True):
+                return Failed(code="bad_command", message="a batched worker keeps no spare context: its sequences are emptied where they are")
             case CloseContext():
                 self.context.clear(seq)
                 self._limits[seq] = 0

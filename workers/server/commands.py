@@ -75,7 +75,12 @@ class RunBatch(Command):
 
 
 class CloseContext(Command):
+    """The open context freed, and the spare with it; with `keep` (a released session's, process mode) the open
+    context is kept as the worker's spare instead, as SaveState.keep leaves one without a save: its cells belong
+    to no park (owner 0), so it is zeroed before any context is opened in it, or once the worker has sat idle."""
+
     seq: int = 0
+    keep: bool = False
 
 
 class SaveState(Command):
@@ -168,6 +173,7 @@ class Appended(WorkerReply):
     top_ids: list[int] = msgspec.field(default_factory=list)
     top_logprobs: list[float] = msgspec.field(default_factory=list)
     restored: Restored | None = None  # the RunAppend's restore, when it carried one
+    reused: bool = False  # the RunAppend's open (n_ctx) took the worker's spare context: none was created
 
 
 class Truncated(WorkerReply):

@@ -98,6 +98,9 @@ class WorkerServer:
                     return Truncated(length=self.context.truncate(length))
                 except ShardRuntimeError as error:
                     return Failed(code=error.code, message=str(error), length=error.length)
+            case CloseContext(keep=True) if self.context is not None:
+                self._keep_as_spare(0)  # a park's token is never 0: no restore takes it unzeroed
+                return Closed()
             case CloseContext():
                 self._close_context()
                 self._close_spare()
@@ -125,6 +128,7 @@ class WorkerServer:
         """The append, after the fresh context it asks for (n_ctx) or the restore it carries, then the
         channel bound if it asks and the append succeeded."""
         restored = None
+        reused = False
         if command.restore is not None:
             started = time.perf_counter()
             restored = self._restore(command.restore)
@@ -135,9 +139,11 @@ class WorkerServer:
             opened = self._open(command.n_ctx)
             if isinstance(opened, Failed):
                 return opened
+            reused = opened.reused
         appended = self._append(command)
         if isinstance(appended, Appended):
             appended.restored = restored
+            appended.reused = reused
             if command.bind is not None:
                 self.bound = (command.bind.session_id, command.bind.epoch)
         return appended

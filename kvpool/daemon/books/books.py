@@ -5,8 +5,8 @@ A live session is hot (bound to a worker, its charge reserved in the hot budget)
 its saved state in the spill store, charged to that store's limits). A worker is in exactly one state:
 free (no session, usable), bound (serving one hot session), or in transit (taken out of the books'
 hands: its context being freed, a calibration, a replacement). A free worker may hold a spare: the
-context of the session parked from it (process mode; the worker clears it before anyone but that park's
-restore takes it), kept so that the next context of its n_ctx
+context of the session parked or released from it (process mode; the worker clears it before anyone but that
+park's restore takes it), kept so that the next context of its n_ctx
 is not created again; a spare keeps that session's charge, under its own owner in the budget, and is the
 first room an admission takes (its worker frees it). check_integrity() raises IntegrityError unless: every
 worker is in one state; the bound workers are exactly the hot sessions' workers; spares are on free
@@ -301,9 +301,7 @@ class Books:
         del self._bound[worker]
         self.budget.release(session.key)
         if kept:
-            self._free.append(worker)
-            self._spares[worker] = Spare(session.n_ctx, session.charged_bytes)
-            self.budget.reserve(SpareOwner(worker), session.charged_bytes)
+            self._keep_spare(worker, session)
             worker = None
         else:
             self._in_transit.add(worker)
@@ -379,9 +377,17 @@ class Books:
                 dropped.append(session)
         return dropped
 
-    def forget(self, session: Session, reason: MissReason) -> str | None:
+    def _keep_spare(self, worker: str, session: Session) -> None:
+        """`worker`, just unbound from `session` (whose charge the budget released), is free with that session's
+        context as its spare, the same charge reserved for it."""
+        self._free.append(worker)
+        self._spares[worker] = Spare(session.n_ctx, session.charged_bytes)
+        self.budget.reserve(SpareOwner(worker), session.charged_bytes)
+
+    def forget(self, session: Session, reason: MissReason, *, kept: bool = False) -> str | None:
         """Drop a live session: table (remembering why), budget or stored blob, binding. Returns its
-        worker, now in transit (None for a parked session)."""
+        worker, now in transit (None for a parked session), or, `kept` (its worker kept the context:
+        CloseContext.keep), free at once with that context as its spare, the charge moving to the spare (None)."""
         self.table.remove(session, reason)
         self.budget.release(session.key)
         self.spill.discard(session.key)
@@ -391,7 +397,11 @@ class Books:
         if session.hot and self._bound.get(session.worker_name) is session:
             worker = session.worker_name
             del self._bound[worker]
-            self._in_transit.add(worker)
+            if kept:
+                self._keep_spare(worker, session)
+                worker = None
+            else:
+                self._in_transit.add(worker)
         self._on_change(self)
         return worker
 

@@ -54,6 +54,7 @@ class WorkerOutput:
     top_ids: list[int] = dataclasses.field(default_factory=list)
     top_logprobs: list[float] = dataclasses.field(default_factory=list)
     restored: Restored | None = None  # the restore the append carried (WorkerHandle.restore_with_append)
+    reused: bool = False  # the context the append opened (WorkerHandle.open) was the worker's spare: none created
 
 
 class WorkerHandle(WorkerProcess):
@@ -135,13 +136,15 @@ class WorkerHandle(WorkerProcess):
         return WorkerOutput(
             length=appended.length, rows=appended.rows, width=appended.width, data=self.shared.read_output(appended),
             token=appended.token, top_ids=appended.top_ids, top_logprobs=appended.top_logprobs, restored=appended.restored,
+            reused=appended.reused,
         )
 
     async def truncate(self, length: int) -> int:
         return (await self._expect(TruncateContext(length=length), Truncated)).length
 
-    async def close_context(self) -> None:
-        await self._expect(CloseContext(), Closed)
+    async def close_context(self, *, keep: bool = False) -> None:
+        """The context freed; with `keep` kept as the worker's spare (workers.server.commands.CloseContext)."""
+        await self._expect(CloseContext(keep=keep), Closed)
 
     async def save_state(self, *, keep: bool = False, head: int = 0, tail: int = 0, owner: int = 0, behind: bool = False) -> Saved:
         """The open context's sequence state (positions [0, Saved.length): the worker's length, a direct append

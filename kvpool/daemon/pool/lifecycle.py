@@ -89,8 +89,30 @@ class WorkerLifecycle:
         self.books.add_worker(fresh.name)
         await self.notify_capacity()
 
-    async def drop(self, session: Session, reason: MissReason) -> None:
-        """End a live session now: the books at once (a parked one's blob too), then its worker's context."""
+    async def drop(self, session: Session, reason: MissReason, *, keep: bool = False) -> None:
+        """End a live session now: the books at once (a parked one's blob too), then its worker's context.
+        `keep` (the caller holds the session's lock: a release, a newer epoch): a hot session's worker in
+        process mode keeps the context as its spare first (workers.server.commands.CloseContext.keep: zeroed
+        before another session's context is opened in it), then the books free the worker with that spare, the
+        charge moving to it, so the next admission of its n_ctx there creates no context. A worker that cannot
+        keep it (lost, refused) ends the session as without `keep`."""
+        worker_name = session.worker_name
+        if keep and session.hot and not self.pool.batched and self.books.session_of(worker_name) is session:
+            session.in_flight += 1  # busy meanwhile: no eviction takes it (a newer epoch's fence counts no request)
+            try:
+                await self.pool.get(worker_name).close_context(keep=True)
+                kept = True
+            except (WorkerLost, WorkerFailed):
+                kept = False
+            finally:
+                session.in_flight -= 1
+            if kept and self.books.session_of(worker_name) is session:
+                self.books.forget(session, reason, kept=True)
+                self.metrics.count("spares_kept")
+                await self.notify_capacity()
+                return
+            if kept or self.books.table.get(session.session_id) is not session:
+                return  # it ended meanwhile another way, which saw to its worker
         worker = self.books.forget(session, reason)
         if worker is not None:
             await self.free(worker)
