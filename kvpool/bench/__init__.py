@@ -12,8 +12,8 @@ and noisy: compare the ratios, not the absolute times; every figure is a median)
                                    sequences of one context with one batched llama_decode per step
   4 prefill                        512 rows into the middle shard through a daemon / in-process
                                    (`--only decode` runs sections 1, 2 and 4 alone, on the daemons they use)
-  5 admission and reclaim          admit on a warm worker / a bare llama context; release; LRU eviction
-  6 memory                         bytes charged / theoretical KV / measured USS growth; daemon USS
+  5 admission and reclaim          admit on a warm worker (into the context a release left) / a bare llama context; release; LRU eviction
+  6 memory                         bytes charged / theoretical KV / a worker's USS over its start-up; daemon USS
   7 warm tier                      through 3 shard daemons of their own (--n-ctx 2112): Park on all 3 at once
                                    (as a router parks a route) + the 1-token decode that restores on each
                                    right after (in place: the cells the park left in its spare), 5 cycles

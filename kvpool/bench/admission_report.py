@@ -18,6 +18,7 @@ def summarize_admission(results: dict) -> tuple[dict, dict, list[Row]]:
     rows: list[Row] = []
 
     admission = results["admission"]
+    spares = "admits_into_spare" in admission  # a release kept its context as the worker's spare (results written since)
     decode_step = median_of(admission["decode_s"])
     summary["s5_daemon_decode_step_s"] = decode_step
     for n_ctx in results["options"]["admit_n_ctx"]:
@@ -27,12 +28,12 @@ def summarize_admission(results: dict) -> tuple[dict, dict, list[Row]]:
         bare = median_of(admission["bare_create_s"][key])
         net = admit - decode_step
         summary.update({f"s5_admit_{n_ctx}_s": admit, f"s5_inprocess_admit_{n_ctx}_s": inprocess, f"s5_bare_create_{n_ctx}_s": bare})
-        spare = admission.get("admits_into_spare", {}).get(key)  # results written before released contexts were kept say nothing
-        where = f" ({spare} of {len(admission['admit_s'][key])} into the context the release before left as its worker's spare)" if spare is not None else ""
+        into = admission["admits_into_spare"][key] if spares else 0
+        where = f" ({into} of {len(admission['admit_s'][key])} into the context the release before left as its worker's spare)" if spares else ""
         rows.append(Row("5", f"admit n_ctx {n_ctx} on a warm worker{where}: admitting 1-token append vs in-process create + 1-token append",
                         ms(admit), ms(inprocess), f"{admit / inprocess:.2f}x time"))
-        rows.append(Row("5", f"  admission alone (minus a {ms(decode_step)} decode through the daemon) vs a bare llama context create",
-                        ms(net), ms(bare), f"{net / bare:.2f}x time"))
+        rows.append(Row("5", f"  admission alone (minus a {ms(decode_step)} decode through the daemon){', its context a spare: none created,' if into else ''} "
+                             "vs a bare llama context create", ms(net), ms(bare), f"{net / bare:.2f}x time"))
     first = admission["first_admit_s"]
     firsts = []
     for n_ctx in results["options"]["admit_n_ctx"]:
@@ -43,7 +44,7 @@ def summarize_admission(results: dict) -> tuple[dict, dict, list[Row]]:
         else:
             summary[f"s5_first_admit_{n_ctx}_s"] = value
             firsts.append(f"{n_ctx}: {ms(value)} (+{ms(value - steady)})")
-    rows.append(Row("5", "first admission of an n_ctx (charges are fitted at start-up: no admission measures)", "; ".join(firsts),
+    rows.append(Row("5", "first admission of an n_ctx (charges are fitted at start-up: no admission measures; it creates its context)", "; ".join(firsts),
                     "steady state above", ""))
     unseen = [n for n in results["options"]["admit_n_ctx"] if first[str(n)] is not None]
     if unseen:
@@ -60,17 +61,22 @@ def summarize_admission(results: dict) -> tuple[dict, dict, list[Row]]:
     kept = {n_ctx: median_of(values) for n_ctx, values in admission["uss_kept_bytes"].items()}
     summary.update({"s5_release_s": release, "s5_reclaim_visible_s": visible, "s5_bare_free_s": free})
     summary.update({f"s5_uss_kept_{n_ctx}_bytes": value for n_ctx, value in kept.items()})
-    rows.append(Row("5", "release -> bytes available: release round trip (process mode: the context kept as the worker's spare, charged apart); "
-                         "until a stats reply shows reserved dropped",
-                    f"{ms(release)}; {ms(visible)}", f"llama_free {ms(free)}", f"{release / free:.1f}x time"))
-    rows.append(Row("5", "  workers' USS still held after release (vs before the admission), by n_ctx",
+    if spares:  # the release frees nothing: its context stays, charged to the worker's spare
+        rows.append(Row("5", "release -> bytes available: release round trip (the context kept as the worker's spare, charged apart: no llama_free); "
+                             "until a stats reply shows reserved dropped", f"{ms(release)}; {ms(visible)}", f"llama_free {ms(free)} (not called)", ""))
+    else:
+        rows.append(Row("5", "release -> bytes available: release round trip; until a stats reply shows reserved dropped",
+                        f"{ms(release)}; {ms(visible)}", f"llama_free {ms(free)}", f"{release / free:.1f}x time"))
+    rows.append(Row("5", "  workers' USS still held after release (vs before the admission), by n_ctx"
+                         + (" (the spare a release keeps is in both readings)" if spares else ""),
                     "; ".join(f"{n_ctx}: {as_mib(value):+.1f} MiB" for n_ctx, value in kept.items()), "", ""))
     evict = median_of(admission["evict_admit_s"])
     admit_2048 = median_of(admission["admit_s"]["2048"]) if "2048" in admission["admit_s"] else math.nan
     summary.update({"s5_evict_admit_s": evict, "s5_evictions_counted": admission["evictions_counted"]})
     rows.append(Row("5", f"LRU eviction + admission, n_ctx 2048, all {SESSIONS} workers bound ({admission['evictions_counted']} evictions counted, "
                          f"{admission.get('evicted_victims_parked', 0)} of them parked in the warm tier)",
-                    ms(evict), f"admit on a free worker {ms(admit_2048)}", f"{evict / admit_2048:.2f}x time"))
+                    ms(evict), f"admit on a free worker {ms(admit_2048)}" + (" (into a spare; the evicting admission creates its context)" if spares else ""),
+                    f"{evict / admit_2048:.2f}x time"))
     return summary, ratios, rows
 
 
@@ -83,7 +89,7 @@ def summarize_memory(results: dict) -> tuple[dict, dict, list[Row]]:
     for n_ctx in results["options"]["admit_n_ctx"]:
         figures = memory["per_session"][str(n_ctx)]
         charged, theory, growth = figures["charged_bytes"], figures["theoretical_kv_bytes"], figures["uss_growth_bytes"]
-        summary.update({f"s6_charged_{n_ctx}_bytes": charged, f"s6_theory_{n_ctx}_bytes": theory, f"s6_uss_growth_{n_ctx}_bytes": growth})
+        summary.update({f"s6_charged_{n_ctx}_bytes": charged, f"s6_theory_{n_ctx}_bytes": theory, f"s6_uss_over_start_{n_ctx}_bytes": growth})
         held = figures["held_before_bytes"]
         summary[f"s6_held_before_{n_ctx}_bytes"] = held
         rows.append(Row("6", f"one session n_ctx {n_ctx}: charged; its worker's USS over its start-up USS (before the admission {as_mib(held):+.1f} MiB: "
@@ -96,8 +102,9 @@ def summarize_memory(results: dict) -> tuple[dict, dict, list[Row]]:
     per_added = (totals[str(SESSIONS)] - totals["0"]) / SESSIONS
     theory = n_ctx * memory["kv_bytes_per_position"]
     summary.update({f"s6_daemon_uss_{count}_bytes": value for count, value in totals.items()})
-    rows.append(Row("6", f"whole-model daemon USS (supervisor + {SESSIONS} workers) at start-up / 1 / {SESSIONS} sessions of n_ctx {n_ctx} "
-                         "(the 1 may be in a spare context an earlier session left)",
-                    " / ".join(f"{as_mib(totals[key]):.0f}" for key in ("0", "1", str(SESSIONS))) + " MiB",
+    # the figure at 1 session (in the JSON) is left out: the other workers may still hold the spares earlier
+    # sessions left; with all SESSIONS workers bound there is none
+    rows.append(Row("6", f"whole-model daemon USS (supervisor + {SESSIONS} workers) at start-up / with {SESSIONS} sessions of n_ctx {n_ctx}",
+                    " / ".join(f"{as_mib(totals[key]):.0f}" for key in ("0", str(SESSIONS))) + " MiB",
                     f"+{as_mib(theory):.1f} MiB KV per session", f"+{as_mib(per_added):.1f} MiB per session = {per_added / theory:.2f}x"))
     return summary, {}, rows

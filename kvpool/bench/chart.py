@@ -53,7 +53,7 @@ def write_chart(results: dict, summary: dict, path: pathlib.Path) -> None:
          f"4  prefill {results['options']['prefill_rows']} rows, middle shard", "ms", colors=[kvpool, reference, reference])
     sizes = results["options"]["admit_n_ctx"]
     width = 0.25
-    for offset, (key, label, color) in enumerate([("s5_admit_{}_s", "daemon admit + 1-token append", kvpool),
+    for offset, (key, label, color) in enumerate([("s5_admit_{}_s", "daemon admit (a released spare) + 1-token append", kvpool),
                                                   ("s5_inprocess_admit_{}_s", "in-process create + append", "#70ad47"),
                                                   ("s5_bare_create_{}_s", "bare llama context create", reference)]):
         axes[1][1].bar([i + (offset - 1) * width for i in range(len(sizes))], [summary[key.format(n)] * 1e3 for n in sizes], width, label=label, color=color)
@@ -61,7 +61,7 @@ def write_chart(results: dict, summary: dict, path: pathlib.Path) -> None:
     axes[1][1].set_title("5  admission on a warm worker", fontsize=10)
     axes[1][1].set_ylabel("ms")
     axes[1][1].legend(fontsize=8)
-    for offset, (key, label, color) in enumerate([("s6_charged_{}_bytes", "charged", kvpool), ("s6_uss_growth_{}_bytes", "measured USS growth", "#70ad47"),
+    for offset, (key, label, color) in enumerate([("s6_charged_{}_bytes", "charged", kvpool), ("s6_uss_over_start_{}_bytes", "measured USS over start-up", "#70ad47"),
                                                   ("s6_theory_{}_bytes", "theoretical KV", reference)]):
         axes[1][2].bar([i + (offset - 1) * width for i in range(len(sizes))], [as_mib(summary[key.format(n)]) for n in sizes], width, label=label, color=color)
     axes[1][2].set_xticks(range(len(sizes)), [f"n_ctx {n}" for n in sizes])

@@ -88,7 +88,7 @@ class ServeConfig:
     socket: pathlib.Path
     budget_bytes: int = flag('--budget', "bytes all sessions' contexts may reserve, e.g. 1GiB, 512MiB (default {default})", default=1024 ** 3, parse=parse_bytes)
     max_sessions: int = flag('--max-sessions', 'live sessions at most = warm worker processes (default {default})', default=4, type=int)  # also the number of warm worker processes
-    ttl_s: float = flag('--ttl', 'seconds an idle session lives (default {default})', default=300.0, type=float)
+    ttl_s: float = flag('--ttl', 'seconds an idle session lives, and a spare context no admission takes (default {default})', default=300.0, type=float)
     threads: int = flag('--threads', 'llama threads computing at once across all workers (default: cores available, {default})', default_factory=available_cores, type=int)  # llama threads computing at once, all workers
     threads_per_worker: int = flag('--threads-per-worker', 'process mode: llama threads per worker (default {default}); a batched worker process gets --threads divided by the number of worker processes', default=1, type=int)
     n_ctx: int = flag('--n-ctx', 'largest (and default) context per session (default {default})', default=2048, type=int)  # the largest context a session may ask for, and the default

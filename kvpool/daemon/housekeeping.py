@@ -34,6 +34,14 @@ class Housekeeper:
                 self.metrics.count("expirations")
                 await self.lifecycle.drop(session, MissReason.EXPIRED)
 
+    async def free_idle_spares(self) -> None:
+        """Free the spare contexts no admission took within --ttl (a park's, a release's): an idle daemon gives
+        their memory back, as it does an idle session's."""
+        for worker in self.books.idle_spares(time.monotonic(), self.config.ttl_s):
+            if self.books.take(lambda _name: True, worker) is not None:  # its spare leaves the books and the budget
+                self.metrics.count("spares_expired")
+                await self.lifecycle.free(worker)
+
     async def park_idle(self) -> None:
         """Park hot sessions idle for --park-after seconds (when set and the warm tier is on)."""
         if not self.config.park_after_s or not self.books.spill.enabled:

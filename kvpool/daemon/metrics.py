@@ -26,10 +26,11 @@ COUNTERS = (
     "spill_drops",
     "spill_disk_failures",  # disk-tier file operations that failed (a failed write drops the state it was to hold)
     "restores",
-    "restores_into_spare",  # restores into the spare context a park left on the worker (none created)
+    "restores_into_spare",  # restores into the spare context a park or a release left on the worker (none created)
     "restores_in_place",  # of those, into the spare of the session's own park, unzeroed: its cells kept, nothing loaded
     "spares_freed",  # spare contexts freed to make room for an admission
     "spares_kept",  # released sessions' contexts kept as their workers' spares (a release, a newer epoch; process mode)
+    "spares_expired",  # spare contexts freed because no admission took them within --ttl
     "admissions_into_spare",  # admissions whose context was the worker's spare (a park's or a release's, zeroed first): none created
     "restore_failures",
     "restore_requests",  # parked sessions made hot by a Restore request (before their next append; counted in restores too)

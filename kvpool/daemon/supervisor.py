@@ -337,6 +337,7 @@ class Supervisor:
             tick += 1
             try:
                 await service.housekeeper.expire_idle()
+                await service.housekeeper.free_idle_spares()
                 await service.housekeeper.park_idle()
                 await service.housekeeper.persist_idle()
                 await service.housekeeper.kill_stalled_direct()

@@ -333,7 +333,7 @@ class BudgetRow(Message):
     spill_bytes: int = 0
     spill_disk_limit_bytes: int = 0
     spill_disk_bytes: int = 0
-    spare_bytes: int = 0  # kept by free workers' spare contexts (parked sessions' emptied contexts): in the budget, not in reserved_bytes
+    spare_bytes: int = 0  # kept by free workers' spare contexts (parked or released sessions' contexts): in the budget, not in reserved_bytes
 
 
 class CalibrationRow(Message):

@@ -102,8 +102,10 @@ def test_a_released_context_is_kept_as_a_spare_zeroed_before_any_session_takes_i
         fresh.append(0, tokens=PROMPT[:4])
         assert np.array_equal(_append(server, 4, PROMPT[4:]).reshape(2, -1), fresh.append(4, tokens=PROMPT[4:]))
     assert server.handle(CloseContext(keep=True)) == Closed() and server.spare is not None
+    spare = server.spare
+    refused = server.handle(CloseContext(keep=True))  # nothing open to keep: refused, the spare left as it is
+    assert isinstance(refused, Failed) and refused.code == "no_context" and server.spare is spare
     assert server.handle(CloseContext()) == Closed() and server.context is None and server.spare is None
-    assert server.handle(CloseContext(keep=True)) == Closed() and server.spare is None  # nothing open: nothing kept
     second = server.handle(RunAppend(start_pos=0, n_rows=1, n_ctx=N_CTX))
     assert isinstance(second, Appended) and not second.reused
 

@@ -228,10 +228,11 @@ class FakeServer:
             case CloseContext(keep=True):
                 if self.batched:
                     return Failed(code="bad_command", message="a batched worker keeps no spare context")
-                if sequence.n_ctx:  # as the real worker: the open context becomes the spare, its cells no park's
-                    self.spare_n_ctx, self.spare_cells = sequence.n_ctx, None
-                    self.spare_zero_due = time.monotonic() + IDLE_ZERO_S
-                    sequence.open(0)
+                if not sequence.n_ctx:  # as the real worker: nothing open, nothing kept, the spare left as it is
+                    return Failed(code="no_context", message="no open context to keep")
+                self.spare_n_ctx, self.spare_cells = sequence.n_ctx, None  # the open context becomes the spare, its cells no park's
+                self.spare_zero_due = time.monotonic() + IDLE_ZERO_S
+                sequence.open(0)
                 return Closed()
             case CloseContext():
                 sequence.open(0)

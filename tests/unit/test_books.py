@@ -431,11 +431,17 @@ class BooksMachine(RuleBasedStateMachine):
             assert freed == worker and self.books.spare_of(worker) is None
             self.in_transit.add(worker)
 
-    @rule(session_id=ids)
-    def release(self, session_id: str) -> None:
+    @rule(session_id=ids, keep=st.booleans())
+    def release(self, session_id: str, keep: bool) -> None:
         session = self.books.table.get(session_id)
-        if session is not None and session.idle and (worker := self.books.forget(session, MissReason.RELEASED)) is not None:
-            self.in_transit.add(worker)
+        if session is None or not session.idle:
+            return
+        hot, worker, charge, n_ctx = session.hot, session.worker_name, session.charged_bytes, session.n_ctx
+        freed = self.books.forget(session, MissReason.RELEASED, kept=keep)
+        if hot and keep:  # its worker kept the context (CloseContext.keep): free at once, the charge on the spare
+            assert freed is None and self.books.state_of(worker) == "free" and self.books.spare_of(worker) == Spare(n_ctx, charge)
+        elif freed is not None:
+            self.in_transit.add(freed)
 
     @rule(session_id=ids, busy=st.booleans())
     def request_in_flight(self, session_id: str, busy: bool) -> None:

@@ -301,3 +301,34 @@ def test_a_session_ended_by_a_newer_epoch_is_not_evicted_while_its_worker_keeps_
         assert np.array_equal(replies["a"].rows, rows_of(client, [1, 2])) and np.array_equal(replies["b"].rows, rows_of(client, [9]))
         counters = checked(client).counters
         assert counters["spares_kept"] == 1 and counters["admissions_into_spare"] >= 1
+
+
+def test_a_release_whose_admission_never_opened_a_context_keeps_no_spare(serve, fake_model):
+    """An admitting append refused before it reached the worker (more rows than its n_ctx) leaves the session
+    bound with no context opened; its release keeps nothing (the worker refuses the keep: no_context), so the books
+    hold no spare the worker does not have, and the worker's own spare, given up for that admission, is freed."""
+    with serve(fake_model, "--max-sessions", "1", "--n-ctx", "64").client() as client:
+        client.append("s", 1, 0, tokens=[1, 2])
+        client.release("s", 1)  # a spare of n_ctx 64 on the one worker
+        failed = refused(lambda: client.append("a", 1, 0, tokens=list(range(1, 9)), n_ctx=4))
+        assert (failed.code, failed.length) == ("context_full", 0), failed
+        client.release("a", 1)
+        stats = checked(client)
+        assert (stats.budget.reserved_bytes, stats.budget.spare_bytes) == (0, 0) and stats.counters["spares_kept"] == 1
+        assert [(row.state, row.spare_bytes) for row in stats.workers] == [("free", 0)]
+        again = client.append("b", 1, 0, tokens=[3], n_ctx=64)  # a context created: no spare left anywhere
+        assert again.admitted and np.array_equal(again.rows, rows_of(client, [3]))
+        assert checked(client).counters.get("admissions_into_spare", 0) == 0
+
+
+def test_a_spare_no_admission_takes_within_the_ttl_is_freed(serve, fake_model):
+    with serve(fake_model, "--max-sessions", "2", "--ttl", "0.5").client() as client:
+        client.append("s", 1, 0, tokens=[1, 2])
+        client.release("s", 1)
+        assert _budget(client).spare_bytes > 0
+        wait_until(lambda: _budget(client).spare_bytes == 0, "the idle spare freed")
+        stats = checked(client)
+        assert stats.counters["spares_expired"] == 1 and all(row.state == "free" and row.spare_bytes == 0 for row in stats.workers)
+        again = client.append("t", 1, 0, tokens=[1, 2])
+        assert again.admitted and np.array_equal(again.rows, rows_of(client, [1, 2]))
+        assert checked(client).counters.get("admissions_into_spare", 0) == 0

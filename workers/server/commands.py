@@ -77,7 +77,8 @@ class RunBatch(Command):
 class CloseContext(Command):
     """The open context freed, and the spare with it; with `keep` (a released session's, process mode) the open
     context is kept as the worker's spare instead, as SaveState.keep leaves one without a save: its cells belong
-    to no park (owner 0), so it is zeroed before any context is opened in it, or once the worker has sat idle."""
+    to no park (owner 0), so it is zeroed before any context is opened in it, or once the worker has sat idle.
+    A keep with no context open is refused (no_context) and leaves the spare as it is."""
 
     seq: int = 0
     keep: bool = False

@@ -98,7 +98,9 @@ class WorkerServer:
                     return Truncated(length=self.context.truncate(length))
                 except ShardRuntimeError as error:
                     return Failed(code=error.code, message=str(error), length=error.length)
-            case CloseContext(keep=True) if self.context is not None:
+            case CloseContext(keep=True):
+                if self.context is None:  # nothing to keep (an admission's open not sent): the spare, if any, stays
+                    return Failed(code="no_context", message="no open context to keep")
                 self._keep_as_spare(0)  # a park's token is never 0: no restore takes it unzeroed
                 return Closed()
             case CloseContext():

@@ -19,8 +19,9 @@ from __future__ import annotations
 import collections
 import contextlib
 import math
+import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvpool.daemon.books.budget import ByteBudget
 from kvpool.daemon.books.integrity import require
@@ -50,10 +51,12 @@ class AdmissionPlan:
 
 @dataclass(frozen=True, slots=True)
 class Spare:
-    """A free worker's spare context: the n_ctx it was opened with and the charge it keeps."""
+    """A free worker's spare context: the n_ctx it was opened with, the charge it keeps, and since when
+    (time.monotonic(): a spare no admission takes within the TTL is freed, kvpool.daemon.housekeeping)."""
 
     n_ctx: int
     charge: int
+    since: float = field(default=0.0, compare=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -381,8 +384,12 @@ class Books:
         """`worker`, just unbound from `session` (whose charge the budget released), is free with that session's
         context as its spare, the same charge reserved for it."""
         self._free.append(worker)
-        self._spares[worker] = Spare(session.n_ctx, session.charged_bytes)
+        self._spares[worker] = Spare(session.n_ctx, session.charged_bytes, time.monotonic())
         self.budget.reserve(SpareOwner(worker), session.charged_bytes)
+
+    def idle_spares(self, now: float, after_s: float) -> list[str]:
+        """The free workers whose spare has been kept at least `after_s` seconds at `now` (nobody took it)."""
+        return [worker for worker, spare in self._spares.items() if now - spare.since >= after_s]
 
     def forget(self, session: Session, reason: MissReason, *, kept: bool = False) -> str | None:
         """Drop a live session: table (remembering why), budget or stored blob, binding. Returns its
