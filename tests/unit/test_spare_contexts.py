@@ -325,7 +325,7 @@ def test_a_spare_no_admission_takes_within_the_ttl_is_freed(serve, fake_model):
     with serve(fake_model, "--max-sessions", "2", "--ttl", "0.5").client() as client:
         client.append("s", 1, 0, tokens=[1, 2])
         client.release("s", 1)
-        assert _budget(client).spare_bytes > 0
+        assert client.stats().counters["spares_kept"] == 1  # kept (read as a count: on a slow machine the TTL may be past already)
         wait_until(lambda: _budget(client).spare_bytes == 0, "the idle spare freed")
         stats = checked(client)
         assert stats.counters["spares_expired"] == 1 and all(row.state == "free" and row.spare_bytes == 0 for row in stats.workers)
