@@ -37,6 +37,7 @@ class Gate:
         self.lifecycle = lifecycle
         self.metrics = metrics
         self._passed_on: set[Session] = set()  # held by a request whose entry passes to work after its reply (pass_on)
+        self._fencing: dict[str, asyncio.Future[None]] = {}  # ids whose older epoch a newer one's fence is ending now
 
     def length_of(self, session_id: str, epoch: int) -> int:
         """The session's length as every reply carries it (0 when no live session of that epoch)."""
@@ -65,23 +66,37 @@ class Gate:
             raise self.stale(session_id, epoch)
 
     async def fence(self, session_id: str, epoch: int) -> None:
-        """On arrival: reject a stale epoch; on a newer one, release the old epoch's state first."""
+        """On arrival: reject a stale epoch; on a newer one, release the old epoch's state first. A request of the
+        newer epoch arriving while that release is under way (its worker keeping the context) waits for it: it
+        would find the old epoch still in the table (an append at 0 answered cache_miss new_epoch, a release
+        releasing what the fence is already ending)."""
         table = self.books.table
         check = table.check_epoch(session_id, epoch)
         if check is EpochCheck.STALE:
             raise self.stale(session_id, epoch)
         table.see_epoch(session_id, epoch)
-        if check is EpochCheck.NEWER:
-            table.note_new_epoch(session_id, epoch)
-            old = table.get(session_id)
-            if old is not None:
-                # Its direct channel closes now, not once the lock is free: a request holding the lock may
-                # wait (for a compute slot) with the channel still bound, and the old epoch would be served there.
-                with contextlib.suppress(RequestFailed):  # its worker lost on the way: the session ended with it
-                    await self.channels.revoke(old)
-                async with old.lock:
-                    if table.get(session_id) is old:
-                        await self.lifecycle.drop(old, MissReason.NEW_EPOCH, keep=True)
+        if check is not EpochCheck.NEWER:
+            if (ending := self._fencing.get(session_id)) is not None:
+                await asyncio.shield(ending)
+                self.require_current(session_id, epoch)  # a still newer epoch may have come meanwhile
+            return
+        table.note_new_epoch(session_id, epoch)
+        old = table.get(session_id)
+        if old is None:
+            return
+        ending = self._fencing[session_id] = asyncio.get_running_loop().create_future()
+        try:
+            # Its direct channel closes now, not once the lock is free: a request holding the lock may
+            # wait (for a compute slot) with the channel still bound, and the old epoch would be served there.
+            with contextlib.suppress(RequestFailed):  # its worker lost on the way: the session ended with it
+                await self.channels.revoke(old)
+            async with old.lock:
+                if table.get(session_id) is old:
+                    await self.lifecycle.drop(old, MissReason.NEW_EPOCH, keep=True)
+        finally:
+            ending.set_result(None)
+            if self._fencing.get(session_id) is ending:
+                del self._fencing[session_id]
 
     def miss(self, session_id: str, epoch: int, message: str) -> RequestFailed:
         reason = self.books.table.miss_reason(session_id, epoch)

@@ -16,7 +16,7 @@ import pytest
 from kvpool.client.client import KvpoolError
 from kvpool.daemon.admission.admission import MAX_ADMIT_WAIT_S
 from kvpool.router.router import Router
-from kvpool.wire.protocol import ErrorReply, Fork, Release
+from kvpool.wire.protocol import Append, AppendReply, ErrorReply, Fork, Release
 from tests.support.daemons import in_thread, joined, read_reply, result, sent_and_read, wait_until
 from tests.support.fake_worker import expected_rows
 
@@ -168,3 +168,31 @@ def test_an_append_that_waited_for_a_compute_slot_is_refused_once_a_higher_epoch
         assert [row.session_id for row in client.stats().sessions] == ["A"]
         assert client.append("B", 2, 0, tokens=tokens[:3]).admitted
         assert client.stats().integrity == "ok"
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_an_admission_of_the_newer_epoch_waits_for_the_fence_another_request_began(serve, fake_shards, mode):
+    """Release(B, 2) fences epoch 1, which waits for B@1's append in flight (its worker stopped) before ending it; an
+    admitting Append(B, 2, 0) read meanwhile waits for that fence. Before the fix it found epoch 1 still in the table
+    and was answered cache_miss new_epoch; now it is admitted, with epoch 2's own history."""
+    tokens = TOKENS
+    daemon = _first_shard_daemon(serve, fake_shards, "window", mode, "--spill-budget", "0")
+    with daemon.client() as client, daemon.client() as other:
+        client.append("B", 1, 0, tokens=tokens[:4])
+        with daemon.stopped("B"):
+            in_flight = in_thread(lambda: client.append("B", 1, 4, tokens=tokens[4:6]))
+            wait_until(lambda: other.stats().sessions[0].in_flight, "B@1's append to be in flight")
+            releaser = sent_and_read(daemon.socket, Release(session_id="B", epoch=2, request_id=9))
+            admitter = sent_and_read(daemon.socket, Append(session_id="B", epoch=2, start_pos=0, tokens=tokens[:3], request_id=10))
+        joined(*in_flight)  # epoch 1's append: served or refused, either way before the fence ended it
+        released = read_reply(releaser)
+        admitted = read_reply(admitter)
+        releaser.close()
+        admitter.close()
+        assert released.detail == "no state", released
+        assert isinstance(admitted, AppendReply) and admitted.admitted and admitted.length == 3, admitted
+        rows = np.frombuffer(admitted.data, np.float32).reshape(admitted.rows, admitted.width)
+        assert np.array_equal(rows, expected_rows(client.hello.shard.shape, np.asarray(tokens[:3], np.int32)))  # every row: a first shard's
+        stats = client.stats()
+        assert [(row.session_id, row.epoch, row.length) for row in stats.sessions] == [("B", 2, 3)] and stats.integrity == "ok"
+        assert stats.counters.get("misses", 0) == 0, stats.counters

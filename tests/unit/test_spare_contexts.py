@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import select
 import time
 
 import numpy as np
@@ -15,8 +16,9 @@ import pytest
 
 from kvpool.router.route import Route, StageFailed
 from kvpool.state.shared import SharedState
+from kvpool.wire.protocol import Append, AppendReply, Done, Release
 from tests.support.contract import rows_of
-from tests.support.daemons import checked, in_thread, refused, result, wait_until
+from tests.support.daemons import checked, in_thread, read_reply, refused, result, sent_and_read, wait_until
 from tests.support.fake_worker import fake_kinds
 from workers.server.commands import Failed, RunAppend
 from workers.server.single import IDLE_ZERO_S
@@ -331,4 +333,55 @@ def test_a_spare_no_admission_takes_within_the_ttl_is_freed(serve, fake_model):
         assert stats.counters["spares_expired"] == 1 and all(row.state == "free" and row.spare_bytes == 0 for row in stats.workers)
         again = client.append("t", 1, 0, tokens=[1, 2])
         assert again.admitted and np.array_equal(again.rows, rows_of(client, [1, 2]))
+        assert checked(client).counters.get("admissions_into_spare", 0) == 0
+
+
+
+@pytest.mark.parametrize("second", ["append", "release"])
+def test_a_second_request_of_the_newer_epoch_waits_while_the_old_ones_worker_keeps_its_context(serve, fake_model, second):
+    """The first request of epoch 2 fences epoch 1, whose worker keeps the context (the worker held here); a second
+    request of epoch 2, read meanwhile, waits for that fence instead of finding epoch 1 still in the table (before the
+    fix an append at 0 was answered cache_miss new_epoch, a release "released" what the fence was ending). Then it
+    is served as epoch 2's own: the append admitted into the context kept, with epoch 2's history only."""
+    daemon = serve(fake_model, "--max-sessions", "2", "--spill-budget", "0")
+    with daemon.client() as client, daemon.client() as watcher:
+        client.append("a", 1, 0, tokens=[1, 2, 3])
+        with daemon.stopped("a"):
+            first = in_thread(lambda: client.release("a", 2))
+            wait_until(lambda: [(row.epoch, row.in_flight) for row in watcher.stats().sessions] == [(1, True)], "the old epoch held while its context is kept")
+            request = Append(session_id="a", epoch=2, start_pos=0, tokens=[4, 5], admit_timeout_s=30) if second == "append" else Release(session_id="a", epoch=2)
+            late = sent_and_read(daemon.socket, request)
+            assert not select.select([late], [], [], 0.2)[0]  # no answer while the fence is under way
+        assert result(*first).detail == "no state"
+        reply = read_reply(late)
+        late.close()
+        if second == "append":
+            assert isinstance(reply, AppendReply) and reply.admitted and reply.length == 2, reply
+            assert np.array_equal(np.frombuffer(reply.data, np.float32).reshape(reply.rows, reply.width), rows_of(client, [4, 5])[-1:]), reply
+        else:
+            assert isinstance(reply, Done) and reply.detail == "no state", reply
+        counters = checked(client).counters
+        assert counters["spares_kept"] == 1 and counters.get("misses", 0) == 0, counters
+        assert counters.get("admissions_into_spare", 0) == (second == "append")
+
+
+def test_a_worker_lost_while_it_keeps_a_released_context_ends_the_session_and_is_replaced(serve, fake_model):
+    """The release's keep meets a worker that dies (as SIGKILL ends one) while the CloseContext is in flight: the
+    session ends as a release without keep does, no spare is booked for the dead worker, a fresh worker takes the
+    place, and the next admission computes its own history there."""
+    daemon = serve(fake_model, "--max-sessions", "1", "--spill-budget", "0")
+    service = daemon.supervisor.service
+    with daemon.client() as client, daemon.client() as watcher:
+        client.append("a", 1, 0, tokens=[1, 2, 3])
+        worker = service.pool.get(service.books.table.get("a").worker_name)
+        with daemon.stopped("a"):
+            released = in_thread(lambda: client.release("a", 1))
+            wait_until(lambda: [(row.session_id, row.in_flight) for row in watcher.stats().sessions] == [("a", True)], "the release's keep in flight")
+            worker.process.kill()
+        assert result(*released).detail == "released"
+        wait_until(lambda: all(not each.lost for each in service.pool.workers()), "the replacement")
+        stats = checked(client)
+        assert stats.sessions == [] and stats.budget.spare_bytes == 0 and stats.counters.get("spares_kept", 0) == 0, stats
+        again = client.append("b", 1, 0, tokens=[4, 5])
+        assert again.admitted and np.array_equal(again.rows, rows_of(client, [4, 5]))
         assert checked(client).counters.get("admissions_into_spare", 0) == 0
