@@ -39,6 +39,15 @@ def summarize_admission(results: dict) -> tuple[dict, dict, list[Row]]:
         else:
             rows.append(Row("5", f"  admission alone (minus a {ms(decode_step)} decode through the daemon) vs a bare llama context create",
                             ms(net), ms(bare), f"{net / bare:.2f}x time"))
+        if key in admission.get("create_admit_s", {}):  # admissions that create their context (results written since)
+            creates = admission["create_admit_s"][key]
+            create = median_of(creates)
+            summary[f"s5_create_admit_{n_ctx}_s"] = create
+            rows.append(Row("5", f"  admit an n_ctx no spare holds ({n_ctx - len(creates)}..{n_ctx - 1}, one each: {len(creates) - admission['creates_into_spare'][key]} "
+                                 f"of {len(creates)} created their context): admitting 1-token append vs in-process create + 1-token append at {n_ctx}",
+                            ms(create), ms(inprocess), f"{create / inprocess:.2f}x time"))
+            rows.append(Row("5", f"  that admission alone (minus a {ms(decode_step)} decode through the daemon) vs a bare llama context create at {n_ctx}",
+                            ms(create - decode_step), ms(bare), f"{(create - decode_step) / bare:.2f}x time"))
     first = admission["first_admit_s"]
     firsts = []
     for n_ctx in results["options"]["admit_n_ctx"]:
@@ -76,11 +85,13 @@ def summarize_admission(results: dict) -> tuple[dict, dict, list[Row]]:
                          + (" (the spare a release keeps is in both readings)" if spares else ""),
                     "; ".join(f"{n_ctx}: {as_mib(value):+.1f} MiB" for n_ctx, value in kept.items()), "", ""))
     evict = median_of(admission["evict_admit_s"])
-    admit_2048 = median_of(admission["admit_s"]["2048"]) if "2048" in admission["admit_s"] else math.nan
+    creating = "2048" in admission.get("create_admit_s", {})  # compared with an admission that creates its context, as the evicting one does
+    admit_2048 = median_of(admission["create_admit_s" if creating else "admit_s"].get("2048", [math.nan]))
     summary.update({"s5_evict_admit_s": evict, "s5_evictions_counted": admission["evictions_counted"]})
     rows.append(Row("5", f"LRU eviction + admission, n_ctx 2048, all {SESSIONS} workers bound ({admission['evictions_counted']} evictions counted, "
                          f"{admission.get('evicted_victims_parked', 0)} of them parked in the warm tier)",
-                    ms(evict), f"admit on a free worker {ms(admit_2048)}" + (" (into a spare; the evicting admission creates its context)" if spares else ""),
+                    ms(evict), f"admit on a free worker {ms(admit_2048)}" + (" (creating its context, as the evicting one does)" if creating
+                                                                              else " (into a spare; the evicting admission creates its context)" if spares else ""),
                     f"{evict / admit_2048:.2f}x time"))
     return summary, ratios, rows
 

@@ -53,10 +53,14 @@ def write_chart(results: dict, summary: dict, path: pathlib.Path) -> None:
          f"4  prefill {results['options']['prefill_rows']} rows, middle shard", "ms", colors=[kvpool, reference, reference])
     sizes = results["options"]["admit_n_ctx"]
     width = 0.25
-    for offset, (key, label, color) in enumerate([("s5_admit_{}_s", "daemon admit (a released spare) + 1-token append", kvpool),
-                                                  ("s5_inprocess_admit_{}_s", "in-process create + append", "#70ad47"),
-                                                  ("s5_bare_create_{}_s", "bare llama context create", reference)]):
-        axes[1][1].bar([i + (offset - 1) * width for i in range(len(sizes))], [summary[key.format(n)] * 1e3 for n in sizes], width, label=label, color=color)
+    admissions = [("s5_admit_{}_s", "daemon admit (a released spare) + 1-token append", kvpool)]
+    if f"s5_create_admit_{sizes[0]}_s" in summary:  # admissions that create their context (results written since)
+        admissions.append(("s5_create_admit_{}_s", "daemon admit creating its context + 1-token append", "#9dc3e6"))
+    admissions += [("s5_inprocess_admit_{}_s", "in-process create + append", "#70ad47"), ("s5_bare_create_{}_s", "bare llama context create", reference)]
+    narrow = 0.8 / len(admissions)
+    for offset, (key, label, color) in enumerate(admissions):
+        axes[1][1].bar([i + (offset - (len(admissions) - 1) / 2) * narrow for i in range(len(sizes))], [summary[key.format(n)] * 1e3 for n in sizes], narrow,
+                       label=label, color=color)
     axes[1][1].set_xticks(range(len(sizes)), [f"n_ctx {n}" for n in sizes])
     axes[1][1].set_title("5  admission on a warm worker", fontsize=10)
     axes[1][1].set_ylabel("ms")

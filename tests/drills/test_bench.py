@@ -68,7 +68,7 @@ def test_quick_bench_prints_every_section_and_writes_json_and_png(quick_bench) -
     sections = {line.split("|")[1].strip() for line in table[2:]}
     assert sections == set(SECTIONS)
     for expected in ("daemon vs the same shard in-process", "3 shard daemons vs the whole model", "four sessions: kvpool whole model",
-                     "prefill 512 rows", "admit n_ctx 8192", "release -> bytes available", "LRU eviction + admission",
+                     "prefill 512 rows", "admit n_ctx 8192", "admit an n_ctx no spare holds (8189..8191", "release -> bytes available", "LRU eviction + admission",
                      "one session n_ctx 2048: charged", "whole-model daemon USS", "128-token session, 3 daemons: Park on all at once",
                      "512-token session, 3 daemons: Park on all at once", "512-token session, the same with Restore on all at once before the decode", "sessions per GiB, 256 tokens at n_ctx 2048",
                      "overload, warm tier on", "overload, warm tier off",
@@ -98,6 +98,11 @@ def test_quick_bench_prints_every_section_and_writes_json_and_png(quick_bench) -
         if key.endswith(("_decode_s", "_prefill_s", "_tok_s", "_vs_runtime", "_vs_batched", "_vs_whole", "_create_8192_s")) or "charged" in key or "theory" in key:
             assert value > 0, (key, value)
     assert all(math.isfinite(number) for number in _numbers(results["mid_shard"]))
+    admission = results["admission"]  # every steady admission went into the spare the release before left; none of an unheld n_ctx did
+    assert all(admission["admits_into_spare"][key] == len(admission["admit_s"][key]) for key in admission["admit_s"]), admission["admits_into_spare"]
+    assert all(admission["creates_into_spare"][key] == 0 and len(admission["create_admit_s"][key]) == results["options"]["repeats"]
+               for key in admission["admit_s"]), admission["creates_into_spare"]
+    assert all(summary[f"s5_create_admit_{n_ctx}_s"] > 0 for n_ctx in results["options"]["admit_n_ctx"])
     assert all(number > 0 for number in _numbers(results["mid_shard"]["decode_s"]))
     assert all(number > 0 for number in _numbers(results["parallel"]["tokens_per_s"]))
     assert summary["s5_evictions_counted"] == results["options"]["repeats"]
