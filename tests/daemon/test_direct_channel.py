@@ -10,10 +10,8 @@ import os
 import secrets
 import select
 import selectors
-import signal
 import socket
 import struct
-import tempfile
 import termios
 import threading
 import time
@@ -28,7 +26,6 @@ from kvpool.host import FRAME_DEADLINE_ENV, direct_frame_deadline_s
 from kvpool.wire.framing import FRAME_HEADER, receive_exactly
 from kvpool.wire.protocol import Append, AppendReply, decode_reply, encode
 from tests.support.daemons import HANG_GUARD_S, DaemonProcess, in_thread, joined, refused, stopped, wait_until
-from workers.server.compute_locks import ComputeLocks
 from workers.server.direct import MAX_FRAME_BYTES, DirectChannel
 from workers.server.segment import CONTROL_BYTES, SegmentRegions
 from workers.server.spec import FRAME_DEADLINE_S
@@ -179,36 +176,6 @@ def test_cancel_reaches_a_direct_append_running_or_not_yet_read(model_path, sock
             assert client.cancel("cancel", 1).detail == "nothing in flight"
     finally:
         daemon.stop()
-
-
-def _hold(path: str, slot_count: int, preferred: int, ready, release) -> None:
-    with ComputeLocks(path, slot_count, preferred):
-        ready.set()
-        if release is None:
-            time.sleep(600)  # killed while holding the slot
-        else:
-            release.wait(60)
-
-
-def test_compute_locks_bound_the_workers_computing_and_a_dead_holder_frees_its_slot():
-    context = multiprocessing.get_context("fork")  # no resource tracker process left behind
-    with tempfile.NamedTemporaryFile() as lock_file:
-        lock_file.write(b"\0")
-        lock_file.flush()
-        holder_ready = context.Event()
-        holder = context.Process(target=_hold, args=(lock_file.name, 1, 0, holder_ready, None))
-        holder.start()
-        assert holder_ready.wait(600)
-        waiter_ready, release = context.Event(), context.Event()
-        waiter = context.Process(target=_hold, args=(lock_file.name, 1, 0, waiter_ready, release))
-        waiter.start()
-        assert not waiter_ready.wait(0.5)  # the one slot is held
-        os.kill(holder.pid, signal.SIGKILL)
-        holder.join(600)
-        assert waiter_ready.wait(600)  # the kernel released the dead holder's lock
-        release.set()
-        waiter.join(600)
-        assert waiter.exitcode == 0
 
 
 def test_an_idle_direct_session_is_the_least_recently_used_only_when_it_is(model_path, socket_dir, prompt_ids):
