@@ -23,7 +23,7 @@ def measure_admission(rig: Rig) -> dict:
     token = rig.prompts[0][:1]
     results: dict[str, dict] = {"first_admit_s": {}, "admit_s": {}, "release_s": {}, "reclaim_visible_s": {}, "admits_into_spare": {},
                                 "uss_kept_bytes": {}, "bare_create_s": {}, "bare_free_s": {}, "inprocess_admit_s": {},
-                                "create_admit_s": {}, "creates_into_spare": {}}
+                                "create_admit_s": {}, "creates_into_spare": {}, "creates_freeing_a_spare": {}}
     counter = iter(range(10**9))
 
     def admit(n_ctx: int) -> tuple[str, float]:
@@ -84,17 +84,6 @@ def _measure_admissions(rig: Rig, client: Client, admit, token: list[int], refer
         results["release_s"][n_ctx] = releases
         results["reclaim_visible_s"][n_ctx] = visible
         results["uss_kept_bytes"][n_ctx] = kept
-        # admissions that create their context, as a daemon serving many sizes has them: each of an n_ctx no spare
-        # holds (n_ctx - 1, n_ctx - 2, ...: the same KV to a cell or two), taking a worker without a spare or freeing
-        # another size's spare first
-        into_spare = client.stats().counters.get("admissions_into_spare", 0)
-        creates = []
-        for step in range(1, options.repeats + 1):
-            session, elapsed = admit(n_ctx - step)
-            creates.append(elapsed)
-            client.release(session, EPOCH)
-        results["create_admit_s"][n_ctx] = creates
-        results["creates_into_spare"][n_ctx] = client.stats().counters.get("admissions_into_spare", 0) - into_spare  # 0 expected
         # in-process references, in a process of their own (as clean as a worker: the bench process's own
         # allocator holds memory freed by earlier sections, which would make its context creation look cheap)
         create, free, inprocess = reference_pool.submit(_admission_reference, str(options.model), n_ctx, token, options.repeats).result()
@@ -102,6 +91,22 @@ def _measure_admissions(rig: Rig, client: Client, admit, token: list[int], refer
         results["bare_free_s"][n_ctx] = free
         results["inprocess_admit_s"][n_ctx] = inprocess
         bench_say(f"admission: n_ctx {n_ctx} done")
+    # admissions that create their context, as a daemon serving many sizes has them (after every first admission
+    # above, which they would otherwise leave a worker's spare to free): each of an n_ctx no spare holds (n_ctx - 1,
+    # n_ctx - 2, ...: the same KV to a cell or two), on a worker without a spare, or, where every free worker holds
+    # one of another size, on one that frees it first, inside the admitting append (counted)
+    for n_ctx in options.admit_n_ctx:
+        into_spare = client.stats().counters.get("admissions_into_spare", 0)
+        creates, replacing = [], 0
+        for step in range(1, options.repeats + 1):
+            replacing += all(worker.spare_bytes for worker in client.stats().workers if worker.state == "free")
+            session, elapsed = admit(n_ctx - step)
+            creates.append(elapsed)
+            client.release(session, EPOCH)
+        results["create_admit_s"][n_ctx] = creates
+        results["creates_into_spare"][n_ctx] = client.stats().counters.get("admissions_into_spare", 0) - into_spare  # 0 expected
+        results["creates_freeing_a_spare"][n_ctx] = replacing
+    bench_say("admission: admissions that create their context done")
 
 
 def _measure_eviction(rig: Rig, client: Client, admit, token: list[int], results: dict) -> dict:

@@ -43,10 +43,13 @@ def summarize_admission(results: dict) -> tuple[dict, dict, list[Row]]:
             creates = admission["create_admit_s"][key]
             create = median_of(creates)
             summary[f"s5_create_admit_{n_ctx}_s"] = create
+            freeing = admission["creates_freeing_a_spare"][key]
             rows.append(Row("5", f"  admit an n_ctx no spare holds ({n_ctx - len(creates)}..{n_ctx - 1}, one each: {len(creates) - admission['creates_into_spare'][key]} "
-                                 f"of {len(creates)} created their context): admitting 1-token append vs in-process create + 1-token append at {n_ctx}",
+                                 f"of {len(creates)} created their context, {freeing} of them freeing another size's spare first, in fresh memory: "
+                                 f"a worker gives freed memory back at once): admitting 1-token append vs in-process create + 1-token append at {n_ctx}",
                             ms(create), ms(inprocess), f"{create / inprocess:.2f}x time"))
-            rows.append(Row("5", f"  that admission alone (minus a {ms(decode_step)} decode through the daemon) vs a bare llama context create at {n_ctx}",
+            rows.append(Row("5", f"  that admission alone (minus a {ms(decode_step)} decode through the daemon) vs a bare llama context create at {n_ctx} "
+                                 "(created again and again in one process: in memory the last one freed)",
                             ms(create - decode_step), ms(bare), f"{(create - decode_step) / bare:.2f}x time"))
     first = admission["first_admit_s"]
     firsts = []

@@ -69,20 +69,20 @@ class Gate:
         """On arrival: reject a stale epoch; on a newer one, release the old epoch's state first. A request of the
         newer epoch arriving while that release is under way (its worker keeping the context) waits for it: it
         would find the old epoch still in the table (an append at 0 answered cache_miss new_epoch, a release
-        releasing what the fence is already ending)."""
+        releasing what the fence is already ending). Whichever request finds an older epoch still live once no
+        release of it is under way (the one that began it failed) releases it itself."""
         table = self.books.table
         check = table.check_epoch(session_id, epoch)
         if check is EpochCheck.STALE:
             raise self.stale(session_id, epoch)
         table.see_epoch(session_id, epoch)
-        if check is not EpochCheck.NEWER:
-            if (ending := self._fencing.get(session_id)) is not None:
-                await asyncio.shield(ending)
-                self.require_current(session_id, epoch)  # a still newer epoch may have come meanwhile
-            return
-        table.note_new_epoch(session_id, epoch)
+        if check is EpochCheck.NEWER:
+            table.note_new_epoch(session_id, epoch)
+        elif (ending := self._fencing.get(session_id)) is not None:
+            await asyncio.shield(ending)
+            self.require_current(session_id, epoch)  # a still newer epoch may have come meanwhile
         old = table.get(session_id)
-        if old is None:
+        if old is None or old.epoch >= epoch:
             return
         ending = self._fencing[session_id] = asyncio.get_running_loop().create_future()
         try:

@@ -4,6 +4,7 @@ first (before stop 54 it waited on a slot chosen in advance while the other stoo
 
 from __future__ import annotations
 
+import fcntl
 import multiprocessing
 import os
 import pathlib
@@ -12,7 +13,8 @@ import time
 
 import pytest
 
-from workers.server.compute_locks import ComputeLocks, bell_path
+from tests.support.daemons import wait_until
+from workers.server.compute_locks import BELL_CHECK_S, ComputeLocks, bell_path
 
 HANG_GUARD_S = 600
 
@@ -26,8 +28,8 @@ def lock_file(tmp_path: pathlib.Path) -> str:
     return str(path)
 
 
-def _hold(path: str, slot_count: int, preferred: int, ready, release) -> None:
-    with ComputeLocks(path, slot_count, preferred):
+def _hold(path: str, slot_count: int, preferred: int, ready, release, bell_check_s: float) -> None:
+    with ComputeLocks(path, slot_count, preferred, bell_check_s=bell_check_s):
         ready.set()
         if release is None:
             signal.pause()  # killed while holding the slot
@@ -37,14 +39,14 @@ def _hold(path: str, slot_count: int, preferred: int, ready, release) -> None:
 
 @pytest.fixture
 def holders():
-    """Start a process holding a compute slot: holder(path, slot_count, preferred, killed=...) -> (process, ready,
-    release); every one still running is killed after the test."""
+    """Start a process holding a compute slot: holder(path, slot_count, preferred, killed=..., bell_check_s=...) ->
+    (process, ready, release); every one still running is killed after the test."""
     context = multiprocessing.get_context("fork")  # no resource tracker process left behind
     started = []
 
-    def holder(path: str, slot_count: int, preferred: int, *, killed: bool = False):
+    def holder(path: str, slot_count: int, preferred: int, *, killed: bool = False, bell_check_s: float = BELL_CHECK_S):
         ready, release = context.Event(), None if killed else context.Event()
-        process = context.Process(target=_hold, args=(path, slot_count, preferred, ready, release))
+        process = context.Process(target=_hold, args=(path, slot_count, preferred, ready, release, bell_check_s))
         process.start()
         started.append(process)
         return process, ready, release
@@ -70,15 +72,17 @@ def test_compute_locks_bound_the_workers_computing_and_a_dead_holder_frees_its_s
 
 
 def test_a_waiter_takes_whichever_slot_frees_first_and_the_next_waits_for_the_other(lock_file, holders):
-    """Two slots held (one by each holder); two waiters that prefer slot 0 queue. The holder of slot 1 lets it go: the
-    first waiter takes it at once, though slot 0, the one it prefers, is still held (before the fix it waited on slot
-    0: its hang guard below); the second waits on until slot 0 frees too."""
+    """Two slots held (one by each holder); two waiters that prefer slot 0 queue, the first in line woken by the bell
+    alone (its own look at the slots once in 10 hang guards: never within the test). The holder of slot 1 lets it go: a waiter
+    takes it, though slot 0, the one they prefer, is still held (before the fix it waited on slot 0: its hang guard
+    below; a bell that did not ring: the same); the other waits on until slot 0 frees too."""
     first, first_ready, first_release = holders(lock_file, 2, 0)
     assert first_ready.wait(HANG_GUARD_S)
     second, second_ready, second_release = holders(lock_file, 2, 1)
     assert second_ready.wait(HANG_GUARD_S)
-    waiters = [holders(lock_file, 2, 0) for _ in range(2)]
+    waiters = [holders(lock_file, 2, 0, bell_check_s=10 * HANG_GUARD_S) for _ in range(2)]
     assert not any(ready.wait(0.3) for _process, ready, _release in waiters)  # every slot held
+    wait_until(lambda: _line_held(lock_file, 2), "a waiter at the head of the line")
     second_release.set()  # slot 1 frees; slot 0 stays held
     second.join(HANG_GUARD_S)
     readies = [ready for _process, ready, _release in waiters]
@@ -91,6 +95,38 @@ def test_a_waiter_takes_whichever_slot_frees_first_and_the_next_waits_for_the_ot
         release.set()
         process.join(HANG_GUARD_S)
         assert process.exitcode == 0
+
+
+def _line_held(path: str, slot_count: int) -> bool:
+    """Whether a process holds the waiters' line (the range after the slots): tried, and let go if this one got it."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, slot_count)
+    except OSError:
+        return True
+    else:
+        fcntl.lockf(fd, fcntl.LOCK_UN, 1, slot_count)
+        return False
+    finally:
+        os.close(fd)
+
+
+def test_one_slot_needs_no_bell(tmp_path, holders):
+    """With one slot (--threads equal to --threads-per-worker) the pool makes no FIFO and a waiter waits on the
+    slot's lock; a tool that makes its own lock file (scripts/probe_direct_path.py) needs none either."""
+    path = tmp_path / "compute"
+    path.write_bytes(b"\0")
+    holder, ready, release = holders(str(path), 1, 0)
+    assert ready.wait(HANG_GUARD_S)
+    waiter, waiter_ready, waiter_release = holders(str(path), 1, 0)
+    assert not waiter_ready.wait(0.3)
+    release.set()
+    assert waiter_ready.wait(HANG_GUARD_S)
+    waiter_release.set()
+    for process in (holder, waiter):
+        process.join(HANG_GUARD_S)
+        assert process.exitcode == 0
+    assert not pathlib.Path(bell_path(str(path))).exists()
 
 
 def _one_of(events, timeout_s: float) -> bool:

@@ -196,3 +196,34 @@ def test_an_admission_of_the_newer_epoch_waits_for_the_fence_another_request_beg
         stats = client.stats()
         assert [(row.session_id, row.epoch, row.length) for row in stats.sessions] == [("B", 2, 3)] and stats.integrity == "ok"
         assert stats.counters.get("misses", 0) == 0, stats.counters
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_an_older_epoch_a_failed_fence_left_is_ended_by_the_next_request_of_the_newer(serve, fake_shards, mode):
+    """The fence of Release(B, 2) fails while ending B@1 (a fault injected into the daemon's drop, once): that request
+    gets its error and B@1 stays in the table. The next request of epoch 2 ends B@1 itself before it is served: an
+    append at 0 is admitted with epoch 2's own history (before, it met B@1 and was refused), and epoch 1 is stale."""
+    tokens = TOKENS
+    daemon = _first_shard_daemon(serve, fake_shards, "refence", mode, "--spill-budget", "0")
+    lifecycle = daemon.supervisor.service.lifecycle
+    drop, failures = lifecycle.drop, []
+
+    async def failing_once(session, reason, **kwargs):
+        if not failures:
+            failures.append(reason)
+            raise RuntimeError("injected: the fence's drop failed")
+        return await drop(session, reason, **kwargs)
+
+    with daemon.client() as client:
+        client.append("B", 1, 0, tokens=tokens[:4])
+        lifecycle.drop = failing_once
+        try:
+            assert _refused(lambda: client.release("B", 2)).code == "internal"
+        finally:
+            lifecycle.drop = drop
+        assert failures == ["new_epoch"] and [(row.session_id, row.epoch) for row in client.stats().sessions] == [("B", 1)]
+        admitted = client.append("B", 2, 0, tokens=tokens[:3])
+        assert admitted.admitted and np.array_equal(admitted.rows, expected_rows(client.hello.shard.shape, np.asarray(tokens[:3], np.int32)))
+        assert _refused(lambda: client.append("B", 1, 4, tokens=tokens[4:5])).code == "stale_epoch"
+        stats = client.stats()
+        assert [(row.session_id, row.epoch, row.length) for row in stats.sessions] == [("B", 2, 3)] and stats.integrity == "ok"

@@ -72,7 +72,8 @@ class WorkerPool:
             bell = bell_path(self.spec.worker.compute_lock_path)
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(bell)  # a daemon killed before it could remove its own
-            os.mkfifo(bell, 0o600)
+            if self.spec.worker.compute_slots > 1:  # one slot is waited for on its lock alone
+                os.mkfifo(bell, 0o600)
 
     def _next_number(self) -> int:
         """Unique for the pool's life, also when replacements start in several threads at once."""
