@@ -79,7 +79,7 @@ def stamped_worker(connection, spec, cancel_connection, stamps_path: str) -> Non
     wrap(direct.DirectCancels, "end", "cancel_end")
     wrap(compute_locks.ComputeLocks, "__enter__", "lock")
     wrap(compute_locks.ComputeLocks, "__exit__", "unlock")
-    wrap(context_module.ShardContext, "append", "compute")
+    wrap(context_module.ShardContext, "append_checked", "compute")  # what the direct path calls (workers.server.direct)
     wrap(context_module.llama_cpp, "llama_decode", "decode")
     try:
         process.worker_main(connection, spec, cancel_connection)
@@ -177,7 +177,7 @@ def _worker_spans(worker_stamps: list, client_stamps: dict[str, list[int]]) -> d
         "w_checks (append_rows)": [a["checks>"] - a["checks<"] for a, _s, _h in pairs],
         "w_cancels (begin + end)": [a["cancel_begin>"] - a["cancel_begin<"] + a["cancel_end>"] - a["cancel_end<"] for a, _s, _h in pairs],
         "w_locks (compute lock + unlock)": [a["lock>"] - a["lock<"] + a["unlock>"] - a["unlock<"] for a, _s, _h in pairs],
-        "w_compute (ShardContext.append)": [a["compute>"] - a["compute<"] for a, _s, _h in pairs],
+        "w_compute (ShardContext.append_checked)": [a["compute>"] - a["compute<"] for a, _s, _h in pairs],
         "w_compute: llama_decode": [a["decode>"] - a["decode<"] for a, _s, _h in pairs],
         "w_rest of _append (flags, reply struct)": [a["append>"] - a["append<"] - (a["checks>"] - a["checks<"]) - (a["compute>"] - a["compute<"])
                                                      - (a["cancel_begin>"] - a["cancel_begin<"] + a["cancel_end>"] - a["cancel_end<"])
