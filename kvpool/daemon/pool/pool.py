@@ -19,7 +19,6 @@ from kvpool.daemon.pool.batched import BatchedWorker, SequenceSlot
 from kvpool.daemon.pool.compute import ComputeSlots
 from kvpool.daemon.pool.handle import PoolSpec, WorkerHandle
 from workers.server.commands import Ready
-from workers.server.compute_locks import bell_path
 
 Lendable = WorkerHandle | SequenceSlot
 
@@ -61,19 +60,13 @@ class WorkerPool:
         return list(handle.slots) if isinstance(handle, BatchedWorker) else [handle]
 
     def _create_compute_lock_file(self) -> None:
-        """The file whose byte-range locks bound the workers computing at once (kvpool.daemon.supervisor names it),
-        and the FIFO beside it that the holders ring as they let a slot go (workers.server.compute_locks)."""
+        """The file whose byte-range locks bound the workers computing at once (kvpool.daemon.supervisor names it)."""
         if self.spec.worker.compute_lock_path:
             descriptor = os.open(self.spec.worker.compute_lock_path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
             try:
                 os.ftruncate(descriptor, self.spec.worker.compute_slots)
             finally:
                 os.close(descriptor)
-            bell = bell_path(self.spec.worker.compute_lock_path)
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(bell)  # a daemon killed before it could remove its own
-            if self.spec.worker.compute_slots > 1:  # one slot is waited for on its lock alone
-                os.mkfifo(bell, 0o600)
 
     def _next_number(self) -> int:
         """Unique for the pool's life, also when replacements start in several threads at once."""
@@ -190,6 +183,5 @@ class WorkerPool:
         for handle in reversed(handles):
             handle.stop()
         if self.spec.worker.compute_lock_path:
-            for path in (self.spec.worker.compute_lock_path, bell_path(self.spec.worker.compute_lock_path)):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(path)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.spec.worker.compute_lock_path)
