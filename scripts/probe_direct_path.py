@@ -51,7 +51,7 @@ def stamped_worker(connection, spec, cancel_connection, stamps_path: str) -> Non
     """workers.server.main.worker_main with stamps around the direct path's stages; they are written to
     stamps_path when the worker exits."""
     import workers.runtime.context as context_module
-    import workers.server.compute_locks as compute_locks
+    import workers.server.compute_semaphore as compute_semaphore
     import workers.server.direct as direct
     import workers.server.main as process
 
@@ -77,8 +77,8 @@ def stamped_worker(connection, spec, cancel_connection, stamps_path: str) -> Non
     wrap(direct.DirectChannel, "_append", "append")
     wrap(direct.DirectCancels, "begin", "cancel_begin")
     wrap(direct.DirectCancels, "end", "cancel_end")
-    wrap(compute_locks.ComputeLocks, "__enter__", "lock")
-    wrap(compute_locks.ComputeLocks, "__exit__", "unlock")
+    wrap(compute_semaphore.ComputeSemaphore, "__enter__", "lock")
+    wrap(compute_semaphore.ComputeSemaphore, "__exit__", "unlock")
     wrap(context_module.ShardContext, "append_checked", "compute")  # what the direct path calls (workers.server.direct)
     wrap(context_module.llama_cpp, "llama_decode", "decode")
     try:
@@ -104,7 +104,7 @@ class StampedWorker:
         spec = WorkerSpec(
             shard_path=str(shard_path), shm_name=self.segment.name, segment=SegmentRegions(input_bytes=N_CTX * 576 * 4, output_bytes=N_CTX * 576 * 4),
             n_threads=1, flash_attn=False, parent_pid=os.getpid(), direct_address=self.address, max_n_ctx=N_CTX,
-            compute_lock_path=lock_path, compute_slots=1, worker_index=1,
+            compute_semaphore_path=lock_path, compute_slots=1, worker_index=1,
         )
         self.stamps_path = stamps_path
         self.process = context.Process(target=stamped_worker, args=(child, spec, child_cancel, stamps_path), daemon=True)
@@ -176,7 +176,7 @@ def _worker_spans(worker_stamps: list, client_stamps: dict[str, list[int]]) -> d
         "w_read (frame recv + decode)": [a["read>"] - a["read<"] for a, _s, _h in pairs],
         "w_checks (append_rows)": [a["checks>"] - a["checks<"] for a, _s, _h in pairs],
         "w_cancels (begin + end)": [a["cancel_begin>"] - a["cancel_begin<"] + a["cancel_end>"] - a["cancel_end<"] for a, _s, _h in pairs],
-        "w_locks (compute lock + unlock)": [a["lock>"] - a["lock<"] + a["unlock>"] - a["unlock<"] for a, _s, _h in pairs],
+        "w_locks (compute semaphore: take + give back)": [a["lock>"] - a["lock<"] + a["unlock>"] - a["unlock<"] for a, _s, _h in pairs],
         "w_compute (ShardContext.append_checked)": [a["compute>"] - a["compute<"] for a, _s, _h in pairs],
         "w_compute: llama_decode": [a["decode>"] - a["decode<"] for a, _s, _h in pairs],
         "w_rest of _append (flags, reply struct)": [a["append>"] - a["append<"] - (a["checks>"] - a["checks<"]) - (a["compute>"] - a["compute<"])
@@ -195,9 +195,10 @@ def breakdown(shard_path: pathlib.Path, hidden: np.ndarray, model: ShardModel, s
     names = ("in-process", "direct")
     client_stamps: dict[str, dict[str, list[int]]] = {name: {} for name in names}
     with tempfile.TemporaryDirectory(prefix="kvpool-probe-") as directory:
-        lock_path = os.path.join(directory, "compute.lock")
-        with open(lock_path, "wb") as lock_file:
-            lock_file.write(b"\0")
+        from workers.server import compute_semaphore
+
+        lock_path = os.path.join(directory, "compute")
+        semaphore_id = compute_semaphore.create(lock_path, 1)
         workers, sockets = {}, {}
         local = model.new_context(N_CTX)
         import workers.runtime.context as context_module
@@ -247,6 +248,7 @@ def breakdown(shard_path: pathlib.Path, hidden: np.ndarray, model: ShardModel, s
             local.close()
             for worker in workers.values():
                 worker.close()
+            compute_semaphore.destroy(lock_path, semaphore_id)
         spans = {name: _worker_spans(json.loads(pathlib.Path(worker.stamps_path).read_text()), client_stamps[name]) for name, worker in workers.items()}
     print(f"breakdown: {blocks} blocks x {steps} decode steps after {HISTORY} rows, interleaved; medians in us")
     print(f"  {'':48s} " + " ".join(f"{name:>16s}" for name in names[1:]))

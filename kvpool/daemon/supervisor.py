@@ -99,7 +99,7 @@ def build_pool(config: ServeConfig, info: ShardInfo, kinds: tuple[type, type] | 
                 verbose=config.verbose,
                 max_n_ctx=config.n_ctx,
                 # Locks only where the bound can be exceeded: fewer compute slots than worker processes.
-                compute_lock_path=str(compute_lock_path(config)) if config.concurrent_workers < config.worker_processes else "",
+                compute_semaphore_path=str(compute_semaphore_path(config.socket)) if config.concurrent_workers < config.worker_processes else "",
                 compute_slots=config.concurrent_workers,
                 seqs_per_worker=config.seqs_per_worker if config.batched else 0,
                 huge_pages=config.loads_in_huge_pages,
@@ -116,9 +116,9 @@ def build_pool(config: ServeConfig, info: ShardInfo, kinds: tuple[type, type] | 
     )
 
 
-def compute_lock_path(config: ServeConfig) -> pathlib.Path:
-    """The file whose byte-range locks bound the workers computing at once (beside the socket, private)."""
-    return config.socket.with_name(f".{config.socket.name}.compute")
+def compute_semaphore_path(socket: pathlib.Path) -> pathlib.Path:
+    """The file naming the semaphore that bounds the workers computing at once (beside the socket, private)."""
+    return socket.with_name(f".{socket.name}.compute")
 
 
 

@@ -23,10 +23,12 @@ import psutil
 import pytest
 
 from kvpool.client.client import Client, KvpoolError
+from kvpool.daemon.supervisor import compute_semaphore_path
 from kvpool.launcher import Daemon, start_daemons
 from kvpool.shard.bundled import bundled_model_path
 from tests.support.daemons import DaemonProcess
 from workers.runtime.model import ShardModel
+from workers.server import compute_semaphore
 from workers.server.segment import LOGIT_ROWS_IN_SEGMENT
 
 HANG_GUARD_S = float(os.environ.get("KVPOOL_TEST_HANG_GUARD_S", "600"))
@@ -115,10 +117,17 @@ def test_a_daemon_started_from_a_thread_outlives_that_thread_but_not_the_process
         assert daemon.stop() == 0
 
 
+def _semaphore_listed(semaphore_id: int) -> bool:
+    return any(line.split()[1] == str(semaphore_id) for line in compute_semaphore.SEMAPHORES_TABLE.read_text().splitlines()[1:])
+
+
 def test_a_killed_supervisor_takes_its_workers_and_segments_and_a_new_daemon_replaces_its_socket(shards, socket_dir):
+    """And its compute semaphore (which the kernel keeps when its creator dies) is removed by the replacement."""
     path = socket_dir / "killed.sock"
     before = set(os.listdir("/dev/shm"))
-    killed = DaemonProcess(shards[0].path, path, *SMALL)
+    killed = DaemonProcess(shards[0].path, path, *SMALL)  # 1 thread, 2 workers: a semaphore of one unit bounds them
+    left = int(compute_semaphore_path(path).read_text().split()[0])
+    assert _semaphore_listed(left)
     workers = killed.worker_pids()
     segments = {name for name in set(os.listdir("/dev/shm")) - before if name.startswith("psm_")}
     assert len(workers) >= 2 and len(segments) >= 2  # workers and the resource tracker
@@ -128,7 +137,10 @@ def test_a_killed_supervisor_takes_its_workers_and_segments_and_a_new_daemon_rep
     print(f"workers gone {took:.2f} s after SIGKILL of their supervisor")
     _wait_until(lambda: not segments & set(os.listdir("/dev/shm")), "the killed supervisor's segments removed")
     assert path.exists()  # a killed daemon cannot remove its socket file
+    assert _semaphore_listed(left)  # a killed daemon cannot remove its semaphore
     replacement = DaemonProcess(shards[0].path, path, *SMALL)  # nothing answers there: the file is replaced
+    own = int(compute_semaphore_path(path).read_text().split()[0])
+    assert not _semaphore_listed(left) and _semaphore_listed(own)
     try:
         with replacement.client() as client:
             assert client.append("after", 1, 0, tokens=[1, 2]).length == 2
@@ -140,9 +152,11 @@ def test_a_killed_supervisor_takes_its_workers_and_segments_and_a_new_daemon_rep
         assert refused.stderr.strip() == f"kvpool serve: error: another daemon is serving on {path}"
         with replacement.client() as client:
             assert client.stats().sessions[0].length == 2  # the live daemon was not disturbed
+        assert compute_semaphore_path(path).read_text().split()[0] == str(own)  # nor its semaphore
     finally:
         replacement.stop()
         killed.stop()
+    assert not _semaphore_listed(own) and not compute_semaphore_path(path).exists()  # a stopped daemon removes its own
 
 
 # ---- 2. the smaller defects ------------------------------------------------------------------------------

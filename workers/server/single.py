@@ -37,7 +37,7 @@ from workers.server.commands import (
     TruncateContext,
     Truncated,
 )
-from workers.server.compute_locks import ComputeLocks
+from workers.server.compute_semaphore import ComputeSemaphore
 from workers.server.pipe import WrittenState
 from workers.server.segment import ABORT_FLAG_OFFSET
 from workers.server.spec import WorkerSpec
@@ -67,7 +67,7 @@ class WorkerServer:
         self.bound: tuple[str, int] | None = None  # the session the direct channel serves
         self.background = Background(spec.background_nice) if spec.background_nice else None  # saves no caller waits for (SaveState.behind)
         self.compute = (
-            ComputeLocks(spec.compute_lock_path, spec.compute_slots, spec.worker_index) if spec.compute_lock_path else contextlib.nullcontext()
+            ComputeSemaphore(spec.compute_semaphore_path) if spec.compute_semaphore_path else contextlib.nullcontext()
         )
 
     def release_free_heap(self) -> None:

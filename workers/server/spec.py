@@ -24,7 +24,7 @@ class WorkerSpec:
     n_gpu_layers: int = 0
     verbose: bool = False
     max_n_ctx: int = 0  # the daemon's largest context (the direct channel checks appends as the daemon does)
-    compute_lock_path: str = ""  # at most compute_slots workers of the daemon compute at once ("": no limit)
+    compute_semaphore_path: str = ""  # at most compute_slots workers of the daemon compute at once ("": no limit)
     compute_slots: int = 1
     seqs_per_worker: int = 0  # > 0: a batched worker, one context of this many sequences of max_n_ctx positions each
     frame_deadline_s: float = FRAME_DEADLINE_S  # a direct channel's frame (request or reply) passes whole within this, or its peer is dropped

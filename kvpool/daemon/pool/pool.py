@@ -10,7 +10,6 @@ spares for the dead one's other slots).
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -18,6 +17,7 @@ from kvpool.daemon.books.integrity import require
 from kvpool.daemon.pool.batched import BatchedWorker, SequenceSlot
 from kvpool.daemon.pool.compute import ComputeSlots
 from kvpool.daemon.pool.handle import PoolSpec, WorkerHandle
+from workers.server import compute_semaphore
 from workers.server.commands import Ready
 
 Lendable = WorkerHandle | SequenceSlot
@@ -31,6 +31,7 @@ class WorkerPool:
         self._spares: dict[int, list[SequenceSlot]] = {}  # a dead batched process (id) -> its successor's unlent slots
         self._lock = threading.Lock()
         self._replace_lock = threading.Lock()
+        self._compute_semaphore: int | None = None  # its id, while the pool has created it
         self.compute: ComputeSlots | None = None  # batched mode: the daemon's compute slots, one per batch (set by the service)
 
     @property
@@ -39,7 +40,7 @@ class WorkerPool:
 
     def start(self) -> Ready:
         """Spawn every worker in parallel and wait for all to be ready; on failure stop them all."""
-        self._create_compute_lock_file()
+        self._create_compute_semaphore()
         processes = -(-self.spec.size // self.spec.worker.seqs_per_worker) if self.batched else self.spec.size
         handles = [self._spawn() for _ in range(processes)]
         try:
@@ -48,6 +49,7 @@ class WorkerPool:
         except BaseException:
             for handle in handles:
                 handle.stop(timeout_s=1.0)
+            self._destroy_compute_semaphore()
             raise
         with self._lock:
             for handle in handles:
@@ -59,14 +61,16 @@ class WorkerPool:
     def _lendables(handle: WorkerHandle) -> list[Lendable]:
         return list(handle.slots) if isinstance(handle, BatchedWorker) else [handle]
 
-    def _create_compute_lock_file(self) -> None:
-        """The file whose byte-range locks bound the workers computing at once (kvpool.daemon.supervisor names it)."""
-        if self.spec.worker.compute_lock_path:
-            descriptor = os.open(self.spec.worker.compute_lock_path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-            try:
-                os.ftruncate(descriptor, self.spec.worker.compute_slots)
-            finally:
-                os.close(descriptor)
+    def _create_compute_semaphore(self) -> None:
+        """The semaphore that bounds the workers computing at once (workers.server.compute_semaphore; kvpool.daemon.
+        supervisor names its file)."""
+        if self.spec.worker.compute_semaphore_path:
+            self._compute_semaphore = compute_semaphore.create(self.spec.worker.compute_semaphore_path, self.spec.worker.compute_slots)
+
+    def _destroy_compute_semaphore(self) -> None:
+        if self._compute_semaphore is not None:
+            compute_semaphore.destroy(self.spec.worker.compute_semaphore_path, self._compute_semaphore)
+            self._compute_semaphore = None
 
     def _next_number(self) -> int:
         """Unique for the pool's life, also when replacements start in several threads at once."""
@@ -182,6 +186,4 @@ class WorkerPool:
             self._spares.clear()
         for handle in reversed(handles):
             handle.stop()
-        if self.spec.worker.compute_lock_path:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.spec.worker.compute_lock_path)
+        self._destroy_compute_semaphore()
