@@ -77,8 +77,8 @@ def stamped_worker(connection, spec, cancel_connection, stamps_path: str) -> Non
     wrap(direct.DirectChannel, "_append", "append")
     wrap(direct.DirectCancels, "begin", "cancel_begin")
     wrap(direct.DirectCancels, "end", "cancel_end")
-    wrap(compute_semaphore.ComputeSemaphore, "__enter__", "lock")
-    wrap(compute_semaphore.ComputeSemaphore, "__exit__", "unlock")
+    wrap(compute_semaphore.ComputeSemaphore, "__enter__", "take")
+    wrap(compute_semaphore.ComputeSemaphore, "__exit__", "give")
     wrap(context_module.ShardContext, "append_checked", "compute")  # what the direct path calls (workers.server.direct)
     wrap(context_module.llama_cpp, "llama_decode", "decode")
     try:
@@ -90,7 +90,7 @@ def stamped_worker(connection, spec, cancel_connection, stamps_path: str) -> Non
 class StampedWorker:
     """The supervisor's part, just enough: segment, pipes, spawn, open a context, bind the channel."""
 
-    def __init__(self, shard_path: pathlib.Path, lock_path: str, stamps_path: str) -> None:
+    def __init__(self, shard_path: pathlib.Path, semaphore_id: int, stamps_path: str) -> None:
         from multiprocessing import shared_memory
 
         from workers.server.segment import SegmentRegions
@@ -104,7 +104,7 @@ class StampedWorker:
         spec = WorkerSpec(
             shard_path=str(shard_path), shm_name=self.segment.name, segment=SegmentRegions(input_bytes=N_CTX * 576 * 4, output_bytes=N_CTX * 576 * 4),
             n_threads=1, flash_attn=False, parent_pid=os.getpid(), direct_address=self.address, max_n_ctx=N_CTX,
-            compute_semaphore_path=lock_path, compute_slots=1, worker_index=1,
+            compute_slots=1, compute_semaphore=semaphore_id, worker_index=1,
         )
         self.stamps_path = stamps_path
         self.process = context.Process(target=stamped_worker, args=(child, spec, child_cancel, stamps_path), daemon=True)
@@ -176,12 +176,12 @@ def _worker_spans(worker_stamps: list, client_stamps: dict[str, list[int]]) -> d
         "w_read (frame recv + decode)": [a["read>"] - a["read<"] for a, _s, _h in pairs],
         "w_checks (append_rows)": [a["checks>"] - a["checks<"] for a, _s, _h in pairs],
         "w_cancels (begin + end)": [a["cancel_begin>"] - a["cancel_begin<"] + a["cancel_end>"] - a["cancel_end<"] for a, _s, _h in pairs],
-        "w_locks (compute semaphore: take + give back)": [a["lock>"] - a["lock<"] + a["unlock>"] - a["unlock<"] for a, _s, _h in pairs],
+        "w_semaphore (compute unit: take + give back)": [a["take>"] - a["take<"] + a["give>"] - a["give<"] for a, _s, _h in pairs],
         "w_compute (ShardContext.append_checked)": [a["compute>"] - a["compute<"] for a, _s, _h in pairs],
         "w_compute: llama_decode": [a["decode>"] - a["decode<"] for a, _s, _h in pairs],
         "w_rest of _append (flags, reply struct)": [a["append>"] - a["append<"] - (a["checks>"] - a["checks<"]) - (a["compute>"] - a["compute<"])
                                                      - (a["cancel_begin>"] - a["cancel_begin<"] + a["cancel_end>"] - a["cancel_end<"])
-                                                     - (a["lock>"] - a["lock<"] + a["unlock>"] - a["unlock<"]) for a, _s, _h in pairs],
+                                                     - (a["take>"] - a["take<"] + a["give>"] - a["give<"]) for a, _s, _h in pairs],
         "w_send: encode": [a["encode>"] - a["encode<"] for a, _s, _h in pairs],
         "w_send: sendall": [a["send>"] - a["encode>"] for a, _s, _h in pairs],
         "w_send< -> client has header": [header - a["send<"] for a, _s, header in pairs],
@@ -197,8 +197,6 @@ def breakdown(shard_path: pathlib.Path, hidden: np.ndarray, model: ShardModel, s
     with tempfile.TemporaryDirectory(prefix="kvpool-probe-") as directory:
         from workers.server import compute_semaphore
 
-        lock_path = os.path.join(directory, "compute")
-        semaphore_id = compute_semaphore.create(lock_path, 1)
         workers, sockets = {}, {}
         local = model.new_context(N_CTX)
         import workers.runtime.context as context_module
@@ -212,10 +210,11 @@ def breakdown(shard_path: pathlib.Path, hidden: np.ndarray, model: ShardModel, s
             finally:
                 local_decodes.append(time.perf_counter_ns() - started)
 
+        semaphore = compute_semaphore.create(os.path.join(directory, "compute"), 1)
         context_module.llama_cpp.llama_decode = timed_decode
         try:
             for name in names[1:]:
-                workers[name] = StampedWorker(shard_path, lock_path, os.path.join(directory, f"{len(workers)}.json"))
+                workers[name] = StampedWorker(shard_path, semaphore.id, os.path.join(directory, f"{len(workers)}.json"))
                 sockets[name] = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
                 sockets[name].settimeout(300.0)  # Client's default
                 sockets[name].connect("\0" + workers[name].address)
@@ -248,7 +247,7 @@ def breakdown(shard_path: pathlib.Path, hidden: np.ndarray, model: ShardModel, s
             local.close()
             for worker in workers.values():
                 worker.close()
-            compute_semaphore.destroy(lock_path, semaphore_id)
+            compute_semaphore.destroy(semaphore)
         spans = {name: _worker_spans(json.loads(pathlib.Path(worker.stamps_path).read_text()), client_stamps[name]) for name, worker in workers.items()}
     print(f"breakdown: {blocks} blocks x {steps} decode steps after {HISTORY} rows, interleaved; medians in us")
     print(f"  {'':48s} " + " ".join(f"{name:>16s}" for name in names[1:]))

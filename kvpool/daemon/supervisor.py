@@ -98,9 +98,8 @@ def build_pool(config: ServeConfig, info: ShardInfo, kinds: tuple[type, type] | 
                 n_gpu_layers=config.n_gpu_layers,
                 verbose=config.verbose,
                 max_n_ctx=config.n_ctx,
-                # Locks only where the bound can be exceeded: fewer compute slots than worker processes.
-                compute_semaphore_path=str(compute_semaphore_path(config.socket)) if config.concurrent_workers < config.worker_processes else "",
-                compute_slots=config.concurrent_workers,
+                # A semaphore only where the bound can be exceeded: fewer compute slots than worker processes.
+                compute_slots=config.concurrent_workers if config.concurrent_workers < config.worker_processes else 0,
                 seqs_per_worker=config.seqs_per_worker if config.batched else 0,
                 huge_pages=config.loads_in_huge_pages,
                 background_nice=config.background_nice,
@@ -112,12 +111,13 @@ def build_pool(config: ServeConfig, info: ShardInfo, kinds: tuple[type, type] | 
             request_timeout_s=config.request_timeout_s,
             direct=config.uses_direct_channels,
             kinds=kinds,
+            compute_record=str(compute_semaphore_path(config.socket)),
         )
     )
 
 
 def compute_semaphore_path(socket: pathlib.Path) -> pathlib.Path:
-    """The file naming the semaphore that bounds the workers computing at once (beside the socket, private)."""
+    """The record of the semaphore that bounds the workers computing at once (beside the socket, private)."""
     return socket.with_name(f".{socket.name}.compute")
 
 

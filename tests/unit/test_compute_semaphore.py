@@ -1,6 +1,6 @@
 """The compute semaphore that bounds how many workers of one daemon compute at once (workers.server.
 compute_semaphore), in plain processes: the bound, a waiter handed whichever unit frees first, a dead holder's unit
-given back by the kernel, and the semaphore a killed daemon left removed by the next."""
+given back by the kernel, the record a live daemon holds, and the semaphore a dead daemon left removed by the next."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import multiprocessing
 import os
 import pathlib
 import signal
+import time
 
 import pytest
 
@@ -18,26 +19,43 @@ HANG_GUARD_S = 600
 
 
 def _listed(semaphore_id: int) -> bool:
-    return any(line.split()[1] == str(semaphore_id) for line in compute_semaphore.SEMAPHORES_TABLE.read_text().splitlines()[1:])
+    return compute_semaphore._listed_as(semaphore_id) != ""
+
+
+def _waiters_reach(semaphore_id: int, count: int) -> None:
+    """Wait (hang guard) until `count` processes wait for a unit: a waiter that has not asked yet proves nothing."""
+    deadline = time.monotonic() + HANG_GUARD_S
+    while compute_semaphore.waiting(semaphore_id) < count:
+        assert time.monotonic() < deadline, f"{count} waiters on {semaphore_id} within {HANG_GUARD_S} s"
+        time.sleep(0.01)
 
 
 @pytest.fixture
-def semaphore_file(tmp_path: pathlib.Path):
-    """Create a semaphore of n units as the pool does: make(n) -> path; destroyed after the test."""
-    made = []
+def semaphores(tmp_path: pathlib.Path):
+    """Create a semaphore of n units as the pool does: make(n, name) -> Created; every one destroyed after the test
+    (also one a test dropped as a killed daemon would: removed by id)."""
+    made: list[compute_semaphore.Created] = []
 
-    def make(units: int) -> str:
-        path = str(tmp_path / f"compute-{len(made)}")
-        made.append((path, compute_semaphore.create(path, units)))
-        return path
+    def make(units: int, name: str = "compute") -> compute_semaphore.Created:
+        made.append(compute_semaphore.create(str(tmp_path / name), units))
+        return made[-1]
 
     yield make
-    for path, semaphore_id in made:
-        compute_semaphore.destroy(path, semaphore_id)
+    for created in made:
+        if created.descriptor >= 0:
+            compute_semaphore.destroy(created)
+        else:  # dropped
+            compute_semaphore.remove(created.id)
 
 
-def _hold(path: str, ready, release) -> None:
-    with ComputeSemaphore(path):
+def _killed(created: compute_semaphore.Created) -> None:
+    """What a daemon killed with its workers leaves: the record unlocked (its descriptor closed by the kernel)."""
+    os.close(created.descriptor)
+    created.descriptor = -1
+
+
+def _hold(semaphore_id: int, ready, release) -> None:
+    with ComputeSemaphore(semaphore_id):
         ready.set()
         if release is None:
             signal.pause()  # killed while holding its unit
@@ -47,14 +65,14 @@ def _hold(path: str, ready, release) -> None:
 
 @pytest.fixture
 def holders():
-    """Start a process that takes a unit and holds it: holder(path, killed=...) -> (process, ready, release); every
-    one still running is killed after the test."""
+    """Start a process that takes a unit and holds it: holder(semaphore_id, killed=...) -> (process, ready, release);
+    every one still running is killed after the test."""
     context = multiprocessing.get_context("fork")  # no resource tracker process left behind
     started = []
 
-    def holder(path: str, *, killed: bool = False):
+    def holder(semaphore_id: int, *, killed: bool = False):
         ready, release = context.Event(), None if killed else context.Event()
-        process = context.Process(target=_hold, args=(path, ready, release))
+        process = context.Process(target=_hold, args=(semaphore_id, ready, release))
         process.start()
         started.append(process)
         return process, ready, release
@@ -66,12 +84,13 @@ def holders():
         process.join(HANG_GUARD_S)
 
 
-def test_the_semaphore_bounds_the_workers_computing_and_a_dead_holders_unit_comes_back(semaphore_file, holders):
-    path = semaphore_file(1)
-    holder, holder_ready, _ = holders(path, killed=True)
+def test_the_semaphore_bounds_the_workers_computing_and_a_dead_holders_unit_comes_back(semaphores, holders):
+    semaphore = semaphores(1)
+    holder, holder_ready, _ = holders(semaphore.id, killed=True)
     assert holder_ready.wait(HANG_GUARD_S)
-    waiter, waiter_ready, release = holders(path)
-    assert not waiter_ready.wait(0.5)  # the one unit is held
+    waiter, waiter_ready, release = holders(semaphore.id)
+    _waiters_reach(semaphore.id, 1)
+    assert not waiter_ready.is_set()  # the one unit is held
     os.kill(holder.pid, signal.SIGKILL)  # SEM_UNDO: the kernel gives its unit back
     holder.join(HANG_GUARD_S)
     assert waiter_ready.wait(HANG_GUARD_S)
@@ -81,66 +100,73 @@ def test_the_semaphore_bounds_the_workers_computing_and_a_dead_holders_unit_come
 
 
 @pytest.mark.parametrize("freed", [0, 1])
-def test_a_waiter_takes_whichever_unit_frees_first(semaphore_file, holders, freed):
-    """Two units, both held: the waiter goes on when either holder lets go (the file locks before stop 55 made it
+def test_a_waiter_takes_whichever_unit_frees_first(semaphores, holders, freed):
+    """Two units, both held: the waiter goes on when either holder lets go (the fcntl locks before stop 55 made it
     wait for one chosen in advance, even while the other stood free)."""
-    path = semaphore_file(2)
-    held = [holders(path) for _ in range(2)]
+    semaphore = semaphores(2)
+    held = [holders(semaphore.id) for _ in range(2)]
     for _, ready, _ in held:
         assert ready.wait(HANG_GUARD_S)
-    waiter, waiter_ready, waiter_release = holders(path)
-    assert not waiter_ready.wait(0.5)  # both units held: a third computes only when one frees
+    waiter, waiter_ready, waiter_release = holders(semaphore.id)
+    _waiters_reach(semaphore.id, 1)
+    assert not waiter_ready.is_set()  # both units held: a third computes only when one frees
     process, _, release = held[freed]
     release.set()
     process.join(HANG_GUARD_S)
     assert waiter_ready.wait(HANG_GUARD_S)
-    for _, _, release in [*held, (waiter, waiter_ready, waiter_release)]:
-        release.set()
+    for _, _, each in held:
+        each.set()
+    waiter_release.set()
     waiter.join(HANG_GUARD_S)
     assert waiter.exitcode == 0
 
 
-def test_a_semaphore_a_killed_daemon_left_is_removed_by_the_next_and_destroy_removes_its_own(tmp_path):
+def test_a_live_daemons_record_is_refused_to_another_and_a_dead_ones_semaphore_is_removed(semaphores, tmp_path):
     path = str(tmp_path / "compute")
-    left = compute_semaphore.create(path, 2)  # its daemon killed: never destroyed
-    assert _listed(left)
-    again = compute_semaphore.create(path, 2)
-    assert not _listed(left) and _listed(again)
-    assert pathlib.Path(path).read_text().split()[0] == str(again)
-    compute_semaphore.destroy(path, again)
-    assert not _listed(again) and not pathlib.Path(path).exists()
-    with pytest.raises(FileNotFoundError):
-        ComputeSemaphore(path)
+    live = semaphores(2)
+    with pytest.raises(ComputeSemaphoreError, match="another daemon holds"):
+        compute_semaphore.create(path, 2)  # one starting on the same socket while the first starts
+    compute_semaphore.clear_left_behind(path)  # nor does a daemon with no bound touch it
+    assert _listed(live.id) and pathlib.Path(path).read_text().split()[0] == str(live.id)
+    _killed(live)  # its daemon killed with its workers: the record's lock goes, the semaphore stays
+    assert _listed(live.id)
+    again = semaphores(2)  # the next daemon on the socket
+    assert not _listed(live.id) and _listed(again.id)
+    assert pathlib.Path(path).read_text().split()[0] == str(again.id)
+    compute_semaphore.destroy(again)
+    assert not _listed(again.id) and not pathlib.Path(path).exists()
 
 
-def test_a_file_naming_another_semaphore_leaves_it_alone(tmp_path):
-    """The file's recorded creator and ctime must match the kernel's: an id reused by another's semaphore since is not removed."""
-    other_path, path = str(tmp_path / "other"), str(tmp_path / "compute")
-    other = compute_semaphore.create(other_path, 1)
-    try:
-        pathlib.Path(path).write_text(f"{other} 0:1\n")  # the same id, another creation
-        mine = compute_semaphore.create(path, 1)
-        assert _listed(other)
-        compute_semaphore.destroy(path, mine)
-    finally:
-        compute_semaphore.destroy(other_path, other)
+def test_a_daemon_with_no_bound_clears_a_dead_ones_semaphore(semaphores, tmp_path):
+    left = semaphores(1)
+    _killed(left)
+    compute_semaphore.clear_left_behind(left.path)
+    assert not _listed(left.id) and not pathlib.Path(left.path).exists()
+    compute_semaphore.clear_left_behind(left.path)  # nothing there: nothing to do
 
 
-def test_a_file_that_names_no_semaphore_is_a_typed_error_for_a_worker_and_replaced_by_the_pool(tmp_path):
-    path = tmp_path / "compute"
-    path.write_text("not an id\n")
-    with pytest.raises(ComputeSemaphoreError):
-        ComputeSemaphore(str(path))
-    made = compute_semaphore.create(str(path), 1)
-    with ComputeSemaphore(str(path)):
-        pass
-    compute_semaphore.destroy(str(path), made)
+def test_a_record_naming_another_semaphore_leaves_it_alone(semaphores, tmp_path):
+    """The record's creator and ctime must be the kernel's: an id another semaphore has since is not removed."""
+    other = semaphores(1, "other")
+    creator, ctime = compute_semaphore._listed_as(other.id).split(":")
+    for stale in (f"{other.id} {creator}:{int(ctime) - 1}", f"{other.id}", "not an id"):  # another ctime; no listing recorded; garbage
+        (tmp_path / "compute").write_text(stale + "\n")
+        mine = semaphores(1)
+        assert _listed(other.id) and _listed(mine.id)
+        compute_semaphore.destroy(mine)
 
 
-def test_a_worker_whose_semaphore_was_removed_gets_a_typed_error(tmp_path):
-    path = str(tmp_path / "compute")
-    semaphore_id = compute_semaphore.create(path, 1)
-    semaphore = ComputeSemaphore(path)
-    compute_semaphore.destroy(path, semaphore_id)
-    with pytest.raises(ComputeSemaphoreError), semaphore:
+def test_units_out_of_range_are_refused_and_leave_nothing(tmp_path):
+    for units in (0, compute_semaphore.MAX_UNITS + 1):
+        with pytest.raises(ComputeSemaphoreError, match="1 to 32767 units"):
+            compute_semaphore.create(str(tmp_path / "compute"), units)
+    assert not (tmp_path / "compute").exists()
+
+
+def test_a_worker_whose_semaphore_was_removed_while_held_lets_go_quietly_and_cannot_take_it_again(semaphores):
+    semaphore = semaphores(1)
+    worker_side = ComputeSemaphore(semaphore.id)
+    with worker_side:
+        compute_semaphore.remove(semaphore.id)  # the daemon gone (a worker that found its supervisor dead removed it)
+    with pytest.raises(ComputeSemaphoreError), worker_side:
         pass

@@ -7,6 +7,7 @@ watchdog thread, as soon as its parent process changes (the supervisor died, eve
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import os
@@ -20,6 +21,7 @@ from multiprocessing.connection import Connection
 import msgspec
 
 from workers.runtime.model import ShardModel
+from workers.server import compute_semaphore
 from workers.server.batched_server import BatchedWorkerServer
 from workers.server.commands import AnyCommand, Exit, Failed, Ready
 from workers.server.direct import DirectChannel
@@ -30,6 +32,7 @@ from workers.server.single import WorkerServer
 from workers.server.spec import WorkerSpec
 
 PARENT_CHECK_INTERVAL_S = 0.2
+ORPHAN_WAIT_S = 2.0  # after the pipe's EOF, how long the re-parenting that follows a supervisor's death is looked for
 # glibc's mmap threshold, fixed at its default (128 KiB). Left dynamic, glibc raises it to the size of each
 # mmap'd block freed (up to 32 MiB), so after the first context is freed the next one's KV cache and
 # buffers come from the heap, where what it frees stays resident by its history: the start-up probe read
@@ -41,15 +44,30 @@ M_MMAP_THRESHOLD = -3  # <malloc.h>
 MMAP_THRESHOLD_BYTES = 128 * 1024
 
 
-def _exit_with_parent(parent_pid: int) -> None:
-    """Exit the whole process as soon as `parent_pid` is no longer our parent (it died: we were re-parented)."""
+def _orphaned(parent_pid: int, semaphore_id: int, *, within_s: float = 0.0) -> bool:
+    """Whether `parent_pid` is no longer our parent (it died: we were re-parented), looking for up to `within_s`;
+    if so, remove the daemon's compute semaphore (`semaphore_id`; -1: none), which the kernel would keep (the
+    first of the workers to find the supervisor gone removes it; the rest find it gone)."""
+    deadline = time.monotonic() + within_s
+    while os.getppid() == parent_pid:
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.01)
+    if semaphore_id >= 0:
+        with contextlib.suppress(OSError):
+            compute_semaphore.remove(semaphore_id)
+    return True
+
+
+def _exit_with_parent(parent_pid: int, semaphore_id: int) -> None:
+    """Exit the whole process as soon as `parent_pid` is no longer our parent (_orphaned)."""
 
     def watch() -> None:
-        while os.getppid() == parent_pid:
+        while not _orphaned(parent_pid, semaphore_id):
             time.sleep(PARENT_CHECK_INTERVAL_S)
         os._exit(1)
 
-    if os.getppid() != parent_pid:
+    if _orphaned(parent_pid, semaphore_id):
         os._exit(1)
     threading.Thread(target=watch, name="kvpool-parent-watch", daemon=True).start()
 
@@ -65,7 +83,8 @@ def fix_allocator() -> bool:
 def worker_main(connection: Connection, spec: WorkerSpec, cancel_connection: Connection | None = None, *, idle_spin: str = "") -> None:
     """`idle_spin`: what workers.server.spin.set_idle_spin set before llama.cpp loaded, reported in Ready."""
     fix_allocator()
-    _exit_with_parent(spec.parent_pid)
+    semaphore_id = spec.compute_semaphore if spec.compute_slots else -1
+    _exit_with_parent(spec.parent_pid, semaphore_id)
     # The supervisor owns shutdown: a terminal's Ctrl-C reaches the whole process group.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     encoder = msgspec.msgpack.Encoder()
@@ -117,7 +136,8 @@ def worker_main(connection: Connection, spec: WorkerSpec, cancel_connection: Con
         if spec.direct_address else None
     )
     try:
-        _obey(connection, server, channel, selector)
+        if _obey(connection, server, channel, selector) == "eof":  # the supervisor is gone: the kernel re-parents us a moment after
+            _orphaned(spec.parent_pid, semaphore_id, within_s=ORPHAN_WAIT_S)
     finally:
         # Every view of the segment goes before it closes (a view left over makes close() fail).
         if channel is not None:
@@ -130,8 +150,9 @@ def worker_main(connection: Connection, spec: WorkerSpec, cancel_connection: Con
             warm_block.close()
 
 
-def _obey(connection: Connection, server: WorkerServer | BatchedWorkerServer, channel: DirectChannel | None, selector: selectors.BaseSelector) -> None:
-    """Obey the pipe, and serve the direct channel between its commands, until Exit or the pipe's EOF. The
+def _obey(connection: Connection, server: WorkerServer | BatchedWorkerServer, channel: DirectChannel | None, selector: selectors.BaseSelector) -> str:
+    """Obey the pipe, and serve the direct channel between its commands, until Exit or the pipe's EOF (which of
+    them it was: "exit" or "eof"). The
     loop never waits on a peer (workers.server.direct): only in select, where the time counts against the frames
     passing on the channel."""
     encoder = msgspec.msgpack.Encoder()
@@ -152,10 +173,10 @@ def _obey(connection: Connection, server: WorkerServer | BatchedWorkerServer, ch
             try:
                 with received_command(connection, decoder) as command:
                     if isinstance(command, Exit):
-                        return
+                        return "exit"
                     reply = server.handle(command)
                     send_reply(connection, encoder, reply)  # in the block: a restored state's mapping goes after the reply (0.7 ms at 3.76 MiB)
             except EOFError:
-                return  # the supervisor is gone
+                return "eof"  # the supervisor is gone
         if not events:
             server.idle(time.monotonic())  # nothing came while the worker waited: its idle work, if due

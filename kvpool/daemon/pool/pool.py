@@ -10,6 +10,7 @@ spares for the dead one's other slots).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -31,7 +32,7 @@ class WorkerPool:
         self._spares: dict[int, list[SequenceSlot]] = {}  # a dead batched process (id) -> its successor's unlent slots
         self._lock = threading.Lock()
         self._replace_lock = threading.Lock()
-        self._compute_semaphore: int | None = None  # its id, while the pool has created it
+        self._compute_semaphore: compute_semaphore.Created | None = None  # while the pool has created it
         self.compute: ComputeSlots | None = None  # batched mode: the daemon's compute slots, one per batch (set by the service)
 
     @property
@@ -40,10 +41,11 @@ class WorkerPool:
 
     def start(self) -> Ready:
         """Spawn every worker in parallel and wait for all to be ready; on failure stop them all."""
-        self._create_compute_semaphore()
-        processes = -(-self.spec.size // self.spec.worker.seqs_per_worker) if self.batched else self.spec.size
-        handles = [self._spawn() for _ in range(processes)]
+        handles: list[WorkerHandle] = []
         try:
+            self._create_compute_semaphore()
+            processes = -(-self.spec.size // self.spec.worker.seqs_per_worker) if self.batched else self.spec.size
+            handles.extend(self._spawn() for _ in range(processes))
             with ThreadPoolExecutor(max_workers=len(handles)) as executor:
                 readies = list(executor.map(lambda h: h.wait_ready(self.spec.ready_timeout_s), handles))
         except BaseException:
@@ -62,14 +64,20 @@ class WorkerPool:
         return list(handle.slots) if isinstance(handle, BatchedWorker) else [handle]
 
     def _create_compute_semaphore(self) -> None:
-        """The semaphore that bounds the workers computing at once (workers.server.compute_semaphore; kvpool.daemon.
-        supervisor names its file)."""
-        if self.spec.worker.compute_semaphore_path:
-            self._compute_semaphore = compute_semaphore.create(self.spec.worker.compute_semaphore_path, self.spec.worker.compute_slots)
+        """The semaphore that bounds the workers computing at once (workers.server.compute_semaphore), its id in
+        the spec every worker is spawned with; or, with no bound, the record of one a dead daemon left cleared."""
+        record = self.spec.compute_record
+        if self.spec.worker.compute_slots:
+            require(bool(record), "a compute bound needs PoolSpec.compute_record")
+            self._compute_semaphore = compute_semaphore.create(record, self.spec.worker.compute_slots)
+            worker = dataclasses.replace(self.spec.worker, compute_semaphore=self._compute_semaphore.id)
+            self.spec = dataclasses.replace(self.spec, worker=worker)
+        elif record:
+            compute_semaphore.clear_left_behind(record)
 
     def _destroy_compute_semaphore(self) -> None:
         if self._compute_semaphore is not None:
-            compute_semaphore.destroy(self.spec.worker.compute_semaphore_path, self._compute_semaphore)
+            compute_semaphore.destroy(self._compute_semaphore)
             self._compute_semaphore = None
 
     def _next_number(self) -> int:
