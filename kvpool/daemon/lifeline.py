@@ -21,6 +21,8 @@ from multiprocessing import resource_tracker
 
 import psutil
 
+from workers.server import compute_semaphore
+
 GRACE_S = 3.0
 
 log = logging.getLogger("kvpool.serve")
@@ -54,6 +56,7 @@ def watch_lifeline(fd: int, *, socket_path: pathlib.Path, grace_s: float = GRACE
         os.kill(os.getpid(), signal.SIGINT)  # SIGTERM would drain: nobody is left to come back
         time.sleep(grace_s)
         log.warning("not stopped after %g s: killing the workers and exiting", grace_s)
+        compute_semaphore.remove_created()  # which the kernel would keep, and the pool's close will not remove now
         _kill_children()
         with contextlib.suppress(OSError):
             socket_path.unlink()

@@ -111,13 +111,14 @@ def build_pool(config: ServeConfig, info: ShardInfo, kinds: tuple[type, type] | 
             request_timeout_s=config.request_timeout_s,
             direct=config.uses_direct_channels,
             kinds=kinds,
-            compute_record=str(compute_semaphore_path(config.socket)),
+            compute_records=str(compute_semaphore_records(config.socket)),
         )
     )
 
 
-def compute_semaphore_path(socket: pathlib.Path) -> pathlib.Path:
-    """The record of the semaphore that bounds the workers computing at once (beside the socket, private)."""
+def compute_semaphore_records(socket: pathlib.Path) -> pathlib.Path:
+    """The prefix of the records of the semaphores that bound the workers computing at once: each daemon's is
+    this and its pid (beside the socket, private; workers.server.compute_semaphore)."""
     return socket.with_name(f".{socket.name}.compute")
 
 

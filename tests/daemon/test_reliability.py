@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pathlib
 import signal
 import subprocess
 import sys
@@ -23,7 +24,7 @@ import psutil
 import pytest
 
 from kvpool.client.client import Client, KvpoolError
-from kvpool.daemon.supervisor import compute_semaphore_path
+from kvpool.daemon.supervisor import compute_semaphore_records
 from kvpool.launcher import Daemon, start_daemons
 from kvpool.shard.bundled import bundled_model_path
 from tests.support.daemons import DaemonProcess
@@ -121,8 +122,13 @@ def _semaphore_listed(semaphore_id: int) -> bool:
     return compute_semaphore._listed_as(semaphore_id) != ""
 
 
-def _recorded_semaphore(socket_path) -> int:
-    return int(compute_semaphore_path(socket_path).read_text().split()[0])
+def _recorded_semaphore(daemon: DaemonProcess) -> int:
+    return int(pathlib.Path(f"{compute_semaphore_records(daemon.socket)}.{daemon.process.pid}").read_text().split()[0])
+
+
+def _records(socket_path) -> list[str]:
+    prefix = compute_semaphore_records(socket_path)
+    return sorted(name for name in os.listdir(prefix.parent) if name.startswith(prefix.name + "."))
 
 
 def test_a_killed_supervisor_takes_its_workers_and_segments_and_a_new_daemon_replaces_its_socket(shards, socket_dir):
@@ -130,7 +136,7 @@ def test_a_killed_supervisor_takes_its_workers_and_segments_and_a_new_daemon_rep
     path = socket_dir / "killed.sock"
     before = set(os.listdir("/dev/shm"))
     killed = DaemonProcess(shards[0].path, path, *SMALL)  # 1 thread, 2 workers: a semaphore of one unit bounds them
-    left = _recorded_semaphore(path)
+    left = _recorded_semaphore(killed)
     assert _semaphore_listed(left)
     workers = killed.worker_pids()
     segments = {name for name in set(os.listdir("/dev/shm")) - before if name.startswith("psm_")}
@@ -143,8 +149,8 @@ def test_a_killed_supervisor_takes_its_workers_and_segments_and_a_new_daemon_rep
     assert path.exists()  # a killed daemon cannot remove its socket file
     assert not _semaphore_listed(left)  # its workers did, before they exited
     replacement = DaemonProcess(shards[0].path, path, *SMALL)  # nothing answers there: the file is replaced
-    own = _recorded_semaphore(path)
-    assert _semaphore_listed(own)
+    own = _recorded_semaphore(replacement)
+    assert _semaphore_listed(own) and _records(path) == [f".killed.sock.compute.{replacement.process.pid}"]  # the dead one's record cleared
     try:
         with replacement.client() as client:
             assert client.append("after", 1, 0, tokens=[1, 2]).length == 2
@@ -156,17 +162,17 @@ def test_a_killed_supervisor_takes_its_workers_and_segments_and_a_new_daemon_rep
         assert refused.stderr.strip() == f"kvpool serve: error: another daemon is serving on {path}"
         with replacement.client() as client:
             assert client.stats().sessions[0].length == 2  # the live daemon was not disturbed
-        assert _recorded_semaphore(path) == own  # nor its semaphore
+        assert _recorded_semaphore(replacement) == own  # nor its semaphore
     finally:
         replacement.stop()
         killed.stop()
-    assert not _semaphore_listed(own) and not compute_semaphore_path(path).exists()  # a stopped daemon removes its own
+    assert not _semaphore_listed(own) and _records(path) == []  # a stopped daemon removes its own
 
 
 def test_a_daemon_killed_with_its_workers_leaves_its_semaphore_and_the_next_on_the_socket_removes_it(shards, socket_dir):
     path = socket_dir / "killed.sock"
     killed = DaemonProcess(shards[0].path, path, *SMALL)
-    left = _recorded_semaphore(path)
+    left = _recorded_semaphore(killed)
     workers = killed.worker_pids()
     os.kill(killed.process.pid, signal.SIGSTOP)  # it replaces no worker now
     for pid in workers:
@@ -177,7 +183,7 @@ def test_a_daemon_killed_with_its_workers_leaves_its_semaphore_and_the_next_on_t
     assert _semaphore_listed(left)  # nobody removed it
     replacement = DaemonProcess(shards[0].path, path, *SMALL)
     try:
-        own = _recorded_semaphore(path)
+        own = _recorded_semaphore(replacement)
         assert own != left and _semaphore_listed(own) and not _semaphore_listed(left)
         with replacement.client() as client:
             assert client.append("after", 1, 0, tokens=[1, 2]).length == 2
@@ -185,7 +191,7 @@ def test_a_daemon_killed_with_its_workers_leaves_its_semaphore_and_the_next_on_t
         replacement.stop()
         killed.stop()
         compute_semaphore.remove(left)  # the test's own leak, were the daemon not to remove it
-    assert not _semaphore_listed(own)
+    assert not _semaphore_listed(own) and _records(path) == []
 
 
 # ---- 2. the smaller defects ------------------------------------------------------------------------------

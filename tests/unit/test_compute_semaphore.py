@@ -1,9 +1,10 @@
 """The compute semaphore that bounds how many workers of one daemon compute at once (workers.server.
 compute_semaphore), in plain processes: the bound, a waiter handed whichever unit frees first, a dead holder's unit
-given back by the kernel, the record a live daemon holds, and the semaphore a dead daemon left removed by the next."""
+given back by the kernel, a live daemon's record left alone, and the semaphore a dead daemon left removed by the next."""
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import pathlib
@@ -36,7 +37,7 @@ def semaphores(tmp_path: pathlib.Path):
     (also one a test dropped as a killed daemon would: removed by id)."""
     made: list[compute_semaphore.Created] = []
 
-    def make(units: int, name: str = "compute") -> compute_semaphore.Created:
+    def make(units: int, name: str = "compute") -> compute_semaphore.Created:  # recorded at tmp_path/<name>.<pid>
         made.append(compute_semaphore.create(str(tmp_path / name), units))
         return made[-1]
 
@@ -121,28 +122,50 @@ def test_a_waiter_takes_whichever_unit_frees_first(semaphores, holders, freed):
     assert waiter.exitcode == 0
 
 
-def test_a_live_daemons_record_is_refused_to_another_and_a_dead_ones_semaphore_is_removed(semaphores, tmp_path):
-    path = str(tmp_path / "compute")
-    live = semaphores(2)
-    with pytest.raises(ComputeSemaphoreError, match="another daemon holds"):
-        compute_semaphore.create(path, 2)  # one starting on the same socket while the first starts
-    compute_semaphore.clear_left_behind(path)  # nor does a daemon with no bound touch it
-    assert _listed(live.id) and pathlib.Path(path).read_text().split()[0] == str(live.id)
-    _killed(live)  # its daemon killed with its workers: the record's lock goes, the semaphore stays
-    assert _listed(live.id)
-    again = semaphores(2)  # the next daemon on the socket
-    assert not _listed(live.id) and _listed(again.id)
-    assert pathlib.Path(path).read_text().split()[0] == str(again.id)
-    compute_semaphore.destroy(again)
-    assert not _listed(again.id) and not pathlib.Path(path).exists()
+def _daemon(prefix: str, made, stop) -> None:
+    created = compute_semaphore.create(prefix, 2)
+    made.put(created.id)
+    stop.wait()  # no timeout of its own: the test kills it
+
+
+def test_a_live_daemons_record_is_left_alone_and_a_killed_ones_semaphore_is_removed_by_the_next(semaphores, tmp_path):
+    """Another daemon on the socket (a process of its own) keeps its semaphore while it lives, whatever starts beside
+    it; killed with its workers (nothing removed it), the next daemon's start removes it and its record."""
+    prefix = str(tmp_path / "compute")
+    context = multiprocessing.get_context("fork")
+    made, stop = context.Queue(), context.Event()
+    other = context.Process(target=_daemon, args=(prefix, made, stop))
+    other.start()
+    try:
+        theirs = made.get(timeout=HANG_GUARD_S)
+        mine = semaphores(2)  # a daemon starting while the other still stops (or starts): not kept waiting
+        compute_semaphore.clear_left_behind(prefix)  # nor does a daemon with no bound touch the other's
+        assert _listed(theirs) and _listed(mine.id)
+        assert sorted(os.listdir(tmp_path)) == sorted([f"compute.{other.pid}", f"compute.{os.getpid()}"])
+        os.kill(other.pid, signal.SIGKILL)  # killed with its workers: the record's lock goes, the semaphore stays
+        other.join(HANG_GUARD_S)
+        assert _listed(theirs)
+        compute_semaphore.destroy(mine)
+        again = semaphores(2)  # the next daemon on the socket
+        assert not _listed(theirs) and _listed(again.id)
+        assert os.listdir(tmp_path) == [f"compute.{os.getpid()}"]
+        assert pathlib.Path(again.path).read_text().split()[0] == str(again.id)
+        compute_semaphore.destroy(again)
+        assert not _listed(again.id) and os.listdir(tmp_path) == []
+    finally:
+        if other.is_alive():
+            other.kill()
+        other.join(HANG_GUARD_S)
+        with contextlib.suppress(NameError):
+            compute_semaphore.remove(theirs)
 
 
 def test_a_daemon_with_no_bound_clears_a_dead_ones_semaphore(semaphores, tmp_path):
     left = semaphores(1)
     _killed(left)
-    compute_semaphore.clear_left_behind(left.path)
+    compute_semaphore.clear_left_behind(str(tmp_path / "compute"))
     assert not _listed(left.id) and not pathlib.Path(left.path).exists()
-    compute_semaphore.clear_left_behind(left.path)  # nothing there: nothing to do
+    compute_semaphore.clear_left_behind(str(tmp_path / "compute"))  # nothing there: nothing to do
 
 
 def test_a_record_naming_another_semaphore_leaves_it_alone(semaphores, tmp_path):
@@ -150,17 +173,25 @@ def test_a_record_naming_another_semaphore_leaves_it_alone(semaphores, tmp_path)
     other = semaphores(1, "other")
     creator, ctime = compute_semaphore._listed_as(other.id).split(":")
     for stale in (f"{other.id} {creator}:{int(ctime) - 1}", f"{other.id}", "not an id"):  # another ctime; no listing recorded; garbage
-        (tmp_path / "compute").write_text(stale + "\n")
+        (tmp_path / "compute.1").write_text(stale + "\n")  # a dead daemon's record, pid 1
         mine = semaphores(1)
-        assert _listed(other.id) and _listed(mine.id)
+        assert _listed(other.id) and _listed(mine.id) and not (tmp_path / "compute.1").exists()
         compute_semaphore.destroy(mine)
+
+
+def test_a_process_that_exits_without_its_pools_close_removes_what_it_created(semaphores):
+    """The lifeline's last resort (kvpool.daemon.lifeline) before it kills the workers and exits."""
+    first, second = semaphores(1, "a"), semaphores(2, "b")
+    compute_semaphore.destroy(first)
+    compute_semaphore.remove_created()
+    assert not _listed(second.id)
 
 
 def test_units_out_of_range_are_refused_and_leave_nothing(tmp_path):
     for units in (0, compute_semaphore.MAX_UNITS + 1):
         with pytest.raises(ComputeSemaphoreError, match="1 to 32767 units"):
             compute_semaphore.create(str(tmp_path / "compute"), units)
-    assert not (tmp_path / "compute").exists()
+    assert os.listdir(tmp_path) == []
 
 
 def test_a_worker_whose_semaphore_was_removed_while_held_lets_go_quietly_and_cannot_take_it_again(semaphores):

@@ -3,12 +3,14 @@ creates it and gives its id to every worker it spawns; a worker takes a unit bef
 after. A waiter gets whichever unit frees first (the kernel hands it over), and a worker's operations are taken
 with SEM_UNDO, so the kernel gives back a unit whose holder died holding it.
 
-The kernel keeps a semaphore until someone removes it, so three things do: the pool when it closes; every worker
-that finds its supervisor gone (the supervisor was killed: the first to look removes it, workers.server.main); and,
-where those could not (the workers killed with it), the next daemon on the socket. For that a record beside the
-socket names the semaphore (its id, creator and ctime as /proc/sysvipc/sem lists them), flock'ed by the daemon
-for as long as it lives: a record nobody holds names a semaphore left behind, removed if the kernel still lists
-it as recorded (else the id is another's since, or the table cannot be read: left alone)."""
+The kernel keeps a semaphore until someone removes it, so four things do: the pool when it closes; the lifeline
+when it gives up waiting for the pool (kvpool.daemon.lifeline: remove_created); every worker that finds its
+supervisor gone (the supervisor was killed: the first to look removes it, workers.server.main); and, where none of
+those could (the workers killed with it), the next daemon started on the socket. For that each daemon records its
+semaphore beside the socket (`<prefix>.<pid>`: its id, creator and ctime as /proc/sysvipc/sem lists them) and
+holds the record flock'ed for as long as it lives; a record nobody holds names a semaphore left behind, removed if
+the kernel still lists it as recorded (else the id is another's since, or the table cannot be read: left alone).
+One record per daemon: a daemon started while the last on the socket still stops is not kept waiting."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import ctypes
 import ctypes.util
 import errno
 import fcntl
+import glob
 import os
 import pathlib
 from dataclasses import dataclass
@@ -42,8 +45,10 @@ _libc.semctl.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int]  # the comman
 
 
 class ComputeSemaphoreError(OSError):
-    """The compute semaphore could not be created, used or removed (the system's limits, a removed semaphore,
-    another daemon holding the record)."""
+    """The compute semaphore could not be created, used or removed (the system's limits, a removed semaphore)."""
+
+    def __str__(self) -> str:
+        return self.strerror or super().__str__()
 
 
 def _failed(what: str) -> ComputeSemaphoreError:
@@ -82,16 +87,16 @@ def _listed_as(semaphore_id: int) -> str:
     return ""
 
 
-def _hold_record(path: str) -> int:
-    """Open the record at path (created if missing) and flock it; ComputeSemaphoreError when a live daemon holds it.
-    A record unlinked between the open and the lock (its holder closing) is opened again."""
+def _hold_record(path: str) -> int | None:
+    """Open the record at path (created if missing) and flock it; None when a live daemon holds it. A record
+    unlinked between the open and the lock (its holder letting go) is opened again."""
     while True:
         descriptor = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(descriptor)
-            raise ComputeSemaphoreError(errno.EBUSY, f"another daemon holds {path} (its compute semaphore's record): is one starting on this socket?") from None
+            return None
         except BaseException:
             os.close(descriptor)
             raise
@@ -110,29 +115,49 @@ def _remove_recorded(descriptor: int) -> None:
             remove(semaphore_id)
 
 
+def clear_left_behind(prefix: str) -> None:
+    """Remove what dead daemons left under `prefix` (the records nobody holds, and the semaphores they name); a
+    live daemon's record is left alone. Every daemon does it as it starts, with a bound or not."""
+    for path in glob.glob(glob.escape(prefix) + ".*"):
+        descriptor = _hold_record(path)
+        if descriptor is None:
+            continue
+        try:
+            _remove_recorded(descriptor)
+            os.unlink(path)
+        finally:
+            os.close(descriptor)
+
+
 @dataclass
 class Created:
-    """A semaphore the pool created, and its record (held until destroy)."""
+    """A semaphore this process created, and its record (held until destroy)."""
 
     id: int
     path: str
     descriptor: int
 
 
-def create(path: str, units: int) -> Created:
-    """A semaphore of `units` units, recorded at path (a semaphore a record nobody holds names is removed first)."""
+_created: dict[int, Created] = {}  # what this process created and has not destroyed (remove_created)
+
+
+def create(prefix: str, units: int) -> Created:
+    """A semaphore of `units` units, recorded at `<prefix>.<pid>`, after clear_left_behind(prefix)."""
     if not 1 <= units <= MAX_UNITS:
         raise ComputeSemaphoreError(errno.EINVAL, f"a compute semaphore has 1 to {MAX_UNITS} units, not {units}")
+    clear_left_behind(prefix)
+    path = f"{prefix}.{os.getpid()}"
     descriptor = _hold_record(path)
+    if descriptor is None:  # the pid is this process's: nobody else can hold it
+        raise ComputeSemaphoreError(errno.EBUSY, f"{path} is held by another process")
     try:
-        _remove_recorded(descriptor)
         semaphore_id = _libc.semget(IPC_PRIVATE, 1, IPC_CREAT | 0o600)
         if semaphore_id < 0:
             raise _failed("semget (the system's limits: sysctl kernel.sem)")
         try:
-            _operate(semaphore_id, units, 0)  # no SEM_UNDO: the units outlive this call
             os.ftruncate(descriptor, 0)
-            os.pwrite(descriptor, f"{semaphore_id} {_listed_as(semaphore_id)}\n".encode(), 0)
+            os.pwrite(descriptor, f"{semaphore_id} {_listed_as(semaphore_id)}\n".encode(), 0)  # recorded first: a kill from here leaks nothing
+            _operate(semaphore_id, units, 0)  # no SEM_UNDO: the units outlive this call
         except BaseException:
             remove(semaphore_id)
             raise
@@ -141,13 +166,15 @@ def create(path: str, units: int) -> Created:
             os.unlink(path)
         os.close(descriptor)
         raise
-    return Created(semaphore_id, path, descriptor)
+    _created[semaphore_id] = created = Created(semaphore_id, path, descriptor)
+    return created
 
 
 def destroy(created: Created) -> None:
-    """Remove the semaphore and its record (still this daemon's: it holds it); a second call does nothing."""
+    """Remove the semaphore and its record (this process's: it holds it); a second call does nothing."""
     if created.descriptor < 0:
         return
+    _created.pop(created.id, None)
     try:
         remove(created.id)
     finally:
@@ -157,18 +184,12 @@ def destroy(created: Created) -> None:
         created.descriptor = -1
 
 
-def clear_left_behind(path: str) -> None:
-    """What a daemon that needs no semaphore does with the record at path: remove what a dead daemon left (nothing
-    when there is no record or a live daemon holds it)."""
-    if not os.path.exists(path):
-        return
-    with contextlib.suppress(ComputeSemaphoreError):
-        descriptor = _hold_record(path)
-        try:
-            _remove_recorded(descriptor)
-            os.unlink(path)
-        finally:
-            os.close(descriptor)
+def remove_created() -> None:
+    """Remove every semaphore this process created and has not destroyed, as a process about to exit without
+    its pool's close does (their records stay: the next daemon on the socket finds them naming nothing)."""
+    for semaphore_id in list(_created):
+        with contextlib.suppress(OSError):
+            remove(semaphore_id)
 
 
 class ComputeSemaphore:

@@ -32,7 +32,7 @@ from workers.server.single import WorkerServer
 from workers.server.spec import WorkerSpec
 
 PARENT_CHECK_INTERVAL_S = 0.2
-ORPHAN_WAIT_S = 2.0  # after the pipe's EOF, how long the re-parenting that follows a supervisor's death is looked for
+ORPHAN_WAIT_S = 10.0  # after the pipe's EOF, how long the re-parenting that follows a supervisor's death is looked for
 # glibc's mmap threshold, fixed at its default (128 KiB). Left dynamic, glibc raises it to the size of each
 # mmap'd block freed (up to 32 MiB), so after the first context is freed the next one's KV cache and
 # buffers come from the heap, where what it frees stays resident by its history: the start-up probe read

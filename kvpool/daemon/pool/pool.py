@@ -65,10 +65,10 @@ class WorkerPool:
 
     def _create_compute_semaphore(self) -> None:
         """The semaphore that bounds the workers computing at once (workers.server.compute_semaphore), its id in
-        the spec every worker is spawned with; or, with no bound, the record of one a dead daemon left cleared."""
-        record = self.spec.compute_record
+        the spec every worker is spawned with; with no bound, what dead daemons on the socket left is cleared all the same."""
+        record = self.spec.compute_records
         if self.spec.worker.compute_slots:
-            require(bool(record), "a compute bound needs PoolSpec.compute_record")
+            require(bool(record), "a compute bound needs PoolSpec.compute_records")
             self._compute_semaphore = compute_semaphore.create(record, self.spec.worker.compute_slots)
             worker = dataclasses.replace(self.spec.worker, compute_semaphore=self._compute_semaphore.id)
             self.spec = dataclasses.replace(self.spec, worker=worker)
@@ -192,6 +192,8 @@ class WorkerPool:
         with self._lock:
             self._workers.clear()
             self._spares.clear()
-        for handle in reversed(handles):
-            handle.stop()
-        self._destroy_compute_semaphore()
+        try:
+            for handle in reversed(handles):
+                handle.stop()
+        finally:
+            self._destroy_compute_semaphore()
