@@ -153,20 +153,23 @@ def test_a_new_epoch_that_waits_for_a_prefill_comes_after_its_capture_and_the_pr
 @pytest.mark.parametrize("mode", MODES)
 def test_one_entry_per_prefix_a_longer_offer_covers_a_shorter_and_scopes_never_share(serve, fake_model, mode):
     with serve(fake_model, *mode_flags(mode), *FLAGS).client() as client:
+        # Two places: each admission from the third on evicts, and may find both sessions still busy with their
+        # captures (run after the reply): it waits for room (admit_timeout_s) rather than being refused at once.
+        wait = HANG_GUARD_S
         base = prompt(2, 2 * BLOCK)
         for index in range(3):  # three sessions of the same two blocks: one entry
             tokens = base + [index + 1]
-            client.append(f"s{index}", 1, 0, tokens=tokens, block_digests=chain_digests(tokens, BLOCK))
+            client.append(f"s{index}", 1, 0, tokens=tokens, block_digests=chain_digests(tokens, BLOCK), admit_timeout_s=wait)
         stored(client, base)
         assert client.stats().prefixes.entries == 1
         longer = base + prompt(3, BLOCK) + [5]
-        client.append("long", 1, 0, tokens=longer, block_digests=chain_digests(longer, BLOCK))
+        client.append("long", 1, 0, tokens=longer, block_digests=chain_digests(longer, BLOCK), admit_timeout_s=wait)
         stored(client, longer)
         prefixes = client.stats().prefixes
         assert (prefixes.entries, prefixes.blocks) == (1, 3)  # one prefix held: the third block stored as the two-block entry's child
         assert held(client, base, scope="tenant-b") == 0  # another scope learns nothing
         other = base + [1]
-        client.append("b0", 1, 0, tokens=other, block_digests=chain_digests(other, BLOCK, "tenant-b"), prefix_scope="tenant-b")
+        client.append("b0", 1, 0, tokens=other, block_digests=chain_digests(other, BLOCK, "tenant-b"), prefix_scope="tenant-b", admit_timeout_s=wait)
         stored(client, base, scope="tenant-b")
         assert client.stats().prefixes.entries == 2
         missed = refused(lambda: client.admit_prefix("x", 1, "tenant-c", chain_digests(base, BLOCK, "tenant-c")))
