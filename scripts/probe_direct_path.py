@@ -104,7 +104,7 @@ class StampedWorker:
         spec = WorkerSpec(
             shard_path=str(shard_path), shm_name=self.segment.name, segment=SegmentRegions(input_bytes=N_CTX * 576 * 4, output_bytes=N_CTX * 576 * 4),
             n_threads=1, flash_attn=False, parent_pid=os.getpid(), direct_address=self.address, max_n_ctx=N_CTX,
-            compute_slots=1, compute_semaphore=semaphore_id, worker_index=1,
+            compute_semaphore=semaphore_id, worker_index=1,
         )
         self.stamps_path = stamps_path
         self.process = context.Process(target=stamped_worker, args=(child, spec, child_cancel, stamps_path), daemon=True)

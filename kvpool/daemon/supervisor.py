@@ -98,8 +98,6 @@ def build_pool(config: ServeConfig, info: ShardInfo, kinds: tuple[type, type] | 
                 n_gpu_layers=config.n_gpu_layers,
                 verbose=config.verbose,
                 max_n_ctx=config.n_ctx,
-                # A semaphore only where the bound can be exceeded: fewer compute slots than worker processes.
-                compute_slots=config.concurrent_workers if config.concurrent_workers < config.worker_processes else 0,
                 seqs_per_worker=config.seqs_per_worker if config.batched else 0,
                 huge_pages=config.loads_in_huge_pages,
                 background_nice=config.background_nice,
@@ -111,6 +109,8 @@ def build_pool(config: ServeConfig, info: ShardInfo, kinds: tuple[type, type] | 
             request_timeout_s=config.request_timeout_s,
             direct=config.uses_direct_channels,
             kinds=kinds,
+            # A semaphore only where the bound can be exceeded: fewer compute slots than worker processes.
+            compute_slots=config.concurrent_workers if config.concurrent_workers < config.worker_processes else 0,
             compute_records=str(compute_semaphore_records(config.socket)),
         )
     )

@@ -27,7 +27,7 @@ from kvpool.client.client import Client, KvpoolError
 from kvpool.daemon.supervisor import compute_semaphore_records
 from kvpool.launcher import Daemon, start_daemons
 from kvpool.shard.bundled import bundled_model_path
-from tests.support.daemons import DaemonProcess
+from tests.support.daemons import DaemonProcess, semaphore_listed
 from workers.runtime.model import ShardModel
 from workers.server import compute_semaphore
 from workers.server.segment import LOGIT_ROWS_IN_SEGMENT
@@ -118,10 +118,6 @@ def test_a_daemon_started_from_a_thread_outlives_that_thread_but_not_the_process
         assert daemon.stop() == 0
 
 
-def _semaphore_listed(semaphore_id: int) -> bool:
-    return compute_semaphore._listed_as(semaphore_id) != ""
-
-
 def _recorded_semaphore(daemon: DaemonProcess) -> int:
     return int(pathlib.Path(f"{compute_semaphore_records(daemon.socket)}.{daemon.process.pid}").read_text().split()[0])
 
@@ -137,7 +133,7 @@ def test_a_killed_supervisor_takes_its_workers_and_segments_and_a_new_daemon_rep
     before = set(os.listdir("/dev/shm"))
     killed = DaemonProcess(shards[0].path, path, *SMALL)  # 1 thread, 2 workers: a semaphore of one unit bounds them
     left = _recorded_semaphore(killed)
-    assert _semaphore_listed(left)
+    assert semaphore_listed(left)
     workers = killed.worker_pids()
     segments = {name for name in set(os.listdir("/dev/shm")) - before if name.startswith("psm_")}
     assert len(workers) >= 2 and len(segments) >= 2  # workers and the resource tracker
@@ -147,10 +143,10 @@ def test_a_killed_supervisor_takes_its_workers_and_segments_and_a_new_daemon_rep
     print(f"workers gone {took:.2f} s after SIGKILL of their supervisor")
     _wait_until(lambda: not segments & set(os.listdir("/dev/shm")), "the killed supervisor's segments removed")
     assert path.exists()  # a killed daemon cannot remove its socket file
-    assert not _semaphore_listed(left)  # its workers did, before they exited
+    assert not semaphore_listed(left)  # its workers did, before they exited
     replacement = DaemonProcess(shards[0].path, path, *SMALL)  # nothing answers there: the file is replaced
     own = _recorded_semaphore(replacement)
-    assert _semaphore_listed(own) and _records(path) == [f".killed.sock.compute.{replacement.process.pid}"]  # the dead one's record cleared
+    assert semaphore_listed(own) and _records(path) == [f".killed.sock.compute.{replacement.process.pid}"]  # the dead one's record cleared
     try:
         with replacement.client() as client:
             assert client.append("after", 1, 0, tokens=[1, 2]).length == 2
@@ -166,7 +162,7 @@ def test_a_killed_supervisor_takes_its_workers_and_segments_and_a_new_daemon_rep
     finally:
         replacement.stop()
         killed.stop()
-    assert not _semaphore_listed(own) and _records(path) == []  # a stopped daemon removes its own
+    assert not semaphore_listed(own) and _records(path) == []  # a stopped daemon removes its own
 
 
 def test_a_daemon_killed_with_its_workers_leaves_its_semaphore_and_the_next_on_the_socket_removes_it(shards, socket_dir):
@@ -180,18 +176,18 @@ def test_a_daemon_killed_with_its_workers_leaves_its_semaphore_and_the_next_on_t
     os.kill(killed.process.pid, signal.SIGKILL)
     killed.process.wait()
     _wait_until(lambda: all(_gone(pid) for pid in workers), "the workers gone")
-    assert _semaphore_listed(left)  # nobody removed it
+    assert semaphore_listed(left)  # nobody removed it
     replacement = DaemonProcess(shards[0].path, path, *SMALL)
     try:
         own = _recorded_semaphore(replacement)
-        assert own != left and _semaphore_listed(own) and not _semaphore_listed(left)
+        assert own != left and semaphore_listed(own) and not semaphore_listed(left)
         with replacement.client() as client:
             assert client.append("after", 1, 0, tokens=[1, 2]).length == 2
     finally:
         replacement.stop()
         killed.stop()
         compute_semaphore.remove(left)  # the test's own leak, were the daemon not to remove it
-    assert not _semaphore_listed(own) and _records(path) == []
+    assert not semaphore_listed(own) and _records(path) == []
 
 
 # ---- 2. the smaller defects ------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ from kvpool.launcher import Daemon, DaemonStartFailed
 from kvpool.stress.processes import say_on_stderr, wait_gone
 from kvpool.wire.framing import FRAME_HEADER, receive_frame
 from kvpool.wire.protocol import MAX_REPLY_BYTES, PROTOCOL_VERSION, Hello, decode_reply, encode
+from workers.server import compute_semaphore
 
 # Hang guards only, far above what the slowest, busiest machine needs (a daemon starts in a few seconds
 # and stops in under one on 2 quiet cores): a slow start or stop must never fail a test by itself.
@@ -308,3 +309,8 @@ async def poll(predicate, what: str):
         while not (value := await predicate()):
             await asyncio.sleep(0.01)
     return value
+
+
+def semaphore_listed(semaphore_id: int) -> bool:
+    """Whether the kernel still lists this System V semaphore (a daemon's compute semaphore: workers.server.compute_semaphore)."""
+    return compute_semaphore._listed_as(semaphore_id) != ""

@@ -13,14 +13,11 @@ import time
 
 import pytest
 
+from tests.support.daemons import semaphore_listed
 from workers.server import compute_semaphore
 from workers.server.compute_semaphore import ComputeSemaphore, ComputeSemaphoreError
 
 HANG_GUARD_S = 600
-
-
-def _listed(semaphore_id: int) -> bool:
-    return compute_semaphore._listed_as(semaphore_id) != ""
 
 
 def _waiters_reach(semaphore_id: int, count: int) -> None:
@@ -140,18 +137,18 @@ def test_a_live_daemons_record_is_left_alone_and_a_killed_ones_semaphore_is_remo
         theirs = made.get(timeout=HANG_GUARD_S)
         mine = semaphores(2)  # a daemon starting while the other still stops (or starts): not kept waiting
         compute_semaphore.clear_left_behind(prefix)  # nor does a daemon with no bound touch the other's
-        assert _listed(theirs) and _listed(mine.id)
+        assert semaphore_listed(theirs) and semaphore_listed(mine.id)
         assert sorted(os.listdir(tmp_path)) == sorted([f"compute.{other.pid}", f"compute.{os.getpid()}"])
         os.kill(other.pid, signal.SIGKILL)  # killed with its workers: the record's lock goes, the semaphore stays
         other.join(HANG_GUARD_S)
-        assert _listed(theirs)
+        assert semaphore_listed(theirs)
         compute_semaphore.destroy(mine)
         again = semaphores(2)  # the next daemon on the socket
-        assert not _listed(theirs) and _listed(again.id)
+        assert not semaphore_listed(theirs) and semaphore_listed(again.id)
         assert os.listdir(tmp_path) == [f"compute.{os.getpid()}"]
         assert pathlib.Path(again.path).read_text().split()[0] == str(again.id)
         compute_semaphore.destroy(again)
-        assert not _listed(again.id) and os.listdir(tmp_path) == []
+        assert not semaphore_listed(again.id) and os.listdir(tmp_path) == []
     finally:
         if other.is_alive():
             other.kill()
@@ -164,7 +161,7 @@ def test_a_daemon_with_no_bound_clears_a_dead_ones_semaphore(semaphores, tmp_pat
     left = semaphores(1)
     _killed(left)
     compute_semaphore.clear_left_behind(str(tmp_path / "compute"))
-    assert not _listed(left.id) and not pathlib.Path(left.path).exists()
+    assert not semaphore_listed(left.id) and not pathlib.Path(left.path).exists()
     compute_semaphore.clear_left_behind(str(tmp_path / "compute"))  # nothing there: nothing to do
 
 
@@ -175,7 +172,7 @@ def test_a_record_naming_another_semaphore_leaves_it_alone(semaphores, tmp_path)
     for stale in (f"{other.id} {creator}:{int(ctime) - 1}", f"{other.id}", "not an id"):  # another ctime; no listing recorded; garbage
         (tmp_path / "compute.1").write_text(stale + "\n")  # a dead daemon's record, pid 1
         mine = semaphores(1)
-        assert _listed(other.id) and _listed(mine.id) and not (tmp_path / "compute.1").exists()
+        assert semaphore_listed(other.id) and semaphore_listed(mine.id) and not (tmp_path / "compute.1").exists()
         compute_semaphore.destroy(mine)
 
 
@@ -184,7 +181,7 @@ def test_a_process_that_exits_without_its_pools_close_removes_what_it_created(se
     first, second = semaphores(1, "a"), semaphores(2, "b")
     compute_semaphore.destroy(first)
     compute_semaphore.remove_created()
-    assert not _listed(second.id)
+    assert not semaphore_listed(second.id)
 
 
 def test_units_out_of_range_are_refused_and_leave_nothing(tmp_path):

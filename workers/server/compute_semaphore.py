@@ -56,11 +56,10 @@ def _failed(what: str) -> ComputeSemaphoreError:
     return ComputeSemaphoreError(code, f"compute semaphore: {what}: {os.strerror(code)}")
 
 
-def _operate(semaphore_id: int, change: int, flags: int) -> None:
-    operation = _Operation(0, change, flags)
-    while _libc.semop(semaphore_id, ctypes.byref(operation), 1) != 0:
+def _operate(semaphore_id: int, operation: _Operation) -> None:
+    while _libc.semop(semaphore_id, operation, 1) != 0:
         if ctypes.get_errno() != errno.EINTR:  # a signal: nothing was taken or given, ask again
-            raise _failed(f"semop({change:+d}) on {semaphore_id}")
+            raise _failed(f"semop({operation.sem_op:+d}) on {semaphore_id}")
 
 
 def remove(semaphore_id: int) -> None:
@@ -157,7 +156,7 @@ def create(prefix: str, units: int) -> Created:
         try:
             os.ftruncate(descriptor, 0)
             os.pwrite(descriptor, f"{semaphore_id} {_listed_as(semaphore_id)}\n".encode(), 0)  # recorded first: a kill from here leaks nothing
-            _operate(semaphore_id, units, 0)  # no SEM_UNDO: the units outlive this call
+            _operate(semaphore_id, _Operation(0, units, 0))  # no SEM_UNDO: the units outlive this call
         except BaseException:
             remove(semaphore_id)
             raise
@@ -193,18 +192,21 @@ def remove_created() -> None:
 
 
 class ComputeSemaphore:
-    """A worker's hold on one unit while it computes: `with semaphore: ...`."""
+    """A worker's hold on one unit while it computes: `with semaphore: ...` (its two operations built once: the
+    decode step takes and gives back a unit)."""
 
     def __init__(self, semaphore_id: int) -> None:
         self.id = semaphore_id
+        self._take = _Operation(0, -1, SEM_UNDO)
+        self._give = _Operation(0, 1, SEM_UNDO)
 
     def __enter__(self) -> ComputeSemaphore:
-        _operate(self.id, -1, SEM_UNDO)
+        _operate(self.id, self._take)
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         try:
-            _operate(self.id, 1, SEM_UNDO)
+            _operate(self.id, self._give)
         except ComputeSemaphoreError as error:
             if error.errno not in GONE:  # removed while held (the daemon is gone): nothing to give back
                 raise

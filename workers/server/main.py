@@ -83,8 +83,7 @@ def fix_allocator() -> bool:
 def worker_main(connection: Connection, spec: WorkerSpec, cancel_connection: Connection | None = None, *, idle_spin: str = "") -> None:
     """`idle_spin`: what workers.server.spin.set_idle_spin set before llama.cpp loaded, reported in Ready."""
     fix_allocator()
-    semaphore_id = spec.compute_semaphore if spec.compute_slots else -1
-    _exit_with_parent(spec.parent_pid, semaphore_id)
+    _exit_with_parent(spec.parent_pid, spec.compute_semaphore)
     # The supervisor owns shutdown: a terminal's Ctrl-C reaches the whole process group.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     encoder = msgspec.msgpack.Encoder()
@@ -137,7 +136,7 @@ def worker_main(connection: Connection, spec: WorkerSpec, cancel_connection: Con
     )
     try:
         if _obey(connection, server, channel, selector) == "eof":  # the supervisor is gone: the kernel re-parents us a moment after
-            _orphaned(spec.parent_pid, semaphore_id, within_s=ORPHAN_WAIT_S)
+            _orphaned(spec.parent_pid, spec.compute_semaphore, within_s=ORPHAN_WAIT_S)
     finally:
         # Every view of the segment goes before it closes (a view left over makes close() fail).
         if channel is not None:

@@ -67,7 +67,7 @@ class WorkerServer:
         self.bound: tuple[str, int] | None = None  # the session the direct channel serves
         self.background = Background(spec.background_nice) if spec.background_nice else None  # saves no caller waits for (SaveState.behind)
         self.compute = (
-            ComputeSemaphore(spec.compute_semaphore) if spec.compute_slots else contextlib.nullcontext()
+            ComputeSemaphore(spec.compute_semaphore) if spec.compute_semaphore >= 0 else contextlib.nullcontext()
         )
 
     def release_free_heap(self) -> None:

@@ -24,8 +24,7 @@ class WorkerSpec:
     n_gpu_layers: int = 0
     verbose: bool = False
     max_n_ctx: int = 0  # the daemon's largest context (the direct channel checks appends as the daemon does)
-    compute_slots: int = 0  # at most this many workers of the daemon compute at once (0: no bound) ...
-    compute_semaphore: int = -1  # ... bounded by this semaphore (workers.server.compute_semaphore), which the pool creates as it starts
+    compute_semaphore: int = -1  # the semaphore bounding the workers computing at once (workers.server.compute_semaphore; -1: no bound), set by the pool as it starts
     seqs_per_worker: int = 0  # > 0: a batched worker, one context of this many sequences of max_n_ctx positions each
     frame_deadline_s: float = FRAME_DEADLINE_S  # a direct channel's frame (request or reply) passes whole within this, or its peer is dropped
     huge_pages: bool = True  # the load's own anonymous memory collapsed into transparent huge pages (workers.runtime.huge_pages)

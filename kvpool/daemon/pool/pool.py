@@ -67,9 +67,9 @@ class WorkerPool:
         """The semaphore that bounds the workers computing at once (workers.server.compute_semaphore), its id in
         the spec every worker is spawned with; with no bound, what dead daemons on the socket left is cleared all the same."""
         record = self.spec.compute_records
-        if self.spec.worker.compute_slots:
+        if self.spec.compute_slots:
             require(bool(record), "a compute bound needs PoolSpec.compute_records")
-            self._compute_semaphore = compute_semaphore.create(record, self.spec.worker.compute_slots)
+            self._compute_semaphore = compute_semaphore.create(record, self.spec.compute_slots)
             worker = dataclasses.replace(self.spec.worker, compute_semaphore=self._compute_semaphore.id)
             self.spec = dataclasses.replace(self.spec, worker=worker)
         elif record:

@@ -22,7 +22,8 @@ class PoolSpec:
     request_timeout_s: float  # a call not answered by then: the worker is killed and counts as lost
     direct: bool = True  # each worker also listens on its direct channel
     kinds: tuple[type, type] | None = None  # (process-mode worker, batched worker) classes; None: the real ones
-    compute_records: str = ""  # the compute semaphore's records' prefix (beside the socket; workers.server.compute_semaphore): needed when worker.compute_slots > 0
+    compute_slots: int = 0  # at most this many workers compute at once, bounded by a semaphore the pool creates (0: no bound) ...
+    compute_records: str = ""  # ... recorded under this prefix (beside the socket; workers.server.compute_semaphore)
 
     def worker_spec(self, **own) -> WorkerSpec:
         """One worker's WorkerSpec: the shared settings and `own` (its segment's name, parent, channel address, index)."""
