@@ -17,7 +17,7 @@ from kvpool.cli.status import render
 from kvpool.router.router import Router
 from kvpool.wire.prefix import DIGEST_BYTES, chain_digests
 from tests.support.contract import MODES, mode_flags, rows_of
-from tests.support.daemons import HANG_GUARD_S, refused, wait_until
+from tests.support.daemons import HANG_GUARD_S, in_thread, refused, result, wait_until
 from tests.support.fake_worker import expected_rows, fake_kinds
 from workers.server.commands import SaveState
 
@@ -154,27 +154,64 @@ def test_a_new_epoch_that_waits_for_a_prefill_comes_after_its_capture_and_the_pr
 def test_one_entry_per_prefix_a_longer_offer_covers_a_shorter_and_scopes_never_share(serve, fake_model, mode):
     with serve(fake_model, *mode_flags(mode), *FLAGS).client() as client:
         # Two places: each admission from the third on evicts, and may find both sessions still busy with their
-        # captures (run after the reply): it waits for room (admit_timeout_s) rather than being refused at once.
-        wait = HANG_GUARD_S
+        # captures (run after the reply): it waits for them, asking no admit_timeout_s (the next test holds them).
         base = prompt(2, 2 * BLOCK)
         for index in range(3):  # three sessions of the same two blocks: one entry
             tokens = base + [index + 1]
-            client.append(f"s{index}", 1, 0, tokens=tokens, block_digests=chain_digests(tokens, BLOCK), admit_timeout_s=wait)
+            client.append(f"s{index}", 1, 0, tokens=tokens, block_digests=chain_digests(tokens, BLOCK))
         stored(client, base)
         assert client.stats().prefixes.entries == 1
         longer = base + prompt(3, BLOCK) + [5]
-        client.append("long", 1, 0, tokens=longer, block_digests=chain_digests(longer, BLOCK), admit_timeout_s=wait)
+        client.append("long", 1, 0, tokens=longer, block_digests=chain_digests(longer, BLOCK))
         stored(client, longer)
         prefixes = client.stats().prefixes
         assert (prefixes.entries, prefixes.blocks) == (1, 3)  # one prefix held: the third block stored as the two-block entry's child
         assert held(client, base, scope="tenant-b") == 0  # another scope learns nothing
         other = base + [1]
-        client.append("b0", 1, 0, tokens=other, block_digests=chain_digests(other, BLOCK, "tenant-b"), prefix_scope="tenant-b", admit_timeout_s=wait)
+        client.append("b0", 1, 0, tokens=other, block_digests=chain_digests(other, BLOCK, "tenant-b"), prefix_scope="tenant-b")
         stored(client, base, scope="tenant-b")
         assert client.stats().prefixes.entries == 2
         missed = refused(lambda: client.admit_prefix("x", 1, "tenant-c", chain_digests(base, BLOCK, "tenant-c")))
         assert (missed.code, missed.reason) == ("cache_miss", "prefix_evicted")
         assert client.stats().integrity == "ok"
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_an_admission_that_finds_its_place_held_by_a_capture_after_the_reply_waits_for_it(serve, fake_model, mode):
+    """The daemon's one place holds a session whose prefill has answered while its capture (held here in the worker)
+    still holds it (Session.settling): a second admission, asking no admit_timeout_s, waits for it - past its timeout -
+    rather than being refused over_budget for the daemon's own work; it then parks the first (the warm tier is on),
+    which goes on with its own history, restored."""
+    kinds = fake_kinds()
+    daemon = serve(fake_model, *mode_flags(mode), "--seqs-per-worker", "1", *FLAGS, "--max-sessions", "1", kinds=kinds)
+    saving, release = threading.Event(), threading.Event()
+
+    def hold_saves(command):
+        if isinstance(command, SaveState):
+            saving.set()
+            assert release.wait(HANG_GUARD_S), "hang guard: the test never let the save go"
+        return None
+
+    queue = daemon.supervisor.service.admission.queue
+    with daemon.client() as client, daemon.client() as other:
+        first, second = prompt(4, 2 * BLOCK) + [4], prompt(5, 2 * BLOCK) + [5]
+        kinds[0].behaviour.fail = hold_saves
+        try:
+            assert client.append("a", 1, 0, tokens=first, block_digests=chain_digests(first, BLOCK)).length == len(first)
+            assert saving.wait(HANG_GUARD_S)  # answered, its capture held in the worker
+            admitting = in_thread(lambda: other.append("b", 1, 0, tokens=second, block_digests=chain_digests(second, BLOCK)))
+            wait_until(lambda: len(queue) == 1 or not admitting[0].is_alive(), "the admission waiting in line (or answered)")
+            assert admitting[0].is_alive()
+        finally:
+            kinds[0].behaviour.fail = None
+            release.set()
+        reply = result(*admitting)
+        assert reply.admitted and np.array_equal(reply.rows, rows_of(client, second))
+        assert {row.session_id: row.tier for row in client.stats().sessions} == {"a": "ram", "b": "hot"}
+        step = client.append("a", 1, len(first), tokens=[9], admit_timeout_s=HANG_GUARD_S)
+        assert step.restored and np.array_equal(step.rows, rows_of(client, first + [9]))
+        stats = client.stats()
+        assert (stats.counters.get("over_budget_rejects", 0), stats.counters.get("misses", 0), stats.integrity) == (0, 0, "ok"), stats.counters
 
 
 @pytest.mark.parametrize("mode", MODES)

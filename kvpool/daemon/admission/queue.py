@@ -8,6 +8,10 @@ whatever the timing of its wake-ups. An admission waits:
   room: for a session to end, to go idle, or for a worker to come back; then over_budget;
 - when first in line and only protected sessions could make room (kvpool.daemon.admission.residency), until the first
   protection lapses (at most the minimum residency), even past its admit timeout: that wait is bounded;
+- when first in line with no room while a session is busy only with the daemon's own work after its reply (a prefill's
+  prefix capture, a park's save behind its answer: Session.settling), until that work ends (its end wakes the line),
+  even past its admit timeout: the caller saw those sessions answered, so the room they hold is not the caller's to
+  wait for, and that work is bounded as any worker call is;
 - never in a full line: beyond `limit` waiting admissions the reply is over_budget at once.
 
 Every over_budget reply of the line carries `retry_after_s`: the daemon's estimate of when room could be
@@ -106,7 +110,8 @@ class AdmissionQueue:
 
     def _try(self, ticket: Ticket, charge: int, n_ctx: int, now: float) -> tuple[AdmissionPlan | None, float | None]:
         """The plan if room can be made now; else until when to wait for a better one (None: waiting
-        would not help): a protection that lapses, if evicting a protected session would have made room;
+        would not help): a protection that lapses, if evicting a protected session would have made room; a
+        settling session's work (look again within RECHECK_S; its end wakes the line sooner), if no idle one could;
         a worker on its way back (its context being freed) when the bytes are there and only a worker is
         missing, rather than evicting for it (for at most the residency, from when the ticket came first)."""
         if ticket.first_since is None:
@@ -115,8 +120,10 @@ class AdmissionQueue:
         plan = self.books.plan_admission(charge, self.usable, n_ctx=n_ctx, protected_after=residency.protected_after(now))
         if plan is not None and plan.victims and now < ticket.first_since + residency.min_s and self._worker_on_its_way(charge):
             return None, ticket.first_since + residency.min_s  # the worker's return wakes the line (capacity)
-        if plan is not None or self.books.plan_admission(charge, self.usable, n_ctx=n_ctx) is None:
+        if plan is not None:
             return plan, None
+        if self.books.plan_admission(charge, self.usable, n_ctx=n_ctx) is None:
+            return None, now + RECHECK_S if self.books.table.any_settling() else None  # a settling session is idle in moments: look again then
         return None, residency.next_lapse(self.books.table.least_recently_used_idle(), now)
 
     def _worker_on_its_way(self, charge: int) -> bool:

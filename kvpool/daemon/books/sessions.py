@@ -32,6 +32,9 @@ class Session:
     length: int = 0
     last_used: float = 0.0
     in_flight: int = 0
+    # its one request in flight is the daemon's own work after a reply (a prefill's prefix capture, a park's save behind its
+    # answer: kvpool.daemon.gate.Gate.pass_on): idle within moments, and its end wakes the admissions waiting for room
+    settling: bool = False
     appending: bool = False
     channel: bool = False  # bound to its worker's direct channel (kvpool.daemon.pool.channels)
     persisted_length: int = -1  # the length of its copy written behind to disk (--persist-after); -1: none
@@ -198,6 +201,10 @@ class SessionTable:
     def least_recently_used_idle(self) -> list[Session]:
         """Idle hot sessions, least recently used first: the candidates to evict or park."""
         return sorted((s for s in self._live.values() if s.idle and s.hot), key=lambda s: s.last_used)
+
+    def any_settling(self) -> bool:
+        """A hot session whose only request in flight is the daemon's own work after a reply (Session.settling)."""
+        return any(s.settling and s.in_flight == 1 and s.hot for s in self._live.values())
 
     def expired(self, now: float, ttl_s: float) -> list[Session]:
         return [s for s in self._live.values() if s.idle and now - s.last_used >= ttl_s]
