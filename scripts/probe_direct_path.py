@@ -7,7 +7,7 @@ Part 2 (breakdown): a worker started here as the supervisor starts one (workers.
 unchanged, spawned), with time stamps (time.perf_counter_ns: CLOCK_MONOTONIC, one clock for every process)
 around each stage of the worker's direct path, and the client's steps stamped here. 1 llama thread.
 
-    PYTHONPATH=. python scripts/probe_direct_path.py [--part breakdown|end-to-end] [--blocks 10] [--steps 50]
+    PYTHONPATH=. python scripts/probe_direct_path.py [--part breakdown|end-to-end] [--blocks 10] [--steps 50] [--model GGUF]
 """
 
 from __future__ import annotations
@@ -327,8 +327,9 @@ def main() -> None:
     parser.add_argument("--block-steps", type=int, default=8, help="end to end: decode steps per block (the quick bench's 8)")
     parser.add_argument("--history", type=int, default=16, help="end to end: rows prefilled before each block (the quick bench's 16)")
     parser.add_argument("--part", choices=("both", "breakdown", "end-to-end"), default="both")
+    parser.add_argument("--model", type=pathlib.Path, default=None, help="the GGUF to cut in three (default: the bundled model)")
     args = parser.parse_args()
-    source = bundled_model_path()
+    source = args.model or bundled_model_path()
     shards = shards_in_parts(source, 3)
     with ShardModel(shards[0].path, n_threads=1) as first, first.new_context(N_CTX) as context:
         filler = np.random.default_rng(0).integers(0, first.shape.n_vocab, max(HISTORY + args.steps, args.history + args.block_steps) + 8).astype(np.int32)
