@@ -131,7 +131,7 @@ class Gate:
     async def leave(self, session: Session) -> None:
         session.lock.release()
         session.in_flight -= 1
-        session.settling = False  # the lock's holder leaves: what was passed on (pass_on) is done
+        session.passed_on = False  # the lock's holder leaves: what was passed on (pass_on) is done
         session.last_used = time.monotonic()
         self.on_leave()
         if session.in_flight == 0:
@@ -173,5 +173,5 @@ class Gate:
         answer and that work, which a drain waits for (the count in flight) as for a request. Its users: a park
         answered before its save (kvpool.daemon.warm), a prefill's capture for the prefix store (kvpool.daemon.prefix)."""
         self._passed_on.add(session)
-        session.settling = True  # until that work leaves: an admission that finds no room waits for it (kvpool.daemon.admission.queue)
+        session.passed_on = True  # until that work leaves: an admission that its end would place waits for it (kvpool.daemon.admission.queue)
         return self.lifecycle.spawn(work)

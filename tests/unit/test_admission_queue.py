@@ -11,9 +11,10 @@ import time
 import msgspec
 import pytest
 
-from kvpool.daemon.admission.queue import AdmissionQueue
+from kvpool.daemon.admission.queue import SETTLING_WAIT_S, AdmissionQueue
 from kvpool.daemon.admission.residency import MIN_RESIDENCY_FLOOR_S, RESIDENCY_ROUTE_STEPS, Residency, derived_min_residency_s
 from kvpool.daemon.books.books import Books
+from kvpool.daemon.books.spill import SpillStore
 from kvpool.daemon.metrics import Metrics
 from kvpool.daemon.pool.lifecycle import WorkerLifecycle
 from kvpool.wire.errors import RequestFailed
@@ -34,10 +35,10 @@ class Daemon:
         self.queue = AdmissionQueue(self.books, lambda _w: True, self.lifecycle, self.metrics, limit=limit, residency=lambda: Residency(min_residency_s))
         self.admitted: list[str] = []
 
-    async def admit(self, session_id: str, timeout_s: float, *, busy: bool = True):
+    async def admit(self, session_id: str, timeout_s: float, *, busy: bool = True, charge: int = CHARGE):
         async with self.queue.turn(time.monotonic() + timeout_s) as ticket:
-            plan = await self.queue.plan(ticket, CHARGE, 0, lambda: None)
-            session, released = self.books.admit(plan, session_id=session_id, epoch=1, n_ctx=64, charge=CHARGE, now=time.monotonic())
+            plan = await self.queue.plan(ticket, charge, 0, lambda: None)
+            session, released = self.books.admit(plan, session_id=session_id, epoch=1, n_ctx=64, charge=charge, now=time.monotonic())
         for worker in released:
             self.books.give_back(worker)
         session.in_flight = 1 if busy else 0
@@ -48,6 +49,7 @@ class Daemon:
     async def go_idle(self, session_id: str) -> None:
         session = self.books.table.get(session_id)
         session.in_flight = 0
+        session.passed_on = False  # as kvpool.daemon.gate.Gate.leave
         session.last_used = time.monotonic()
         await self.lifecycle.notify_capacity()
 
@@ -155,6 +157,70 @@ def test_a_worker_on_its_way_back_is_waited_for_rather_than_evicting_an_idle_ses
         await daemon.admit("later", 0)
         assert time.monotonic() - started >= 0.1 - 0.01 and books.table.get("old") is None
         books.give_back(forgotten)
+        books.check_integrity()
+
+    run(scenario())
+
+
+def test_an_admission_waits_past_its_timeout_for_a_session_settling_only_where_its_end_makes_room_and_boundedly():
+    """A session whose one request in flight is the daemon's own work after its reply (Session.settling: Gate.pass_on
+    set passed_on) holds room an admission asking no wait is placed in once that work ends; not a session with a
+    request of a client's behind that work, nor room that would not be enough; and never past SETTLING_WAIT_S (the
+    residency here is shorter)."""
+
+    async def scenario():
+        daemon = Daemon()
+        holder = await daemon.admit("holder", 0)
+        holder.passed_on = True  # its reply is out, its capture holds it
+        waiting = asyncio.create_task(daemon.admit("a", 0))
+        await _settle(daemon, 1)
+        await asyncio.sleep(0.05)
+        assert not waiting.done()  # refused at once before: no idle session to evict
+        await daemon.go_idle("holder")
+        await waiting
+        assert daemon.admitted == ["holder", "a"] and daemon.books.table.miss_reason("holder", 1).value == "evicted"
+        # a client's request queued behind the daemon's work: not settling, refused at once as before
+        queued = daemon.books.table.get("a")
+        queued.passed_on, queued.in_flight = True, 2
+        with pytest.raises(RequestFailed) as behind:
+            await daemon.admit("b", 0)
+        assert behind.value.code is ErrorCode.OVER_BUDGET
+        # room that the settling session's end would not make (the rest held by a session busy with a request): refused at once
+        daemon.books = books = Books(2 * CHARGE, ["w0", "w1"])
+        daemon.queue.books = books
+        await daemon.admit("busy", 0)
+        (await daemon.admit("capturing", 0)).passed_on = True
+        waits = []
+        wait_for_capacity = daemon.lifecycle.wait_for_capacity
+
+        async def counted(timeout_s):
+            waits.append(timeout_s)
+            return await wait_for_capacity(timeout_s)
+
+        daemon.lifecycle.wait_for_capacity = counted
+        with pytest.raises(RequestFailed) as short:
+            await daemon.admit("big", 0, charge=2 * CHARGE)
+        assert short.value.code is ErrorCode.OVER_BUDGET and waits == []
+        # work that does not end: waited for SETTLING_WAIT_S past the deadline, then over_budget
+        started = time.monotonic()
+        with pytest.raises(RequestFailed) as bounded:
+            await daemon.admit("c", 0)
+        assert bounded.value.code is ErrorCode.OVER_BUDGET and time.monotonic() - started >= SETTLING_WAIT_S - 0.01
+        books.check_integrity()
+        # a park's save behind its answer that has turned its session cold, its worker on its way back: waited for too
+        daemon.books = books = Books(CHARGE, ["w0"], spill=SpillStore(1 << 20))
+        daemon.queue.books = books
+        parking = await daemon.admit("parking", 0)
+        parking.passed_on = True
+        worker, dropped = books.park(parking, b"state")
+        assert dropped == [] and books.state_of(worker) == "in transit" and parking.settling
+        waiting = asyncio.create_task(daemon.admit("d", 0))
+        await _settle(daemon, 1)
+        await asyncio.sleep(0.05)
+        assert not waiting.done()
+        books.give_back(worker)
+        await daemon.go_idle("parking")
+        assert (await waiting).worker_name == worker
         books.check_integrity()
 
     run(scenario())

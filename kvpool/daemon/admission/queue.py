@@ -8,10 +8,12 @@ whatever the timing of its wake-ups. An admission waits:
   room: for a session to end, to go idle, or for a worker to come back; then over_budget;
 - when first in line and only protected sessions could make room (kvpool.daemon.admission.residency), until the first
   protection lapses (at most the minimum residency), even past its admit timeout: that wait is bounded;
-- when first in line with no room while a session is busy only with the daemon's own work after its reply (a prefill's
-  prefix capture, a park's save behind its answer: Session.settling), until that work ends (its end wakes the line),
-  even past its admit timeout: the caller saw those sessions answered, so the room they hold is not the caller's to
-  wait for, and that work is bounded as any worker call is;
+- when first in line with no room while sessions are busy only with the daemon's own work after their replies (a
+  prefill's prefix capture, a park's save behind its answer: Session.settling) and that work's end would place it
+  (their room, or the worker a park frees), for that end (which wakes the line), even past its admit timeout, by at
+  most SETTLING_WAIT_S or the minimum residency if longer: the callers saw those sessions answered, so theirs is not
+  room the daemon may refuse for at once; a capture's session, idle then, may be protected, and the protection's
+  lapse is waited for as above;
 - never in a full line: beyond `limit` waiting admissions the reply is over_budget at once.
 
 Every over_budget reply of the line carries `retry_after_s`: the daemon's estimate of when room could be
@@ -39,6 +41,7 @@ from kvpool.wire.protocol import ErrorCode
 
 MAX_RETRY_AFTER_S = 30.0
 RECHECK_S = 1.0  # a waiting admission looks again at least this often, whatever woke it or not
+SETTLING_WAIT_S = 1.0  # past its deadline, how long an admission may wait for sessions settling (or the residency, if longer)
 HEAD_WAIT_WEIGHT = 0.25  # of each new sample in the running mean of first-in-line waits
 
 
@@ -110,8 +113,8 @@ class AdmissionQueue:
 
     def _try(self, ticket: Ticket, charge: int, n_ctx: int, now: float) -> tuple[AdmissionPlan | None, float | None]:
         """The plan if room can be made now; else until when to wait for a better one (None: waiting
-        would not help): a protection that lapses, if evicting a protected session would have made room; a
-        settling session's work (look again within RECHECK_S; its end wakes the line sooner), if no idle one could;
+        would not help): a protection that lapses, if evicting a protected session would have made room; the
+        end of the settling sessions' work, if that would make room where no idle session could (_settling_makes_room);
         a worker on its way back (its context being freed) when the bytes are there and only a worker is
         missing, rather than evicting for it (for at most the residency, from when the ticket came first)."""
         if ticket.first_since is None:
@@ -123,8 +126,20 @@ class AdmissionQueue:
         if plan is not None:
             return plan, None
         if self.books.plan_admission(charge, self.usable, n_ctx=n_ctx) is None:
-            return None, now + RECHECK_S if self.books.table.any_settling() else None  # a settling session is idle in moments: look again then
+            if self._settling_makes_room(charge, n_ctx):  # look again then, or once the work ends (it wakes the line)
+                return None, min(now + RECHECK_S, ticket.deadline + max(SETTLING_WAIT_S, residency.min_s))
+            return None, None
         return None, residency.next_lapse(self.books.table.least_recently_used_idle(), now)
+
+    def _settling_makes_room(self, charge: int, n_ctx: int) -> bool:
+        """Whether room for `charge` would be there once the settling sessions' work ends: a plan with the hot ones
+        idle (evictable), or, for one a park has turned cold, the bytes already free and a worker on its way back."""
+        settling = self.books.table.settling()
+        if not settling:
+            return False
+        if self.books.plan_admission(charge, self.usable, n_ctx=n_ctx, settling=True) is not None:
+            return True
+        return any(not session.hot for session in settling) and self._worker_on_its_way(charge)
 
     def _worker_on_its_way(self, charge: int) -> bool:
         return self.books.room >= charge and any(self.books.state_of(worker) == "in transit" for worker in self.books.workers())

@@ -158,12 +158,15 @@ class Books:
 
     # ---- sessions --------------------------------------------------------------------------------
 
-    def plan_admission(self, charge: int, usable: Usable, *, n_ctx: int = 0, protected_after: float = math.inf) -> AdmissionPlan | None:
+    def plan_admission(
+        self, charge: int, usable: Usable, *, n_ctx: int = 0, protected_after: float = math.inf, settling: bool = False
+    ) -> AdmissionPlan | None:
         """A free worker for a context of `n_ctx` (one whose spare has that n_ctx first, then one without a
         spare, most recently freed first), the spares and then the least recently used idle sessions whose
         eviction makes room for `charge` bytes and a worker; None when even evicting every idle session
         would not. Sessions last used after `protected_after` are never victims (residency,
-        kvpool.daemon.admission.residency)."""
+        kvpool.daemon.admission.residency). With `settling`, the plan there would be once the hot sessions settling
+        (busy only with the daemon's own work after a reply) are idle: to know whether waiting for them helps."""
         free = self._free_worker_for(n_ctx, usable)
         available = self.budget.available + (self._spares[free].charge if free in self._spares else 0)
         spares: list[str] = []
@@ -174,7 +177,7 @@ class Books:
                 spares.append(worker)
                 available += spare.charge
         victims: list[Session] = []
-        for session in self.table.least_recently_used_idle():
+        for session in self.table.least_recently_used_idle(settling=settling):
             if available >= charge and (free is not None or victims):
                 break
             if session.last_used > protected_after:

@@ -32,9 +32,9 @@ class Session:
     length: int = 0
     last_used: float = 0.0
     in_flight: int = 0
-    # its one request in flight is the daemon's own work after a reply (a prefill's prefix capture, a park's save behind its
-    # answer: kvpool.daemon.gate.Gate.pass_on): idle within moments, and its end wakes the admissions waiting for room
-    settling: bool = False
+    # a request passed it on to the daemon's own work after its reply (kvpool.daemon.gate.Gate.pass_on: a prefill's prefix
+    # capture, a park's save behind its answer), until that work leaves it
+    passed_on: bool = False
     appending: bool = False
     channel: bool = False  # bound to its worker's direct channel (kvpool.daemon.pool.channels)
     persisted_length: int = -1  # the length of its copy written behind to disk (--persist-after); -1: none
@@ -55,6 +55,12 @@ class Session:
     @property
     def hot(self) -> bool:
         return bool(self.worker_name)
+
+    @property
+    def settling(self) -> bool:
+        """Its one request in flight is the daemon's own work after a reply (passed_on): once that ends it is idle (a
+        capture's) or parked (a park's), and its end wakes the admissions waiting for room."""
+        return self.passed_on and self.in_flight == 1
 
 
 class EpochCheck(enum.Enum):
@@ -198,13 +204,14 @@ class SessionTable:
         """A request at a higher epoch released the old state: its own epoch has nothing yet."""
         self._remember_gone((session_id, epoch), MissReason.NEW_EPOCH)
 
-    def least_recently_used_idle(self) -> list[Session]:
-        """Idle hot sessions, least recently used first: the candidates to evict or park."""
-        return sorted((s for s in self._live.values() if s.idle and s.hot), key=lambda s: s.last_used)
+    def least_recently_used_idle(self, *, settling: bool = False) -> list[Session]:
+        """Idle hot sessions, least recently used first: the candidates to evict or park; with `settling`, the hot
+        ones settling too (Session.settling: what they would be once the daemon's own work on them ends)."""
+        return sorted((s for s in self._live.values() if s.hot and (s.idle or settling and s.settling)), key=lambda s: s.last_used)
 
-    def any_settling(self) -> bool:
-        """A hot session whose only request in flight is the daemon's own work after a reply (Session.settling)."""
-        return any(s.settling and s.in_flight == 1 and s.hot for s in self._live.values())
+    def settling(self) -> list[Session]:
+        """The sessions whose one request in flight is the daemon's own work after a reply (Session.settling)."""
+        return [s for s in self._live.values() if s.settling]
 
     def expired(self, now: float, ttl_s: float) -> list[Session]:
         return [s for s in self._live.values() if s.idle and now - s.last_used >= ttl_s]
