@@ -42,6 +42,20 @@ def restoring_threads() -> list[threading.Thread]:
     return [thread for thread in threading.enumerate() if thread.name == "kvpool-restore-ahead"]
 
 
+def save_holder():
+    """(saving, release, hook): a fake worker's `fail` hook that holds each SaveState (a capture's save) in the worker
+    until `release` is set, setting `saving` as one arrives."""
+    saving, release = threading.Event(), threading.Event()
+
+    def hold_saves(command):
+        if isinstance(command, SaveState):
+            saving.set()
+            assert release.wait(HANG_GUARD_S), "hang guard: the test never let the save go"
+        return None
+
+    return saving, release, hold_saves
+
+
 def held(client, tokens: list[int], scope: str = "") -> int:
     return client.lookup_prefix(scope, chain_digests(tokens, BLOCK, scope))
 
@@ -82,13 +96,7 @@ def test_a_prefill_replies_before_its_save_for_the_store_and_what_follows_its_re
     and the session its own history."""
     kinds = fake_kinds()
     daemon = serve(fake_model, *mode_flags(mode), *FLAGS, kinds=kinds)
-    saving, release = threading.Event(), threading.Event()
-
-    def hold_saves(command):
-        if isinstance(command, SaveState):
-            saving.set()
-            assert release.wait(HANG_GUARD_S), "hang guard: the test never let the save go"
-        return None
+    saving, release, hold_saves = save_holder()
 
     with daemon.client() as client, daemon.client() as other, daemon.client() as third, daemon.client() as fourth:
         system = prompt(2, 3 * BLOCK)
@@ -184,13 +192,7 @@ def test_an_admission_that_finds_its_place_held_by_a_capture_after_the_reply_wai
     which goes on with its own history, restored."""
     kinds = fake_kinds()
     daemon = serve(fake_model, *mode_flags(mode), "--seqs-per-worker", "1", *FLAGS, "--max-sessions", "1", kinds=kinds)
-    saving, release = threading.Event(), threading.Event()
-
-    def hold_saves(command):
-        if isinstance(command, SaveState):
-            saving.set()
-            assert release.wait(HANG_GUARD_S), "hang guard: the test never let the save go"
-        return None
+    saving, release, hold_saves = save_holder()
 
     queue = daemon.supervisor.service.admission.queue
     with daemon.client() as client, daemon.client() as other:
