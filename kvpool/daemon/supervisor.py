@@ -47,7 +47,7 @@ from kvpool.daemon.status import threads_detail
 from kvpool.daemon.transport.frames import ConnectionLimits, SocketTransport
 from kvpool.daemon.transport.listener import prepare_socket_path
 from kvpool.host import format_bytes
-from kvpool.shard.digests import verified_block_digests
+from kvpool.shard.digests import verified_digests
 from kvpool.shard.header import ShardInfo, read_shard_info
 from kvpool.state.header import StateIdentity
 from kvpool.wire.errors import RequestFailed
@@ -177,7 +177,7 @@ class Supervisor:
         mode_reason = await self._resolve_mode()
         config = self.config
         info = read_shard_info(config.model)
-        block_sha256 = verified_block_digests(info)  # WeightsMismatch: refused before any worker starts
+        block_sha256, shard_sha256 = verified_digests(info)  # WeightsMismatch: refused before any worker starts
         keep_warm = KeepWarm(config.keep_warm_s)
         try:  # until the main try below, whose finally closes it first
             pool = build_pool(config, info, self._worker_kinds, keep_warm_block=keep_warm.name)
@@ -204,7 +204,7 @@ class Supervisor:
             self.notifier.status(f"{config.worker_processes} workers started; probing charges")
             shard = ShardDescription(shape=ready.shape, model_path=str(config.model), source_sha256=info.source_sha256 or "")
             identity = shard_identity(
-                info, block_sha256=block_sha256, flash_attn=config.flash_attn, kv_bytes_per_position=ready.kv_bytes_per_position,
+                info, shard_sha256=shard_sha256, block_sha256=block_sha256, flash_attn=config.flash_attn, kv_bytes_per_position=ready.kv_bytes_per_position,
                 seqs_per_context=config.seqs_per_worker if config.batched else 1,
             )
             self.service = service = KvService(config, pool, shard, ready.kv_bytes_per_position, identity, keep_warm=keep_warm)

@@ -16,8 +16,8 @@ import pytest
 from kvpool.router.router import RecoveryPolicy, Router
 from kvpool.shard import contents as shard_contents
 from kvpool.shard.cache import cached_shards
-from kvpool.shard.digests import WeightsMismatch, block_digests, verified_block_digests
-from kvpool.shard.header import read_shard_info
+from kvpool.shard.digests import WeightsMismatch, block_digests, verified_block_digests, verified_digests
+from kvpool.shard.header import file_sha256, read_shard_info
 from kvpool.shard.ranges import LayerRange, parse_splits
 from tests.conftest import EVEN_SPLIT, TOTAL_LAYERS, UNEVEN_SPLIT
 from tests.support.chains import SteppedGreedy, daemon_chain
@@ -80,11 +80,14 @@ def test_one_flipped_byte_changes_exactly_its_layers_digest_and_the_file_is_refu
     copy = tmp_path / middle.path.name
     shutil.copyfile(middle.path, copy)
     before = block_digests(copy)
+    # the daemon's start-up pair, hashed side by side: the blocks' digests and the whole file's
+    assert verified_digests(read_shard_info(copy)) == (before, file_sha256(middle.path))
     flip_first_byte(copy, "blk.3.attn_k.weight")
     after = block_digests(copy)
     assert [block for block in range(len(before)) if before[block] != after[block]] == [3]
-    with pytest.raises(WeightsMismatch, match=r"layer 13 \(blk\.3 of this file\) does not hold the weights recorded for it"):
-        verified_block_digests(read_shard_info(copy))
+    for verified in (verified_block_digests, verified_digests):
+        with pytest.raises(WeightsMismatch, match=r"layer 13 \(blk\.3 of this file\) does not hold the weights recorded for it"):
+            verified(read_shard_info(copy))
     shutil.copyfile(middle.path, copy)
     flip_first_byte(copy, "output_norm.weight")  # no block's tensor: no block's digest
     assert block_digests(copy) == before

@@ -12,7 +12,7 @@ import llama_cpp
 
 from kvpool.daemon.books.sessions import Session
 from kvpool.daemon.books.spill import CorruptBlob
-from kvpool.shard.header import ShardInfo, file_sha256
+from kvpool.shard.header import ShardInfo
 from kvpool.state.header import (
     CRC_BYTES,
     FORMAT_VERSION,
@@ -98,17 +98,17 @@ class StateSeal:
 
 
 def shard_identity(
-    info: ShardInfo, *, block_sha256: Sequence[str], flash_attn: bool, kv_bytes_per_position: int, seqs_per_context: int
+    info: ShardInfo, *, shard_sha256: str, block_sha256: Sequence[str], flash_attn: bool, kv_bytes_per_position: int, seqs_per_context: int
 ) -> StateIdentity:
-    """This daemon's identity: its shard file (hashed once at start), the source it was cut from, the weights
-    of the layers it computes (`block_sha256`: kvpool.shard.digests.verified_block_digests of its file, whose
-    first n_layers blocks are those layers), the llama.cpp build and the cache layout of kvpool's contexts
+    """This daemon's identity: its shard file (`shard_sha256`, hashed once at start), the source it was cut
+    from, the weights of the layers it computes (`block_sha256`, whose first n_layers blocks are those layers:
+    both from kvpool.shard.digests.verified_digests of its file), the llama.cpp build and the cache layout of kvpool's contexts
     (workers.runtime.params keeps llama.cpp's default K/V types)."""
     defaults = llama_cpp.llama_context_default_params()
     shape = info.shape
     return StateIdentity(
         source_sha256=info.source_sha256 or "", layer_start=shape.layer_start, layer_stop=shape.layer_stop,
-        lookahead_layers=info.lookahead_layers, shard_sha256=file_sha256(info.path),
+        lookahead_layers=info.lookahead_layers, shard_sha256=shard_sha256,
         llama_build=f"llama-cpp-python {llama_cpp.__version__}", type_k=int(defaults.type_k), type_v=int(defaults.type_v),
         flash_attn=flash_attn, kv_bytes_per_position=kv_bytes_per_position, seqs_per_context=seqs_per_context,
         layer_sha256=tuple(block_sha256[: shape.n_layers]),
