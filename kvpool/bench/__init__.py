@@ -80,13 +80,14 @@ verdict. The bench checks its own runs (kvpool.bench.checks): each section's loa
 averages at its start and end, other processes' CPU seconds as cores' worth and as a share of wall x cores);
 a section during which other processes used more than 0.10 cores keeps its figures but its ratios get the
 verdict "contended: not a ratio", and the run's end names it; a llama.cpp batched reference slower for four
-sequences than for one alone in the same context is a "broken reference: not a ratio"; every timed figure's
+sequences than for one alone in the same context is a "broken reference: not a ratio", and section 2's whole
+model in one context slower than its three shards in one process a "slow reference: not a ratio"; every timed figure's
 rounds, min, median and max are in the JSON's "spread" (quick: 3 rounds each but section 10's one; verdicts on medians).
 """
 
 # The package's docstring is `kvpool bench --help`'s description (here and in kvpool/cli/bench.py).
 # Modules, in import order: options (BenchOptions, shared constants), checks (load, contention, broken
-# references, rounds), reference (llama.cpp contexts),
+# and slow references, rounds), reference (llama.cpp contexts),
 # rig (daemons, models, timing helpers), one_session (sections 1, 2, 4), parallel (section 3),
 # admission (sections 5, 6), table (rows and cell formats), targets (sections 1-6's targets),
 # one_session_report, parallel_report, admission_report (those sections' summaries and rows), warm

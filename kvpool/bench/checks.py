@@ -1,6 +1,7 @@
 """What the bench checks of its own runs before it turns figures into ratios (issue 29): the machine's load
 during each section (`LoadMeter`, `section_load`, the contention rule `is_contended`), a llama.cpp
-reference that decodes slower batched than alone (`broken_reference`), how many rounds each timed figure
+reference that decodes slower batched than alone (`broken_reference`), a whole model's reference slower than the
+same model's shards in one process (`slow_reference`), how many rounds each timed figure
 has (`round_spreads`), and the withheld verdict a ratio gets when one of them fails (`withhold`)."""
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import psutil
 
 CONTENDED = "contended: not a ratio"
 BROKEN = "broken reference: not a ratio"
+SLOW = "slow reference: not a ratio"
 # Other processes may use at most this many cores' worth of CPU time during a section (a tenth of one core).
 # An idle Linux machine's own background (kernel threads, journald, sshd) stays near 0.01-0.03 cores, so
 # the rule does not fire on noise; anything that takes a core even a tenth of the time does fire, and that
@@ -37,6 +39,16 @@ def broken_reference(batched_tok_s: float, alone_tok_s: float) -> bool:
     all rows), so aggregate tokens/s batched below one sequence's tokens/s alone in the same context (or the
     same model) means the reference was starved, not measured. Equal rates: not broken."""
     return batched_tok_s < alone_tok_s
+
+
+def slow_reference(whole_s: float, shards_s: float) -> bool:
+    """Whether the whole model in one llama.cpp context is a slow reference: the same model's shards in one
+    process (kvpool's LocalChain: a context a shard, each with the capture callback, the rows handed on in
+    Python) compute every layer the whole model does and more, so a whole model's decode step slower than
+    theirs (medians, seconds) is not the best llama.cpp does on the machine (its weights on pages or in
+    places that the shards' loads were not), and a route measured against it would be flattered (issue 29:
+    the ~1B quick tables of stops 56 and 57 read LocalChain at 1.022x and 1.107x the whole model). Equal: not slow."""
+    return whole_s > shards_s
 
 
 def withhold(ratio: dict, reason: str) -> dict:

@@ -1,12 +1,26 @@
 """The bench's checks of its own runs (kvpool.bench.checks): the contention rule at and around its threshold,
-the broken-reference rule, and that a contended section's or a broken reference's ratios get the withheld
+the broken- and slow-reference rules, and that a contended section's or a broken or slow reference's ratios get the withheld
 verdict where the report and its JSON are built. Fabricated figures only: no model, no daemon."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvpool.bench.checks import BROKEN, CONTENDED, CONTENDED_CORES, MIN_ROUNDS, LoadSample, broken_reference, contended_lines, is_contended, round_spreads, section_load
+from kvpool.bench.checks import (
+    BROKEN,
+    CONTENDED,
+    CONTENDED_CORES,
+    MIN_ROUNDS,
+    SLOW,
+    LoadSample,
+    broken_reference,
+    contended_lines,
+    is_contended,
+    round_spreads,
+    section_load,
+    slow_reference,
+)
+from kvpool.bench.one_session_report import summarize_route
 from kvpool.bench.parallel import BATCHED_CHAIN, BATCHED_WHOLE, CEILING
 from kvpool.bench.parallel_report import summarize_parallel
 from kvpool.bench.report import summarize, withhold_contended
@@ -62,6 +76,38 @@ def test_broken_reference_rule() -> None:
     assert broken_reference(batched_tok_s=17.9, alone_tok_s=18.0)
     assert not broken_reference(batched_tok_s=18.0, alone_tok_s=18.0)  # 4 rows cost exactly 4 one-row steps
     assert not broken_reference(batched_tok_s=40.0, alone_tok_s=16.5)
+
+
+def test_slow_reference_rule() -> None:
+    assert slow_reference(whole_s=0.0407, shards_s=0.0368)  # stop 57's ~1B quick table: the 3 shards in one process 1.107x
+    assert slow_reference(whole_s=0.0142, shards_s=0.01419)
+    assert not slow_reference(whole_s=0.0142, shards_s=0.0142)  # the shards' extra work cost nothing: not slow
+    assert not slow_reference(whole_s=0.0142, shards_s=0.0146)  # stop 57's bundled table: the shards 0.977x, as three graphs should
+
+
+def _route_results(whole: float, shards: float, sampled: float) -> dict:
+    """Section 2's measurement with each variant's decode steps at the given seconds."""
+    decode = {"llama.cpp whole": whole, "in-process chain": shards, "daemon chain": sampled + 0.0002, "daemon chain, sampled on the last": sampled,
+              "daemon whole": whole + 0.001}
+    hop = {"worker": [0.0002] * MIN_ROUNDS, "worker_after_idle": [0.0004] * MIN_ROUNDS}
+    return {"route": {"decode_s": {name: [value] * MIN_ROUNDS for name, value in decode.items()}, "cold_decode_s": {}, "chunk_steps": 3,
+                      "round_trip_s": [hop, hop, hop], "payload_s_per_hop": [0.00002] * 3, "tokens_identical": {"daemon chain": True}}}
+
+
+def test_a_slow_whole_model_reference_gets_no_route_verdict() -> None:
+    summary, ratios, rows = summarize_route(_route_results(whole=0.0407, shards=0.0368, sampled=0.0389))
+    assert summary["s2_reference_slow"]
+    route = ratios["route_vs_whole"]
+    assert route["verdict"] == SLOW and route["met"] is None and route["value"] == pytest.approx(0.0407 / 0.0389)  # the figure is kept
+    headline_row = rows[0]
+    assert headline_row.target == SLOW and "SLOW" in headline_row.reference and "36.8 ms" in headline_row.reference
+
+
+def test_a_whole_model_reference_faster_than_its_shards_is_a_ratio() -> None:
+    summary, ratios, rows = summarize_route(_route_results(whole=0.0142, shards=0.0146, sampled=0.0172))
+    assert not summary["s2_reference_slow"]
+    assert ratios["route_vs_whole"]["met"] is False and "verdict" not in ratios["route_vs_whole"]  # 0.826 < 0.97
+    assert rows[0].target == verdict(0.0142 / 0.0172, 0.97) and "SLOW" not in rows[0].reference
 
 
 def test_a_contended_sections_ratios_and_rows_are_withheld() -> None:
