@@ -80,8 +80,9 @@ verdict. The bench checks its own runs (kvpool.bench.checks): each section's loa
 averages at its start and end, other processes' CPU seconds as cores' worth and as a share of wall x cores);
 a section during which other processes used more than 0.10 cores keeps its figures but its ratios get the
 verdict "contended: not a ratio", and the run's end names it; a llama.cpp batched reference slower for four
-sequences than for one alone in the same context is a "broken reference: not a ratio", and section 2's whole
-model in one context slower than its three shards in one process a "slow reference: not a ratio"; every timed figure's
+sequences than for one alone in the same context is a "broken reference: not a ratio"; where section 2's whole
+model in one context is slower than its three shards in one process, the route is measured against the shards'
+time (a slow reference); every timed figure's
 rounds, min, median and max are in the JSON's "spread" (quick: 3 rounds each but section 10's one; verdicts on medians).
 """
 

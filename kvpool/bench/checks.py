@@ -1,7 +1,7 @@
 """What the bench checks of its own runs before it turns figures into ratios (issue 29): the machine's load
 during each section (`LoadMeter`, `section_load`, the contention rule `is_contended`), a llama.cpp
 reference that decodes slower batched than alone (`broken_reference`), a whole model's reference slower than the
-same model's shards in one process (`slow_reference`), how many rounds each timed figure
+same model's shards in one process (`slow_reference`: the route is then measured against the shards), how many rounds each timed figure
 has (`round_spreads`), and the withheld verdict a ratio gets when one of them fails (`withhold`)."""
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import psutil
 
 CONTENDED = "contended: not a ratio"
 BROKEN = "broken reference: not a ratio"
-SLOW = "slow reference: not a ratio"
 # Other processes may use at most this many cores' worth of CPU time during a section (a tenth of one core).
 # An idle Linux machine's own background (kernel threads, journald, sshd) stays near 0.01-0.03 cores, so
 # the rule does not fire on noise; anything that takes a core even a tenth of the time does fire, and that
@@ -45,9 +44,10 @@ def slow_reference(whole_s: float, shards_s: float) -> bool:
     """Whether the whole model in one llama.cpp context is a slow reference: the same model's shards in one
     process (kvpool's LocalChain: a context a shard, each with the capture callback, the rows handed on in
     Python) compute every layer the whole model does and more, so a whole model's decode step slower than
-    theirs (medians, seconds) is not the best llama.cpp does on the machine (its weights on pages or in
-    places that the shards' loads were not), and a route measured against it would be flattered (issue 29:
-    the ~1B quick tables of stops 56 and 57 read LocalChain at 1.022x and 1.107x the whole model). Equal: not slow."""
+    theirs (medians, seconds) is not the best llama.cpp does on the machine (in a fresh process of its own the
+    ~1B model's whole context and its shards' read within 1.6% of each other, stop 57; in the bench's process,
+    beside every other model it loads, the quick tables of stops 56 and 57 read the shards at 1.022x and 1.107x
+    the whole model). Section 2 then takes the shards' time as the route's reference. Equal: not slow."""
     return whole_s > shards_s
 
 

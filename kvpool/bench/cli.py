@@ -178,7 +178,7 @@ def _say_checks(results: dict) -> None:
     if results["summary"].get("s3_reference_broken"):
         bench_say("section 3's llama.cpp batched reference was broken (slower for 4 sequences than for 1 alone): its ratios are not verdicts")
     if results["summary"].get("s2_reference_slow"):
-        bench_say("section 2's whole model in one llama.cpp context was a slow reference (slower than its 3 shards in one process): route_vs_whole is not a verdict")
+        bench_say("section 2's whole model in one llama.cpp context was a slow reference (slower than its 3 shards in one process): route_vs_whole is taken against the shards")
     few = [f"{section}/{path} ({spread['rounds']})" for section, paths in results["spread"].items()
            for path, spread in paths.items() if not spread["enough"]]
     if few:
