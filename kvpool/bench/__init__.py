@@ -6,7 +6,8 @@ and noisy: compare the ratios, not the absolute times; every figure is a median)
   1 daemon overhead, one session   middle-shard decode through a daemon / the worker runtime in-process /
                                    llama.cpp in-process without capture
   2 whole route, one session       greedy decode through a chain of 3 shard daemons / the whole model in one
-                                   llama.cpp context, and where the difference goes, from measured components
+                                   llama.cpp context (or its 3 shards in one process, where they were faster),
+                                   and where the difference goes, from measured components
                                    (sections 1 and 2: the variants take turns every 3 timed steps)
   3 four sessions at once          aggregate decode tok/s through kvpool / llama.cpp serving the four as
                                    sequences of one context with one batched llama_decode per step

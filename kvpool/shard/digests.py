@@ -60,7 +60,8 @@ def verified_digests(info: ShardInfo) -> tuple[tuple[str, ...], str]:
     """verified_block_digests of `info` and its file's sha256 (file_sha256), computed side by side: a daemon's
     start-up needs both (its refusal the blocks, its identity the file), and hashlib lets go of the GIL over
     large buffers, so on two cores they take about the longer of the two instead of their sum (each grows
-    with the shard: 0.13 and 0.14 s for a 208 MB middle shard of the ~1B model on a 2-core AMD EPYC).
+    with the shard; for the ~1B model's 208 MB middle shard on a 2-core AMD EPYC 0.14-0.16 s side by side
+    against 0.28-0.40 s one after the other: evidence/startup/README.md, "Stop 57").
     WeightsMismatch as verified_block_digests, once the file's hash is done."""
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvpool-file-sha256") as executor:
         whole = executor.submit(file_sha256, info.path)
