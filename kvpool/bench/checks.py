@@ -47,7 +47,9 @@ def slow_reference(whole_s: float, shards_s: float) -> bool:
     theirs (medians, seconds) is not the best llama.cpp does on the machine (in a fresh process of its own the
     ~1B model's whole context and its shards' read within 1.6% of each other, stop 57; in the bench's process,
     beside every other model it loads, the quick tables of stops 56 and 57 read the shards at 1.022x and 1.107x
-    the whole model). Section 2 then takes the shards' time as the route's reference. Equal: not slow."""
+    the whole model). Section 2 then takes the shards' time as the route's reference. Equal: not slow. The rule
+    is strict, so a difference within noise gives way to the shards too: the reference is then the faster of
+    two medians, which errs against kvpool's ratio, never for it."""
     return whole_s > shards_s
 
 

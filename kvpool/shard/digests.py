@@ -60,9 +60,10 @@ def verified_digests(info: ShardInfo) -> tuple[tuple[str, ...], str]:
     """verified_block_digests of `info` and its file's sha256 (file_sha256), computed side by side: a daemon's
     start-up needs both (its refusal the blocks, its identity the file), and hashlib lets go of the GIL over
     large buffers, so on two cores they take about the longer of the two instead of their sum (each grows
-    with the shard; for the ~1B model's 208 MB middle shard on a 2-core AMD EPYC 0.14-0.16 s side by side
-    against 0.28-0.40 s one after the other: evidence/startup/README.md, "Stop 57").
-    WeightsMismatch as verified_block_digests, once the file's hash is done."""
+    with the shard; for the ~1B model's 208 MB middle shard in the page cache on a 2-core AMD EPYC 0.14-0.16 s
+    side by side against 0.28-0.30 s one after the other, 0.40 s the first time: evidence/startup/README.md,
+    "Stop 57"). WeightsMismatch as verified_block_digests and ShardError for a file that cannot be read, once
+    the file's hash is done (the blocks' error first where both fail)."""
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvpool-file-sha256") as executor:
         whole = executor.submit(file_sha256, info.path)
         blocks = verified_block_digests(info)

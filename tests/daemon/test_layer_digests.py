@@ -15,8 +15,10 @@ import pytest
 
 from kvpool.router.router import RecoveryPolicy, Router
 from kvpool.shard import contents as shard_contents
+from kvpool.shard import digests as shard_digests
 from kvpool.shard.cache import cached_shards
 from kvpool.shard.digests import WeightsMismatch, block_digests, verified_block_digests, verified_digests
+from kvpool.shard.errors import ShardError
 from kvpool.shard.header import file_sha256, read_shard_info
 from kvpool.shard.ranges import LayerRange, parse_splits
 from tests.conftest import EVEN_SPLIT, TOTAL_LAYERS, UNEVEN_SPLIT
@@ -91,6 +93,22 @@ def test_one_flipped_byte_changes_exactly_its_layers_digest_and_the_file_is_refu
     shutil.copyfile(middle.path, copy)
     flip_first_byte(copy, "output_norm.weight")  # no block's tensor: no block's digest
     assert block_digests(copy) == before
+
+
+def test_verified_digests_reports_a_file_it_cannot_hash_and_the_blocks_error_first(shards, tmp_path, monkeypatch):
+    middle = shards[1]
+    copy = tmp_path / middle.path.name
+    shutil.copyfile(middle.path, copy)
+
+    def unreadable(path):
+        raise ShardError(f"cannot read {path}: Input/output error")
+
+    monkeypatch.setattr(shard_digests, "file_sha256", unreadable)  # as the side-by-side thread calls it
+    with pytest.raises(ShardError, match="cannot read"):
+        verified_digests(read_shard_info(copy))
+    flip_first_byte(copy, "blk.3.attn_k.weight")
+    with pytest.raises(WeightsMismatch):  # both fail: the blocks' error is the one raised
+        verified_digests(read_shard_info(copy))
 
 
 def test_the_shard_cache_cuts_again_a_shard_written_without_layer_digests(model_path, tmp_path, monkeypatch):
