@@ -21,9 +21,9 @@ from kvpool.wire.framing import FrameError, receive_frame
 from kvpool.wire.protocol import MAX_REPLY_BYTES, HelloReply, Reply, RequestMessage, decode_reply, encode
 
 
-def _receive_reply(sock: socket.socket) -> Reply:
+def _receive_reply(sock: socket.socket, reuse: bytearray | None = None) -> Reply:
     try:
-        payload = receive_frame(sock, MAX_REPLY_BYTES)
+        payload = receive_frame(sock, MAX_REPLY_BYTES, reuse)
     except FrameError as error:
         raise ConnectionLost(f"unreadable reply: {error}") from error
     if payload is None:
@@ -40,6 +40,7 @@ class ClientConnection:
         self.lock = threading.Lock()
         self.farewell_seen = False  # the daemon drained while a request was in flight here
         self._request_ids = itertools.count(1)
+        self._received = bytearray()  # replies are read into it (kvpool.wire.framing.receive_frame's reuse)
         try:
             self.sock.connect(path)
         except OSError as error:
@@ -95,7 +96,7 @@ class ClientConnection:
         if sock is None:
             raise ConnectionLost("the connection was closed by an earlier failure")
         try:
-            reply = _receive_reply(sock)
+            reply = _receive_reply(sock, self._received)
         except (BrokenPipeError, ConnectionResetError) as error:
             self.close()
             raise ConnectionLost(f"connection lost: {error}") from error

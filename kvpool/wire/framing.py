@@ -10,6 +10,7 @@ allowance, non-blocking reads) keeps its own loop around `frame_size`.
 
 from __future__ import annotations
 
+import contextlib
 import struct
 from typing import TYPE_CHECKING
 
@@ -17,6 +18,7 @@ if TYPE_CHECKING:  # the workers import the wire and never asyncio
     import asyncio
 
 FRAME_HEADER = struct.Struct(">I")
+REUSED_PAYLOAD_BYTES = 4 * 1024 * 1024  # receive_frame(reuse=...): larger payloads get a buffer of their own (a reused one stays as large as its largest)
 
 
 class FrameError(Exception):
@@ -43,6 +45,12 @@ def framed(payload: bytes) -> bytes:
     return FRAME_HEADER.pack(len(payload)) + payload
 
 
+def frame_in_place(buffer: bytearray) -> bytearray:
+    """`buffer`, whose payload was written after FRAME_HEADER.size bytes left for the header, made one whole frame."""
+    FRAME_HEADER.pack_into(buffer, 0, len(buffer) - FRAME_HEADER.size)
+    return buffer
+
+
 def frame_size(header: bytes | bytearray | memoryview, limit: int) -> int:
     """The payload size the header at the start of `header` announces, at most `limit` (else FrameTooLarge)."""
     (size,) = FRAME_HEADER.unpack_from(header)
@@ -58,20 +66,33 @@ def receive_exactly(sock, size: int) -> bytes | None:
     return bytes(buffer) if received == size else None
 
 
-def receive_frame(sock, limit: int) -> bytes | None:
+def receive_frame(sock, limit: int, reuse: bytearray | None = None) -> bytearray | memoryview | None:
     """The payload of the next frame on a blocking socket (at most `limit` bytes), or None when the peer
-    closed it before the frame began. Raises FrameTooLarge, FrameTruncated."""
+    closed it before the frame began. Raises FrameTooLarge, FrameTruncated.
+
+    With `reuse`, a payload of at most REUSED_PAYLOAD_BYTES is read into it (grown as needed, never shrunk) and a
+    view of it returned, valid until the next call with the same buffer (which overwrites it; where it must grow
+    while a view is held, the payload gets a buffer of its own): a client reading a large reply every step (a last
+    shard's logits) writes into pages it already has instead of a new allocation the kernel faults in."""
     header = bytearray(FRAME_HEADER.size)
     received = _receive_into(sock, header)
     if received == 0:
         return None
     if received < len(header):
         raise FrameTruncated("header", received, len(header))
-    payload = bytearray(frame_size(header, limit))
+    size = frame_size(header, limit)
+    payload: bytearray | memoryview | None = None
+    if reuse is not None and size <= REUSED_PAYLOAD_BYTES:
+        with contextlib.suppress(BufferError):  # it must grow while a view of it is held: this payload gets its own buffer
+            if len(reuse) < size:
+                reuse.extend(bytes(size - len(reuse)))
+            payload = memoryview(reuse)[:size]
+    if payload is None:
+        payload = bytearray(size)
     received = _receive_into(sock, payload)
-    if received < len(payload):
-        raise FrameTruncated("payload", received, len(payload))
-    return bytes(payload)
+    if received < size:
+        raise FrameTruncated("payload", received, size)
+    return payload
 
 
 async def read_frame(reader: asyncio.StreamReader, limit: int) -> bytes | None:
@@ -89,7 +110,7 @@ async def read_frame(reader: asyncio.StreamReader, limit: int) -> bytes | None:
         raise FrameTruncated("payload", len(error.partial), size) from None
 
 
-def _receive_into(sock, buffer: bytearray) -> int:
+def _receive_into(sock, buffer: bytearray | memoryview) -> int:
     """Fill `buffer` from a blocking socket; the bytes received (fewer only when the peer closed it)."""
     view = memoryview(buffer)
     received = 0

@@ -16,7 +16,7 @@ import enum
 import msgspec
 
 from kvpool.state.header import StateIdentity
-from kvpool.wire.framing import framed
+from kvpool.wire.framing import FRAME_HEADER, frame_in_place, framed
 from kvpool.wire.sampling import Sampling
 from kvpool.wire.shape import ShardShape
 
@@ -389,9 +389,18 @@ def encode(message: Message) -> bytes:
     return framed(_request_encoder.encode(message))
 
 
+def encode_into(message: Message, buffer: bytearray) -> bytearray:
+    """`encode`, written into `buffer`, which becomes the whole frame (resized to it): a peer that sends a frame
+    every step reuses one buffer instead of allocating new ones (above the allocator's mmap threshold each is mapped
+    and faulted in afresh). Never pass a buffer whose frame is still being sent: msgspec writes into a buffer that
+    is viewed wherever it need not grow it (only growing raises BufferError)."""
+    _request_encoder.encode_into(message, buffer, FRAME_HEADER.size)
+    return frame_in_place(buffer)
+
+
 def decode_request(payload: bytes) -> Request:
     return _request_decoder.decode(payload)
 
 
-def decode_reply(payload: bytes) -> Reply:
+def decode_reply(payload: bytes | bytearray | memoryview) -> Reply:
     return _reply_decoder.decode(payload)

@@ -49,14 +49,18 @@ def test_appends_skip_the_supervisor_and_equal_the_supervisor_path(model_path, s
     prompt = prompt_ids[0][:10]
     try:
         with daemon.client() as direct, daemon.client(direct=False) as plain:
-            outputs = {}
+            outputs, copies = {}, {}
             for name, client in (("d", direct), ("p", plain)):
                 rows = [client.append(name, 1, 0, tokens=prompt).rows]
                 for step in range(4):
                     rows.append(client.append(name, 1, 10 + step, tokens=[30 + step]).rows)
+                    copies.setdefault(name, []).append(rows[-1].copy())  # as it came, before the next reply was read
                 outputs[name] = rows
             for left, right in zip(outputs["d"], outputs["p"]):
                 assert np.array_equal(left, right)
+            for name in outputs:  # a reply's rows are the caller's: the next reply (read into the same buffer) leaves them be
+                assert all(np.array_equal(kept, now) for kept, now in zip(copies[name], outputs[name][1:]))
+                assert not np.array_equal(outputs[name][1], outputs[name][2])
             stats = plain.stats()
             assert stats.counters["direct_appends"] == 4 and stats.counters["appends"] == 6  # 1 + 5 through the supervisor
             assert {row.session_id: row.length for row in stats.sessions} == {"d": 14, "p": 14}
@@ -398,6 +402,31 @@ def test_a_reply_passes_whole_within_the_deadline_or_its_peer_is_dropped():
             received += len(chunk)
         assert 0 < received < len(encode(large))
         assert _open(reader)
+    finally:
+        harness.close()
+
+
+def test_a_peers_replies_are_encoded_into_one_buffer_and_each_goes_out_whole():
+    """Each reply is encoded into the peer's own buffer (a last shard's logits every step: no new allocation), larger
+    or smaller than the last, and the peer reads each whole and intact."""
+    replies = [AppendReply(request_id=index, session_id="s", epoch=1, length=index, rows=1, width=size // 4, data=bytes([index]) * size)
+               for index, size in enumerate((300_000, 4_000, 600_000, 600_000), start=1)]
+    harness = _Channel(10.0)
+    served = iter(replies)
+    harness.channel._append = lambda request: next(served)
+    try:
+        reader = harness.connect()
+        (peer,) = harness.channel._peers
+        buffer = peer._frame
+        for reply in replies:
+            reader.sendall(encode(Append(session_id="s", epoch=1, start_pos=0, tokens=[1])))
+            expected = encode(reply)
+            got = bytearray()
+            while len(got) < len(expected):
+                harness.pump()
+                got += reader.recv(1024**2)
+            assert bytes(got) == expected
+            assert peer._frame is buffer and bytes(buffer) == expected  # the same buffer, holding this frame exactly
     finally:
         harness.close()
 

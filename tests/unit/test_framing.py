@@ -7,10 +7,13 @@ import asyncio
 import os
 import socket
 
+import numpy as np
 import pytest
 
-from kvpool.wire.framing import FRAME_HEADER, FrameTooLarge, FrameTruncated, frame_size, framed, read_frame, receive_frame
+from kvpool.wire import framing
+from kvpool.wire.framing import FRAME_HEADER, FrameTooLarge, FrameTruncated, frame_in_place, frame_size, framed, read_frame, receive_frame
 from kvpool.wire.peers import peer_credentials, same_user
+from kvpool.wire.protocol import AppendReply, decode_reply, encode, encode_into
 
 LIMIT = 16
 
@@ -59,6 +62,58 @@ def test_blocking_a_frame_cut_short_is_truncated(sent, part, received, expected)
         with pytest.raises(FrameTruncated) as cut:
             receive_frame(receiver, LIMIT)
         assert (cut.value.part, cut.value.received, cut.value.expected) == (part, received, expected)
+
+
+def test_a_reused_buffer_takes_each_payload_in_turn_and_grows_only_as_needed(monkeypatch):
+    monkeypatch.setattr(framing, "REUSED_PAYLOAD_BYTES", 8)
+    reuse = bytearray()
+    sender, receiver = _pair()
+    with sender, receiver:
+        sender.sendall(framed(b"abcdef") + framed(b"xy") + framed(b"12345678") + framed(b"123456789") + framed(b"zz"))
+        first = receive_frame(receiver, LIMIT, reuse)
+        assert isinstance(first, memoryview) and first.obj is reuse and bytes(first) == b"abcdef" and len(reuse) == 6
+        del first
+        second = receive_frame(receiver, LIMIT, reuse)
+        assert second.obj is reuse and bytes(second) == b"xy" and reuse == b"xycdef"  # the same pages, not shrunk
+        del second
+        at_the_bound = receive_frame(receiver, LIMIT, reuse)
+        assert at_the_bound.obj is reuse and bytes(at_the_bound) == b"12345678" and len(reuse) == 8
+        del at_the_bound
+        over = receive_frame(receiver, LIMIT, reuse)  # one byte over the bound: a buffer of its own
+        assert isinstance(over, bytearray) and over == b"123456789" and reuse == b"12345678"
+        held = receive_frame(receiver, LIMIT, reuse)
+        assert held.obj is reuse and bytes(held) == b"zz"
+
+
+def test_a_reused_buffer_that_must_grow_while_viewed_is_left_alone_and_the_payload_gets_its_own():
+    reuse = bytearray()
+    sender, receiver = _pair()
+    with sender, receiver:
+        sender.sendall(framed(b"ab") + framed(b"cdef"))
+        kept = receive_frame(receiver, LIMIT, reuse)  # a caller still holding the last payload's view
+        second = receive_frame(receiver, LIMIT, reuse)  # it must grow, which the view forbids
+        assert isinstance(second, bytearray) and second == b"cdef"
+        assert bytes(kept) == b"ab" and reuse == b"ab"
+
+
+def test_a_frame_made_in_place_is_the_framed_payload():
+    buffer = bytearray(FRAME_HEADER.size) + b"payload"
+    assert frame_in_place(buffer) is buffer and bytes(buffer) == framed(b"payload")
+
+
+def test_a_message_encoded_into_a_buffer_is_the_frame_encode_makes_and_reuses_the_buffer():
+    rows = np.arange(12, dtype=np.float32).reshape(2, 6)
+    as_bytes = AppendReply(request_id=7, session_id="s", epoch=1, length=2, rows=2, width=6, data=rows.tobytes())
+    as_view = AppendReply(request_id=7, session_id="s", epoch=1, length=2, rows=2, width=6, data=memoryview(rows.reshape(-1).view(np.uint8)))
+    buffer = bytearray(b"left over from a longer frame" * 10)
+    assert encode_into(as_view, buffer) is buffer and bytes(buffer) == encode(as_bytes)
+    assert decode_reply(memoryview(buffer)[FRAME_HEADER.size :]) == as_bytes
+    longer = AppendReply(request_id=7, session_id="s" * 100, epoch=1, length=2, rows=2, width=6, data=rows.tobytes())
+    view = memoryview(buffer)  # a stray view: growing the buffer is refused, and the caller falls back (direct.Peer.write)
+    with pytest.raises(BufferError):
+        encode_into(longer, buffer)
+    view.release()
+    assert bytes(encode_into(longer, buffer)) == encode(longer)
 
 
 def _stream(data: bytes) -> asyncio.StreamReader:

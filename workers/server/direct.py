@@ -13,6 +13,7 @@ claims."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import selectors
 import socket
@@ -26,7 +27,7 @@ from kvpool.wire.checks import append_rows, check_position
 from kvpool.wire.errors import RequestFailed
 from kvpool.wire.framing import FRAME_HEADER, FrameTooLarge, FrameTruncated, frame_size
 from kvpool.wire.peers import same_user
-from kvpool.wire.protocol import Append, AppendReply, ErrorCode, ErrorReply, Message, encode
+from kvpool.wire.protocol import Append, AppendReply, ErrorCode, ErrorReply, Message, encode, encode_into
 from workers.runtime.errors import ShardRuntimeError
 from workers.runtime.sampling import answer
 from workers.server.direct_cancels import DirectCancels
@@ -77,6 +78,7 @@ class Peer:
         self.waited_s = 0.0
         self.closing = False  # the reply being written is the last: drop the peer once it is out
         self._outgoing: memoryview | None = None
+        self._frame = bytearray()  # each reply is encoded here (the last shard's logits every step: no new allocation)
         self._start_part(FRAME_HEADER.size, in_header=True)
 
     @property
@@ -113,8 +115,16 @@ class Peer:
                 raise PeerGone("closed" if self.idle else str(FrameTruncated(part, self._received, self._expected)))
             self._received += count
 
-    def write(self, frame: bytes) -> None:
-        """Start writing `frame` (the reply to the request just read) and write what the socket takes."""
+    def write(self, reply: Message) -> None:
+        """Start writing `reply` (to the request just read) and write what the socket takes. A peer writes one reply
+        at a time (it reads no request while writing), so its buffer is free again here; were it not, the reply
+        gets a frame of its own rather than overwrite the one going out."""
+        frame: bytes | bytearray | None = None
+        if self._outgoing is None:
+            with contextlib.suppress(BufferError):  # a stray view of the buffer, which must grow: no reuse this time
+                frame = encode_into(reply, self._frame)
+        if frame is None:
+            frame = encode(reply)
         self._outgoing = memoryview(frame)
         self.waited_s = 0.0
         self.flush()
@@ -157,10 +167,6 @@ def read_append(peer: Peer) -> Append | ErrorReply | None:
         return _decoder.decode(payload)
     except msgspec.DecodeError as error:
         return ErrorReply(code=ErrorCode.BAD_REQUEST, message=f"the direct channel takes Append only: {error}")
-
-
-def send(peer: Peer, reply: Message) -> None:
-    peer.write(encode(reply))
 
 
 class DirectChannel:
@@ -238,9 +244,9 @@ class DirectChannel:
             return
         if isinstance(request, ErrorReply):
             peer.closing = True
-            send(peer, request)
+            peer.write(request)
             return
-        send(peer, self._append(request))
+        peer.write(self._append(request))
 
     def _drop(self, peer: Peer) -> None:
         self._peers.discard(peer)
@@ -284,8 +290,8 @@ class DirectChannel:
         words.appends.value += 1
         words.rows.value += rows.shape[0]
         reply = answer(output, request.sample, context.length)
-        return AppendReply(
-            length=context.length, rows=reply.rows.shape[0], width=output.shape[1], data=reply.rows.tobytes(),
+        return AppendReply(  # the rows' bytes as a view: encoding the reply is their one copy
+            length=context.length, rows=reply.rows.shape[0], width=output.shape[1], data=memoryview(np.ascontiguousarray(reply.rows).reshape(-1).view(np.uint8)),
             **reply.reply_fields, **ids,
         )
 
