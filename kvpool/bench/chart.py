@@ -8,7 +8,7 @@ import statistics
 
 from kvpool.bench.options import as_mib
 from kvpool.bench.parallel import CEILING
-from kvpool.bench.targets import DAEMON_OVERHEAD_TARGET, PARALLEL_TARGET
+from kvpool.bench.targets import HOT_PATH_TARGETS, PARALLEL_TARGET
 from kvpool.bench.warm import draw_warm
 
 
@@ -37,7 +37,7 @@ def write_chart(results: dict, summary: dict, path: pathlib.Path) -> None:
     bars(axes[0][0], ["daemon", "in-process runtime", "llama.cpp no capture"],
          [1 / summary["s1_daemon_decode_s"], 1 / runtime, 1 / summary["s1_llamacpp_decode_s"]],
          "1  middle shard decode, one session", "tok/s", colors=[kvpool, reference, reference],
-         line=(DAEMON_OVERHEAD_TARGET / runtime, f"target {DAEMON_OVERHEAD_TARGET}x in-process"))
+         line=(HOT_PATH_TARGETS["daemon_vs_inprocess"] / runtime, f"target {HOT_PATH_TARGETS['daemon_vs_inprocess']}x in-process"))
     bars(axes[0][1], ["3 daemons", "1 daemon (whole)", "3 shards in-process", "llama.cpp whole"],
          [1 / summary[k] for k in ("s2_chain_decode_s", "s2_daemon_whole_decode_s", "s2_local_chain_decode_s", "s2_whole_decode_s")],
          "2  greedy decode, one session", "tok/s", colors=[kvpool, kvpool, reference, reference])

@@ -19,7 +19,7 @@ from kvpool.bench.checks import (
     section_load,
     slow_reference,
 )
-from kvpool.bench.one_session_report import summarize_route
+from kvpool.bench.one_session_report import summarize_mid_shard, summarize_route
 from kvpool.bench.parallel import BATCHED_CHAIN, BATCHED_WHOLE, CEILING
 from kvpool.bench.parallel_report import summarize_parallel
 from kvpool.bench.report import summarize, withhold_contended
@@ -102,6 +102,18 @@ def test_a_slow_whole_model_reference_gives_way_to_its_shards_in_one_process() -
     headline_row = rows[0]
     assert "SLOW" in headline_row.what and headline_row.reference.startswith("27 tok/s (36.8 ms)") and "40.7 ms" in headline_row.reference
     assert headline_row.target == verdict(0.0368 / 0.0389, 0.97)
+
+
+def test_section_1_row_and_json_judge_the_middle_shard_against_one_target() -> None:
+    """Until stop 58 the row (and a second JSON key) said met against issue 11's 0.95 where the JSON's headline said
+    MISSED against issue 29's 0.97: a figure between the two now reads MISSED everywhere."""
+    daemon, runtime = 0.0116, 0.0112  # 0.9655x: above 0.95, below 0.97
+    mid = {"decode_s": {"daemon": [daemon] * 3, "runtime": [runtime] * 3, "llama.cpp": [0.0123] * 3},
+           "round_trip_s": {"worker_after_idle": [0.0005], "worker": [0.0004], "supervisor": [0.0002]}, "payload_s": 6e-6, "chunk_steps": 3}
+    summary, ratios, rows = summarize_mid_shard({"mid_shard": mid})
+    assert list(ratios) == ["daemon_vs_inprocess"]
+    assert ratios["daemon_vs_inprocess"]["value"] == pytest.approx(runtime / daemon) and ratios["daemon_vs_inprocess"]["met"] is False
+    assert rows[0].target == verdict(runtime / daemon, 0.97) == ">= 0.97: MISSED"
 
 
 def test_a_whole_model_reference_faster_than_its_shards_is_the_reference() -> None:
