@@ -18,7 +18,7 @@ if TYPE_CHECKING:  # the workers import the wire and never asyncio
     import asyncio
 
 FRAME_HEADER = struct.Struct(">I")
-REUSED_PAYLOAD_BYTES = 4 * 1024 * 1024  # receive_frame(reuse=...): larger payloads get a buffer of their own (a reused one stays as large as its largest)
+REUSED_PAYLOAD_BYTES = 4 * 1024 * 1024  # the largest frame buffer kept for the next frame (receive_frame's reuse, a direct channel's replies); larger ones get their own
 
 
 class FrameError(Exception):

@@ -23,7 +23,7 @@ from kvpool.client.client import KvpoolError, append_request
 from kvpool.client.connection import ClientConnection
 from kvpool.daemon.pool.spec import PoolSpec, shared_settings
 from kvpool.host import FRAME_DEADLINE_ENV, direct_frame_deadline_s
-from kvpool.wire.framing import FRAME_HEADER, receive_exactly
+from kvpool.wire.framing import FRAME_HEADER, REUSED_PAYLOAD_BYTES, receive_exactly
 from kvpool.wire.protocol import Append, AppendReply, decode_reply, encode
 from tests.support.daemons import HANG_GUARD_S, DaemonProcess, in_thread, joined, refused, stopped, wait_until
 from workers.server.direct import MAX_FRAME_BYTES, DirectChannel
@@ -408,9 +408,11 @@ def test_a_reply_passes_whole_within_the_deadline_or_its_peer_is_dropped():
 
 def test_a_peers_replies_are_encoded_into_one_buffer_and_each_goes_out_whole():
     """Each reply is encoded into the peer's own buffer (a last shard's logits every step: no new allocation), larger
-    or smaller than the last, and the peer reads each whole and intact."""
+    or smaller than the last, and the peer reads each whole and intact; a buffer over REUSED_PAYLOAD_BYTES (a prefill's
+    rows) is not kept once its frame is out."""
+    sizes = (300_000, 4_000, 600_000, 600_000, REUSED_PAYLOAD_BYTES + 1, 5_000)
     replies = [AppendReply(request_id=index, session_id="s", epoch=1, length=index, rows=1, width=size // 4, data=bytes([index]) * size)
-               for index, size in enumerate((300_000, 4_000, 600_000, 600_000), start=1)]
+               for index, size in enumerate(sizes, start=1)]
     harness = _Channel(10.0)
     served = iter(replies)
     harness.channel._append = lambda request: next(served)
@@ -426,7 +428,11 @@ def test_a_peers_replies_are_encoded_into_one_buffer_and_each_goes_out_whole():
                 harness.pump()
                 got += reader.recv(1024**2)
             assert bytes(got) == expected
-            assert peer._frame is buffer and bytes(buffer) == expected  # the same buffer, holding this frame exactly
+            if len(expected) > REUSED_PAYLOAD_BYTES:
+                assert len(peer._frame) == 0  # let go
+                buffer = peer._frame
+            else:
+                assert peer._frame is buffer and bytes(buffer) == expected  # the same buffer, holding this frame exactly
     finally:
         harness.close()
 

@@ -25,7 +25,7 @@ import numpy as np
 
 from kvpool.wire.checks import append_rows, check_position
 from kvpool.wire.errors import RequestFailed
-from kvpool.wire.framing import FRAME_HEADER, FrameTooLarge, FrameTruncated, frame_size
+from kvpool.wire.framing import FRAME_HEADER, REUSED_PAYLOAD_BYTES, FrameTooLarge, FrameTruncated, frame_size
 from kvpool.wire.peers import same_user
 from kvpool.wire.protocol import Append, AppendReply, ErrorCode, ErrorReply, Message, encode, encode_into
 from workers.runtime.errors import ShardRuntimeError
@@ -78,7 +78,7 @@ class Peer:
         self.waited_s = 0.0
         self.closing = False  # the reply being written is the last: drop the peer once it is out
         self._outgoing: memoryview | None = None
-        self._frame = bytearray()  # each reply is encoded here (the last shard's logits every step: no new allocation)
+        self._frame = bytearray()  # each reply is encoded here (the last shard's logits every step: no new allocation), up to REUSED_PAYLOAD_BYTES kept
         self._start_part(FRAME_HEADER.size, in_header=True)
 
     @property
@@ -139,6 +139,8 @@ class Peer:
             except OSError as error:
                 raise PeerGone(str(error)) from None
             self._outgoing = self._outgoing[sent:] if sent < len(self._outgoing) else None
+        if len(self._frame) > REUSED_PAYLOAD_BYTES:  # a large reply's buffer (a prefill's rows) is not kept for the next
+            self._frame = bytearray()
         self.waited_s = 0.0
 
     def _start_part(self, size: int, *, in_header: bool) -> None:
