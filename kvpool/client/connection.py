@@ -132,5 +132,6 @@ class ClientConnection:
 
     def close(self) -> None:
         sock, self.sock = self.sock, None
+        self._received = bytearray()  # a closed connection kept by its owner (a gone worker's direct channel) holds no reply buffer
         if sock is not None:
             sock.close()

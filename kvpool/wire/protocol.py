@@ -392,8 +392,8 @@ def encode(message: Message) -> bytes:
 def encode_into(message: Message, buffer: bytearray) -> bytearray:
     """`encode`, written into `buffer`, which becomes the whole frame (resized to it): a peer that sends a frame
     every step reuses one buffer instead of allocating new ones (above the allocator's mmap threshold each is mapped
-    and faulted in afresh). Never pass a buffer whose frame is still being sent: msgspec writes into a buffer that
-    is viewed wherever it need not grow it (only growing raises BufferError)."""
+    and faulted in afresh). Never pass a buffer whose bytes are still needed: msgspec writes into it even where a
+    view of it is held (where it must grow it then, it raises BufferError, after writing over the start)."""
     _request_encoder.encode_into(message, buffer, FRAME_HEADER.size)
     return frame_in_place(buffer)
 

@@ -109,11 +109,30 @@ def test_a_message_encoded_into_a_buffer_is_the_frame_encode_makes_and_reuses_th
     assert encode_into(as_view, buffer) is buffer and bytes(buffer) == encode(as_bytes)
     assert decode_reply(memoryview(buffer)[FRAME_HEADER.size :]) == as_bytes
     longer = AppendReply(request_id=7, session_id="s" * 100, epoch=1, length=2, rows=2, width=6, data=rows.tobytes())
-    view = memoryview(buffer)  # a stray view: growing the buffer is refused, and the caller falls back (direct.Peer.write)
-    with pytest.raises(BufferError):
-        encode_into(longer, buffer)
-    view.release()
-    assert bytes(encode_into(longer, buffer)) == encode(longer)
+    assert encode_into(longer, buffer) is buffer and bytes(buffer) == encode(longer)  # grown in place
+
+
+def test_a_client_connection_reads_replies_into_one_buffer_and_lets_it_go_when_closed(tmp_path):
+    from kvpool.client.connection import ClientConnection
+
+    path = str(tmp_path / "s")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
+        listener.bind(path)
+        listener.listen(1)
+        connection = ClientConnection(path, 5.0, "test", handshake=False)
+        daemon, _ = listener.accept()
+        with daemon:
+            rows = np.arange(1000, dtype=np.float32)
+            replies = [AppendReply(request_id=index, session_id="s", epoch=1, length=1, rows=1, width=1000, data=(rows + index).tobytes())
+                       for index in (1, 2)]
+            daemon.sendall(encode(replies[0]) + encode(replies[1]))
+            first = connection.receive(1)
+            buffer = connection._received
+            second = connection.receive(2)
+            assert connection._received is buffer and len(buffer) >= 4000  # both read into it
+            assert (first, second) == tuple(replies)  # the first reply's rows are its own, not the buffer's
+            connection.close()
+            assert len(connection._received) == 0
 
 
 def _stream(data: bytes) -> asyncio.StreamReader:
