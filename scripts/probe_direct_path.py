@@ -71,8 +71,8 @@ def stamped_worker(connection, spec, cancel_connection, stamps_path: str) -> Non
         setattr(owner, name, wrapped)
 
     wrap(direct, "read_append", "read")
-    wrap(direct, "send", "send")
-    wrap(direct, "encode", "encode")
+    wrap(direct.Peer, "write", "send")  # the reply's encoding into the peer's buffer, then what the socket takes of it
+    wrap(direct, "encode_into", "encode")
     wrap(direct, "append_rows", "checks")
     wrap(direct.DirectChannel, "_append", "append")
     wrap(direct.DirectCancels, "begin", "cancel_begin")

@@ -291,8 +291,8 @@ class DirectChannel:
         words.appends.value += 1
         words.rows.value += rows.shape[0]
         reply = answer(output, request.sample, context.length)
-        return AppendReply(  # the rows' bytes as a view: encoding the reply is their one copy
-            length=context.length, rows=reply.rows.shape[0], width=output.shape[1], data=memoryview(np.ascontiguousarray(reply.rows).reshape(-1).view(np.uint8)),
+        return AppendReply(  # the rows' buffer as it is: encoding the reply is their one copy (fewer calls than a byte view)
+            length=context.length, rows=reply.rows.shape[0], width=output.shape[1], data=np.ascontiguousarray(reply.rows).data,
             **reply.reply_fields, **ids,
         )
 
