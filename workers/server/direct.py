@@ -26,7 +26,7 @@ from kvpool.wire.checks import append_rows, check_position
 from kvpool.wire.errors import RequestFailed
 from kvpool.wire.framing import FRAME_HEADER, REUSED_PAYLOAD_BYTES, FrameTooLarge, FrameTruncated, frame_size
 from kvpool.wire.peers import same_user
-from kvpool.wire.protocol import Append, AppendReply, ErrorCode, ErrorReply, Message, encode, encode_into
+from kvpool.wire.protocol import Append, AppendReply, ErrorCode, ErrorReply, Message, encode_into
 from workers.runtime.errors import ShardRuntimeError
 from workers.runtime.sampling import answer
 from workers.server.direct_cancels import DirectCancels
@@ -120,11 +120,7 @@ class Peer:
         """Start writing `reply` (to the request just read) and write what the socket takes. A peer writes one reply
         at a time: it reads no request while it writes (DirectChannel.ready), so nothing views its buffer here."""
         assert self._outgoing is None, "one reply at a time: the last one's frame is still being written"
-        try:
-            frame: bytes | bytearray = encode_into(reply, self._frame)
-        except BufferError:  # a view of the buffer held elsewhere (none is), which had to grow: a frame of its own
-            frame = encode(reply)
-        self._outgoing = memoryview(frame)
+        self._outgoing = memoryview(encode_into(reply, self._frame))
         self.waited_s = 0.0
         self.flush()
 
