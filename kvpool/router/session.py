@@ -99,6 +99,13 @@ class RoutedSession:
         """The daemons may not hold `tokens` (a failed truncate or roll-back): the next append replays first."""
         return self._needs_replay
 
+    @property
+    def settled(self) -> bool:
+        """Every daemon holds `tokens` as far as the router knows. False while a replay or a tail replay is due
+        (a connection lost inside a truncate or an append, a failed roll-back): until the next append runs it,
+        a daemon may hold more of the session's tokens than `length` (a truncate that did not reach it), or fewer."""
+        return not self._needs_replay and self._tail_from is None
+
     # ---- appends ---------------------------------------------------------------------------------
 
     def append(self, tokens: Sequence[int], *, output_rows: str = "last") -> np.ndarray:
