@@ -4,10 +4,14 @@ Sections (issue 5), each comparing variants interleaved round by round in one ru
 and noisy: compare the ratios, not the absolute times; every figure is a median):
 
   1 daemon overhead, one session   middle-shard decode through a daemon / the worker runtime in-process /
-                                   llama.cpp in-process without capture
+                                   llama.cpp in-process without capture / the shard in a process with no
+                                   kvpool code (kvpool.bench.relay): what serving it from another process
+                                   costs here, and the daemon against that (kvpool's own cost)
   2 whole route, one session       greedy decode through a chain of 3 shard daemons / the whole model in one
                                    llama.cpp context (or its 3 shards in one process, where they were faster),
-                                   and where the difference goes, from measured components
+                                   and where the difference goes, from measured components; the same 3 shards
+                                   relayed through 3 processes with no kvpool code: the floor of any route of
+                                   processes here, and the daemons against it
                                    (sections 1 and 2: the variants take turns every 3 timed steps)
   3 four sessions at once          aggregate decode tok/s through kvpool / llama.cpp serving the four as
                                    sequences of one context with one batched llama_decode per step

@@ -10,12 +10,14 @@ import numpy as np
 
 from kvpool.bench.options import EPOCH, ROUTE_N_CTX, bench_say
 from kvpool.bench.reference import PlainContext
+from kvpool.bench.relay import Relay
 from kvpool.bench.rig import Rig, Variant, payload_seconds, round_trips, run_interleaved, time_call
 from kvpool.client.client import Client
 from kvpool.router.router import Router
 from kvpool.wire.sampling import Sampling
 
 MID_SESSION = "bench-mid"
+RELAY = "code-free relay"  # the variant of kvpool.bench.relay: the same shard(s) in processes with no kvpool code
 IDLE_MID_S = 0.002  # a middle-shard decode step: the mid daemon's threads sleep this long per append
 IDLE_CHAIN_S = 0.006  # about the other two hops of a chain step: each chain daemon sleeps this long between appends
 
@@ -35,10 +37,12 @@ def mid_shard_variants(rig: Rig, client: Client) -> tuple[dict[str, Variant], Ca
         admitted[0] = True
         return client.append(session, EPOCH, start, hidden=rows).rows
 
+    relay = Relay([rig.middle.path], threads=rig.threads, n_ctx=ROUTE_N_CTX)
     runtime = rig.mid_model.new_context(ROUTE_N_CTX)
     plain = PlainContext(rig.mid_model, ROUTE_N_CTX, n_threads=rig.threads)
 
     def close() -> None:
+        relay.close()
         runtime.close()
         plain.close()
         client.release(session, EPOCH)
@@ -47,6 +51,7 @@ def mid_shard_variants(rig: Rig, client: Client) -> tuple[dict[str, Variant], Ca
         "daemon": Variant(daemon_reset, daemon_append),
         "runtime": Variant(lambda: runtime.truncate(0), lambda start, rows: runtime.append(start, hidden=rows)),
         "llama.cpp": Variant(plain.reset, plain.append),
+        RELAY: Variant(relay.reset, relay.append),
     }
     return variants, close
 
@@ -104,6 +109,7 @@ def measure_mid_shard(rig: Rig) -> dict:
 
 
 def route_variants(rig: Rig, chain_clients: list[Client], whole_client: Client) -> tuple[dict[str, Variant], Callable[[], None]]:
+    relay = Relay([shard.path for shard in rig.shards], threads=rig.threads, n_ctx=ROUTE_N_CTX)
     whole = PlainContext(rig.whole_model, ROUTE_N_CTX, n_threads=rig.threads)
     local = rig.chain.new_session(ROUTE_N_CTX)
     chain_session, whole_session = "bench-route-chain", "bench-route-whole"
@@ -111,14 +117,17 @@ def route_variants(rig: Rig, chain_clients: list[Client], whole_client: Client) 
     sampled = Router(chain_clients).session("bench-route-sampled", epoch=EPOCH)
     n_vocab = rig.shards[-1].shape.n_vocab
 
-    def sampled_append(start: int, tokens: Sequence[int]) -> np.ndarray:
-        """Greedy picked on the last daemon (a token id comes back, not logits), as a one-hot row so the
+    def one_hot(token: int) -> np.ndarray:
+        """A token picked on the last shard (its id comes back, not logits), as a row whose argmax it is, so the
         same greedy loop drives every variant."""
+        row = np.zeros((1, n_vocab), np.float32)
+        row[0, token] = 1.0
+        return row
+
+    def sampled_append(start: int, tokens: Sequence[int]) -> np.ndarray:
         if start != sampled.length:
             raise ValueError(f"start {start} != the session's length {sampled.length}")
-        row = np.zeros((1, n_vocab), np.float32)
-        row[0, sampled.sample(tokens, Sampling()).token] = 1.0
-        return row
+        return one_hot(sampled.sample(tokens, Sampling()).token)
 
     used: set[str] = set()
 
@@ -140,9 +149,11 @@ def route_variants(rig: Rig, chain_clients: list[Client], whole_client: Client) 
         "daemon chain": Variant(lambda: routed.truncate(0), routed.append_at),
         "daemon chain, sampled on the last": Variant(lambda: sampled.truncate(0), sampled_append),
         "daemon whole": daemon_variant(whole_session, [whole_client], lambda start, tokens: whole_client.append(whole_session, EPOCH, start, tokens=list(tokens), n_ctx=ROUTE_N_CTX).rows),
+        RELAY: Variant(relay.reset, lambda start, tokens: one_hot(int(relay.append(start, np.asarray(tokens, dtype=np.int32))[0]))),
     }
 
     def close() -> None:
+        relay.close()
         whole.close()
         local.close()
         routed.release()

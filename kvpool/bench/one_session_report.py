@@ -5,7 +5,7 @@ whole route."""
 from __future__ import annotations
 
 from kvpool.bench.checks import slow_reference
-from kvpool.bench.one_session import IDLE_CHAIN_S, IDLE_MID_S
+from kvpool.bench.one_session import IDLE_CHAIN_S, IDLE_MID_S, RELAY
 from kvpool.bench.options import median_of
 from kvpool.bench.table import Row, headline, ms, share, verdict
 from kvpool.bench.targets import HOT_PATH_TARGETS
@@ -48,7 +48,20 @@ def summarize_mid_shard(results: dict) -> tuple[dict, dict, list[Row]]:
         "s1_overhead_s": overhead, "s1_round_trip_after_idle_s": mid_trip, "s1_round_trip_hot_s": mid_trip_hot,
         "s1_round_trip_supervisor_only_s": mid_supervisor, "s1_payload_s": mid["payload_s"], "s1_rest_s": mid_rest,
     })
-    summary.update({f"s1_{name.replace('.', '')}_cold_decode_s": seconds for name, seconds in cold.items()})
+    summary.update({f"s1_{name.replace('.', '')}_cold_decode_s": seconds for name, seconds in cold.items() if name != RELAY})
+    relay_rows: list[Row] = []
+    if RELAY in decode:  # results before stop 59: no relay
+        relay = decode[RELAY]
+        summary.update({"s1_relay_decode_s": relay, "s1_relay_vs_runtime": decode["runtime"] / relay, "s1_daemon_vs_relay": relay / decode["daemon"]})
+        if RELAY in cold:
+            summary["s1_relay_cold_decode_s"] = cold[RELAY]
+        ratios["mid_relay_vs_inprocess"] = headline(decode["runtime"] / relay)
+        ratios["daemon_vs_relay"] = headline(relay / decode["daemon"])
+        relay_rows = [
+            Row("1", "middle shard decode: the shard in a process with no kvpool code, relayed (kvpool.bench.relay) vs in-process (worker runtime): "
+                     "what serving it from another process costs here", _rate(relay), _rate(decode["runtime"]), f"{decode['runtime'] / relay:.3f}x tok/s"),
+            Row("1", "middle shard decode: daemon vs that code-free relay: kvpool's own cost", _rate(decode["daemon"]), _rate(relay), f"{relay / decode['daemon']:.3f}x tok/s"),
+        ]
     rows += [
         Row("1", f"middle shard decode ({_settings(mid)}): daemon vs the same shard in-process (worker runtime)", _rate(decode["daemon"]), _rate(decode["runtime"]),
             f"{daemon_vs_runtime:.3f}x tok/s", verdict(daemon_vs_runtime, target)),
@@ -56,6 +69,7 @@ def summarize_mid_shard(results: dict) -> tuple[dict, dict, list[Row]]:
             f"{decode['llama.cpp'] / decode['daemon']:.3f}x tok/s"),
         Row("1", "middle shard decode: worker runtime (capture, graph stopped) vs llama.cpp, no capture", _rate(decode["runtime"]), _rate(decode["llama.cpp"]),
             f"{decode['llama.cpp'] / decode['runtime']:.3f}x tok/s"),
+        *relay_rows,
         *([Row("1", f"  the first step of each turn (the variants take turns every {mid['chunk_steps']} timed steps), right after another "
                      "variant ran; left out of the medians above: daemon vs worker runtime (then llama.cpp's)",
                  ms(cold["daemon"]), f"{ms(cold['runtime'])}; llama.cpp {ms(cold['llama.cpp'])}", f"{cold['runtime'] / cold['daemon']:.3f}x tok/s")]
@@ -98,6 +112,17 @@ def summarize_route(results: dict) -> tuple[dict, dict, list[Row]]:
     summary.update({"s2_sampled_chain_decode_s": sampled, "s2_sampled_chain_vs_whole": whole / sampled, "s2_reference_slow": slow,
                     "s2_route_reference_s": reference})
     ratios["route_vs_whole"] = headline(reference / sampled, HOT_PATH_TARGETS["route_vs_whole"])
+    relay_rows: list[Row] = []
+    if RELAY in greedy:  # results before stop 59: no relay
+        relay = greedy[RELAY]
+        summary.update({"s2_relay_decode_s": relay, "s2_relay_vs_whole": reference / relay, "s2_sampled_chain_vs_relay": relay / sampled})
+        ratios["route_relay_vs_whole"] = headline(reference / relay)
+        ratios["route_vs_relay"] = headline(relay / sampled)
+        relay_rows = [
+            Row("2", "  the same 3 shards in 3 processes with no kvpool code, relayed, the token picked on the last (kvpool.bench.relay) vs the "
+                     "reference above: what any route of processes pays here", _rate(relay), _rate(reference), f"{reference / relay:.3f}x tok/s"),
+            Row("2", "  3 shard daemons sampling on the last vs that code-free relay: kvpool's own cost", _rate(sampled), _rate(relay), f"{relay / sampled:.3f}x tok/s"),
+        ]
     rows += [
         Row("2", f"greedy decode, one session ({_settings(route)}): 3 shard daemons, the token picked on the last (sampling) vs the whole model in one context"
                  + (" (SLOW here: its 3 shards in one process were faster, and their time is the reference)" if slow else ""),
@@ -108,6 +133,7 @@ def summarize_route(results: dict) -> tuple[dict, dict, list[Row]]:
                  ms(cold["daemon chain, sampled on the last"]), ms(cold["llama.cpp whole"]),
                  f"{cold['llama.cpp whole'] / cold['daemon chain, sampled on the last']:.3f}x tok/s")]
           if cold else []),
+        *relay_rows,
         Row("2", "greedy decode, one session: 3 shard daemons vs the whole model in one llama.cpp context", _rate(chain), _rate(whole), f"{whole / chain:.3f}x tok/s"),
         Row("2", "greedy decode: whole model through 1 daemon vs in one llama.cpp context", _rate(greedy["daemon whole"]), _rate(whole),
             f"{whole / greedy['daemon whole']:.3f}x tok/s"),
@@ -118,7 +144,7 @@ def summarize_route(results: dict) -> tuple[dict, dict, list[Row]]:
             ms(trips), "", share(trips, difference)),
         Row("2", "  payload: 2 hidden-state hops + 192 KiB of logits, encode/decode/copies (replayed in-process, hot caches)", ms(payload), "", share(payload, difference)),
         Row("2", "  rest: append bookkeeping, thread hand-offs, scheduling (daemons minus LocalChain minus the two above)", ms(rest), "", share(rest, difference)),
-        Row("2", "greedy tokens identical in all five paths", "yes" if summary["s2_tokens_identical"] else "NO", "", ""),
+        Row("2", f"greedy tokens identical in all {len(route['tokens_identical'])} paths", "yes" if summary["s2_tokens_identical"] else "NO", "", ""),
     ]
     return summary, ratios, rows
 

@@ -80,15 +80,19 @@ def test_quick_bench_prints_every_section_and_writes_json_and_png(quick_bench) -
                      "512-token session, first append after a restart", "2048-token session, first append after a restart",
                      "128-token session, re-plan 0:10,10:20,20:30 -> 0:14,14:30: Router.replan",
                      "512-token session, re-plan 0:10,10:20,20:30 -> 0:14,14:30: Router.replan",
-                     "new session, 512-token system prompt + 32-token message, 3 shard daemons, time to first token"):
+                     "new session, 512-token system prompt + 32-token message, 3 shard daemons, time to first token",
+                     "middle shard decode: daemon vs that code-free relay: kvpool's own cost",
+                     "3 shard daemons sampling on the last vs that code-free relay: kvpool's own cost"):
         assert any(expected in line for line in table), expected
-    assert "greedy tokens identical in all five paths | yes" in completed.stdout
+    assert "greedy tokens identical in all 6 paths | yes" in completed.stdout  # the code-free relay's among them
     assert "bit-identical to the re-prefilled session's | yes" in completed.stdout  # every timed decode restored, none missed
     assert "greedy tokens identical, all at once and 2 at a time, tier on and off | yes" in completed.stdout  # waits, parks, replays change no bit
     assert "bit-identical to the re-prefilled session's | yes" in next(line for line in table if line.startswith("| 10 | every one of the 4 parked"))
 
     results = json.loads((out / "bench-quick.json").read_text())
     assert {"four_sessions_vs_batched", "four_sessions_batched_vs_process_mode", "daemon_vs_inprocess"} <= set(results["ratios"])
+    relay_ratios = ("daemon_vs_relay", "mid_relay_vs_inprocess", "route_vs_relay", "route_relay_vs_whole")  # what the code-free relay explains: no target
+    assert all(results["ratios"][key]["target"] is None and results["ratios"][key]["value"] > 0 for key in relay_ratios)
     assert results["table"].strip() == "\n".join(table).strip()
     summary = results["summary"]
     for key, value in summary.items():

@@ -19,6 +19,7 @@ from kvpool.bench.checks import (
     section_load,
     slow_reference,
 )
+from kvpool.bench.one_session import RELAY
 from kvpool.bench.one_session_report import summarize_mid_shard, summarize_route
 from kvpool.bench.parallel import BATCHED_CHAIN, BATCHED_WHOLE, CEILING
 from kvpool.bench.parallel_report import summarize_parallel
@@ -114,6 +115,28 @@ def test_section_1_row_and_json_judge_the_middle_shard_against_one_target() -> N
     assert list(ratios) == ["daemon_vs_inprocess"]
     assert ratios["daemon_vs_inprocess"]["value"] == pytest.approx(runtime / daemon) and ratios["daemon_vs_inprocess"]["met"] is False
     assert rows[0].target == verdict(runtime / daemon, 0.97) == ">= 0.97: MISSED"
+
+
+def test_the_code_free_relay_explains_sections_1_and_2_without_a_target_of_its_own() -> None:
+    """The relay's rows (stop 59): the relay against the in-process reference (what any process in between costs here)
+    and kvpool against the relay (its own cost), as ratios without a target; the targets' own ratios unchanged."""
+    mid = {"decode_s": {"daemon": [0.0116] * 3, "runtime": [0.0106] * 3, "llama.cpp": [0.0123] * 3, RELAY: [0.0111] * 3},
+           "round_trip_s": {"worker_after_idle": [0.0005], "worker": [0.0004], "supervisor": [0.0002]}, "payload_s": 6e-6, "chunk_steps": 3}
+    summary, ratios, rows = summarize_mid_shard({"mid_shard": mid})
+    assert ratios["daemon_vs_inprocess"]["value"] == pytest.approx(0.0106 / 0.0116) and ratios["daemon_vs_inprocess"]["target"] == 0.97
+    assert ratios["mid_relay_vs_inprocess"] == headline(0.0106 / 0.0111) and ratios["daemon_vs_relay"] == headline(0.0111 / 0.0116)
+    assert ratios["daemon_vs_relay"]["target"] is None and summary["s1_daemon_vs_relay"] == pytest.approx(0.0111 / 0.0116)
+    own = next(row for row in rows if "kvpool's own cost" in row.what)
+    assert (own.kvpool, own.reference, own.ratio, own.target) == ("86 tok/s (11.6 ms)", "90 tok/s (11.1 ms)", f"{0.0111 / 0.0116:.3f}x tok/s", "")
+
+    results = _route_results(whole=0.0407, shards=0.0368, sampled=0.0389)  # the whole model slow: the shards are the reference
+    results["route"]["decode_s"][RELAY] = [0.0380] * MIN_ROUNDS
+    summary, ratios, rows = summarize_route(results)
+    assert ratios["route_vs_relay"] == headline(0.0380 / 0.0389) and ratios["route_relay_vs_whole"] == headline(0.0368 / 0.0380)
+    assert ratios["route_vs_whole"]["value"] == pytest.approx(0.0368 / 0.0389) and ratios["route_vs_whole"]["target"] == 0.97
+    floor = next(row for row in rows if "what any route of processes pays here" in row.what)
+    assert floor.reference == "27 tok/s (36.8 ms)" and floor.ratio == f"{0.0368 / 0.0380:.3f}x tok/s"
+    assert any(f"{0.0380 / 0.0389:.3f}x" in row.ratio for row in rows if "kvpool's own cost" in row.what)
 
 
 def test_a_whole_model_reference_faster_than_its_shards_is_the_reference() -> None:
