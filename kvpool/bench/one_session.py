@@ -38,8 +38,12 @@ def mid_shard_variants(rig: Rig, client: Client) -> tuple[dict[str, Variant], Ca
         return client.append(session, EPOCH, start, hidden=rows).rows
 
     relay = Relay([rig.middle.path], threads=rig.threads, n_ctx=ROUTE_N_CTX)
-    runtime = rig.mid_model.new_context(ROUTE_N_CTX)
-    plain = PlainContext(rig.mid_model, ROUTE_N_CTX, n_threads=rig.threads)
+    try:
+        runtime = rig.mid_model.new_context(ROUTE_N_CTX)
+        plain = PlainContext(rig.mid_model, ROUTE_N_CTX, n_threads=rig.threads)
+    except BaseException:
+        relay.close()
+        raise
 
     def close() -> None:
         relay.close()
@@ -110,8 +114,12 @@ def measure_mid_shard(rig: Rig) -> dict:
 
 def route_variants(rig: Rig, chain_clients: list[Client], whole_client: Client) -> tuple[dict[str, Variant], Callable[[], None]]:
     relay = Relay([shard.path for shard in rig.shards], threads=rig.threads, n_ctx=ROUTE_N_CTX)
-    whole = PlainContext(rig.whole_model, ROUTE_N_CTX, n_threads=rig.threads)
-    local = rig.chain.new_session(ROUTE_N_CTX)
+    try:
+        whole = PlainContext(rig.whole_model, ROUTE_N_CTX, n_threads=rig.threads)
+        local = rig.chain.new_session(ROUTE_N_CTX)
+    except BaseException:
+        relay.close()
+        raise
     chain_session, whole_session = "bench-route-chain", "bench-route-whole"
     routed = Router(chain_clients).session(chain_session, epoch=EPOCH)
     sampled = Router(chain_clients).session("bench-route-sampled", epoch=EPOCH)

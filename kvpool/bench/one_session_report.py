@@ -160,4 +160,8 @@ def summarize_prefill(results: dict) -> tuple[dict, dict, list[Row]]:
         Row("4", f"prefill {rows_n} rows: daemon vs llama.cpp in-process, no capture, last row out", ms(prefill["daemon"]), ms(prefill["llama.cpp"]),
             f"{prefill['llama.cpp'] / prefill['daemon']:.3f}x tok/s"),
     ]
+    if RELAY in prefill:  # results before stop 59: no relay
+        summary["s4_relay_prefill_s"] = prefill[RELAY]
+        rows.append(Row("4", f"prefill {rows_n} rows: daemon vs the code-free relay (every row's hidden state back)", ms(prefill["daemon"]), ms(prefill[RELAY]),
+                        f"{prefill[RELAY] / prefill['daemon']:.3f}x tok/s"))
     return summary, {}, rows

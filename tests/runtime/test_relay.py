@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import numpy as np
 import psutil
+import pytest
 
-from kvpool.bench.relay import Relay
+from kvpool.bench.relay import Relay, RelayFailed
 from workers.runtime.model import ShardModel
 
 N_CTX = 256
@@ -15,7 +16,13 @@ STEPS = 8
 
 
 def _ended(pids: list[int]) -> bool:
-    return not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE for pid in pids)
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                return False
+        except psutil.NoSuchProcess:
+            continue
+    return True
 
 
 def test_the_route_relay_picks_the_tokens_the_shards_in_process_pick(shards, local_chain, prompt_ids):
@@ -33,7 +40,7 @@ def test_the_route_relay_picks_the_tokens_the_shards_in_process_pick(shards, loc
                 position = len(prompt) + step
                 logits, picked = session.append(position, [token]), relay.append(position, np.asarray([token], np.int32))
         relay.reset()
-        assert relay.append(0, prompt).tolist() == tokens[:1]  # from position 0 again, the same first token
+        assert relay.append(0, prompt.astype(np.int64)).tolist() == tokens[:1]  # from position 0 again, the same first token; ids sent as int32
     finally:
         relay.close()
     assert len(pids) == 3 and _ended(pids) and relay.pids == []
@@ -51,3 +58,9 @@ def test_the_middle_shard_relay_returns_the_rows_of_the_shard_in_process(shards,
                 assert np.array_equal(relay.append(position, row), context.append(position, hidden=row)), position
     finally:
         relay.close()
+
+
+def test_a_relay_process_that_cannot_load_its_shard_fails_the_relay_with_its_exit_code(tmp_path):
+    missing = tmp_path / "no-such-shard.gguf"
+    with pytest.raises(RelayFailed, match=r"the relay process of no-such-shard.gguf \(pid \d+\) failed during its load: .*exit code [1-9]"):
+        Relay([missing], threads=1, n_ctx=N_CTX)

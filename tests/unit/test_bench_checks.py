@@ -20,7 +20,7 @@ from kvpool.bench.checks import (
     slow_reference,
 )
 from kvpool.bench.one_session import RELAY
-from kvpool.bench.one_session_report import summarize_mid_shard, summarize_route
+from kvpool.bench.one_session_report import summarize_mid_shard, summarize_prefill, summarize_route
 from kvpool.bench.parallel import BATCHED_CHAIN, BATCHED_WHOLE, CEILING
 from kvpool.bench.parallel_report import summarize_parallel
 from kvpool.bench.report import summarize, withhold_contended
@@ -128,6 +128,9 @@ def test_the_code_free_relay_explains_sections_1_and_2_without_a_target_of_its_o
     assert ratios["daemon_vs_relay"]["target"] is None and summary["s1_daemon_vs_relay"] == pytest.approx(0.0111 / 0.0116)
     own = next(row for row in rows if "kvpool's own cost" in row.what)
     assert (own.kvpool, own.reference, own.ratio, own.target) == ("86 tok/s (11.6 ms)", "90 tok/s (11.1 ms)", f"{0.0111 / 0.0116:.3f}x tok/s", "")
+    mid["prefill_s"] = {"daemon": [0.52] * 3, "runtime": [0.50] * 3, "llama.cpp": [0.47] * 3, RELAY: [0.51] * 3}
+    summary, _ratios, rows = summarize_prefill({"mid_shard": mid, "options": {"prefill_rows": 512}})
+    assert summary["s4_relay_prefill_s"] == 0.51 and rows[-1].ratio == f"{0.51 / 0.52:.3f}x tok/s" and "code-free relay" in rows[-1].what
 
     results = _route_results(whole=0.0407, shards=0.0368, sampled=0.0389)  # the whole model slow: the shards are the reference
     results["route"]["decode_s"][RELAY] = [0.0380] * MIN_ROUNDS

@@ -97,7 +97,8 @@ def test_a_truncate_lost_on_the_first_daemon_is_finished_by_the_next_append(serv
 
 
 def test_the_probe_still_fails_a_daemon_that_holds_other_than_a_settled_route_says(serve, fake_shards):
-    """The probe is not made blind: with the route settled, a daemon holding another length fails it."""
+    """The probe is not made blind: with the route settled, a daemon holding another length fails it, and one holding
+    nothing."""
     daemons = [serve(path, name=f"odd{index}") for index, path in enumerate(fake_shards)]
     clients = [daemon.client() for daemon in daemons]
     try:
@@ -106,6 +107,9 @@ def test_the_probe_still_fails_a_daemon_that_holds_other_than_a_settled_route_sa
         clients[2].truncate("cut", 2, 4)  # behind the router's back
         assert session.settled and _lengths(clients) == [6, 6, 4]
         with pytest.raises(ContractViolation, match="changed daemon 2: epoch/length 2/4, expected 2/6"):
+            _probe_every_daemon(session, clients, [3, 1, 4, 1, 5, 9])
+        clients[2].release("cut", 2)  # gone from daemon 2, the route still settled: the probe says so
+        with pytest.raises(ContractViolation, match="gone from daemon 2 after a stale"):
             _probe_every_daemon(session, clients, [3, 1, 4, 1, 5, 9])
         session.release()
     finally:
