@@ -17,7 +17,7 @@ from kvpool.router.router import Router
 from kvpool.wire.sampling import Sampling
 
 MID_SESSION = "bench-mid"
-RELAY = "code-free relay"  # the variant of kvpool.bench.relay: the same shard(s) in processes with no kvpool code
+RELAY = "relay"  # the variant of kvpool.bench.relay: the same shard(s) in processes with no kvpool code
 IDLE_MID_S = 0.002  # a middle-shard decode step: the mid daemon's threads sleep this long per append
 IDLE_CHAIN_S = 0.006  # about the other two hops of a chain step: each chain daemon sleeps this long between appends
 
@@ -37,13 +37,9 @@ def mid_shard_variants(rig: Rig, client: Client) -> tuple[dict[str, Variant], Ca
         admitted[0] = True
         return client.append(session, EPOCH, start, hidden=rows).rows
 
-    relay = Relay([rig.middle.path], threads=rig.threads, n_ctx=ROUTE_N_CTX)
-    try:
-        runtime = rig.mid_model.new_context(ROUTE_N_CTX)
-        plain = PlainContext(rig.mid_model, ROUTE_N_CTX, n_threads=rig.threads)
-    except BaseException:
-        relay.close()
-        raise
+    runtime = rig.mid_model.new_context(ROUTE_N_CTX)
+    plain = PlainContext(rig.mid_model, ROUTE_N_CTX, n_threads=rig.threads)
+    relay = Relay([rig.middle.path], threads=rig.threads, n_ctx=ROUTE_N_CTX)  # last: nothing after it can fail and leave its processes
 
     def close() -> None:
         relay.close()
@@ -113,16 +109,12 @@ def measure_mid_shard(rig: Rig) -> dict:
 
 
 def route_variants(rig: Rig, chain_clients: list[Client], whole_client: Client) -> tuple[dict[str, Variant], Callable[[], None]]:
-    relay = Relay([shard.path for shard in rig.shards], threads=rig.threads, n_ctx=ROUTE_N_CTX)
-    try:
-        whole = PlainContext(rig.whole_model, ROUTE_N_CTX, n_threads=rig.threads)
-        local = rig.chain.new_session(ROUTE_N_CTX)
-    except BaseException:
-        relay.close()
-        raise
+    whole = PlainContext(rig.whole_model, ROUTE_N_CTX, n_threads=rig.threads)
+    local = rig.chain.new_session(ROUTE_N_CTX)
     chain_session, whole_session = "bench-route-chain", "bench-route-whole"
     routed = Router(chain_clients).session(chain_session, epoch=EPOCH)
     sampled = Router(chain_clients).session("bench-route-sampled", epoch=EPOCH)
+    relay = Relay([shard.path for shard in rig.shards], threads=rig.threads, n_ctx=ROUTE_N_CTX)  # last: nothing after it can fail and leave its processes
     n_vocab = rig.shards[-1].shape.n_vocab
 
     def one_hot(token: int) -> np.ndarray:

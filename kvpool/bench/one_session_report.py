@@ -48,13 +48,11 @@ def summarize_mid_shard(results: dict) -> tuple[dict, dict, list[Row]]:
         "s1_overhead_s": overhead, "s1_round_trip_after_idle_s": mid_trip, "s1_round_trip_hot_s": mid_trip_hot,
         "s1_round_trip_supervisor_only_s": mid_supervisor, "s1_payload_s": mid["payload_s"], "s1_rest_s": mid_rest,
     })
-    summary.update({f"s1_{name.replace('.', '')}_cold_decode_s": seconds for name, seconds in cold.items() if name != RELAY})
+    summary.update({f"s1_{name.replace('.', '')}_cold_decode_s": seconds for name, seconds in cold.items()})
     relay_rows: list[Row] = []
-    if RELAY in decode:  # results before stop 59: no relay
+    if RELAY in decode:  # results without the relay variant: no rows of it
         relay = decode[RELAY]
         summary.update({"s1_relay_decode_s": relay, "s1_relay_vs_runtime": decode["runtime"] / relay, "s1_daemon_vs_relay": relay / decode["daemon"]})
-        if RELAY in cold:
-            summary["s1_relay_cold_decode_s"] = cold[RELAY]
         ratios["mid_relay_vs_inprocess"] = headline(decode["runtime"] / relay)
         ratios["daemon_vs_relay"] = headline(relay / decode["daemon"])
         relay_rows = [
@@ -113,7 +111,7 @@ def summarize_route(results: dict) -> tuple[dict, dict, list[Row]]:
                     "s2_route_reference_s": reference})
     ratios["route_vs_whole"] = headline(reference / sampled, HOT_PATH_TARGETS["route_vs_whole"])
     relay_rows: list[Row] = []
-    if RELAY in greedy:  # results before stop 59: no relay
+    if RELAY in greedy:  # results without the relay variant: no rows of it
         relay = greedy[RELAY]
         summary.update({"s2_relay_decode_s": relay, "s2_relay_vs_whole": reference / relay, "s2_sampled_chain_vs_relay": relay / sampled})
         ratios["route_relay_vs_whole"] = headline(reference / relay)
@@ -160,7 +158,7 @@ def summarize_prefill(results: dict) -> tuple[dict, dict, list[Row]]:
         Row("4", f"prefill {rows_n} rows: daemon vs llama.cpp in-process, no capture, last row out", ms(prefill["daemon"]), ms(prefill["llama.cpp"]),
             f"{prefill['llama.cpp'] / prefill['daemon']:.3f}x tok/s"),
     ]
-    if RELAY in prefill:  # results before stop 59: no relay
+    if RELAY in prefill:  # results without the relay variant: no rows of it
         summary["s4_relay_prefill_s"] = prefill[RELAY]
         rows.append(Row("4", f"prefill {rows_n} rows: daemon vs the code-free relay (every row's hidden state back)", ms(prefill["daemon"]), ms(prefill[RELAY]),
                         f"{prefill[RELAY] / prefill['daemon']:.3f}x tok/s"))

@@ -1,6 +1,7 @@
 """The floor of a route of processes on this machine: the same shards served by processes with no kvpool code in
 them - one process a shard, a llama context of the bench's threads, the workers' idle spin (workers.server.spin),
-a 13-byte header and the rows' bytes on a Unix socketpair; no msgspec, no supervisor, no checks, no selector. The
+a 13-byte header and the rows' bytes on a Unix socketpair (read with kvpool.wire.framing.receive_exactly, a plain
+loop of recv_into); no msgspec, no supervisor, no checks, no selector. The
 bench relays a step through them as kvpool's router relays it through the daemons (the client carries each hop's
 rows), in turns with the daemons and the in-process references, so a ratio of kvpool against it is kvpool's own
 cost and the relay against the in-process reference is what any route of processes pays here: each process's
@@ -27,6 +28,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from kvpool.wire.framing import receive_exactly
+
 HEADER = struct.Struct("<BIII")  # what, start position, rows, payload bytes
 APPEND, RESET, TOKEN = 0, 1, 2  # TOKEN: the reply of the last shard, the token it picked
 READY = b"R"
@@ -38,35 +41,19 @@ class RelayFailed(RuntimeError):
     """A relay process ended, answered out of turn, or gave no answer within HANG_GUARD_S."""
 
 
-def _receive(sock: socket.socket, size: int) -> bytearray | None:
-    """`size` bytes, or None where the other end closed before the first."""
-    buffer = bytearray(size)
-    view = memoryview(buffer)
-    got = 0
-    while got < size:
-        count = sock.recv_into(view[got:])
-        if count == 0:
-            if got == 0:
-                return None
-            raise EOFError(f"the relay's socket closed {got} bytes into {size}")
-        got += count
-    return buffer
-
-
 def _send(sock: socket.socket, what: int, start: int, rows: int, payload: bytes | memoryview) -> None:
     data = memoryview(payload).cast("B")  # an array's buffer counts its bytes, not its rows
     sock.sendall(HEADER.pack(what, start, rows, data.nbytes) + data)
 
 
-def _reply(sock: socket.socket) -> tuple[int, int, bytearray]:
-    header = _receive(sock, HEADER.size)
+def _read(sock: socket.socket) -> tuple[int, int, int, bytes] | None:
+    """The next message (what, start position, rows, payload), or None where the other end closed the socket."""
+    header = receive_exactly(sock, HEADER.size)
     if header is None:
-        raise EOFError("a relay process closed its socket")
-    what, _start, rows, size = HEADER.unpack(header)
-    payload = _receive(sock, size) if size else bytearray()
-    if payload is None:
-        raise EOFError("a relay process closed its socket mid-reply")
-    return what, rows, payload
+        return None
+    what, start, rows, size = HEADER.unpack(header)
+    payload = receive_exactly(sock, size) if size else b""
+    return None if payload is None else (what, start, rows, payload)
 
 
 def serve(shard: pathlib.Path, threads: int, n_ctx: int, sock: socket.socket) -> None:
@@ -81,9 +68,9 @@ def serve(shard: pathlib.Path, threads: int, n_ctx: int, sock: socket.socket) ->
     with ShardModel(shard, n_threads=threads) as model, model.new_context(n_ctx) as context:
         shape = model.shape
         sock.sendall(READY)
-        while (header := _receive(sock, HEADER.size)) is not None:
-            what, start, rows, size = HEADER.unpack(header)
-            data = _receive(sock, size) if size else bytearray()
+        while (message := _read(sock)) is not None:
+            what, start, rows, data = message
+            size = len(data)
             if what == RESET:
                 context.truncate(0)
                 _send(sock, RESET, 0, 0, b"")
@@ -156,7 +143,8 @@ class Relay:
         """`rows` (token ids, sent as int32, for a route starting at the first shard; else hidden states, as float32)
         through every process in turn, the client carrying each hop's rows: the last process's rows (hidden states),
         or the token it picked as a one-element int32 array where it holds the model's last layers."""
-        data = np.ascontiguousarray(rows, dtype=np.int32 if np.asarray(rows).dtype.kind in "iu" else np.float32)
+        rows = np.asarray(rows)
+        data = np.ascontiguousarray(rows, dtype=np.int32 if rows.dtype.kind in "iu" else np.float32)
         for index in range(len(self._sockets)):
             data = self._ask(index, APPEND, start, data, (APPEND, TOKEN))
         return data
@@ -165,7 +153,10 @@ class Relay:
         sock = self._sockets[index]
         with self._guarded(index, "a reset" if what == RESET else f"an append at {start}"):
             _send(sock, what, start, data.shape[0], data.data)
-            answered, count, payload = _reply(sock)
+            message = _read(sock)
+            if message is None:
+                raise EOFError("it closed its socket")
+            answered, _start, count, payload = message
             if answered not in answers:
                 raise EOFError(f"it answered {answered} where {answers} was due")
         return np.frombuffer(payload, np.int32) if answered in (TOKEN, RESET) else np.frombuffer(payload, np.float32).reshape(count, -1)
