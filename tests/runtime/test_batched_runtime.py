@@ -272,6 +272,41 @@ def test_a_decode_step_of_every_session_is_one_llama_decode(whole_model):
         assert context.lengths == (5, 5, 4, 5)
 
 
+def test_outputs_given_are_written_in_place_and_exact_and_bad_ones_touch_nothing(whole_model, split_models):
+    """append_many's `outputs` (a batched worker's kept rows): each given array is the item's result, written in
+    place, bit for bit what a new array gets; a wrong one (shape, dtype, layout, count, two overlapping) is
+    BadInput with every sequence as it was."""
+    rng = np.random.default_rng(5)
+    for model in (whole_model, split_models[1]):
+        width = model.shape.output_width
+        head = [np.asarray([1, 2, 3]) if model.shape.is_first else rng.standard_normal((3, 576)).astype(np.float32) for _ in range(3)]
+        steps = [[np.asarray([4 + seq + step]) if model.shape.is_first else rng.standard_normal((1, 576)).astype(np.float32) for seq in range(3)] for step in range(2)]
+        with BatchedShardContext(model, N_CTX, N_SEQS, n_batch=N_BATCH) as context, BatchedShardContext(model, N_CTX, N_SEQS, n_batch=N_BATCH) as reference:
+            for batched in (context, reference):
+                batched.append_many([SeqAppend(seq, 0, head[seq]) for seq in range(3)])
+            kept = np.full((2, width), np.nan, np.float32)
+            for step, rows in enumerate(steps):
+                items = [SeqAppend(seq, 3 + step, rows[seq]) for seq in range(3)]
+                given = [kept[0:1], None, kept[1:2]]
+                got = context.append_many(items, given)
+                assert got[0] is given[0] and got[2] is given[2] and not np.shares_memory(got[1], kept)
+                assert max_difference(got, reference.append_many(items)) == 0.0  # the second step writes over the first's rows
+            lengths = context.lengths
+            item = [SeqAppend(0, 5, steps[0][0]), SeqAppend(1, 5, steps[0][1])]
+            for bad in (
+                [np.empty((2, width), np.float32), None],
+                [np.empty((1, width), np.float64), None],
+                [np.empty((1, 2 * width), np.float32)[:, ::2], None],
+                [np.empty((1, width), np.float32)],
+                [kept[0:1], kept[0:1]],
+                [kept[0:1], kept.reshape(-1)[width // 2 : width // 2 + width].reshape(1, width)],
+            ):
+                with pytest.raises(BadInput) as raised:
+                    context.append_many(item, bad)
+                assert raised.value.lengths == {0: 5, 1: 5}
+                assert context.lengths == lengths
+
+
 def test_truncate_and_clear_of_one_sequence_leave_the_others_bit_identical(whole_model, sessions):
     streams, _ = sessions
     prompts = [prompt for prompt, _ in streams]

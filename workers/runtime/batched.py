@@ -20,7 +20,7 @@ workers.runtime.ubatch.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import llama_cpp
 import numpy as np
@@ -28,6 +28,7 @@ import numpy as np
 from workers.runtime.batch_checks import check_seq, named_seqs, validated_appends
 from workers.runtime.batch_plan import SeqAppend, plan_ubatches
 from workers.runtime.errors import BadInput, Cancelled, DecodeFailed, PositionMismatch, ShardRuntimeError
+from workers.runtime.outputs import output_array
 from workers.runtime.params import LoadedShard
 from workers.runtime.sequence_io import StateSizeMismatch, restore_sequence, save_sequence
 from workers.runtime.ubatch import UbatchDecoder
@@ -98,12 +99,14 @@ class BatchedShardContext:
     def _handle(self) -> llama_cpp.llama_context_p:
         return self._llama.handle
 
-    def append_many(self, items: Iterable[SeqAppend | tuple]) -> list[np.ndarray]:
+    def append_many(self, items: Iterable[SeqAppend | tuple], outputs: Sequence[np.ndarray | None] | None = None) -> list[np.ndarray]:
         """Append each item's rows to its sequence (one item per sequence), in the calls of `plan_ubatches`.
 
         Returns, in item order, hidden states of every row (non-final shard) or logits of the last row /
-        all rows (final shard). Validation is all-or-nothing; on a failed or cancelled decode every named
-        sequence is rolled back to its length before this call.
+        all rows (final shard), written where `outputs` says (one entry an item: an array of the item's output
+        shape, float32 C-contiguous, which the caller keeps; None, or no `outputs`: a new array). Validation is
+        all-or-nothing; on a failed or cancelled decode every named sequence is rolled back to its length
+        before this call.
         """
         ctx = self._handle()
         try:
@@ -114,13 +117,10 @@ class BatchedShardContext:
             raise BadInput("append_many needs at least one item", length=0)
         try:
             rows = validated_appends(items, self._lengths, self.n_ctx_per_seq, self.shape)
+            outputs = self._output_arrays(items, rows, outputs)
         except ShardRuntimeError as error:
             raise _with_lengths(error, {seq: self._lengths[seq] for seq in named_seqs(items, self.n_seqs)}) from None
         before = {item.seq: self._lengths[item.seq] for item in items}
-        shape = self.shape
-        outputs = []
-        for item, item_rows in zip(items, rows):
-            outputs.append(np.empty(shape.output_shape(item_rows.shape[0], item.output_rows), np.float32))
         plan = plan_ubatches([item.seq for item in items], [r.shape[0] for r in rows], self.n_batch)
         for ubatch in plan:
             failure = self._decoder.decode(ctx, ubatch, items, rows, outputs)
@@ -131,6 +131,22 @@ class BatchedShardContext:
         for item, item_rows in zip(items, rows):
             self._lengths[item.seq] = item.start_pos + item_rows.shape[0]
         return outputs
+
+    def _output_arrays(self, items: list[SeqAppend], rows: list[np.ndarray], given: Sequence[np.ndarray | None] | None) -> list[np.ndarray]:
+        """Each item's output array (append_many's `outputs`): the caller's, checked, one an item and no two
+        overlapping (a row written for one item must not land in another's), or new ones."""
+        given = [None] * len(items) if given is None else list(given)
+        first_length = self._lengths[items[0].seq]
+        if len(given) != len(items):
+            raise BadInput(f"{len(given)} output buffers for {len(items)} items", length=first_length)
+        arrays = [
+            output_array(out, self.shape.output_shape(item_rows.shape[0], item.output_rows), length=self._lengths[item.seq])
+            for item, item_rows, out in zip(items, rows, given)
+        ]
+        spans = sorted((array.ctypes.data, array.ctypes.data + array.nbytes) for array, out in zip(arrays, given) if out is not None)
+        if any(start < end for (_start, end), (start, _end) in zip(spans, spans[1:])):
+            raise BadInput("two items' output buffers overlap", length=first_length)
+        return arrays
 
     def _roll_back(self, lengths: dict[int, int]) -> None:
         # Ubatches finished before a failure stay in the KV cache: remove them, sequence by sequence.

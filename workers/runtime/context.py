@@ -15,6 +15,7 @@ import numpy as np
 
 from kvpool.wire.checks import check_input_kind, check_output_rows, check_position, shard_rows
 from workers.runtime.errors import BadInput, Cancelled, DecodeFailed, PositionMismatch, RestoreFailed, wire_checks
+from workers.runtime.outputs import output_array
 from workers.runtime.params import LoadedShard
 from workers.runtime.sequence_io import restore_sequence, save_sequence, save_sequence_to_memfd
 
@@ -108,11 +109,7 @@ class ShardContext:
         n_rows = rows.shape[0]
 
         shape = self.shape
-        out_shape = shape.output_shape(n_rows, output_rows)
-        if out is None:
-            out = np.empty(out_shape, dtype=np.float32)
-        elif out.shape != out_shape or out.dtype != np.float32 or not out.flags.c_contiguous:
-            raise BadInput(f"output buffer must be float32 C-contiguous {out_shape}", length=self._length)
+        out = output_array(out, shape.output_shape(n_rows, output_rows), length=self._length)
         batch = self._batch
         assert batch is not None
         for chunk_start in range(0, n_rows, self.n_batch):

@@ -64,6 +64,11 @@ class BatchedWorkerServer:
         regions = spec.segment
         self._input = memoryview(segment.buf)[regions.input_offset : regions.output_offset]
         self._output = memoryview(segment.buf)[regions.output_offset : regions.total_bytes]
+        # where a batch's one-row outputs (decode steps) are written, a row an item: kept from batch to batch (each
+        # reply is copied out or sampled before the next batch), so a last shard's logits are not mapped and faulted
+        # in afresh every step (glibc's mmap threshold is 128 KiB in a worker); as large as the largest batch of
+        # one-row items yet, as much as that batch's outputs took when each was new
+        self._step_rows = np.empty((0, model.shape.output_width), np.float32)
 
     def _seq(self, seq: int) -> Failed | None:
         if not 0 <= seq < self.spec.seqs_per_worker:
@@ -149,7 +154,10 @@ class BatchedWorkerServer:
             runnable.append((index, item, rows))
         if runnable:
             try:
-                outputs = self.context.append_many(SeqAppend(item.seq, item.start_pos, rows, item.output_rows) for _i, item, rows in runnable)
+                outputs = self.context.append_many(
+                    [SeqAppend(item.seq, item.start_pos, rows, item.output_rows) for _i, item, rows in runnable],
+                    self._step_outputs([item.n_rows for _i, item, _rows in runnable]),
+                )
             except ShardRuntimeError as error:
                 lengths = getattr(error, "lengths", {})
                 for index, item, _rows in runnable:
@@ -158,6 +166,22 @@ class BatchedWorkerServer:
                 for (index, item, _rows), out in zip(runnable, outputs):
                     results[index] = self._reply(item, out)
         return results  # type: ignore[return-value]
+
+    def _step_outputs(self, n_rows: list[int]) -> list[np.ndarray | None]:
+        """Each item's output array for append_many: a kept row for a one-row append (a one-row append's output is
+        one row on every shard), None (a new array) for any other."""
+        wanted = sum(1 for count in n_rows if count == 1)
+        if wanted > self._step_rows.shape[0]:
+            self._step_rows = np.empty((wanted, self._step_rows.shape[1]), np.float32)
+        outputs: list[np.ndarray | None] = []
+        row = 0
+        for count in n_rows:
+            if count == 1:
+                outputs.append(self._step_rows[row : row + 1])
+                row += 1
+            else:
+                outputs.append(None)
+        return outputs
 
     def _reply(self, item: BatchItem, out: np.ndarray) -> Appended:
         length = self.context.length(item.seq)
