@@ -278,7 +278,7 @@ class DirectChannel:
             return ErrorReply(code=code, message=str(error), length=error.length, **ids)
         finally:
             self.cancels.end(key, request.request_id)
-            words.length.value = context.length  # before busy clears: a reader that sees it idle sees its length
+            words.length.value = context.length  # before its time and before busy clears (DirectControls.activity reads them so)
             ended = time.monotonic()
             words.last_used.value = ended
             words.busy.value = 0

@@ -16,11 +16,22 @@ class DirectControls:
         self._released = False
 
     def activity(self) -> tuple[bool, int, float]:
-        """(an append from the direct channel computes now, the length after the last one, when it ended)."""
+        """(an append from the direct channel computes now, the length after the last one, when it ended).
+
+        The length and its time are one reading: the worker writes the length, then the time (workers.server.direct),
+        so a time read before and after the length, unchanged, is the time of that length or of an earlier one. A
+        length read before an append's end with the time read after it would pair the old length with the new time,
+        and the supervisor, taking a length only with a later time (kvpool.daemon.pool.channels), would keep the old
+        length for good."""
         if self._released:
             return False, 0, 0.0
         words = self._words
-        return bool(words.busy.value), words.length.value, words.last_used.value
+        busy = bool(words.busy.value)
+        while True:
+            ended = words.last_used.value
+            length = words.length.value
+            if words.last_used.value == ended:
+                return busy, length, ended
 
     def counts(self) -> tuple[int, int]:
         """Appends and rows served from the direct channel over the worker's life."""
