@@ -16,7 +16,7 @@ import select
 import socket
 import threading
 
-from kvpool.client.messages import ConnectionLost, RequestNotSent, hello_call, is_farewell
+from kvpool.client.messages import ConnectionLost, KvpoolError, RequestNotSent, hello_call, is_farewell, is_frame_refusal
 from kvpool.wire.framing import FrameError, receive_frame
 from kvpool.wire.protocol import MAX_REPLY_BYTES, HelloReply, Reply, RequestMessage, decode_reply, encode
 
@@ -108,6 +108,8 @@ class ClientConnection:
             if is_farewell(reply):
                 self.farewell_seen = True
                 raise ConnectionLost(f"the daemon drained while the request was in flight: {reply.message}")
+            if is_frame_refusal(reply):
+                raise KvpoolError(reply)  # e.g. bad_request "frame of N bytes exceeds the limit of M": typed, not a lost connection
             raise ConnectionLost(f"the daemon answered request {reply.request_id} where request {request_id} was expected")
         return reply
 

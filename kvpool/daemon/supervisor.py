@@ -103,6 +103,7 @@ def build_pool(config: ServeConfig, info: ShardInfo, kinds: tuple[type, type] | 
                 background_nice=config.background_nice,
                 idle_spin=config.idle_spin,
                 keep_warm_block=keep_warm_block,
+                max_request_bytes=config.max_request_bytes,
             ),
             size=config.max_sessions,
             ready_timeout_s=config.ready_timeout_s,

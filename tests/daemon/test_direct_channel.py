@@ -378,6 +378,40 @@ def test_a_frame_passes_whole_within_the_deadline_of_waiting_for_it_or_its_peer_
         harness.close()
 
 
+def test_a_request_frame_over_the_channels_limit_drops_its_peer_at_the_edge():
+    harness = _Channel(10.0)
+    harness.channel.max_frame_bytes = 4096  # as the daemon's --max-request-bytes sets it (WorkerSpec.max_request_bytes)
+    try:
+        largest, too_large = harness.connect(), harness.connect()
+        largest.sendall(FRAME_HEADER.pack(4096) + b"x")  # the largest frame: read on
+        too_large.sendall(FRAME_HEADER.pack(4097))  # one byte over: dropped before any payload is read
+        harness.pump()
+        assert _open(largest)
+        assert not _open(too_large)  # closed by the worker (end of file waiting)
+    finally:
+        harness.close()
+
+
+def test_the_direct_channel_takes_no_request_larger_than_the_daemons_socket_does(model_path, socket_dir, prompt_ids):
+    """--max-request-bytes bounds the direct channel as it bounds the daemon's socket: a frame over it is not read
+    there either (its peer is dropped; the client asks the daemon, which refuses the frame: bad_request)."""
+    daemon = _serve(model_path, socket_dir, "request-bytes", "--n-ctx", "1024", "--max-request-bytes", "1024")
+    try:
+        with daemon.client() as client:
+            client.append("big", 1, 0, tokens=prompt_ids[0][:8])
+            client.append("big", 1, 8, tokens=[5])  # bound: direct from here
+            assert _direct_appends(client) == 1
+            large = refused(lambda: client.append("big", 1, 9, tokens=[30000] * 400))  # ~1.2 KB of msgpack, 400 rows that fit n_ctx
+            assert large.code == "bad_request" and "exceeds the limit of 1024" in str(large)
+            assert _direct_appends(client) == 1
+            assert {row.session_id: row.length for row in client.stats().sessions} == {"big": 9}
+            assert client.append("big", 1, 9, tokens=[30000] * 100).length == 109  # under the limit: served (by the daemon,
+            assert client.append("big", 1, 109, tokens=[5]).length == 110  # which binds the channel again: direct from here)
+            assert _direct_appends(client) == 2
+    finally:
+        daemon.stop()
+
+
 def test_a_reply_passes_whole_within_the_deadline_or_its_peer_is_dropped():
     large = AppendReply(request_id=3, session_id="s", epoch=1, length=1, rows=1, width=1, data=b"\0" * (8 * 1024**2))
     harness = _Channel(10.0, reply=large)

@@ -33,18 +33,17 @@ from workers.server.direct_cancels import DirectCancels
 from workers.server.direct_words import DirectWords
 from workers.server.keep_warm_stamp import Stamp
 from workers.server.segment import ABORT_FLAG_OFFSET
-from workers.server.spec import FRAME_DEADLINE_S
+from workers.server.spec import FRAME_DEADLINE_S, MAX_FRAME_BYTES
 
 if TYPE_CHECKING:
     from workers.server.single import WorkerServer
 
-MAX_FRAME_BYTES = 256 * 1024 * 1024
 FIRST_PAYLOAD_BYTES = 64 * 1024  # a payload's buffer starts at this size (or the frame's) and doubles as bytes arrive
 
 
 class PeerGone(Exception):
     """The peer closed or broke its socket, or broke the framing rule (kvpool.wire.framing) with a frame over
-    MAX_FRAME_BYTES or cut short: drop it."""
+    its channel's largest (WorkerSpec.max_request_bytes) or cut short: drop it."""
 
 
 def listen(address: str) -> socket.socket:
@@ -72,8 +71,9 @@ class Peer:
     payload) or a reply being written. Idle between frames; `waited_s` counts the worker's waiting on the
     frame passing now."""
 
-    def __init__(self, connection: socket.socket) -> None:
+    def __init__(self, connection: socket.socket, max_frame_bytes: int = MAX_FRAME_BYTES) -> None:
         self.connection = connection
+        self.max_frame_bytes = max_frame_bytes
         self.waited_s = 0.0
         self.closing = False  # the reply being written is the last: drop the peer once it is out
         self._outgoing: memoryview | None = None
@@ -97,7 +97,7 @@ class Peer:
                 if not self._in_header:
                     return self._finish_frame()
                 try:
-                    size = frame_size(self._buffer, MAX_FRAME_BYTES)
+                    size = frame_size(self._buffer, self.max_frame_bytes)
                 except FrameTooLarge as error:
                     raise PeerGone(str(error)) from None
                 self._start_part(size, in_header=False)
@@ -173,8 +173,10 @@ class DirectChannel:
     registered in the worker's selector: the listener with this channel as data, each peer with itself."""
 
     def __init__(self, address: str, server: WorkerServer, segment, cancel_connection, selector: selectors.BaseSelector,
-                 frame_deadline_s: float = FRAME_DEADLINE_S, *, keep_warm: Stamp | None = None) -> None:
-        """`keep_warm`: the daemon's --keep-warm stamp, touched as each append ends (None: off)."""
+                 frame_deadline_s: float = FRAME_DEADLINE_S, *, keep_warm: Stamp | None = None, max_frame_bytes: int = MAX_FRAME_BYTES) -> None:
+        """`keep_warm`: the daemon's --keep-warm stamp, touched as each append ends (None: off); `max_frame_bytes`: the
+        largest request frame a peer may send (the daemon's --max-request-bytes, as its own socket takes)."""
+        self.max_frame_bytes = max_frame_bytes
         self.listener = listen(address)
         self._keep_warm = keep_warm
         self.server = server
@@ -231,7 +233,7 @@ class DirectChannel:
     def _accept(self) -> None:
         connection = accept_same_uid(self.listener)
         if connection is not None:
-            peer = Peer(connection)
+            peer = Peer(connection, self.max_frame_bytes)
             self._peers.add(peer)
             self._selector.register(connection, selectors.EVENT_READ, peer)
 

@@ -130,7 +130,7 @@ def worker_main(connection: Connection, spec: WorkerSpec, cancel_connection: Con
     channel = (
         DirectChannel(
             spec.direct_address, server, segment, cancel_connection, selector, spec.frame_deadline_s,
-            keep_warm=Stamp(warm_block.buf) if warm_block is not None else None,
+            keep_warm=Stamp(warm_block.buf) if warm_block is not None else None, max_frame_bytes=spec.max_request_bytes,
         )
         if spec.direct_address else None
     )

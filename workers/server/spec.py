@@ -9,6 +9,7 @@ from workers.server.segment import SegmentRegions
 from workers.server.spin import DEFAULT_IDLE_SPIN
 
 FRAME_DEADLINE_S = 30.0  # the default of WorkerSpec.frame_deadline_s
+MAX_FRAME_BYTES = 256 * 1024 * 1024  # the default of WorkerSpec.max_request_bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,6 +28,7 @@ class WorkerSpec:
     compute_semaphore: int = -1  # the semaphore bounding the workers computing at once (workers.server.compute_semaphore; -1: no bound), set by the pool as it starts
     seqs_per_worker: int = 0  # > 0: a batched worker, one context of this many sequences of max_n_ctx positions each
     frame_deadline_s: float = FRAME_DEADLINE_S  # a direct channel's frame (request or reply) passes whole within this, or its peer is dropped
+    max_request_bytes: int = MAX_FRAME_BYTES  # a direct channel's largest request frame (the daemon's --max-request-bytes): its peer is dropped past it
     huge_pages: bool = True  # the load's own anonymous memory collapsed into transparent huge pages (workers.runtime.huge_pages)
     background_nice: int = BACKGROUND_NICE  # saves no caller waits for run this much nicer (workers.server.background; 0: in the loop's thread)
     idle_spin: int = DEFAULT_IDLE_SPIN  # how long llama.cpp's idle threads spin before they sleep (workers.server.spin)
