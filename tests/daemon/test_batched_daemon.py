@@ -20,16 +20,21 @@ from kvpool.daemon.pool.batched import BatchedWorker
 from kvpool.daemon.pool.compute import ComputeSlots
 from kvpool.daemon.pool.handle import PoolSpec, WorkerFailed, WorkerLost
 from kvpool.router.router import Router
+from kvpool.shard.header import read_shard_info
 from tests.conftest import PROCESS_MODE_TOLERANCE
 from tests.support.chains import daemon_chain, greedy_with_logits, release_all
 from tests.support.daemons import DaemonProcess, in_thread, joined, result, stopped, wait_until
+from tests.support.fake_daemon import N_EMBD, fake_shard_file
+from tests.support.fake_worker import fake_kinds
 from workers.runtime.model import ShardModel
+from workers.server.commands import RunBatch, TruncateContext
 from workers.server.segment import SegmentRegions
 from workers.server.spec import WorkerSpec
 
 N_CTX = 256
 GREEDY = 8
 HANG_GUARD_S = 600.0
+FAKE_HANG_GUARD_S = 20.0  # a fake worker answers in milliseconds
 pytestmark = pytest.mark.timeout(3600)
 BATCHED = ("--mode", "batched", "--seqs-per-worker", "4", "--max-sessions", "4", "--threads", "1", "--n-ctx", str(N_CTX))
 
@@ -249,6 +254,135 @@ def test_cancel_inside_a_shared_batch_rolls_back_that_sequence_only(shards, reso
                     await future
                 assert aborted.value.code == "cancelled" and aborted.value.length == 34
             assert [await slot.truncate(34) for slot in worker.slots] == [34, 34]
+        finally:
+            worker.stop()
+
+    asyncio.run(scenario())
+
+
+def _fake_batched(directory, seqs: int) -> BatchedWorker:
+    """A batched process of `seqs` sequences on a fake worker (tests/support/fake_worker.py): what the batcher
+    puts on the pipe, and in which order, in milliseconds and without a model."""
+    path = fake_shard_file(directory, 2, 4)  # a middle shard: hidden states in and out
+    shape = read_shard_info(path).shape
+    spec = PoolSpec(
+        worker=WorkerSpec(shard_path=str(path), segment=SegmentRegions.for_shard(shape, n_ctx=N_CTX, max_request_bytes=1 << 20),
+                          n_threads=1, flash_attn=False, max_n_ctx=N_CTX, seqs_per_worker=seqs),
+        size=1, ready_timeout_s=60, request_timeout_s=60, direct=False, kinds=fake_kinds(),
+    )
+    return spec.kinds[1]("test-fake-batched", spec, compute=ComputeSlots(1))
+
+
+def _slow_truncates(worker: BatchedWorker, delay_s: float = 0.05) -> None:
+    """Each TruncateContext waits `delay_s` before it takes the pipe, as a slow round trip: a command sent
+    meanwhile goes first."""
+    call = worker.call
+
+    async def slowed(command):
+        if isinstance(command, TruncateContext):
+            await asyncio.sleep(delay_s)
+        return await call(command)
+
+    worker.call = slowed
+
+
+async def _cancel_two_of_three(worker: BatchedWorker, rows: np.ndarray) -> list[asyncio.Future]:
+    """Three sessions of 10 rows each append 4 more in one RunBatch; the first two are cancelled while it
+    computes (not every one: the decode runs on, and those two are rolled back after it)."""
+    await asyncio.to_thread(worker.wait_ready, 60)
+    for slot in worker.slots:
+        await slot.open(N_CTX)
+        await slot.append(0, rows[:10])
+    _slow_truncates(worker)
+    with worker.fake_server.stopped():
+        appends = [asyncio.ensure_future(slot.append(10, rows[10:])) for slot in worker.slots]
+        await _until(lambda: len(worker._computing) == 3)
+        worker.slots[0].set_abort(True)
+        worker.slots[1].set_abort(True)
+    return appends
+
+
+def test_a_session_cancelled_in_a_shared_batch_is_rolled_back_before_it_is_answered(tmp_path, resource_tracker_running):
+    """A session told "cancelled, length 10" may send its next command at once (a park's save): it must find
+    its sequence at 10, so every rollback of the batch reaches the worker before any cancelled append is answered."""
+    rows = np.random.default_rng(5).standard_normal((14, N_EMBD)).astype(np.float32)
+
+    async def scenario():
+        worker = _fake_batched(tmp_path, 3)
+        try:
+            appends = await _cancel_two_of_three(worker, rows)
+            with pytest.raises(WorkerFailed) as cancelled:
+                await asyncio.wait_for(appends[1], FAKE_HANG_GUARD_S)
+            assert (cancelled.value.code, cancelled.value.length) == ("cancelled", 10)
+            saved = await worker.slots[1].save_state()  # as a park right after the cancelled reply
+            assert saved.length == 10
+            with pytest.raises(WorkerFailed) as first:
+                await appends[0]
+            assert (first.value.code, first.value.length) == ("cancelled", 10)
+            assert (await appends[2]).length == 14
+            await asyncio.wait_for(worker._batcher, FAKE_HANG_GUARD_S)
+            assert [sequence.length for sequence in worker.fake_server.sequences] == [10, 10, 14]
+        finally:
+            worker.stop()
+
+    asyncio.run(scenario())
+
+
+def test_a_rollback_never_lands_on_the_session_lent_that_sequence_next(tmp_path, resource_tracker_running):
+    """The cancelled session is released at once and its sequence lent to a parked session, restored there at
+    14: the cancelled append's rollback (to 10) must have reached the worker before, not truncate the restored one."""
+    rows = np.random.default_rng(6).standard_normal((14, N_EMBD)).astype(np.float32)
+
+    async def scenario():
+        worker = _fake_batched(tmp_path, 3)
+        try:
+            appends = await _cancel_two_of_three(worker, rows)
+            with pytest.raises(WorkerFailed):
+                await asyncio.wait_for(appends[1], FAKE_HANG_GUARD_S)
+            assert (await appends[2]).length == 14
+            parked = await worker.slots[2].save_state()
+            await worker.slots[1].close_context()
+            assert (await worker.slots[1].restore_state(N_CTX, parked.blob, parked.length)).length == 14
+            with pytest.raises(WorkerFailed):
+                await appends[0]
+            await asyncio.wait_for(worker._batcher, FAKE_HANG_GUARD_S)
+            assert (await worker.slots[1].save_state()).length == 14
+            assert [sequence.length for sequence in worker.fake_server.sequences] == [10, 14, 14]
+        finally:
+            worker.stop()
+
+    asyncio.run(scenario())
+
+
+def test_an_unexpected_error_in_the_batcher_answers_every_append_it_holds(tmp_path, resource_tracker_running):
+    """A bug in the batcher (here: a reply it cannot read) must not leave appends waiting forever: the batch
+    and the appends queued behind it are answered worker lost, and the process counts as lost (replaced)."""
+    rows = np.random.default_rng(7).standard_normal((3, N_EMBD)).astype(np.float32)
+
+    async def scenario():
+        worker = _fake_batched(tmp_path, 2)
+        try:
+            await asyncio.to_thread(worker.wait_ready, 60)
+            for slot in worker.slots:
+                await slot.open(N_CTX)
+            call = worker.call
+
+            async def unreadable(command):
+                reply = await call(command)
+                if isinstance(command, RunBatch):
+                    raise ValueError("a reply the batcher cannot read")
+                return reply
+
+            worker.call = unreadable
+            with worker.fake_server.stopped():
+                computing = asyncio.ensure_future(worker.slots[0].append(0, rows))
+                await _until(lambda: len(worker._computing) == 1)
+                queued = asyncio.ensure_future(worker.slots[1].append(0, rows))
+                await _until(lambda: len(worker._queue) == 1)
+            for append in (computing, queued):
+                with pytest.raises(WorkerLost, match="a reply the batcher cannot read"):
+                    await asyncio.wait_for(append, FAKE_HANG_GUARD_S)
+            assert worker.lost
         finally:
             worker.stop()
 

@@ -13,6 +13,12 @@ Cancel is per session: a queued append is taken out and answered cancelled; a co
 and the shared decode is aborted only when every session in it is cancelled, otherwise the cancelled
 session's rows are rolled back when the batch ends and the others keep theirs. An append whose awaiting
 request is gone (its client left) is rolled back the same way, so the books' length stays the worker's.
+The rolled-back appends of a batch are answered only once all its rollbacks have reached the worker: a session
+told "cancelled" may send its next command at once (a park's save; a release, then another session's restore
+into the freed sequence), and no rollback may come after it on that sequence.
+
+Every append the batcher holds is answered: an error other than the worker's own (WorkerLost, WorkerFailed)
+answers the batch and the queue WorkerLost, and the process counts as lost (the pool replaces it).
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import logging
 import time
 from collections.abc import Callable
 
@@ -50,6 +57,8 @@ from workers.server.commands import (
 
 MIN_GATHER_S = 0.002  # how long a batch may wait for the last batch's other sessions to queue again
 MAX_GATHER_S = 0.05
+
+log = logging.getLogger("kvpool.serve")
 
 
 @dataclasses.dataclass(eq=False)
@@ -138,7 +147,8 @@ class BatchedWorker(WorkerHandle):
                 return
 
     def _take_batch(self) -> list[tuple[PendingAppend, BatchItem]]:
-        """Queued appends that fit the regions, one per sequence, oldest first."""
+        """Queued appends that fit the regions, one per sequence, oldest first. They leave the queue once the
+        batch is sealed: an error on the way (the segment released by stop()) leaves them there, to be answered."""
         taken: list[tuple[PendingAppend, BatchItem]] = []
         seqs: set[int] = set()
         input_used = output_used = 0
@@ -157,7 +167,6 @@ class BatchedWorker(WorkerHandle):
             out_rows = self.ready.shape.output_shape(pending.rows.shape[0], pending.output_rows)[0] if self.ready else pending.rows.shape[0]
             out_bytes = out_rows * width * 4
             room = out_bytes if output_used + out_bytes <= self.output_bytes else 0
-            self._queue.remove(pending)
             view = np.frombuffer(self.segment.buf, pending.rows.dtype, pending.rows.size, self.input_offset + input_used)
             view[:] = pending.rows.reshape(-1)
             taken.append((pending, BatchItem(
@@ -167,48 +176,73 @@ class BatchedWorker(WorkerHandle):
             seqs.add(pending.seq)
             input_used += input_bytes
             output_used += room
+        for pending, _item in taken:
+            self._queue.remove(pending)
         return taken
 
     async def _run_batches(self) -> None:
-        while self._queue:
-            async with self.compute.slot():
-                await self._gather()
-                batch = self._take_batch()
-                if not batch:
-                    continue
-                self._computing = [pending for pending, _item in batch]
-                self._last_batch_seqs = {pending.seq for pending in self._computing}
-                super().set_abort(False)
-                started = time.perf_counter()
-                try:
-                    done = await self._expect(RunBatch(items=[item for _pending, item in batch]), BatchDone)
-                except (WorkerLost, WorkerFailed) as error:
-                    for pending, _item in batch:
-                        _fail(pending.future, error)
-                    self._computing = []
-                    continue
-                finally:
-                    super().set_abort(False)
-                self._last_batch_s = time.perf_counter() - started
-                self.batches += 1
-                self.batched_items += len(batch)
-                rollbacks = self._answer(batch, done)
-                self._computing = []
-            for seq, length in rollbacks:
-                with contextlib.suppress(WorkerLost, WorkerFailed):
-                    await self._expect(TruncateContext(length=length, seq=seq), Truncated)
+        try:
+            while self._queue:
+                await self._run_batch()
+        except Exception as error:  # noqa: BLE001 - a bug must cost these appends an answer, never leave them waiting
+            log.error("%s: the batcher failed", self.name, exc_info=True)
+            self.lost = True  # what it left on the pipe and in the segment is unknown
+            self._fail_held(WorkerLost(f"{self.name}: the batcher failed: {error!r}"))
 
-    def _answer(self, batch: list[tuple[PendingAppend, BatchItem]], done: BatchDone) -> list[tuple[int, int]]:
+    async def _run_batch(self) -> None:
+        async with self.compute.slot():
+            await self._gather()
+            batch = self._take_batch()
+            if not batch:
+                return
+            self._computing = [pending for pending, _item in batch]
+            self._last_batch_seqs = {pending.seq for pending in self._computing}
+            super().set_abort(False)
+            started = time.perf_counter()
+            try:
+                done = await self._expect(RunBatch(items=[item for _pending, item in batch]), BatchDone)
+            except (WorkerLost, WorkerFailed) as error:
+                for pending, _item in batch:
+                    _fail(pending.future, error)
+                self._computing = []
+                return
+            finally:
+                super().set_abort(False)
+            self._last_batch_s = time.perf_counter() - started
+            self.batches += 1
+            self.batched_items += len(batch)
+            rollbacks = self._answer(batch, done)
+            self._computing = []
+        await self._roll_back(rollbacks)
+
+    def _answer(self, batch: list[tuple[PendingAppend, BatchItem]], done: BatchDone) -> list[PendingAppend]:
+        """Answers the appends that kept their rows or failed; returns the cancelled ones, to roll back."""
         rollbacks = []
-        for (pending, item), result in zip(batch, done.results):
+        for (pending, _item), result in zip(batch, done.results):
             if isinstance(result, Failed):
                 _fail(pending.future, WorkerFailed(result.code, result.message, result.length))
             elif pending.cancelled or pending.future.done():
-                rollbacks.append((pending.seq, pending.start_pos))
-                _fail(pending.future, WorkerFailed("cancelled", "append cancelled", pending.start_pos))
+                rollbacks.append(pending)
             else:
                 pending.future.set_result(self._output_of(result))
         return rollbacks
+
+    async def _roll_back(self, rollbacks: list[PendingAppend]) -> None:
+        """Truncates each sequence back to its append's start, then answers each append: cancelled at the
+        length the worker truncated to, or the truncate's own failure (answered after the last truncate:
+        the module's docstring says why)."""
+        answers: dict[PendingAppend, WorkerLost | WorkerFailed] = {}
+        try:
+            for pending in rollbacks:
+                try:
+                    truncated = await self._expect(TruncateContext(length=pending.start_pos, seq=pending.seq), Truncated)
+                except (WorkerLost, WorkerFailed) as error:
+                    answers[pending] = error
+                else:
+                    answers[pending] = WorkerFailed("cancelled", "append cancelled", truncated.length)
+        finally:  # also when an error of another kind ends the batcher: an append left without its truncate is lost with the process
+            for pending in rollbacks:
+                _fail(pending.future, answers.get(pending) or WorkerLost(f"{self.name}: the rollback of sequence {pending.seq} was not sent"))
 
     def _output_of(self, appended: Appended) -> WorkerOutput:
         if appended.inline or not appended.rows:
@@ -222,12 +256,19 @@ class BatchedWorker(WorkerHandle):
         )
 
     def stop(self, timeout_s: float = 5.0) -> None:
-        """As WorkerHandle.stop; appends still waiting are answered WorkerLost (on their loop: stop may run
-        in a thread)."""
-        for pending in self._queue + self._computing:
-            pending.future.get_loop().call_soon_threadsafe(_fail, pending.future, WorkerLost(f"{self.name} stopped"))
-        self._queue = []
+        """As WorkerHandle.stop; appends still waiting are answered WorkerLost. On the batcher's loop: stop may
+        run in a thread, and the queue is the loop's (an append queued after that is answered by the batcher,
+        which finds the process gone)."""
+        if self._batcher is not None:
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
+                self._batcher.get_loop().call_soon_threadsafe(self._fail_held, WorkerLost(f"{self.name} stopped"))
         super().stop(timeout_s)
+
+    def _fail_held(self, error: WorkerLost) -> None:
+        """Answers every append queued or computing with `error` (on the loop's thread)."""
+        for pending in self._queue + self._computing:
+            _fail(pending.future, error)
+        self._queue, self._computing = [], []
 
 
 def _fail(future: asyncio.Future, error: BaseException) -> None:
