@@ -218,6 +218,10 @@ class KvService:
             channel = self.channels.address(session) if binding is not None else ""
         else:
             channel = self.channels.bound(session) if binding is not None else ""
+            if binding is not None:
+                # a newer epoch's fence that came during the run revoked nothing (the channel was the run's): holding
+                # revokes what the run bound before the lock goes, and the fence then ends the session
+                self.gate.check_live(session)
         return AppendReply(
             session_id=session.session_id, epoch=session.epoch, length=session.length,
             rows=output.rows, width=output.width, data=output.data, admitted=admitted, restored=restored,

@@ -133,6 +133,23 @@ def test_revocation_release_epoch_eviction_truncate_and_park(model_path, socket_
         parked.stop()
 
 
+def test_an_eviction_revokes_the_channel_even_when_the_admitting_append_is_then_refused(model_path, socket_dir, prompt_ids):
+    """The warm tier off: d's admission evicts c and takes over c's worker, whose context d's first run replaces. Here that
+    run never comes (8 tokens into n_ctx 4: context_full, after the admission). Before the fix nothing had told the worker,
+    and c's direct appends went on being served on its old context; now the victim's channel is revoked before it is evicted."""
+    daemon = _serve(model_path, socket_dir, "evict-refused", "--max-sessions", "1", "--spill-budget", "0", "--min-residency", "0")
+    prompt = prompt_ids[1][:8]
+    try:
+        with daemon.client() as router, daemon.client(direct=False) as other:
+            router.append("c", 1, 0, tokens=prompt)
+            router.append("c", 1, 8, tokens=[5])  # direct
+            assert refused(lambda: other.append("d", 1, 0, tokens=prompt, n_ctx=4)).code == "context_full"
+            assert refused(lambda: router.append("c", 1, 9, tokens=[5])).reason == "evicted"
+            assert other.stats().integrity == "ok"
+    finally:
+        daemon.stop()
+
+
 def test_a_copy_written_behind_leaves_the_direct_channel_bound(model_path, socket_dir, tmp_path, whole_model, prompt_ids):
     """--persist-after: the copy's save revokes the channel in the worker (every command does) and the supervisor
     binds it again at once: the next append still goes straight to the worker, and the copy holds the length of

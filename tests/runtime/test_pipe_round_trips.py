@@ -20,7 +20,8 @@ from kvpool.daemon.supervisor import build_pool
 from kvpool.shard.header import read_shard_info
 from kvpool.wire.errors import RequestFailed
 from kvpool.wire.framing import FRAME_HEADER, receive_exactly
-from kvpool.wire.protocol import Append, AppendReply, ShardDescription, Truncate, decode_reply, encode
+from kvpool.wire.protocol import Append, AppendReply, Release, ShardDescription, Truncate, decode_reply, encode
+from workers.server.commands import CloseContext, RunAppend
 
 pytestmark = pytest.mark.timeout(1800)
 
@@ -93,6 +94,60 @@ def test_a_supervisor_append_is_one_pipe_command_admitting_or_not_with_direct_ch
             assert sent == ["RevokeChannel", "TruncateContext"]
             revoked = await asyncio.to_thread(_direct_append, plain.channel, Append(session_id="s", epoch=1, start_pos=2, tokens=[7]))
             assert revoked.code == "channel_revoked"
+            service.check_integrity()
+        finally:
+            service.close()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        pool.close()
+
+
+def test_a_binding_made_by_a_run_a_newer_epoch_fenced_meanwhile_is_revoked_before_the_lock_goes(shards, tmp_path, resource_tracker_running):
+    """Append(s, 1, direct) runs on the worker; Release(s, 2) arrives meanwhile. Its fence finds the channel handed to the
+    run (nothing to revoke) and waits for the session's lock; the run binds (s, 1) as it succeeds. Before the fix that
+    binding stood until the fence's drop reached the worker, and an epoch-1 direct append was served after epoch 2 was
+    seen; now the append checks the session live and current after its run, and the channel is revoked before the lock goes.
+    The fence's drop (CloseContext) is held back here, so nothing else can revoke the channel first."""
+    info = read_shard_info(shards[0].path)
+    config = ServeConfig(model=shards[0].path, socket=tmp_path / "unused.sock", max_sessions=1, n_ctx=64, threads=1)
+    pool = build_pool(config, info)
+
+    async def scenario() -> None:
+        ready = await asyncio.to_thread(pool.start)
+        service = KvService(config, pool, ShardDescription(shape=ready.shape, model_path=str(shards[0].path)), ready.kv_bytes_per_position)
+        try:
+            await service.calibrator.calibrate(64)
+            [worker] = pool.workers()
+            admitted = await service.append(Append(session_id="s", epoch=1, start_pos=0, tokens=[1, 2, 3], direct=True))
+            assert admitted.channel
+            call = worker.call
+            drop_may_go = asyncio.Event()
+            releasing: list[asyncio.Task] = []
+
+            async def fenced_during_the_run(command):
+                if isinstance(command, CloseContext):
+                    await drop_may_go.wait()
+                reply = await call(command)
+                if isinstance(command, RunAppend) and command.bind is not None and not releasing:
+                    releasing.append(asyncio.create_task(service.release(Release(session_id="s", epoch=2))))
+                    for _ in range(5):
+                        await asyncio.sleep(0)
+                    assert service.books.table.highest_epoch("s") == 2 and not releasing[0].done()  # fenced: waiting for the lock
+                return reply
+
+            worker.call = fenced_during_the_run
+            try:
+                superseded = await service.append(Append(session_id="s", epoch=1, start_pos=3, tokens=[4], direct=True))
+            except RequestFailed as failure:
+                superseded = failure
+            late = await asyncio.to_thread(_direct_append, admitted.channel, Append(session_id="s", epoch=1, start_pos=4, tokens=[9]))
+            assert not isinstance(late, AppendReply) and late.code == "channel_revoked", late
+            assert isinstance(superseded, RequestFailed) and superseded.code == "stale_epoch", superseded  # its run's binding not handed out
+            drop_may_go.set()
+            assert (await releasing[0]).detail == "no state"  # epoch 1 went with the fence; epoch 2 has none
+            assert service.books.table.get("s") is None
             service.check_integrity()
         finally:
             service.close()

@@ -8,6 +8,7 @@ other admissions (kvpool.daemon.admission.queue). Recently used sessions are nei
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import time
 from collections.abc import Callable
@@ -79,8 +80,12 @@ class Admission:
     async def make_room(self, charge: int, n_ctx: int, deadline: float, *, still_wanted=lambda: None) -> AdmissionPlan:
         """A plan that places `charge` bytes on a worker for a context of `n_ctx` positions, taken in turn (kvpool.daemon.admission.queue: over_budget
         with retry_after_s past the deadline). With the warm tier on, victims are parked one at a time (each
-        a save and a context freed) until a plan needs none, the turn kept meanwhile. `still_wanted` raises
-        when the request no longer makes sense (it is checked after every wait)."""
+        a save and a context freed) until a plan needs none, the turn kept meanwhile; with it off, the victims bound
+        to their direct channels are revoked first (the worker told, as the park's save tells it), then the plan is
+        made again: an evicted session is never served after the books let it go, on a worker the plan may hand
+        straight to the new session with no command sent yet (its context replaced by that session's first run,
+        which may never come: an append refused after its admission). `still_wanted` raises when the request no
+        longer makes sense (it is checked after every wait)."""
 
         def before_each_try() -> None:
             self.refuse_new()
@@ -95,6 +100,11 @@ class Admission:
                 if plan.victims and self.books.spill.enabled:
                     if not await self.parking.park(plan.victims[0]):
                         await asyncio.sleep(PARK_RETRY_S)  # the victim got busy (or is being dropped): plan again
+                    continue
+                if bound := [victim for victim in plan.victims if victim.channel]:
+                    for victim in bound:
+                        with contextlib.suppress(RequestFailed):  # its worker lost on the way: the session ended with it
+                            await self.channels.revoke(victim)
                     continue
                 return plan
 
