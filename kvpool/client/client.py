@@ -55,6 +55,10 @@ class Client:
     """A client of one daemon. With `direct` (the default) it asks for its sessions' direct channels and
     sends their appends straight to the worker, falling back to the daemon whenever a channel is gone."""
 
+    # the Hello of the daemon last connected to: one that took over the socket (a drain's successor, a restart)
+    # serves the same shard, or is refused, but may keep another prefix block or context (kvpool.router.prefix)
+    hello: HelloReply
+
     def __init__(
         self, socket_path: str | os.PathLike[str], *, timeout_s: float | None = 300.0, name: str = "", direct: bool = True,
         successor_wait_s: float = DEFAULT_WAIT_S, on_successor_wait: Say | None = None,
@@ -71,7 +75,7 @@ class Client:
         self._main: ClientConnection | None = None
         self._cancel_connection: ClientConnection | None = None
         self._closed = False
-        self.hello: HelloReply = self._connection("main").hello
+        self._connection("main")
 
     def _connection(self, which: str) -> ClientConnection:
         """The open main or cancel connection, (re)opened if a failure closed it."""
@@ -84,11 +88,13 @@ class Client:
                 self._drained = True  # its daemon said farewell: wait for the one that follows
             if connection is None or connection.closed:
                 connection = ClientConnection(self.socket_path, self._timeout_s, self._name)
-                previous = getattr(self, "hello", None)
+                assert connection.hello is not None
+                previous: HelloReply | None = getattr(self, "hello", None)
                 if previous is not None and connection.hello.shard != previous.shard:
                     connection.close()
                     raise ConnectionLost(f"the daemon on {self.socket_path} now serves another shard")
                 setattr(self, attribute, connection)
+                self.hello = connection.hello
             return connection
 
     @property

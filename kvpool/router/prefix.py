@@ -23,7 +23,8 @@ from kvpool.wire.prefix import chain_digests
 
 class PrefixChain:
     """The digests of one session's whole blocks, kept between appends (recomputed from the first block that
-    differs when the tokens change under it: a truncate, a release)."""
+    differs when the tokens change under it: a truncate, a release; from block 0 when the block changes: no
+    chain mixes two blocks)."""
 
     def __init__(self, scope: str) -> None:
         self.scope = scope
@@ -54,7 +55,8 @@ class PrefixChain:
 
 def route_block(route: Route) -> int:
     """Tokens per block of the route's prefix stores: every daemon's, when they all keep one of one size;
-    0 (no reuse) otherwise."""
+    0 (no reuse) otherwise. Read from the clients' Hellos at every use: a daemon replaced on its socket (a drain's
+    successor, a restart) may keep another block, which its client's Hello says from its reconnect on."""
     blocks = {getattr(getattr(client, "hello", None), "prefix_block", 0) for client in route.clients}  # a client without a Hello: none
     return blocks.pop() if len(blocks) == 1 else 0
 

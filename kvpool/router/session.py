@@ -12,6 +12,10 @@ means is decided here, in one place:
   bounded) and ask the same daemon again, until `over_budget_give_up_s`.
 - cancelled at daemon i (a daemon's reply, or `cancel()` seen between daemons): daemons 0..i-1 are
   truncated back to the length before the append, and `Cancelled` is raised.
+- bad_request for an append whose block digests were chained with a block the route no longer keeps (its
+  daemon replaced on the socket by one of another --prefix-block between the digests and the request: the
+  client took the new daemon's Hello as it reconnected): that daemon is asked once more at once, with the
+  digests of the route's block now; a refused append took nothing.
 - anything else a daemon answers (stale_epoch, context_full, ...) is raised as a StageFailed after the
   same roll-back; a timeout or an interrupt leaves the session to be replayed by its next append.
 
@@ -219,17 +223,28 @@ class RoutedSession:
         rows: list[int] | np.ndarray = tokens
         result: AppendResult | None = None
         block = self._block()
-        digests = []
-        if block and (start + len(tokens)) // block > start // block:
-            digests = self._chain.completed(self._history.token_slice(0, start) if before is None else before, tokens, block)
+        digests = self._completed_digests(start, tokens, before, block)
         for stage in range(len(self.route)):
             if stage and self._restoring is not None:
                 self._restored()
             self._in_flight.reach(stage)
-            result = self._append_at_stage(stage, start, rows, output_rows, sampling, digests)
+            try:
+                result = self._append_at_stage(stage, start, rows, output_rows, sampling, digests)
+            except StageFailed as failure:
+                if not (digests and failure.code == ErrorCode.BAD_REQUEST and self._block() != block):
+                    raise
+                block = self._block()  # the daemon was replaced by one of another block (the module's docstring)
+                digests = self._completed_digests(start, tokens, before, block)
+                result = self._append_at_stage(stage, start, rows, output_rows, sampling, digests)
             rows = result.rows
         assert result is not None
         return result
+
+    def _completed_digests(self, start: int, tokens: list[int], before: list[int] | None, block: int) -> list[bytes]:
+        """The digests of the blocks an append of `tokens` at `start` completes, chained with `block` (none: 0)."""
+        if not block or (start + len(tokens)) // block == start // block:
+            return []
+        return self._chain.completed(self._history.token_slice(0, start) if before is None else before, tokens, block)
 
     def _append_at_stage(
         self, stage: int, start: int, rows: list[int] | np.ndarray, output_rows: str, sampling: Sampling | None, digests: list[bytes],

@@ -14,6 +14,7 @@ import pytest
 from prometheus_client import generate_latest
 
 from kvpool.cli.status import render
+from kvpool.router.prefix import route_block
 from kvpool.router.router import Router
 from kvpool.wire.prefix import DIGEST_BYTES, chain_digests
 from tests.support.contract import MODES, mode_flags, rows_of
@@ -396,3 +397,29 @@ def test_every_append_of_a_routed_session_names_its_own_blocks_from_position_zer
     finally:
         for client in clients:
             client.close()
+
+
+@pytest.mark.parametrize("replaced_by", ["stop", "drain"])
+def test_a_router_follows_a_daemon_replaced_on_its_socket_by_one_of_another_block(serve, fake_model, replaced_by):
+    """A daemon of block 4 stops (at once, or drained) and one of block 32 (the same --n-ctx: 2 digests at most)
+    serves the socket: the client takes the new daemon's Hello as it reconnects, and the router's digests follow
+    it. A prompt of 10 old blocks is computed and its block stored under the new block's digests, and a session
+    from before the swap goes on with rows of its own history."""
+    old = serve(fake_model, "--prefix-block", "4", "--n-ctx", "64", name="replaced")
+    client = old.client()
+    try:
+        router = Router([client])
+        earlier = router.session("earlier")
+        before = prompt(30, 10)
+        earlier.append(before)
+        stored(client, before)  # block 4's digests, offered after the reply: not cut short by the stop
+        old.stop() if replaced_by == "stop" else old.drain()
+        serve(fake_model, "--prefix-block", "32", "--n-ctx", "64", name="replaced")
+        tokens = prompt(31, 40)
+        assert np.array_equal(router.session("s").append(tokens)[-1], route_rows([client], tokens))
+        assert client.hello.prefix_block == 32 and client.hello.max_prefix_digests == 2
+        assert route_block(router.route) == 32
+        wait_until(lambda: client.lookup_prefix("", chain_digests(tokens, 32)) == 1, what="the new block stored")
+        assert np.array_equal(earlier.append([7])[-1], route_rows([client], before + [7]))
+    finally:
+        client.close()
