@@ -10,7 +10,6 @@ Waits are hang guards only: every one waits for an event, never for an amount of
 
 from __future__ import annotations
 
-import asyncio
 import pathlib
 import socket
 import subprocess
@@ -21,13 +20,10 @@ import numpy as np
 import pytest
 
 from kvpool.client.client import Client, ConnectionLost
-from kvpool.daemon.config import ServeConfig
 from kvpool.daemon.pool.handle import PoolSpec
 from kvpool.daemon.pool.pool import WorkerPool
 from kvpool.daemon.pool.shm_room import free_shared_memory_bytes
 from kvpool.daemon.service import KvService
-from kvpool.daemon.supervisor import build_pool
-from kvpool.shard.header import read_shard_info
 from kvpool.wire.framing import FRAME_HEADER
 from kvpool.wire.protocol import (
     PROTOCOL_VERSION,
@@ -47,6 +43,7 @@ from kvpool.wire.shape import ShardShape
 from tests.support.daemons import wait_until
 from tests.support.fake_daemon import N_EMBD, fake_shard_file
 from tests.support.fake_worker import expected_rows, fake_kinds
+from tests.support.service import run_on_service
 from workers.server.segment import LOGIT_ROWS_IN_SEGMENT, SegmentRegions
 from workers.server.spec import WorkerSpec
 
@@ -157,30 +154,18 @@ def test_an_abort_flag_left_by_a_late_cancel_does_not_abort_the_next_compute(fak
     """A cancel landing as an append finishes leaves the worker's abort flag set; calibration and the
     next append on that worker must clear it rather than abort (a fake worker aborts on a set flag as
     llama.cpp's abort callback does)."""
-    info = read_shard_info(fake_shards[0])
-    config = ServeConfig(model=fake_shards[0], socket=tmp_path / "unused.sock", max_sessions=1, n_ctx=128, threads=1)
-    pool = build_pool(config, info, fake_kinds())
 
-    async def scenario() -> None:
-        ready = await asyncio.to_thread(pool.start)
-        shard = ShardDescription(shape=ready.shape, model_path=str(fake_shards[0]))
-        service = KvService(config, pool, shard, ready.kv_bytes_per_position)
-        try:
-            [worker] = pool.workers()
-            worker.set_abort(True)
-            await service.calibrator.calibrate(128)
-            assert service.calibrator.charge_for(64) >= service.calibrator.theoretical_kv_bytes(64)
-            worker.set_abort(True)
-            reply = await service.append(Append(session_id="s", epoch=1, start_pos=0, tokens=[1, 2, 3], n_ctx=64))
-            assert reply.length == 3
-            service.check_integrity()
-        finally:
-            service.close()
+    async def scenario(service: KvService, pool: WorkerPool) -> None:
+        [worker] = pool.workers()
+        worker.set_abort(True)
+        await service.calibrator.calibrate(128)
+        assert service.calibrator.charge_for(64) >= service.calibrator.theoretical_kv_bytes(64)
+        worker.set_abort(True)
+        reply = await service.append(Append(session_id="s", epoch=1, start_pos=0, tokens=[1, 2, 3], n_ctx=64))
+        assert reply.length == 3
+        service.check_integrity()
 
-    try:
-        asyncio.run(scenario())
-    finally:
-        pool.close()
+    run_on_service(fake_shards[0], tmp_path, scenario, kinds=fake_kinds(), max_sessions=1, n_ctx=128, threads=1)
 
 
 def test_segments_are_sized_for_what_crosses_them_and_counted_in_the_books(serve, fake_files):
