@@ -37,6 +37,9 @@ class Session:
     passed_on: bool = False
     appending: bool = False
     channel: bool = False  # bound to its worker's direct channel (kvpool.daemon.pool.channels)
+    # the worker's time of the last direct append whose length the books took, or the supervisor's when it last asked for a
+    # binding (Channels.binding): a length in the control words is this binding's only when its time is later
+    direct_since: float = 0.0
     persisted_length: int = -1  # the length of its copy written behind to disk (--persist-after); -1: none
     # its first len(digests) blocks' digests (kvpool.wire.prefix), chained in prefix_scope: what it offers the prefix store
     digests: list[bytes] = dataclasses.field(default_factory=list)

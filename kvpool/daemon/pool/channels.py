@@ -28,8 +28,13 @@ class Channels:
         self.enabled = enabled
 
     def binding(self, session: Session) -> Binding | None:
-        """What an append's run binds the channel to once it succeeds (None: no channel to bind)."""
-        return Binding(session_id=session.session_id, epoch=session.epoch) if self.enabled and session.hot else None
+        """What a command binds the channel to once it succeeds (None: no channel to bind). Asked for before every
+        command that binds (an append's run, a restore, a bind after a save or a capture): a direct append the
+        control words report from then on is the binding's, whatever the worker served before (another session)."""
+        if not (self.enabled and session.hot):
+            return None
+        session.direct_since = time.monotonic()
+        return Binding(session_id=session.session_id, epoch=session.epoch)
 
     def bound(self, session: Session) -> str:
         """The run bound the session's channel: its name."""
@@ -93,9 +98,10 @@ class Channels:
 
     def _read(self, session: Session) -> bool:
         """Take what the control words say; whether a direct append computes now (then the length is not final)."""
-        busy, length, last_used = self.pool.get(session.worker_name).direct.activity()
-        if last_used > session.last_used:  # a direct append of this session ended after the supervisor's last look
-            session.length, session.last_used = length, last_used
+        busy, length, ended = self.pool.get(session.worker_name).direct.activity()
+        if ended > session.direct_since:  # a direct append of this binding ended after the last one taken
+            session.length, session.direct_since = length, ended
+            session.last_used = max(session.last_used, ended)
         if busy:
             session.last_used = time.monotonic()  # computing now: neither least recently used nor idle past a TTL
         return busy
