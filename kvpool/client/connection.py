@@ -16,9 +16,9 @@ import select
 import socket
 import threading
 
-from kvpool.client.messages import ConnectionLost, KvpoolError, RequestNotSent, hello_call, is_farewell, is_frame_refusal
-from kvpool.wire.framing import FrameError, receive_frame
-from kvpool.wire.protocol import MAX_REPLY_BYTES, HelloReply, Reply, RequestMessage, decode_reply, encode
+from kvpool.client.messages import ConnectionLost, KvpoolError, RequestNotSent, hello_call, is_farewell
+from kvpool.wire.framing import FRAME_HEADER, FrameError, FrameTooLarge, frame_size, receive_frame
+from kvpool.wire.protocol import MAX_REPLY_BYTES, ErrorCode, ErrorReply, HelloReply, Reply, RequestMessage, decode_reply, encode
 
 
 def _receive_reply(sock: socket.socket, reuse: bytearray | None = None) -> Reply:
@@ -80,8 +80,14 @@ class ClientConnection:
         request_id = request_id or next(self._request_ids)
         message.request_id = request_id
         self._check_still_open(sock)
+        frame = encode(message)
+        if self.hello is not None:
+            try:  # the daemon would refuse it unread and close the connection: the same refusal, typed, nothing sent
+                frame_size(frame[: FRAME_HEADER.size], self.hello.max_request_bytes)
+            except FrameTooLarge as refused:
+                raise KvpoolError(ErrorReply(code=ErrorCode.BAD_REQUEST, message=str(refused), request_id=request_id)) from None
         try:
-            sock.sendall(encode(message))
+            sock.sendall(frame)
         except (BrokenPipeError, ConnectionResetError) as error:  # a frame that did not leave whole is never read
             self.close()
             raise RequestNotSent(f"connection lost: {error}") from error
@@ -108,8 +114,6 @@ class ClientConnection:
             if is_farewell(reply):
                 self.farewell_seen = True
                 raise ConnectionLost(f"the daemon drained while the request was in flight: {reply.message}")
-            if is_frame_refusal(reply):
-                raise KvpoolError(reply)  # e.g. bad_request "frame of N bytes exceeds the limit of M": typed, not a lost connection
             raise ConnectionLost(f"the daemon answered request {reply.request_id} where request {request_id} was expected")
         return reply
 

@@ -77,13 +77,6 @@ def is_farewell(reply: Reply) -> bool:
     return isinstance(reply, ErrorReply) and reply.request_id == 0 and reply.code == ErrorCode.DRAINING
 
 
-def is_frame_refusal(reply: Reply) -> bool:
-    """A daemon's refusal of a frame it did not read as a request (over --max-request-bytes, undecodable, too slow to
-    arrive): an error as request 0, not its farewell; it closes the connection after it. On a connection with one
-    request in flight (ClientConnection) it is that request's answer."""
-    return isinstance(reply, ErrorReply) and reply.request_id == 0 and reply.code != ErrorCode.DRAINING
-
-
 def to_send_again(reply: Reply) -> bool:
     """A reply saying the daemon took nothing of its request (kvpool.wire.errors.never_carried_out)."""
     return isinstance(reply, ErrorReply) and never_carried_out(reply.code)

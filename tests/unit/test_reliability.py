@@ -19,7 +19,7 @@ import threading
 import numpy as np
 import pytest
 
-from kvpool.client.client import Client, ConnectionLost
+from kvpool.client.client import Client, ConnectionLost, KvpoolError
 from kvpool.daemon.pool.handle import PoolSpec
 from kvpool.daemon.pool.pool import WorkerPool
 from kvpool.daemon.pool.shm_room import free_shared_memory_bytes
@@ -220,3 +220,15 @@ def test_worker_names_are_unique_when_replacements_start_in_many_threads(fake_mo
     finally:
         sys.setswitchinterval(previous)
     assert len(names) == len(set(names)) == 4000
+
+
+def test_a_request_over_the_daemons_frame_limit_is_refused_before_it_is_sent(serve, fake_model):
+    """The daemon refuses a frame over --max-request-bytes unread and closes the connection, as request 0, which no
+    request's reply can be told from: the client, knowing the limit from the Hello, refuses it first (bad_request, the
+    daemon's words), sends nothing, and its connection serves the next request."""
+    with serve(fake_model, "--max-request-bytes", "1024", "--n-ctx", "1024").client(direct=False) as client:
+        with pytest.raises(KvpoolError) as refused:
+            client.append("s", 1, 0, tokens=[30000] * 400)  # ~1.2 KB of msgpack
+        assert refused.value.code == "bad_request" and str(refused.value).endswith("exceeds the limit of 1024")
+        assert client.append("s", 1, 0, tokens=[1, 2]).length == 2
+        assert client.stats().counters["appends"] == 1
