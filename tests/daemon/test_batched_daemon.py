@@ -27,7 +27,7 @@ from tests.support.daemons import DaemonProcess, in_thread, joined, result, stop
 from tests.support.fake_daemon import N_EMBD, fake_shard_file
 from tests.support.fake_worker import fake_kinds
 from workers.runtime.model import ShardModel
-from workers.server.commands import RunBatch, TruncateContext
+from workers.server.commands import BatchDone, RunBatch, TruncateContext
 from workers.server.segment import SegmentRegions
 from workers.server.spec import WorkerSpec
 
@@ -354,9 +354,11 @@ def test_a_rollback_never_lands_on_the_session_lent_that_sequence_next(tmp_path,
     asyncio.run(scenario())
 
 
-def test_an_unexpected_error_in_the_batcher_answers_every_append_it_holds(tmp_path, resource_tracker_running):
-    """A bug in the batcher (here: a reply it cannot read) must not leave appends waiting forever: the batch
-    and the appends queued behind it are answered worker lost, and the process counts as lost (replaced)."""
+@pytest.mark.parametrize("fault", ["unreadable", "short"])
+def test_an_unexpected_error_in_the_batcher_answers_every_append_it_holds(tmp_path, resource_tracker_running, fault):
+    """A bug in the batcher (a reply it cannot read; a BatchDone with fewer results than items) must not leave appends
+    waiting forever: the batch and the appends queued behind it are answered worker lost, and the process counts as
+    lost (replaced)."""
     rows = np.random.default_rng(7).standard_normal((3, N_EMBD)).astype(np.float32)
 
     async def scenario():
@@ -370,6 +372,8 @@ def test_an_unexpected_error_in_the_batcher_answers_every_append_it_holds(tmp_pa
             async def unreadable(command):
                 reply = await call(command)
                 if isinstance(command, RunBatch):
+                    if fault == "short":
+                        return BatchDone(results=reply.results[:-1])
                     raise ValueError("a reply the batcher cannot read")
                 return reply
 
@@ -380,7 +384,7 @@ def test_an_unexpected_error_in_the_batcher_answers_every_append_it_holds(tmp_pa
                 queued = asyncio.ensure_future(worker.slots[1].append(0, rows))
                 await _until(lambda: len(worker._queue) == 1)
             for append in (computing, queued):
-                with pytest.raises(WorkerLost, match="a reply the batcher cannot read"):
+                with pytest.raises(WorkerLost, match="the batcher failed"):
                     await asyncio.wait_for(append, FAKE_HANG_GUARD_S)
             assert worker.lost
         finally:

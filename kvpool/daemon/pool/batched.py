@@ -218,7 +218,7 @@ class BatchedWorker(WorkerHandle):
     def _answer(self, batch: list[tuple[PendingAppend, BatchItem]], done: BatchDone) -> list[PendingAppend]:
         """Answers the appends that kept their rows or failed; returns the cancelled ones, to roll back."""
         rollbacks = []
-        for (pending, _item), result in zip(batch, done.results):
+        for (pending, _item), result in zip(batch, done.results, strict=True):  # a result an item, or the batcher fails
             if isinstance(result, Failed):
                 _fail(pending.future, WorkerFailed(result.code, result.message, result.length))
             elif pending.cancelled or pending.future.done():
