@@ -17,7 +17,7 @@ import socket
 import threading
 
 from kvpool.client.messages import ConnectionLost, KvpoolError, RequestNotSent, hello_call, is_farewell
-from kvpool.wire.framing import FRAME_HEADER, FrameError, FrameTooLarge, frame_size, receive_frame
+from kvpool.wire.framing import FrameError, FrameTooLarge, frame_size, receive_frame
 from kvpool.wire.protocol import MAX_REPLY_BYTES, ErrorCode, ErrorReply, HelloReply, Reply, RequestMessage, decode_reply, encode
 
 
@@ -83,7 +83,7 @@ class ClientConnection:
         frame = encode(message)
         if self.hello is not None:
             try:  # the daemon would refuse it unread and close the connection: the same refusal, typed, nothing sent
-                frame_size(frame[: FRAME_HEADER.size], self.hello.max_request_bytes)
+                frame_size(frame, self.hello.max_request_bytes)  # the header at the frame's start
             except FrameTooLarge as refused:
                 raise KvpoolError(ErrorReply(code=ErrorCode.BAD_REQUEST, message=str(refused), request_id=request_id)) from None
         try:

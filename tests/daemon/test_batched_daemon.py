@@ -34,7 +34,6 @@ from workers.server.spec import WorkerSpec
 N_CTX = 256
 GREEDY = 8
 HANG_GUARD_S = 600.0
-FAKE_HANG_GUARD_S = 20.0  # a fake worker answers in milliseconds
 pytestmark = pytest.mark.timeout(3600)
 BATCHED = ("--mode", "batched", "--seqs-per-worker", "4", "--max-sessions", "4", "--threads", "1", "--n-ctx", str(N_CTX))
 
@@ -289,7 +288,7 @@ def _slow_truncates(worker: BatchedWorker, delay_s: float = 0.05) -> None:
 async def _cancel_two_of_three(worker: BatchedWorker, rows: np.ndarray) -> list[asyncio.Future]:
     """Three sessions of 10 rows each append 4 more in one RunBatch; the first two are cancelled while it
     computes (not every one: the decode runs on, and those two are rolled back after it)."""
-    await asyncio.to_thread(worker.wait_ready, 60)
+    await asyncio.to_thread(worker.wait_ready, HANG_GUARD_S)
     for slot in worker.slots:
         await slot.open(N_CTX)
         await slot.append(0, rows[:10])
@@ -312,7 +311,7 @@ def test_a_session_cancelled_in_a_shared_batch_is_rolled_back_before_it_is_answe
         try:
             appends = await _cancel_two_of_three(worker, rows)
             with pytest.raises(WorkerFailed) as cancelled:
-                await asyncio.wait_for(appends[1], FAKE_HANG_GUARD_S)
+                await asyncio.wait_for(appends[1], HANG_GUARD_S)
             assert (cancelled.value.code, cancelled.value.length) == ("cancelled", 10)
             saved = await worker.slots[1].save_state()  # as a park right after the cancelled reply
             assert saved.length == 10
@@ -320,7 +319,7 @@ def test_a_session_cancelled_in_a_shared_batch_is_rolled_back_before_it_is_answe
                 await appends[0]
             assert (first.value.code, first.value.length) == ("cancelled", 10)
             assert (await appends[2]).length == 14
-            await asyncio.wait_for(worker._batcher, FAKE_HANG_GUARD_S)
+            await asyncio.wait_for(worker._batcher, HANG_GUARD_S)
             assert [sequence.length for sequence in worker.fake_server.sequences] == [10, 10, 14]
         finally:
             worker.stop()
@@ -338,14 +337,14 @@ def test_a_rollback_never_lands_on_the_session_lent_that_sequence_next(tmp_path,
         try:
             appends = await _cancel_two_of_three(worker, rows)
             with pytest.raises(WorkerFailed):
-                await asyncio.wait_for(appends[1], FAKE_HANG_GUARD_S)
+                await asyncio.wait_for(appends[1], HANG_GUARD_S)
             assert (await appends[2]).length == 14
             parked = await worker.slots[2].save_state()
             await worker.slots[1].close_context()
             assert (await worker.slots[1].restore_state(N_CTX, parked.blob, parked.length)).length == 14
             with pytest.raises(WorkerFailed):
                 await appends[0]
-            await asyncio.wait_for(worker._batcher, FAKE_HANG_GUARD_S)
+            await asyncio.wait_for(worker._batcher, HANG_GUARD_S)
             assert (await worker.slots[1].save_state()).length == 14
             assert [sequence.length for sequence in worker.fake_server.sequences] == [10, 14, 14]
         finally:
@@ -364,7 +363,7 @@ def test_an_unexpected_error_in_the_batcher_answers_every_append_it_holds(tmp_pa
     async def scenario():
         worker = _fake_batched(tmp_path, 2)
         try:
-            await asyncio.to_thread(worker.wait_ready, 60)
+            await asyncio.to_thread(worker.wait_ready, HANG_GUARD_S)
             for slot in worker.slots:
                 await slot.open(N_CTX)
             call = worker.call
@@ -385,7 +384,7 @@ def test_an_unexpected_error_in_the_batcher_answers_every_append_it_holds(tmp_pa
                 await _until(lambda: len(worker._queue) == 1)
             for append in (computing, queued):
                 with pytest.raises(WorkerLost, match="the batcher failed"):
-                    await asyncio.wait_for(append, FAKE_HANG_GUARD_S)
+                    await asyncio.wait_for(append, HANG_GUARD_S)
             assert worker.lost
         finally:
             worker.stop()
